@@ -1,0 +1,271 @@
+"""Acceptance length and speedup of tree decoders against plain autoregressive decoding of the target.
+
+``python decode/eval.py --tree pruned [--datasets humaneval mtbench gsm8k] [--limit N] [--budget B] ...``
+
+For every prompt (chat-templated by the target's tokenizer) the target first decodes on its own (AR, the
+baseline and the losslessness oracle), then each requested method decodes the same prompt. Reported per
+method and dataset: tau (committed tokens per verify forward, bonus included), tokens/s and speedup over AR
+(AR time-per-output-token / method time-per-output-token, prefill excluded, same process, after a warm-up),
+per-round stage times, and losslessness (T = 0: the count of prompts whose output differs from AR's, with
+the first divergence and the target's top-2 logit margin there). Writes ``report.json`` and ``report.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from dartree.decode.generate import GenerateOutput, autoregressive_generate, speculative_generate
+from dartree.decode.prompts import DATASETS, Prompt, load_prompts
+from dartree.decode.trees import BUILDERS
+from dartree.models.checkpoint import CheckpointError, load_dartree
+from dartree.models.target import DEFAULT_TARGET, load_target
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_CHECKPOINT = REPO / "checkpoints" / "dspark_b16"
+# Budget B for tree builders on a CPU, chosen from the sweep in checkpoints/README.md (verify cost grows fast
+# with tree size on a CPU; GPUs prefer 64+).
+DEFAULT_CPU_BUDGET = 16
+METHOD_ALIASES = {"fixed": "dartree-fixed", "dartree-pruned": "pruned"}
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="dartree-eval", description=__doc__.split("\n")[0])
+    ap.add_argument("--tree", nargs="+", default=["pruned"],
+                    help=f"methods besides the AR baseline: ar, {', '.join(sorted(BUILDERS))}, or all")
+    ap.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
+    ap.add_argument("--limit", type=int, default=20, help="prompts per dataset")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--budget", type=int, default=None, help=f"tree nodes per round B (default {DEFAULT_CPU_BUDGET})")
+    ap.add_argument("--width", type=int, default=12, help="supertree width W per depth (pruned)")
+    ap.add_argument("--candidates", type=int, default=64, help="candidate count K per depth")
+    ap.add_argument("--beta", type=float, default=-0.2, help="depth bonus beta (pruned; must be <= 0)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="dartree checkpoint folder")
+    ap.add_argument("--target", default=DEFAULT_TARGET, help="'smollm2' or a local Hugging Face folder")
+    ap.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    ap.add_argument("--out", default="reports/latest", help="folder for report.json and report.md")
+    return ap.parse_args(argv)
+
+
+def resolve_methods(names: list[str]) -> list[str]:
+    """Expand ``all`` and aliases; drop duplicates; ``ar`` means the baseline only.
+
+    Raises:
+        SystemExit: an unknown method name (lists the available ones).
+    """
+    out: list[str] = []
+    for n in names:
+        for m in (sorted(set(BUILDERS) - {"dartree-pruned"}) if n == "all" else [n]):
+            m = METHOD_ALIASES.get(m, m)
+            if m != "ar" and m not in BUILDERS:
+                raise SystemExit(f"error: unknown --tree {n!r}; available: ar, all, {', '.join(sorted(BUILDERS))}")
+            if m not in out:
+                out.append(m)
+    return [m for m in out if m != "ar"]
+
+
+def _first_divergence(a: list, b: list) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+@torch.no_grad()
+def _margin_at(target, prompt_ids: list, ref: list, idx: int) -> float:
+    """Target's top-2 logit margin when predicting ref[idx] after prompt + ref[:idx] (a near-tie check)."""
+    ids = torch.tensor([prompt_ids + ref[:idx]], device=target.device)
+    logits = target.forward(ids, logits_slice=slice(-1, None)).logits[0, -1]
+    top = torch.topk(logits.float(), 2).values
+    return float(top[0] - top[1])
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _agg(rows: list[dict], ar_rows: list[dict]) -> dict:
+    """Aggregate per-prompt rows of one method (and the matching AR rows) into tau / speed figures."""
+    committed = sum(sum(r["accept_lengths"]) for r in rows)
+    rounds = sum(len(r["accept_lengths"]) for r in rows)
+    dec_tok = sum(max(r["new_tokens"] - 1, 0) for r in rows)
+    dec_s = sum(r["decode_s"] for r in rows)
+    ar_tok = sum(max(r["new_tokens"] - 1, 0) for r in ar_rows)
+    ar_s = sum(r["decode_s"] for r in ar_rows)
+    tps = dec_tok / dec_s if dec_s > 0 else float("nan")
+    ar_tps = ar_tok / ar_s if ar_s > 0 else float("nan")
+    out = {
+        "tau": committed / rounds if rounds else float("nan"),
+        "tokens_per_s": tps,
+        "speedup": tps / ar_tps if ar_tps and ar_tps == ar_tps else float("nan"),
+        "rounds": rounds,
+        "decode_tokens": dec_tok,
+        "prompts": len(rows),
+    }
+    if rows and "stage_s" in rows[0]:
+        for st in rows[0]["stage_s"]:
+            out[f"{st}_ms_per_round"] = 1000 * sum(r["stage_s"][st] for r in rows) / max(rounds, 1)
+        out["mean_tree_nodes"] = sum(sum(r["tree_nodes"]) for r in rows) / max(rounds, 1)
+    mism = [r for r in rows if r.get("mismatch")]
+    out["mismatches"] = len(mism)
+    out["lossless"] = (len(mism) == 0) if rows and rows[0].get("mismatch") is not None else None
+    return out
+
+
+def report_warnings(report: dict, tau_floor: float = 1.05) -> list[str]:
+    """Loud warnings for a report: a method whose tau is about 1 (the drafter contributes nothing) and a
+    method whose T = 0 output differs from AR's."""
+    out = []
+    for m, r in report["methods"].items():
+        if m == "ar":
+            continue
+        if r["tau"] < tau_floor:
+            out.append(f"WARNING: {m} tau = {r['tau']:.3f} is about 1: the drafter contributes nothing "
+                       "(untrained, mismatched to the target, or the wrong checkpoint)")
+        if r["lossless"] is False:
+            out.append(f"WARNING: {m} differs from AR on {r['mismatches']} prompts "
+                       "(see per_prompt margins; only bf16 near-ties may differ)")
+    return out
+
+
+def main(argv=None) -> int:
+    """Console entry point (``dartree-eval``); returns the exit status."""
+    args = parse_args(argv)
+    console = Console()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    methods = resolve_methods(args.tree)
+    dtype = _DTYPES[args.dtype]
+    budget = DEFAULT_CPU_BUDGET if args.budget is None else args.budget
+    t0 = time.time()
+    target = load_target(args.target, dtype=dtype)
+    try:
+        dm = load_dartree(args.checkpoint, target=target, dtype=dtype) if methods else None
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if dm is not None:
+        target.set_layer_ids(dm.drafter.cfg.target_layer_ids)
+    tok = target.tokenizer
+    if tok is None:
+        print("error: the target has no tokenizer; eval needs chat-templated prompts", file=sys.stderr)
+        return 2
+    stop_ids = [tok.eos_token_id]
+    from dartree.training.data import chat_prompt_ids
+
+    prompts: list[Prompt] = []
+    for d in args.datasets:
+        prompts += load_prompts(d, args.limit, args.seed)
+    console.print(f"target {target.name} ({args.dtype}), {len(prompts)} prompts, methods: ar + {methods}, "
+                  f"budget {budget}; loaded in {time.time() - t0:.1f}s")
+    params = {"k": args.candidates, "width": args.width, "beta": args.beta}
+
+    def run(method: str, ids: list, seed: int, max_new: int) -> GenerateOutput:
+        gen = torch.Generator().manual_seed(seed)
+        if method == "ar":
+            return autoregressive_generate(target, ids, max_new_tokens=max_new, temperature=args.temperature,
+                                           stop_ids=stop_ids, generator=gen)
+        return speculative_generate(
+            target, dm.drafter, dm.head, ids, builder=method, max_new_tokens=max_new,
+            temperature=args.temperature, stop_ids=stop_ids, budget=None if method == "chain" else budget,
+            generator=gen, builder_params=params,
+        )
+
+    warm_ids = chat_prompt_ids(tok, "Say hello.")
+    for m in ["ar", *methods]:
+        run(m, warm_ids, 0, 16)
+
+    rows: dict[str, list[dict]] = {m: [] for m in ["ar", *methods]}
+    for pi, p in enumerate(prompts):
+        ids = chat_prompt_ids(tok, p.text)
+        seed = args.seed * 100003 + pi
+        ar = run("ar", ids, seed, args.max_new_tokens)
+        base = {"dataset": p.dataset, "id": p.id}
+        rows["ar"].append({**base, "new_tokens": ar.stats.new_tokens, "decode_s": ar.stats.decode_s,
+                           "accept_lengths": ar.stats.accept_lengths})
+        line = [f"[{pi + 1}/{len(prompts)}] {p.dataset}:{p.id} ar {ar.stats.new_tokens} tok"]
+        for m in methods:
+            o = run(m, ids, seed, args.max_new_tokens)
+            row = {**base, "new_tokens": o.stats.new_tokens, "decode_s": o.stats.decode_s,
+                   "accept_lengths": o.stats.accept_lengths, "stage_s": o.stats.stage_s,
+                   "tree_nodes": o.stats.tree_nodes, "mismatch": None}
+            if args.temperature == 0:
+                row["mismatch"] = o.tokens != ar.tokens
+                if row["mismatch"]:
+                    idx = _first_divergence(o.tokens, ar.tokens)
+                    row["first_divergence"] = idx
+                    row["margin_at_divergence"] = _margin_at(target, ids, ar.tokens, idx)
+            rows[m].append(row)
+            line.append(f"{m} tau {o.stats.tau:.2f}" + (" MISMATCH" if row["mismatch"] else ""))
+        console.print(", ".join(line))
+
+    report = {
+        "methods": {},
+        "datasets": {},
+        "environment": {
+            "device": str(target.device), "dtype": args.dtype, "attn_implementation": target.config._attn_implementation,
+            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+            "python": platform.python_version(), "platform": platform.platform(), "threads": torch.get_num_threads(),
+            "target": target.name, "checkpoint": str(args.checkpoint) if methods else None,
+            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
+            "budget": budget, "builder_params": params,
+            "prompts": [{"dataset": p.dataset, "id": p.id, "text": p.text[:120]} for p in prompts],
+        },
+    }
+    ar_all = rows["ar"]
+    report["methods"]["ar"] = _agg(ar_all, ar_all)
+    for m in methods:
+        report["methods"][m] = _agg(rows[m], ar_all)
+    for d in args.datasets:
+        ar_d = [r for r in ar_all if r["dataset"] == d]
+        report["datasets"][d] = {m: _agg([r for r in rows[m] if r["dataset"] == d], ar_d) for m in ["ar", *methods]}
+    report["per_prompt"] = rows
+
+    md = ["# dartree eval report", "",
+          f"target `{target.name}` ({args.dtype}, {report['environment']['device']}), checkpoint `{args.checkpoint}`, "
+          f"T={args.temperature}, max_new_tokens={args.max_new_tokens}, budget B={budget}, "
+          f"K={args.candidates}, W={args.width}, beta={args.beta}, {len(prompts)} prompts", ""]
+    for scope, data in [("all", report["methods"])] + [(d, report["datasets"][d]) for d in args.datasets]:
+        table = Table(title=f"{scope}")
+        for col in ["method", "tau", "tokens/s", "speedup", "lossless", "draft ms", "tree ms", "verify ms"]:
+            table.add_column(col, justify="right")
+        md += [f"## {scope}", "", "| method | tau | tokens/s | speedup | lossless | draft ms | tree ms | verify ms |",
+               "|---|---|---|---|---|---|---|---|"]
+        for m, r in data.items():
+            loss = "n/a" if r["lossless"] is None else ("yes" if r["lossless"] else f"NO ({r['mismatches']})")
+            if m == "ar":
+                loss = "baseline"
+            cells = [m, f"{r['tau']:.3f}", f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.3f}x", loss,
+                     f"{r.get('draft_ms_per_round', 0):.1f}", f"{r.get('tree_build_ms_per_round', 0):.1f}",
+                     f"{r.get('verify_ms_per_round', 0):.1f}"]
+            table.add_row(*cells)
+            md.append("| " + " | ".join(cells) + " |")
+        md.append("")
+        console.print(table)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out / "report.json", json.dumps(report, indent=1))
+    _atomic_write(out / "report.md", "\n".join(md) + "\n")
+    for w in report_warnings(report):
+        console.print(f"[bold red]{w}[/bold red]")
+    console.print(f"wrote {out / 'report.json'} and {out / 'report.md'} ({(time.time() - t0) / 60:.1f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

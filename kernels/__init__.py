@@ -1,0 +1,6 @@
+"""dartree.kernels: Triton kernels with plain-torch ``*_ref`` twins.
+
+Kept free of imports on purpose: transformers probes for a package named ``kernels`` at model import
+and may import this one to read a version, so nothing heavy (triton, torch) is imported here and no
+``__version__`` is defined. Import kernel modules explicitly, e.g. ``from dartree.kernels import ...``.
+"""

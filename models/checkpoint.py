@@ -1,0 +1,193 @@
+"""The dartree checkpoint format: ``config.json`` + ``model.safetensors`` in one folder (DESIGN.md).
+
+config.json::
+
+    {"format": "dartree", "format_version": 1,
+     "drafter": {DrafterConfig fields},
+     "head": {"type": "markov", "vocab_size": V, "rank": R},
+     "target": {"name": ..., "vocab_size": V, "hidden_size": D, "num_layers": n},
+     "provenance": {...free-form: how it was made}}
+
+Tensors: ``backbone.<DFlashDrafter parameter>`` and ``head.<head parameter>`` (names in checkpoints/README.md).
+Loading is strict: a missing, unexpected or mis-shaped tensor is an error naming it, and a drafter/target
+mismatch is an error naming both values. Writes go to a temporary folder that is renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from dartree.models.drafter import DFlashDrafter, DrafterConfig
+from dartree.models.heads import CorrectionHead, build_head
+
+FORMAT = "dartree"
+FORMAT_VERSION = 1
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder is malformed or does not fit the target; the message names the problem and fix."""
+
+
+@dataclass
+class DraftModel:
+    """A loaded drafter: backbone, correction head and the checkpoint config."""
+
+    drafter: DFlashDrafter
+    head: CorrectionHead
+    config: dict
+
+
+def write_folder_atomically(dest: Path, files: dict[str, bytes | dict]) -> None:
+    """Write a folder of files so that ``dest`` is either its old version or the complete new one.
+
+    Args:
+        dest: the folder to (re)create.
+        files: name -> bytes, or name -> {"tensors": dict, "metadata": dict} for a safetensors file.
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
+    try:
+        for name, content in files.items():
+            if isinstance(content, dict):
+                save_file(content["tensors"], str(tmp / name), metadata=content.get("metadata"))
+            else:
+                (tmp / name).write_bytes(content)
+        old = None
+        if dest.exists():
+            old = dest.parent / f".{dest.name}.old-{os.getpid()}"
+            os.replace(dest, old)
+        os.replace(tmp, dest)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def save_dartree(
+    folder: str | os.PathLike,
+    drafter: DFlashDrafter,
+    head: CorrectionHead,
+    target_identity: dict,
+    *,
+    dtype: torch.dtype = torch.bfloat16,
+    provenance: dict | None = None,
+) -> Path:
+    """Save a drafter + head in the dartree format (atomically). Returns the folder path."""
+    tensors = {f"backbone.{k}": v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items()}
+    tensors.update({f"head.{k}": v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()})
+    config = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "drafter": drafter.cfg.to_dict(),
+        "head": {"type": head.type_name, **head.hparams()},
+        "target": dict(target_identity),
+        "provenance": provenance or {},
+    }
+    write_folder_atomically(
+        Path(folder),
+        {
+            "config.json": json.dumps(config, indent=2).encode(),
+            "model.safetensors": {"tensors": tensors, "metadata": {"format": FORMAT}},
+        },
+    )
+    return Path(folder)
+
+
+def check_target_pairing(config: dict, target) -> None:
+    """Check a checkpoint config against a loaded :class:`~dartree.models.target.Target`.
+
+    Raises:
+        CheckpointError: vocab, hidden size, layer ids or mask token id do not fit the target (both values named).
+    """
+    want = config.get("target", {})
+    d = config["drafter"]
+    problems = []
+    if want.get("vocab_size") not in (None, target.vocab_size):
+        problems.append(f"vocab_size: checkpoint {want['vocab_size']} vs target {target.vocab_size}")
+    if d["hidden_size"] != target.hidden_size:
+        problems.append(f"hidden_size: checkpoint {d['hidden_size']} vs target {target.hidden_size}")
+    bad = [i for i in d["target_layer_ids"] if not 0 <= i < target.num_layers]
+    if bad:
+        problems.append(f"target_layer_ids {bad} outside the target's {target.num_layers} layers")
+    if not 0 <= d["mask_token_id"] < target.vocab_size:
+        problems.append(f"mask_token_id {d['mask_token_id']} >= target vocab rows {target.vocab_size}")
+    if problems:
+        raise CheckpointError(
+            f"drafter does not fit target {target.name!r}: " + "; ".join(problems)
+            + " (use the target the drafter was trained for, or retrain)"
+        )
+
+
+def load_dartree(
+    folder: str | os.PathLike, *, target=None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+) -> DraftModel:
+    """Load a dartree checkpoint strictly.
+
+    Args:
+        folder: folder with config.json and model.safetensors.
+        target: optional Target to validate the pairing against.
+        dtype: parameter dtype after loading (checkpoints are stored in bf16).
+    Raises:
+        CheckpointError: missing files, wrong format, unreadable/truncated safetensors, missing/unexpected/
+            mis-shaped tensors (named), or a target mismatch.
+    """
+    folder = Path(folder)
+    cfg_path, w_path = folder / "config.json", folder / "model.safetensors"
+    if not cfg_path.exists() or not w_path.exists():
+        raise CheckpointError(
+            f"{folder} is not a dartree checkpoint (needs config.json and model.safetensors); "
+            "convert a training checkpoint with `python convert/to_dartree.py SRC --out DST`"
+        )
+    config = json.loads(cfg_path.read_text())
+    if config.get("format") != FORMAT:
+        raise CheckpointError(
+            f"{cfg_path} has format {config.get('format')!r}, expected 'dartree'; "
+            "convert it first with `python convert/to_dartree.py`"
+        )
+    if config.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{cfg_path}: format_version {config.get('format_version')} is not {FORMAT_VERSION}")
+    try:
+        tensors = load_file(str(w_path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {w_path}: {exc} (the file is truncated or not safetensors)") from exc
+    dcfg = DrafterConfig(**config["drafter"])
+    drafter = DFlashDrafter(dcfg)
+    hcfg = dict(config["head"])
+    head = build_head(hcfg.pop("type"), **hcfg)
+    if target is not None:
+        check_target_pairing(config, target)
+    _load_strict(drafter, tensors, "backbone.", w_path)
+    _load_strict(head, tensors, "head.", w_path)
+    extra = sorted(k for k in tensors if not k.startswith(("backbone.", "head.")))
+    if extra:
+        raise CheckpointError(f"{w_path}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all)")
+    drafter.to(device=device, dtype=dtype).eval()
+    head.to(device=device, dtype=dtype).eval()
+    return DraftModel(drafter, head, config)
+
+
+def _load_strict(module: torch.nn.Module, tensors: dict, prefix: str, where: Path) -> None:
+    own = module.state_dict()
+    given = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
+    for name, ref in own.items():
+        if name not in given:
+            raise CheckpointError(f"{where}: missing tensor {prefix + name!r} (expected shape {list(ref.shape)})")
+        if tuple(given[name].shape) != tuple(ref.shape):
+            raise CheckpointError(
+                f"{where}: tensor {prefix + name!r} has shape {list(given[name].shape)}, expected {list(ref.shape)}"
+            )
+    unexpected = sorted(set(given) - set(own))
+    if unexpected:
+        raise CheckpointError(f"{where}: unexpected tensor {prefix + unexpected[0]!r}")
+    module.load_state_dict({k: given[k].to(own[k].dtype) for k in own})

@@ -1,0 +1,274 @@
+"""The DFlash block-diffusion drafter backbone (ANCHORS.md section 1).
+
+One forward drafts a whole block: the input is ``[anchor, MASK x (L-1)]`` at positions ``start .. start+L-1``
+(``start`` = the anchor's position), attention inside the block is bidirectional, and every layer also attends
+to the *context*: the target's captured layer outputs for positions ``< start``, fused as
+``hidden_norm(fc(concat_l h_l))`` and projected by that layer's own ``k_proj``/``v_proj`` ("KV injection").
+The drafter owns no embedding and no lm_head: it uses the target's, frozen (DFlash).
+
+Proposal convention: block positions ``proposal_offset .. L-1`` are predictions, P = L - proposal_offset of
+them, and proposal j (0-based) predicts the token at ``start + 1 + j``. DSpark / Domino ("shift_label")
+drafters use offset 0 (P = L = 16); z-lab DFlash uses offset 1 (P = L - 1 = 15).
+
+Shapes: N rows, Q block query tokens, C context tokens, D hidden, nL captured target layers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """DFlash default target layer ids: ``[n//2]`` for one draft layer, else ``round(1 + i*(n-4)/(k-1))``.
+
+    Source: z-lab/dflash ``build_target_layer_ids`` (ANCHORS.md section 1); 36 layers and 5 ids give [1, 9, 17, 25, 33].
+    Raises:
+        ValueError: non-positive counts.
+    """
+    if num_target_layers < 1 or num_draft_layers < 1:
+        raise ValueError("build_target_layer_ids needs positive layer counts")
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    return [round(1 + i * (num_target_layers - 4) / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+@dataclass
+class DrafterConfig:
+    """Hyper-parameters of the DFlash backbone (stored in every dartree checkpoint).
+
+    Attributes:
+        hidden_size: D, must equal the target's hidden size (shared embedding and lm_head).
+        intermediate_size: SwiGLU width.
+        num_layers, num_heads, num_kv_heads, head_dim: attention geometry (GQA when kv < heads).
+        rms_norm_eps, rope_theta: as the target's.
+        qk_norm: Qwen3-style RMSNorm on q and k per head (z-lab DFlash layers have it; Llama layers do not).
+        block_size: L, tokens per drafted block (anchor included).
+        proposal_offset: first predicting block position (0: DSpark/Domino, P = L; 1: z-lab DFlash, P = L - 1).
+        target_layer_ids: decoder layers of the target whose outputs are fused (``hidden_states[l+1]``).
+        mask_token_id: id of the MASK token filling the block (must be < the target's vocab rows).
+    """
+
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    target_layer_ids: list[int] = field(default_factory=list)
+    mask_token_id: int = 0
+    block_size: int = 16
+    proposal_offset: int = 0
+    qk_norm: bool = True
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+
+    @property
+    def num_proposals(self) -> int:
+        """P: proposals per block."""
+        return self.block_size - self.proposal_offset
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def validate(self) -> None:
+        """Raise ValueError naming the first inconsistent field."""
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.proposal_offset not in (0, 1):
+            raise ValueError(f"proposal_offset must be 0 (DSpark/Domino) or 1 (z-lab DFlash), got {self.proposal_offset}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids is empty; give the target layers the drafter is conditioned on")
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm (computed in fp32), weight [D]."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * xf).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, pos: torch.Tensor, theta: float) -> torch.Tensor:
+    """Rotate-half RoPE. x [N, h, T, d], pos [N, T] int64 -> same shape as x."""
+    d = x.shape[-1]
+    inv = 1.0 / (theta ** (torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d))
+    ang = pos.to(torch.float32)[..., None] * inv  # [N, T, d/2]
+    emb = torch.cat([ang, ang], dim=-1)[:, None]  # [N, 1, T, d]
+    cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class DraftCache:
+    """The drafter's own KV cache: per layer the context K/V [N, kv_heads, C, d] (never block entries).
+
+    DFlash keeps only context K/V between rounds (``draft_cache.crop(start)`` after each draft).
+    """
+
+    def __init__(self, num_layers: int):
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        """Number of context positions held."""
+        return 0 if self.keys[0] is None else int(self.keys[0].shape[-2])
+
+
+class DrafterLayer(nn.Module):
+    """One pre-norm DFlash layer: block queries attend to [context K/V ; block K/V] without a causal mask."""
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        d, h, kv, hd = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.cfg = cfg
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.q_proj = nn.Linear(d, h * hd, bias=False)
+        self.k_proj = nn.Linear(d, kv * hd, bias=False)
+        self.v_proj = nn.Linear(d, kv * hd, bias=False)
+        self.o_proj = nn.Linear(h * hd, d, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        self.gate_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
+
+    def _heads(self, x: torch.Tensor, n: int, norm: str | None) -> torch.Tensor:
+        b, t, _ = x.shape
+        x = x.view(b, t, n, self.cfg.head_dim)
+        if norm is not None and self.cfg.qk_norm:
+            x = getattr(self, norm)(x)
+        return x.transpose(1, 2)
+
+    def context_kv(self, ctx: torch.Tensor, ctx_pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K/V of fused context features. ctx [N, C, D], ctx_pos [N, C] -> ([N, kv, C, d], [N, kv, C, d])."""
+        k = _rope(self._heads(self.k_proj(ctx), self.cfg.num_kv_heads, "k_norm"), ctx_pos, self.cfg.rope_theta)
+        v = self._heads(self.v_proj(ctx), self.cfg.num_kv_heads, None)
+        return k, v
+
+    def forward(self, x, q_pos, ctx_k, ctx_v, mask):
+        """x [N, Q, D]; q_pos [N, Q]; ctx_k/ctx_v [N, kv, C, d]; mask None or additive [N|1, 1, Q, C+Q]."""
+        cfg = self.cfg
+        h = self.input_layernorm(x)
+        q = _rope(self._heads(self.q_proj(h), cfg.num_heads, "q_norm"), q_pos, cfg.rope_theta)
+        k = _rope(self._heads(self.k_proj(h), cfg.num_kv_heads, "k_norm"), q_pos, cfg.rope_theta)
+        v = self._heads(self.v_proj(h), cfg.num_kv_heads, None)
+        k = torch.cat([ctx_k, k], dim=2)
+        v = torch.cat([ctx_v, v], dim=2)
+        rep = cfg.num_heads // cfg.num_kv_heads
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        if mask is not None:
+            mask = mask.to(q.dtype)
+        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(cfg.head_dim))
+        b, _, t, _ = a.shape
+        x = x + self.o_proj(a.transpose(1, 2).reshape(b, t, -1))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class DFlashDrafter(nn.Module):
+    """DFlash backbone: ``fc`` + ``hidden_norm`` over target features, ``layers``, final ``norm``.
+
+    Parameters (dartree names): ``fc.weight`` [D, nL*D], ``hidden_norm.weight`` [D], ``norm.weight`` [D],
+    ``layers.{i}.{q,k,v,o}_proj.weight``, ``layers.{i}.{q,k}_norm.weight`` (qk_norm only),
+    ``layers.{i}.{gate,up,down}_proj.weight``, ``layers.{i}.{input,post_attention}_layernorm.weight``.
+
+    Raises:
+        ValueError: from :meth:`DrafterConfig.validate`.
+    """
+
+    def __init__(self, cfg: DrafterConfig):
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.fc = nn.Linear(len(cfg.target_layer_ids) * d, d, bias=False)
+        self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        q_pos: torch.Tensor,
+        ctx_feats: torch.Tensor | None,
+        ctx_pos: torch.Tensor | None,
+        *,
+        mask: torch.Tensor | None = None,
+        cache: DraftCache | None = None,
+    ) -> torch.Tensor:
+        """Hidden states of block tokens after the final norm.
+
+        Args:
+            x: [N, Q, D] embedded block tokens (target embedding of anchor / MASK ids).
+            q_pos: [N, Q] int64 absolute positions of the block tokens.
+            ctx_feats: [N, C, nL*D] target features of new context positions (or None / C = 0).
+            ctx_pos: [N, C] int64 positions of those features.
+            mask: None (every query sees all context and the whole block: inference) or an additive float
+                mask [N|1, 1, Q, C_total + Q] over [cached + new context ; block] keys (training).
+            cache: when given, the new context K/V are appended to it and all cached context is attended.
+        Returns:
+            [N, Q, D] in the dtype of x.
+        """
+        n = x.shape[0]
+        has_ctx = ctx_feats is not None and ctx_feats.shape[1] > 0
+        ctx = self.hidden_norm(self.fc(ctx_feats.to(self.fc.weight.dtype))) if has_ctx else None
+        h = x
+        for i, layer in enumerate(self.layers):
+            if has_ctx:
+                ck, cv = layer.context_kv(ctx, ctx_pos)
+            else:
+                shape = (n, self.cfg.num_kv_heads, 0, self.cfg.head_dim)
+                ck = cv = x.new_zeros(shape)
+            if cache is not None:
+                if cache.keys[i] is not None:
+                    ck = torch.cat([cache.keys[i], ck], dim=2)
+                    cv = torch.cat([cache.values[i], cv], dim=2)
+                cache.keys[i], cache.values[i] = ck, cv
+            h = layer(h, q_pos, ck, cv, mask)
+        return self.norm(h)
+
+    def init_from_target_layers(self, target_model, layer_ids: Sequence[int]) -> None:
+        """Copy decoder layers of a Llama/Qwen-style HF target into this drafter's layers (an initialisation
+        option; the measured default copies the target's top layers).
+
+        Raises:
+            ValueError: counts or shapes differ.
+        """
+        if len(layer_ids) != len(self.layers):
+            raise ValueError(f"init_from_target_layers: {len(layer_ids)} ids for {len(self.layers)} drafter layers")
+        for mine, idx in zip(self.layers, layer_ids):
+            src = target_model.model.layers[idx]
+            pairs = {
+                "q_proj": src.self_attn.q_proj, "k_proj": src.self_attn.k_proj, "v_proj": src.self_attn.v_proj,
+                "o_proj": src.self_attn.o_proj, "gate_proj": src.mlp.gate_proj, "up_proj": src.mlp.up_proj,
+                "down_proj": src.mlp.down_proj, "input_layernorm": src.input_layernorm,
+                "post_attention_layernorm": src.post_attention_layernorm,
+            }
+            for name, mod in pairs.items():
+                dst = getattr(mine, name).weight
+                if dst.shape != mod.weight.shape:
+                    raise ValueError(f"init_from_target_layers: {name} shape {tuple(mod.weight.shape)} != {tuple(dst.shape)}")
+                with torch.no_grad():
+                    dst.copy_(mod.weight.to(dst.dtype))

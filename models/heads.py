@@ -1,0 +1,131 @@
+"""Causal-correction heads behind one interface, g(C, H, r) (DESIGN.md "Key interfaces").
+
+A head corrects the drafter's per-position base logits U = lm_head(H) using the tokens drafted before:
+
+- ``init_state(anchor_ids [N]) -> r [N, S]`` (None for stateless heads): the state at depth 0 (the root).
+- ``score(C [N, K], H [N, D], r, base [N, K]) -> [N, K]``: corrected logits of candidates C, i.e. g(C, H, r);
+  ``base`` = U[C], the base logits of the same candidates. Callers normalise over C (log-softmax over K).
+- ``advance(r [N, S], tokens [N]) -> r' [N, S]``: the state of a child from its parent's state and token.
+- ``block_logits(prev_ids [N, P], H [N, P, D], U [N, P, V]) -> [N, P, V]``: the teacher-forced form for
+  training, where prev_ids[:, j] is the token before proposal j (the anchor for j = 0).
+
+Unrolling ``score``/``advance`` along prev_ids equals ``block_logits`` (pinned by a test).
+Heads here: ``identity`` (plain DFlash) and ``markov`` (DSpark vanilla Markov head). Logits are fp32.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class CorrectionHead(nn.Module):
+    """Base class; see the module docstring for the interface. ``type_name`` keys the registry."""
+
+    type_name = "base"
+
+    def hparams(self) -> dict:
+        """Hyper-parameters stored as ``head`` in checkpoint configs (besides ``type``)."""
+        return {}
+
+    def init_state(self, anchor_ids: torch.Tensor):
+        raise NotImplementedError
+
+    def score(self, cand: torch.Tensor, hidden: torch.Tensor, state, base: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def advance(self, state, tokens: torch.Tensor):
+        raise NotImplementedError
+
+    def block_logits(self, prev_ids: torch.Tensor, hidden: torch.Tensor, base_logits: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class IdentityHead(CorrectionHead):
+    """No correction: g(C, H, r) = U[C]; plain DFlash drafting. Stateless (r is None)."""
+
+    type_name = "identity"
+
+    def __init__(self, vocab_size: int | None = None):
+        super().__init__()
+
+    def init_state(self, anchor_ids):
+        return None
+
+    def score(self, cand, hidden, state, base):
+        return base.float()
+
+    def advance(self, state, tokens):
+        return None
+
+    def block_logits(self, prev_ids, hidden, base_logits):
+        return base_logits.float()
+
+
+class MarkovHead(CorrectionHead):
+    """DSpark vanilla Markov head: logits_k = U_k + W2 · W1[x_{k-1}] (DSpark paper section 3, ANCHORS.md 5b).
+
+    Parameters: ``w1.weight`` [V, R] (an embedding, DSpark ``markov_w1``), ``w2.weight`` [V, R] (a bias-free
+    linear R -> V, DSpark ``markov_w2``). The state r is W1[x_prev] [N, R]; the first position's previous token
+    is the anchor. H is unused. ``w2`` starts at zero, so an untrained head is the identity.
+
+    Args:
+        vocab_size: V.
+        rank: R (DSpark default 256; the default target's recipe uses less to fit the 32 MB checkpoint cap).
+    """
+
+    type_name = "markov"
+
+    def __init__(self, vocab_size: int, rank: int = 256):
+        super().__init__()
+        self.vocab_size, self.rank = int(vocab_size), int(rank)
+        self.w1 = nn.Embedding(self.vocab_size, self.rank)
+        self.w2 = nn.Linear(self.rank, self.vocab_size, bias=False)
+        nn.init.normal_(self.w1.weight, std=0.02)
+        nn.init.zeros_(self.w2.weight)
+
+    def hparams(self) -> dict:
+        return {"vocab_size": self.vocab_size, "rank": self.rank}
+
+    def init_state(self, anchor_ids):
+        return self.w1(anchor_ids).float()
+
+    def score(self, cand, hidden, state, base):
+        rows = self.w2.weight[cand].float()  # [N, K, R]
+        return base.float() + torch.einsum("nkr,nr->nk", rows, state.float())
+
+    def advance(self, state, tokens):
+        return self.w1(tokens).float()
+
+    def block_logits(self, prev_ids, hidden, base_logits):
+        return base_logits.float() + self.w2(self.w1(prev_ids)).float()
+
+
+HEADS: dict[str, type[CorrectionHead]] = {}
+
+
+def register_head(cls: type[CorrectionHead]) -> type[CorrectionHead]:
+    """Add a head class to the registry under ``cls.type_name``.
+
+    Raises:
+        ValueError: the name is already registered.
+    """
+    if cls.type_name in HEADS:
+        raise ValueError(f"head type {cls.type_name!r} is already registered")
+    HEADS[cls.type_name] = cls
+    return cls
+
+
+for _cls in (IdentityHead, MarkovHead):
+    register_head(_cls)
+
+
+def build_head(type_name: str, **params) -> CorrectionHead:
+    """Construct a head by registered name.
+
+    Raises:
+        KeyError: unknown name; the message lists the registered ones.
+    """
+    if type_name not in HEADS:
+        raise KeyError(f"unknown head type {type_name!r}; available: {sorted(HEADS)}")
+    return HEADS[type_name](**params)

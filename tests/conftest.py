@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny random Qwen3 targets and drafters built in code (no files, no downloads)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "offline")
+
+import pytest
+import torch
+
+from dartree.models.drafter import DFlashDrafter, DrafterConfig
+from dartree.models.heads import IdentityHead, MarkovHead
+from dartree.models.target import tiny_target
+
+VOCAB = 96
+LAYERS = [1, 2]
+
+
+@pytest.fixture(scope="session")
+def target():
+    """Tiny random Qwen3 target (fp32, sdpa) capturing layers 1 and 2; stop id 1, MASK id 0."""
+    return tiny_target(vocab_size=VOCAB, layer_ids=LAYERS)
+
+
+def make_drafter(block_size: int = 8, seed: int = 0, proposal_offset: int = 0) -> DFlashDrafter:
+    torch.manual_seed(seed)
+    cfg = DrafterConfig(
+        hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+        target_layer_ids=list(LAYERS), mask_token_id=0, block_size=block_size, proposal_offset=proposal_offset,
+    )
+    return DFlashDrafter(cfg).eval()
+
+
+def make_markov(seed: int = 0, scale: float = 0.5) -> MarkovHead:
+    torch.manual_seed(seed)
+    head = MarkovHead(VOCAB, 8)
+    torch.nn.init.normal_(head.w2.weight, std=scale)
+    return head.eval()
+
+
+@pytest.fixture
+def drafter():
+    return make_drafter()
+
+
+@pytest.fixture(params=["identity", "markov"])
+def head(request):
+    return IdentityHead() if request.param == "identity" else make_markov()
+
+
+@pytest.fixture
+def prompts():
+    g = torch.Generator().manual_seed(7)
+    return [torch.randint(2, VOCAB, (4 + i,), generator=g).tolist() for i in range(12)]

@@ -1,0 +1,103 @@
+"""Checkpoints: training save -> convert -> strict load gives identical logits; bad input is named."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from conftest import make_drafter, make_markov
+from dartree.convert.to_dartree import convert
+from dartree.decode.generate import draft_block
+from dartree.models.checkpoint import CheckpointError, load_dartree
+from dartree.models.drafter import DraftCache
+from dartree.models.target import tiny_target
+from dartree.training.train import save_training_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def train_ckpt(tmp_path, target):
+    drafter, head = make_drafter(), make_markov()
+    cfg = __import__("omegaconf").OmegaConf.create({"recipe": "unit"})
+    save_training_checkpoint(tmp_path / "ckpt", drafter, head, target, cfg, {"step": 3, "final_loss": 1.5})
+    return tmp_path / "ckpt", drafter, head
+
+
+def _block(target, drafter, head_unused=None):
+    prompt = [4, 9, 16, 25, 36, 49]
+    feats = target.forward(torch.tensor([prompt])).features[0]
+    return draft_block(target, drafter, 3, len(prompt), feats, DraftCache(len(drafter.layers)))
+
+
+def test_save_convert_load_gives_identical_logits(tmp_path, target, train_ckpt):
+    src, drafter, head = train_ckpt
+    out = convert(src, tmp_path / "dt", dtype=torch.float32)
+    dm = load_dartree(out, target=target)
+    assert dm.config["head"]["type"] == "markov" and dm.config["provenance"]["steps"] == 3
+    a, b = _block(target, drafter), _block(target, dm.drafter)
+    assert torch.equal(a.base_logits, b.base_logits)
+    cand = torch.arange(10)[None]
+    r0, r1 = head.init_state(torch.tensor([5])), dm.head.init_state(torch.tensor([5]))
+    assert torch.equal(head.score(cand, None, r0, torch.zeros(1, 10)), dm.head.score(cand, None, r1, torch.zeros(1, 10)))
+    # the default bf16 conversion stores bf16-rounded tensors
+    out16 = convert(src, tmp_path / "dt16")
+    st = load_file(str(out16 / "model.safetensors"))
+    assert all(t.dtype == torch.bfloat16 for t in st.values())
+    assert torch.equal(st["backbone.fc.weight"].float(), drafter.fc.weight.detach().bfloat16().float())
+
+
+def _rewrite(src: Path, edit):
+    t = load_file(str(src / "model.safetensors"))
+    edit(t)
+    save_file(t, str(src / "model.safetensors"))
+
+
+def test_missing_unexpected_and_misshaped_tensors_are_named(tmp_path, train_ckpt):
+    src = train_ckpt[0]
+    _rewrite(src, lambda t: t.pop("drafter.layers.0.q_proj.weight"))
+    with pytest.raises(CheckpointError, match=r"missing tensor 'drafter\.layers\.0\.q_proj\.weight'"):
+        convert(src, tmp_path / "o1")
+    assert not (tmp_path / "o1").exists()
+    _rewrite(src, lambda t: t.update({"drafter.layers.0.q_proj.weight": torch.zeros(32, 32), "junk.x": torch.zeros(2)}))
+    with pytest.raises(CheckpointError, match=r"unexpected tensor 'junk\.x'"):
+        convert(src, tmp_path / "o2")
+    _rewrite(src, lambda t: (t.pop("junk.x"), t.update({"head.w1.weight": torch.zeros(96, 3)})))
+    with pytest.raises(CheckpointError, match=r"'head\.w1\.weight' has shape \[96, 3\], expected \[96, 8\]"):
+        convert(src, tmp_path / "o3")
+    assert not any(p.name.startswith(".o3") for p in tmp_path.iterdir())
+
+
+def test_truncated_file_unknown_format_and_target_mismatch(tmp_path, target, train_ckpt):
+    src = train_ckpt[0]
+    good = convert(src, tmp_path / "good")
+    data = (good / "model.safetensors").read_bytes()
+    (good / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated"):
+        load_dartree(good)
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["format"] = "mystery"
+    (src / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="unknown checkpoint layout"):
+        convert(src, tmp_path / "o")
+    cfg["format"] = "dartree-train"
+    (src / "config.json").write_text(json.dumps(cfg))
+    ok = convert(src, tmp_path / "ok")
+    other = tiny_target(vocab_size=64, layer_ids=[1, 2])
+    with pytest.raises(CheckpointError, match="vocab_size: checkpoint 96 vs target 64"):
+        load_dartree(ok, target=other)
+
+
+def test_convert_cli_one_line_error_and_success(tmp_path, train_ckpt):
+    src = train_ckpt[0]
+    r = subprocess.run([sys.executable, "convert/to_dartree.py", str(src), "--out", str(tmp_path / "cli")],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "detected format: dartree-train" in r.stdout and (tmp_path / "cli" / "config.json").exists()
+    r = subprocess.run([sys.executable, "convert/to_dartree.py", str(tmp_path / "nothing")],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "config.json" in r.stderr

@@ -1,0 +1,79 @@
+"""The eval CLI end to end on a tiny model (with the default target's tokenizer), writing a valid report."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dartree.decode.eval import report_warnings
+from dartree.models.checkpoint import save_dartree
+from dartree.models.drafter import DFlashDrafter, DrafterConfig
+from dartree.models.heads import MarkovHead
+from dartree.models.target import resolve_target_path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tiny_folder(tmp_path_factory):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tok_src = resolve_target_path("smollm2")  # dequantised once from the packaged GGUF, then cached
+    root = tmp_path_factory.mktemp("tiny")
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, bos_token_id=1,
+                      pad_token_id=2, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(root / "target")
+    for f in tok_src.iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja") or f.name == "special_tokens_map.json":
+            shutil.copy(f, root / "target" / f.name)
+    dcfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                         head_dim=8, target_layer_ids=[0, 1], mask_token_id=0, block_size=8)
+    ident = {"name": "tiny", "vocab_size": 49152, "hidden_size": 32, "num_layers": 2}
+    save_dartree(root / "ckpt", DFlashDrafter(dcfg), MarkovHead(49152, 4), ident)
+    return root
+
+
+def test_eval_cli_writes_report(tiny_folder, tmp_path):
+    out = tmp_path / "rep"
+    cmd = [sys.executable, "decode/eval.py", "--target", str(tiny_folder / "target"), "--checkpoint",
+           str(tiny_folder / "ckpt"), "--tree", "chain", "pruned", "--datasets", "gsm8k", "mtbench", "--limit", "2",
+           "--max-new-tokens", "12", "--budget", "6", "--out", str(out)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    rep = json.loads((out / "report.json").read_text())
+    assert set(rep["methods"]) == {"ar", "chain", "pruned"}
+    for m in ("chain", "pruned"):
+        row = rep["methods"][m]
+        assert row["lossless"] is True and row["mismatches"] == 0
+        assert row["tau"] >= 1.0 and row["tokens_per_s"] > 0 and row["speedup"] > 0
+        assert set(rep["datasets"]) == {"gsm8k", "mtbench"} and rep["datasets"]["gsm8k"][m]["prompts"] == 2
+    env = rep["environment"]
+    for key in ("device", "dtype", "torch", "transformers", "prompts", "max_new_tokens", "attn_implementation"):
+        assert key in env
+    assert len(env["prompts"]) == 4
+    assert rep["methods"]["ar"]["tau"] == 1.0
+    md = (out / "report.md").read_text()
+    assert "| pruned |" in md
+    # the loud tau warning appears exactly when tau is about 1
+    low = [m for m in ("chain", "pruned") if rep["methods"][m]["tau"] < 1.05]
+    assert ("is about 1" in r.stdout) == bool(low)
+
+
+def test_report_warnings_flag_tau_about_one_and_mismatches():
+    rep = {"methods": {"ar": {"tau": 1.0, "lossless": None},
+                       "chain": {"tau": 1.0, "lossless": True, "mismatches": 0},
+                       "pruned": {"tau": 2.1, "lossless": False, "mismatches": 3}}}
+    w = report_warnings(rep)
+    assert len(w) == 2 and "chain tau = 1.000 is about 1" in w[0] and "pruned differs from AR on 3" in w[1]
+
+
+def test_eval_cli_bad_checkpoint_is_clear(tiny_folder, tmp_path):
+    r = subprocess.run([sys.executable, "decode/eval.py", "--target", str(tiny_folder / "target"), "--checkpoint",
+                        str(tmp_path), "--limit", "1"], cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "not a dartree checkpoint" in r.stderr

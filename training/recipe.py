@@ -1,0 +1,146 @@
+"""Recipe schema and loading: YAML recipes (``recipes/<name>.yaml``) merged with ``key=value`` overrides.
+
+The schema is an omegaconf structured config in struct mode, so a misspelt key is an error that lists the
+valid keys at that level (STYLE.md 5: recipes as data, torchtune-style).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
+
+
+@dataclass
+class TargetSection:
+    path: str = "smollm2"  # "smollm2" (packaged default), "tiny-qwen3" (tests) or a local HF folder
+    dtype: str = "float32"  # dtype of the target when computing features
+    gen_dtype: str = "bfloat16"  # dtype of the target when regenerating responses
+
+
+@dataclass
+class DrafterSection:
+    num_layers: int = 2
+    intermediate_size: Optional[int] = None  # default: the target's
+    target_layer_ids: list = field(default_factory=list)  # default: DFlash rule for 5 ids
+    num_target_features: int = 5  # ids chosen by the DFlash rule when target_layer_ids is empty
+    init_from_target: bool = True  # copy the target's top decoder layers
+    qk_norm: bool = False
+    block_size: int = 16
+    proposal_offset: int = 0  # 0: DSpark/Domino convention (P = L)
+    mask_token_id: Optional[int] = None  # default: tokenizer unk id, else 0
+
+
+@dataclass
+class HeadSection:
+    type: str = "markov"
+    rank: int = 64
+
+
+@dataclass
+class DataSection:
+    source: str = "sharegpt"  # "sharegpt" or "random" (random prompts; for tiny test recipes)
+    num_prompts: int = 768
+    max_prompt_tokens: int = 256
+    max_new_tokens: int = 256
+    seed: int = 0
+    gen_batch_size: int = 48
+    holdout: int = 32
+    random_prompt_len: int = 12  # "random" source only
+
+
+@dataclass
+class TrainSection:
+    epochs: float = 8.0
+    max_steps: int = 0  # 0: epochs decide
+    max_minutes: float = 0.0  # 0: no wall-clock cap; else stop (and save) after this many minutes of training
+    seqs_per_step: int = 4
+    num_anchors: int = 32
+    lr: float = 6e-4
+    warmup_ratio: float = 0.04
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    loss_gamma: float = 7.0  # decay exp(-k/gamma) over block positions (B=16 default)
+    ce_weight: float = 0.1
+    l1_weight: float = 0.9
+    bf16: bool = True  # autocast the drafter to bf16 on CPU/GPU
+    threads: int = 0  # torch threads; 0 = torch default
+    save_every_minutes: float = 15.0
+
+
+@dataclass
+class WandbSection:
+    enabled: bool = False
+    mode: str = "offline"
+    project: str = "dartree"
+
+
+@dataclass
+class Recipe:
+    recipe: str = MISSING
+    seed: int = 0
+    output_dir: str = "runs/${recipe}"
+    target: TargetSection = field(default_factory=TargetSection)
+    drafter: DrafterSection = field(default_factory=DrafterSection)
+    head: HeadSection = field(default_factory=HeadSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    wandb: WandbSection = field(default_factory=WandbSection)
+
+
+class RecipeError(ValueError):
+    """A recipe or an override is invalid; the message names the key and the valid choices."""
+
+
+def _valid_keys(schema: DictConfig, dotted: str) -> list[str]:
+    node: Any = schema
+    parts = dotted.split(".")
+    for p in parts[:-1]:
+        if isinstance(node, DictConfig) and p in node:
+            node = node[p]
+        else:
+            break
+    return sorted(node.keys()) if isinstance(node, DictConfig) else []
+
+
+def load_recipe(args: list[str]) -> DictConfig:
+    """Build the recipe from ``recipe=NAME|PATH`` and ``key=value`` overrides.
+
+    Args:
+        args: command-line words, e.g. ``["recipe=dspark_b16", "train.epochs=2"]``.
+    Returns:
+        The merged, resolved, struct-mode config.
+    Raises:
+        RecipeError: no recipe given, recipe file not found, or an unknown / ill-typed key (valid keys listed).
+    """
+    cli = OmegaConf.from_dotlist(list(args))
+    name = cli.get("recipe")
+    if not name:
+        names = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+        raise RecipeError(f"give a recipe: recipe=NAME with NAME one of {names}, or recipe=path/to/file.yaml")
+    path = Path(name)
+    if path.suffix not in (".yaml", ".yml"):
+        path = RECIPE_DIR / f"{name}.yaml"
+    if not path.exists():
+        names = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
+        raise RecipeError(f"recipe {name!r} not found ({path}); available: {names}")
+    schema = OmegaConf.structured(Recipe)
+    OmegaConf.set_struct(schema, True)
+    cli.recipe = path.stem
+    for source, label in ((OmegaConf.load(path), str(path)), (cli, "command line")):
+        try:
+            schema = OmegaConf.merge(schema, source)
+        except (ConfigKeyError, ConfigAttributeError) as exc:
+            key = getattr(exc, "full_key", None) or str(exc)
+            raise RecipeError(
+                f"unknown key {key!r} in {label}; valid keys there: {_valid_keys(schema, str(key))}"
+            ) from None
+        except ValidationError as exc:
+            raise RecipeError(f"bad value in {label}: {exc.msg if hasattr(exc, 'msg') else exc}") from None
+    OmegaConf.resolve(schema)
+    return schema
