@@ -46,7 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
     ap.add_argument("--limit", type=int, default=20, help="prompts per dataset")
     ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--budget", type=int, default=None, help=f"tree nodes per round B (default {DEFAULT_CPU_BUDGET})")
+    ap.add_argument("--budget", type=int, nargs="+", default=None,
+                    help=f"tree nodes per round B (default {DEFAULT_CPU_BUDGET}); several values run a budget sweep, "
+                         "reported as METHOD@B<n> for every tree builder other than chain")
     ap.add_argument("--width", type=int, default=12, help="supertree width W per depth (pruned)")
     ap.add_argument("--candidates", type=int, default=64, help="candidate count K per depth")
     ap.add_argument("--beta", type=float, default=-0.2, help="depth bonus beta (pruned; must be <= 0)")
@@ -151,7 +153,18 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     methods = resolve_methods(args.tree)
     dtype = _DTYPES[args.dtype]
-    budget = DEFAULT_CPU_BUDGET if args.budget is None else args.budget
+    budgets = [DEFAULT_CPU_BUDGET] if not args.budget else list(args.budget)
+    if any(b < 0 for b in budgets):
+        raise SystemExit(f"error: --budget must be >= 0, got {budgets}")
+    budget = budgets[0] if len(budgets) == 1 else budgets
+    # one run per (method, budget); chain drafts one node per proposal and ignores the budget
+    runs: dict[str, tuple[str, int | None]] = {}
+    for m in methods:
+        if m == "chain" or len(budgets) == 1:
+            runs[m] = (m, None if m == "chain" else budgets[0])
+        else:
+            for b in budgets:
+                runs[f"{m}@B{b}"] = (m, b)
     t0 = time.time()
     target = load_target(args.target, dtype=dtype)
     try:
@@ -173,6 +186,7 @@ def main(argv=None) -> int:
         prompts += load_prompts(d, args.limit, args.seed)
     console.print(f"target {target.name} ({args.dtype}), {len(prompts)} prompts, methods: ar + {methods}, "
                   f"budget {budget}; loaded in {time.time() - t0:.1f}s")
+    methods = list(runs)
     params = {"k": args.candidates, "width": args.width, "beta": args.beta}
 
     def run(method: str, ids: list, seed: int, max_new: int) -> GenerateOutput:
@@ -180,10 +194,10 @@ def main(argv=None) -> int:
         if method == "ar":
             return autoregressive_generate(target, ids, max_new_tokens=max_new, temperature=args.temperature,
                                            stop_ids=stop_ids, generator=gen)
+        builder, b = runs[method]
         return speculative_generate(
-            target, dm.drafter, dm.head, ids, builder=method, max_new_tokens=max_new,
-            temperature=args.temperature, stop_ids=stop_ids, budget=None if method == "chain" else budget,
-            generator=gen, builder_params=params,
+            target, dm.drafter, dm.head, ids, builder=builder, max_new_tokens=max_new,
+            temperature=args.temperature, stop_ids=stop_ids, budget=b, generator=gen, builder_params=params,
         )
 
     warm_ids = chat_prompt_ids(tok, "Say hello.")

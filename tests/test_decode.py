@@ -199,3 +199,15 @@ def test_layer_mismatch_and_unknown_builder_are_clear(target, drafter):
     other = tiny_target(layer_ids=[0])
     with pytest.raises(ValueError, match="set_layer_ids"):
         speculative_generate(other, drafter, IdentityHead(), [3, 4], builder="chain", max_new_tokens=4)
+
+
+def test_zlab_proposal_offset_is_lossless(target, prompts):
+    # z-lab DFlash convention: block positions 1..L-1 are the P = L - 1 proposals
+    drafter = make_drafter(proposal_offset=1)
+    assert drafter.cfg.num_proposals == 7
+    for p in prompts[:4]:
+        for builder in ("chain", "pruned"):
+            got = speculative_generate(target, drafter, make_markov(), p, builder=builder, budget=10,
+                                       max_new_tokens=30, stop_ids=[STOP])
+            assert got.tokens == ar(target, p, n=30)
+            assert all(n <= 10 for n in got.stats.tree_nodes)

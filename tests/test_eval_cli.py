@@ -43,12 +43,12 @@ def test_eval_cli_writes_report(tiny_folder, tmp_path):
     out = tmp_path / "rep"
     cmd = [sys.executable, "decode/eval.py", "--target", str(tiny_folder / "target"), "--checkpoint",
            str(tiny_folder / "ckpt"), "--tree", "chain", "pruned", "--datasets", "gsm8k", "mtbench", "--limit", "2",
-           "--max-new-tokens", "12", "--budget", "6", "--out", str(out)]
+           "--max-new-tokens", "12", "--budget", "4", "6", "--out", str(out)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     rep = json.loads((out / "report.json").read_text())
-    assert set(rep["methods"]) == {"ar", "chain", "pruned"}
-    for m in ("chain", "pruned"):
+    assert set(rep["methods"]) == {"ar", "chain", "pruned@B4", "pruned@B6"}  # a budget sweep
+    for m in ("chain", "pruned@B4", "pruned@B6"):
         row = rep["methods"][m]
         assert row["lossless"] is True and row["mismatches"] == 0
         assert row["tau"] >= 1.0 and row["tokens_per_s"] > 0 and row["speedup"] > 0
@@ -59,9 +59,10 @@ def test_eval_cli_writes_report(tiny_folder, tmp_path):
     assert len(env["prompts"]) == 4
     assert rep["methods"]["ar"]["tau"] == 1.0
     md = (out / "report.md").read_text()
-    assert "| pruned |" in md
+    assert "| pruned@B6 |" in md
+    assert rep["methods"]["pruned@B4"]["mean_tree_nodes"] <= 4 < rep["methods"]["chain"]["mean_tree_nodes"]
     # the loud tau warning appears exactly when tau is about 1
-    low = [m for m in ("chain", "pruned") if rep["methods"][m]["tau"] < 1.05]
+    low = [m for m in ("chain", "pruned@B4", "pruned@B6") if rep["methods"][m]["tau"] < 1.05]
     assert ("is about 1" in r.stdout) == bool(low)
 
 

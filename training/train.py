@@ -273,7 +273,7 @@ def run(cfg: DictConfig) -> dict:
         losses.append(round(tot, 6))
         el = time.time() - t_train
         tf_tau = teacher_forced_tau(acc_ema) if acc_ema is not None else 1.0
-        bar.set_postfix(loss=f"{tot:.4f}", ce=f"{ce:.3f}", l1=f"{l1:.3f}", tf_tau=f"{tf_tau:.2f}", pred_s=f"{preds / el:.0f}")
+        bar.set_postfix(loss=f"{tot:.4f}", ce=f"{ce:.3f}", l1=f"{l1:.3f}", tf_tau=f"{tf_tau:.2f}", tok_s=f"{preds / el:.0f}")
         bar.update(1)
         if wb is not None:
             wb.log({"loss": tot, "ce": ce, "l1": l1, "lr": sched.get_last_lr()[0], "tf_tau": tf_tau}, step=step)
