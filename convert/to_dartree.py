@@ -19,9 +19,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from dartree.models.checkpoint import CheckpointError, load_dartree, save_dartree
-from dartree.models.drafter import DFlashDrafter, DrafterConfig
-from dartree.models.heads import build_head
+from dartree.models.checkpoint import CheckpointError, build_from_config, load_dartree, load_strict, save_dartree
 
 
 def _read_config(src: Path) -> dict:
@@ -47,22 +45,6 @@ def _read_tensors(src: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _strict_load(module: torch.nn.Module, tensors: dict, prefix: str, src: Path) -> None:
-    own = module.state_dict()
-    given = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
-    for name, ref in own.items():
-        if name not in given:
-            raise CheckpointError(f"{src}: missing tensor {prefix + name!r} (expected shape {list(ref.shape)})")
-        if tuple(given[name].shape) != tuple(ref.shape):
-            raise CheckpointError(
-                f"{src}: tensor {prefix + name!r} has shape {list(given[name].shape)}, expected {list(ref.shape)}"
-            )
-    extra = sorted(set(given) - set(own))
-    if extra:
-        raise CheckpointError(f"{src}: unexpected tensor {prefix + extra[0]!r}")
-    module.load_state_dict({k: given[k].to(own[k].dtype) for k in own})
-
-
 def read_dartree_train(src: Path, config: dict):
     """Reader for ``training/train.py`` checkpoints: tensors ``drafter.*`` and ``head.*``.
 
@@ -70,11 +52,9 @@ def read_dartree_train(src: Path, config: dict):
         (drafter, head, target identity, provenance).
     """
     tensors = _read_tensors(src)
-    drafter = DFlashDrafter(DrafterConfig(**config["drafter"]))
-    hcfg = dict(config["head"])
-    head = build_head(hcfg.pop("type"), **hcfg)
-    _strict_load(drafter, tensors, "drafter.", src)
-    _strict_load(head, tensors, "head.", src)
+    drafter, head = build_from_config(config, src / "config.json")
+    load_strict(drafter, tensors, "drafter.", src)
+    load_strict(head, tensors, "head.", src)
     extra = sorted(k for k in tensors if not k.startswith(("drafter.", "head.")))
     if extra:
         raise CheckpointError(f"{src}: unexpected tensor {extra[0]!r}")

@@ -35,7 +35,7 @@ DEFAULT_CHECKPOINT = REPO / "checkpoints" / "dspark_b16"
 # Budget B for tree builders on a CPU, chosen from the sweep in checkpoints/README.md (verify cost grows fast
 # with tree size on a CPU; GPUs prefer 64+).
 DEFAULT_CPU_BUDGET = 16
-METHOD_ALIASES = {"fixed": "dartree-fixed", "dartree-pruned": "pruned"}
+METHOD_ALIASES = {"dartree-pruned": "pruned"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 

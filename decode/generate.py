@@ -1,7 +1,8 @@
 """Plain autoregressive decoding and the speculative generate loop (one flat loop with named stages).
 
 Stages timed per round (seconds, in ``DecodeStats.stage_s``): ``draft`` (drafter forward + base logits),
-``tree_build``, ``tree_compile`` + ``verify`` (one target forward, accounted together as ``verify``),
+``tree_build``, ``tree_compile`` (ids, positions, ancestor mask), ``verify`` (one target forward, walk,
+KV compaction),
 ``commit`` (stop / length handling). The loop follows z-lab ``dflash_generate`` with DDTree's tree verify
 (ANCHORS.md sections 1 and 3). Prefill is timed separately and excluded from decode time.
 """
@@ -15,12 +16,12 @@ from typing import Sequence
 import torch
 
 from dartree.decode.trees import DraftBlock, get_builder
-from dartree.decode.verify import target_tokens, verify
+from dartree.decode.verify import compile_tree, target_tokens, verify
 from dartree.models.drafter import DFlashDrafter, DraftCache
 from dartree.models.heads import CorrectionHead
 from dartree.models.target import Target
 
-STAGES = ("draft", "tree_build", "verify", "commit")
+STAGES = ("draft", "tree_build", "tree_compile", "verify", "commit")
 
 
 @dataclass
@@ -178,6 +179,12 @@ def speculative_generate(
 
     Args:
         target: the target (its ``layer_ids`` must equal the drafter's ``target_layer_ids``).
+        drafter, head: the block drafter and its correction head (same dtype/device as the target).
+        prompt_ids: prompt token ids (already chat-templated).
+        max_new_tokens: exact cap on generated tokens.
+        temperature: T >= 0; the target's token at each node is its argmax (T = 0) or a sample (T > 0).
+        stop_ids: generation ends right after the first of these tokens, even mid-block.
+        generator: seeded torch.Generator for T > 0.
         builder: registered tree-builder name (``chain``, ``pruned`` / ``dartree-pruned``).
         budget: tree nodes per round B (default: P, the proposals per block).
         builder_params: extra keyword arguments for the builder (``k``, ``width``, ``beta``).
@@ -215,7 +222,9 @@ def speculative_generate(
         tb = time.perf_counter()
         tree = build(block, head, anchor, budget, **params)
         tc = time.perf_counter()
-        ver = verify(target, tree, anchor, start, cache, temperature, generator)
+        inputs = compile_tree(tree, anchor, start, dtype=target.dtype, device=target.device)
+        tc2 = time.perf_counter()
+        ver = verify(target, tree, anchor, start, cache, temperature, generator, inputs=inputs)
         td = time.perf_counter()
         n, done = _commit(out, ver.tokens + [ver.bonus_id], max_new_tokens, stops)
         stats.accept_lengths.append(n)
@@ -225,7 +234,8 @@ def speculative_generate(
         te = time.perf_counter()
         st["draft"] += tb - ta
         st["tree_build"] += tc - tb
-        st["verify"] += td - tc
+        st["tree_compile"] += tc2 - tc
+        st["verify"] += td - tc2
         st["commit"] += te - td
     stats.decode_s = time.perf_counter() - t1
     stats.new_tokens = len(out)

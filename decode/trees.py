@@ -58,27 +58,45 @@ class Tree:
 
 
 def candidates(base_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-depth top-K of the base logits, ordered by (logit desc, token id asc).
+    """Per-depth top-K of the base logits, ordered by (logit desc, token id asc); ties at the K-th value are
+    resolved toward the lower token id, so the selected set is deterministic too.
 
     Args:
         base_logits: [P, V] fp32.
-        k: K (clamped to V).
+        k: K >= 1 (clamped to V).
     Returns:
         (ids [P, K] int64, logits [P, K] fp32).
+    Raises:
+        ValueError: k < 1.
     """
-    k = min(int(k), base_logits.shape[-1])
-    vals, ids = torch.topk(base_logits, k, dim=-1)
-    # make the order deterministic among equal logits: sort by id, then stable-sort by value
-    ids_sorted, perm = ids.sort(dim=-1)
-    vals_by_id = vals.gather(-1, perm)
-    order = torch.sort(vals_by_id, dim=-1, descending=True, stable=True).indices
-    return ids_sorted.gather(-1, order), vals_by_id.gather(-1, order)
+    if int(k) < 1:
+        raise ValueError(f"candidate count K must be >= 1, got {k}")
+    p, v = base_logits.shape
+    k = min(int(k), v)
+    kth = torch.topk(base_logits, k, dim=-1).values[:, -1:]  # [P, 1]
+    gt = base_logits > kth
+    eq = base_logits == kth
+    need = k - gt.sum(-1, keepdim=True)
+    sel = gt | (eq & (torch.cumsum(eq, dim=-1) <= need))  # exactly k per row, lowest ids among the ties
+    ids = sel.nonzero()[:, 1].view(p, k)  # ascending ids per row
+    vals = base_logits.gather(-1, ids)
+    order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
+    return ids.gather(-1, order), vals.gather(-1, order)
 
 
 def _stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest entries of a 1-D tensor; ties go to the lower index."""
     k = min(int(k), scores.numel())
     return torch.sort(scores, descending=True, stable=True).indices[:k]
+
+
+COMMON_PARAMS = {"k", "width", "beta"}
+
+
+def _check_params(name: str, extra: dict) -> None:
+    unknown = sorted(set(extra) - COMMON_PARAMS)
+    if unknown:
+        raise TypeError(f"tree builder {name!r} got unknown parameter(s) {unknown}; known: {sorted(COMMON_PARAMS)}")
 
 
 TreeBuilder = Callable[..., Tree]
@@ -114,14 +132,21 @@ def get_builder(name: str) -> TreeBuilder:
 
 
 @register_builder("chain")
-def build_chain(block: DraftBlock, head: CorrectionHead, root_id: int, budget: int, *, k: int = 64, **_) -> Tree:
+@torch.no_grad()
+def build_chain(block: DraftBlock, head: CorrectionHead, root_id: int, budget: int, *, k: int = 64, **extra) -> Tree:
     """Greedy path through the corrected head: depth d takes argmax over C_d of g(C_d, H_d, r), r advances.
 
     The DFlash chain for the identity head, DSpark/Domino chain drafting otherwise (ANCHORS.md 5a, 5b).
     Args:
         budget: maximum number of nodes (depths); the chain has min(budget, P) nodes.
         k: candidate count per depth (the argmax is taken over the top-K of the base logits).
+    Raises:
+        ValueError: k < 1; TypeError: an unknown parameter (``width`` and ``beta`` are accepted and ignored,
+            so one parameter set serves every builder).
     """
+    _check_params("chain", extra)
+    if int(k) < 1:
+        raise ValueError(f"candidate count K must be >= 1, got {k}")
     p = block.base_logits.shape[0]
     m = max(0, min(int(budget), p))
     if m == 0:
@@ -146,6 +171,7 @@ def build_chain(block: DraftBlock, head: CorrectionHead, root_id: int, budget: i
     )
 
 
+@torch.no_grad()
 def build_supertree(
     block: DraftBlock, head: CorrectionHead, root_id: int, *, k: int, quota: Callable[[int, int], int]
 ) -> Tree:
@@ -231,12 +257,20 @@ def build_dartree_pruned(
     k: int = 64,
     width: int = 12,
     beta: float = -0.2,
-    **_,
+    **extra,
 ) -> Tree:
     """DARTree-pruned: supertree of width W per depth, then global top-B by score + beta*depth.
 
     Defaults K=64, W=12, beta=-0.2 are the published ones (DARTree ``run_dartree.py``); budget B = nodes kept.
+    Raises:
+        ValueError: k < 1, width < 1 or beta > 0 (prefix closure needs beta <= 0).
+        TypeError: an unknown parameter.
     """
+    _check_params("dartree-pruned", extra)
+    if int(width) < 1:
+        raise ValueError(f"supertree width W must be >= 1, got {width}")
+    if beta > 0:
+        raise ValueError(f"depth bonus beta={beta} > 0 breaks DARTree's prefix-closure guarantee; use beta <= 0")
     if budget <= 0:
         return Tree.empty()
     sup = build_supertree(block, head, root_id, k=k, quota=lambda d, avail: min(int(width), avail))

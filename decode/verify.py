@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dartree.decode.trees import Tree
-from dartree.models.target import Target, compact_cache
+from dartree.models.target import Target, cache_length, compact_cache
 
 
 @dataclass
@@ -56,9 +56,22 @@ def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
 def compile_tree(tree: Tree, root_id: int, start: int, dtype: torch.dtype, device=None) -> TreeInputs:
     """Build ids, positions and the additive ancestor mask for verifying ``tree`` rooted at position ``start``.
 
-    ``start`` is also the number of committed positions already in the target's KV cache.
+    DDTree ``compile_ddtree_tree`` (ANCHORS.md section 3): position = start + depth (siblings share one).
+    Args:
+        tree: M nodes; ``tree.depth`` must equal the parent's depth + 1 (root depth 0).
+        root_id: the root token (the last committed token, not yet in the target cache).
+        start: the root's position = the number of committed positions already in the target's KV cache.
+        dtype: float dtype of the mask (the target's).
+    Returns:
+        TreeInputs (ids and positions [1, M+1] int64, mask [1, 1, M+1, start+M+1] of ``dtype``).
+    Raises:
+        ValueError: parents do not precede children, or depths disagree with parents.
     """
     m = tree.size
+    if m:
+        full_depth = torch.cat([torch.zeros(1, dtype=torch.long), tree.depth.long()])
+        if not torch.equal(tree.depth.long(), full_depth[tree.parents.long().clamp(0, m)] + 1):
+            raise ValueError("tree depths must equal their parent's depth + 1 (the root has depth 0)")
     ids = torch.cat([torch.tensor([root_id], dtype=torch.long), tree.tokens.long()])[None]
     pos = (start + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth.long()]))[None]
     vis = ancestor_matrix(tree.parents.long())
@@ -130,15 +143,27 @@ def verify(
     cache,
     temperature: float = 0.0,
     generator: torch.Generator | None = None,
+    inputs: TreeInputs | None = None,
 ) -> Verification:
     """Verify ``tree`` with one target forward, commit the accepted path to the KV cache and return it.
 
+    Exact target-sample matching (ANCHORS.md section 3): lossless at any temperature for deterministic drafts.
     Args:
-        target: the target model (its cache holds exactly ``start`` committed positions).
+        target: the target model.
         tree: the draft tree (root = ``root_id`` at position ``start``).
+        start: committed positions in ``cache`` (= the root's position).
         cache: the target KV cache; on return it holds ``start + A`` positions (root + accepted nodes).
+        temperature: T >= 0 (0: argmax).
+        generator: seeded torch.Generator used for the target's samples at T > 0.
+        inputs: ``compile_tree`` output when the caller compiled (and timed) it already.
+    Returns:
+        Verification (accepted node indices, accepted tokens, bonus token, features of accepted nodes).
+    Raises:
+        ValueError: the cache does not hold exactly ``start`` positions, or the tree is malformed.
     """
-    inp = compile_tree(tree, root_id, start, dtype=target.dtype, device=target.device)
+    if cache_length(cache) != start:
+        raise ValueError(f"target cache holds {cache_length(cache)} positions but the root is at {start}")
+    inp = inputs if inputs is not None else compile_tree(tree, root_id, start, dtype=target.dtype, device=target.device)
     out = target.forward(inp.input_ids, position_ids=inp.position_ids, attention_mask=inp.attention_mask, cache=cache)
     post = target_tokens(out.logits[0], temperature, generator).tolist()
     path = walk(tree, post)

@@ -104,6 +104,23 @@ def save_dartree(
     return Path(folder)
 
 
+def build_from_config(config: dict, where) -> tuple[DFlashDrafter, CorrectionHead]:
+    """Instantiate the backbone and head a checkpoint config describes (random weights).
+
+    Raises:
+        CheckpointError: a missing or unknown field, an unknown head type or an invalid value (named).
+    """
+    try:
+        drafter = DFlashDrafter(DrafterConfig(**config["drafter"]))
+        hcfg = dict(config["head"])
+        head = build_head(hcfg.pop("type"), **hcfg)
+    except KeyError as exc:
+        raise CheckpointError(f"{where}: missing or unknown entry {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: invalid drafter/head config: {exc}") from None
+    return drafter, head
+
+
 def check_target_pairing(config: dict, target) -> None:
     """Check a checkpoint config against a loaded :class:`~dartree.models.target.Target`.
 
@@ -115,6 +132,11 @@ def check_target_pairing(config: dict, target) -> None:
     problems = []
     if want.get("vocab_size") not in (None, target.vocab_size):
         problems.append(f"vocab_size: checkpoint {want['vocab_size']} vs target {target.vocab_size}")
+    if want.get("num_layers") not in (None, target.num_layers):
+        problems.append(f"num_layers: checkpoint {want['num_layers']} vs target {target.num_layers}")
+    head_vocab = config.get("head", {}).get("vocab_size")
+    if head_vocab not in (None, target.vocab_size):
+        problems.append(f"head vocab_size: checkpoint {head_vocab} vs target {target.vocab_size}")
     if d["hidden_size"] != target.hidden_size:
         problems.append(f"hidden_size: checkpoint {d['hidden_size']} vs target {target.hidden_size}")
     bad = [i for i in d["target_layer_ids"] if not 0 <= i < target.num_layers]
@@ -161,14 +183,11 @@ def load_dartree(
         tensors = load_file(str(w_path))
     except (SafetensorError, OSError, ValueError) as exc:
         raise CheckpointError(f"cannot read {w_path}: {exc} (the file is truncated or not safetensors)") from exc
-    dcfg = DrafterConfig(**config["drafter"])
-    drafter = DFlashDrafter(dcfg)
-    hcfg = dict(config["head"])
-    head = build_head(hcfg.pop("type"), **hcfg)
+    drafter, head = build_from_config(config, cfg_path)
     if target is not None:
         check_target_pairing(config, target)
-    _load_strict(drafter, tensors, "backbone.", w_path)
-    _load_strict(head, tensors, "head.", w_path)
+    load_strict(drafter, tensors, "backbone.", w_path)
+    load_strict(head, tensors, "head.", w_path)
     extra = sorted(k for k in tensors if not k.startswith(("backbone.", "head.")))
     if extra:
         raise CheckpointError(f"{w_path}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all)")
@@ -177,7 +196,12 @@ def load_dartree(
     return DraftModel(drafter, head, config)
 
 
-def _load_strict(module: torch.nn.Module, tensors: dict, prefix: str, where: Path) -> None:
+def load_strict(module: torch.nn.Module, tensors: dict, prefix: str, where) -> None:
+    """Load ``prefix``-named tensors into ``module`` exactly.
+
+    Raises:
+        CheckpointError: a missing, unexpected (under ``prefix``) or mis-shaped tensor, named with its shape.
+    """
     own = module.state_dict()
     given = {k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)}
     for name, ref in own.items():

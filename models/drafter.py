@@ -266,6 +266,8 @@ class DFlashDrafter(nn.Module):
                 "down_proj": src.mlp.down_proj, "input_layernorm": src.input_layernorm,
                 "post_attention_layernorm": src.post_attention_layernorm,
             }
+            if self.cfg.qk_norm and hasattr(src.self_attn, "q_norm"):
+                pairs.update({"q_norm": src.self_attn.q_norm, "k_norm": src.self_attn.k_norm})
             for name, mod in pairs.items():
                 dst = getattr(mine, name).weight
                 if dst.shape != mod.weight.shape:

@@ -270,6 +270,14 @@ def compact_cache(cache, past_len: int, keep: torch.Tensor) -> None:
     Raises:
         ValueError: an index falls outside the tail.
     """
+    from transformers.cache_utils import DynamicLayer
+
+    odd = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
+    if odd:
+        raise ValueError(
+            f"compact_cache supports full-attention DynamicLayer caches only, got {sorted(odd)}; "
+            "targets with sliding-window or other cache layers are not supported yet"
+        )
     n_keep = int(keep.numel())
     contiguous = bool(torch.equal(keep.cpu(), torch.arange(n_keep)))
     for layer in cache.layers:

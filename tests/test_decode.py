@@ -211,3 +211,29 @@ def test_zlab_proposal_offset_is_lossless(target, prompts):
                                        max_new_tokens=30, stop_ids=[STOP])
             assert got.tokens == ar(target, p, n=30)
             assert all(n <= 10 for n in got.stats.tree_nodes)
+
+
+class SiblingOracle(Oracle):
+    """Depth 1 holds a wrong sibling before the right token, and the right continuation hangs under the
+    second child: the accepted path [0, 2, 3, ...] is not contiguous, so KV compaction must gather."""
+
+    def __call__(self, block, head, root_id, budget, **_):
+        assert self.seq[self.pos] == root_id
+        right = self.seq[self.pos + 1 : self.pos + budget]
+        wrong = (right[0] + 1) % VOCAB
+        toks = [wrong] + right
+        m = len(toks)
+        parents = [0, 0] + list(range(2, m))
+        depth = [1, 1] + list(range(2, m))
+        self.pos += len(right) + 1
+        return Tree(torch.tensor(toks), torch.tensor(parents), torch.tensor(depth), torch.zeros(m))
+
+
+def test_non_contiguous_accepted_path_is_lossless(target, drafter, oracle_builder):
+    prompt = [40, 41, 42, 43]
+    ref = ar(target, prompt, n=60, stops=())
+    oracle_builder["oracle"] = SiblingOracle(ref)
+    got = speculative_generate(target, drafter, IdentityHead(), prompt, builder="test-oracle", budget=6,
+                               max_new_tokens=43)
+    assert got.tokens == ref[:43]
+    assert got.stats.accept_lengths[:3] == [6, 6, 6]  # 5 accepted drafts + bonus, every round

@@ -165,12 +165,19 @@ def regenerate_responses(
     partial = folder / "responses.partial.jsonl"
     done = set()
     if partial.exists():
-        with open(partial) as fh:
+        good = 0  # byte length of the complete lines; a torn tail from a kill is cut off before appending
+        with open(partial, "rb") as fh:
             for line in fh:
                 try:
                     done.add(json.loads(line)["index"])
-                except (json.JSONDecodeError, KeyError):
-                    break  # a torn last line from a kill: regenerate from there
+                except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
+                    break
+                if not line.endswith(b"\n"):
+                    done.discard(json.loads(line)["index"])
+                    break
+                good += len(line)
+        with open(partial, "r+b") as fh:
+            fh.truncate(good)
     todo = [i for i in order if i not in done]
     batches = [todo[i : i + spec.batch_size] for i in range(0, len(todo), spec.batch_size)]
     t0, n_tok = time.time(), 0
