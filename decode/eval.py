@@ -32,9 +32,10 @@ from dartree.models.target import DEFAULT_TARGET, load_target
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "dspark_b16"
-# Budget B for tree builders on a CPU, chosen from the sweep in checkpoints/README.md (verify cost grows fast
+# Budget B for tree builders on a CPU, chosen from the sweep in checkpoints/README.md: B=8 was fastest (a 9-token
+# verify costs ~1.8 AR steps in fp32 here, a 65-token one ~4; verify cost grows fast
 # with tree size on a CPU; GPUs prefer 64+).
-DEFAULT_CPU_BUDGET = 16
+DEFAULT_CPU_BUDGET = 8
 METHOD_ALIASES = {"dartree-pruned": "pruned"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -148,7 +149,7 @@ def report_warnings(report: dict, tau_floor: float = 1.05) -> list[str]:
 def main(argv=None) -> int:
     """Console entry point (``dartree-eval``); returns the exit status."""
     args = parse_args(argv)
-    console = Console()
+    console = Console(width=120)
     if args.threads:
         torch.set_num_threads(args.threads)
     methods = resolve_methods(args.tree)

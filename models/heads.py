@@ -29,15 +29,20 @@ class CorrectionHead(nn.Module):
         return {}
 
     def init_state(self, anchor_ids: torch.Tensor):
+        """State at the root. anchor_ids [N] int64 -> r [N, S] fp32, or None for stateless heads."""
         raise NotImplementedError
 
     def score(self, cand: torch.Tensor, hidden: torch.Tensor, state, base: torch.Tensor) -> torch.Tensor:
+        """g(C, H, r): cand [N, K] int64, hidden [N, D], state [N, S] or None, base = U[C] [N, K]
+        -> corrected logits [N, K] fp32 (unnormalised; callers log-softmax over the K candidates)."""
         raise NotImplementedError
 
     def advance(self, state, tokens: torch.Tensor):
+        """Child state from the parent's state [N, S] and the child's token [N] int64 -> [N, S]."""
         raise NotImplementedError
 
     def block_logits(self, prev_ids: torch.Tensor, hidden: torch.Tensor, base_logits: torch.Tensor) -> torch.Tensor:
+        """Teacher-forced logits: prev_ids [N, P] int64, hidden [N, P, D], base [N, P, V] -> [N, P, V] fp32."""
         raise NotImplementedError
 
 

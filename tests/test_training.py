@@ -112,3 +112,14 @@ def test_dspark_loss_weights_and_zero_at_match():
     out2 = dspark_loss(wrong, labels, valid, logits, gamma=7.0, ce_weight=0.1, l1_weight=0.9)
     assert float(out2.l1) == pytest.approx(2.0, abs=1e-4)  # disjoint point masses: L1 distance 2
     assert float(out2.ce) == pytest.approx(60.0, rel=1e-4)
+
+
+def test_dspark_loss_decay_weights_positions():
+    # CE 0 at position 0 and ~ln(V) at position 1: the weighted mean is w1*ln(V) / (w0 + w1), w_k = exp(-k/gamma)
+    v, gamma = 8, 2.0
+    labels = torch.tensor([[3, 4]])
+    logits = torch.zeros((1, 2, v))
+    logits[0, 0, 3] = 50.0
+    out = dspark_loss(logits, labels, torch.ones(1, 2, dtype=torch.bool), None, gamma=gamma, ce_weight=1.0, l1_weight=0.0)
+    w1 = torch.exp(torch.tensor(-1 / gamma))
+    assert float(out.loss) == pytest.approx(float(w1 * torch.log(torch.tensor(8.0)) / (1 + w1)), rel=1e-4)
