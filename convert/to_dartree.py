@@ -19,7 +19,14 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from dartree.models.checkpoint import CheckpointError, build_from_config, load_dartree, load_strict, save_dartree
+from dartree.models.checkpoint import (
+    CheckpointError,
+    build_from_config,
+    ensure_replaceable,
+    load_dartree,
+    load_strict,
+    save_dartree,
+)
 
 
 def _read_config(src: Path) -> dict:
@@ -104,6 +111,9 @@ def convert(src: str | Path, out: str | Path, *, source_format: str = "auto", dt
         CheckpointError: unreadable or invalid source (named tensor / field), or unknown format.
     """
     src = Path(src)
+    if not src.is_dir():
+        raise CheckpointError(f"{src} does not exist or is not a folder; give the checkpoint folder as SRC")
+    ensure_replaceable(Path(out), ("dartree",))
     config = _read_config(src)
     fmt = detect_format(config, src) if source_format == "auto" else source_format
     if fmt not in READERS:
@@ -125,12 +135,21 @@ def main(argv: list[str] | None = None) -> int:
     src = Path(args.src)
     out = Path(args.out) if args.out else src.with_name(src.name + "-dartree")
     try:
+        if not src.is_dir():
+            raise CheckpointError(f"{src} does not exist or is not a folder; give the checkpoint folder as SRC")
         config = _read_config(src)
-        fmt = detect_format(config, src) if args.source_format == "auto" else args.source_format
-        print(f"detected format: {fmt}")
+        if args.source_format == "auto":
+            fmt = detect_format(config, src)
+            print(f"detected format: {fmt}")
+        else:
+            fmt = args.source_format
+            print(f"format: {fmt} (given with --from)")
         convert(src, out, source_format=fmt, dtype=getattr(torch, args.dtype))
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: cannot write {out}: {exc.strerror or exc}; choose a writable --out folder", file=sys.stderr)
         return 2
     print(f"wrote {out}")
     return 0

@@ -41,7 +41,8 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="dartree-eval", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="dartree-eval", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--tree", nargs="+", default=["pruned"],
                     help=f"methods besides the AR baseline: ar, {', '.join(sorted(BUILDERS))}, or all")
     ap.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
@@ -67,14 +68,14 @@ def resolve_methods(names: list[str]) -> list[str]:
     """Expand ``all`` and aliases; drop duplicates; ``ar`` means the baseline only.
 
     Raises:
-        SystemExit: an unknown method name (lists the available ones).
+        KeyError: an unknown method name (lists the available ones).
     """
     out: list[str] = []
     for n in names:
         for m in (sorted(set(BUILDERS) - {"dartree-pruned"}) if n == "all" else [n]):
             m = METHOD_ALIASES.get(m, m)
             if m != "ar" and m not in BUILDERS:
-                raise SystemExit(f"error: unknown --tree {n!r}; available: ar, all, {', '.join(sorted(BUILDERS))}")
+                raise KeyError(f"unknown --tree {n!r}; available: ar, all, {', '.join(sorted(BUILDERS))}")
             if m not in out:
                 out.append(m)
     return [m for m in out if m != "ar"]
@@ -152,11 +153,25 @@ def main(argv=None) -> int:
     console = Console(width=120)
     if args.threads:
         torch.set_num_threads(args.threads)
-    methods = resolve_methods(args.tree)
+    problems = [msg for bad, msg in (
+        (args.beta > 0, f"--beta {args.beta} > 0 breaks prefix closure; use beta <= 0"),
+        (args.candidates < 1, f"--candidates must be >= 1, got {args.candidates}"),
+        (args.width < 1, f"--width must be >= 1, got {args.width}"),
+        (args.limit < 1, f"--limit must be >= 1, got {args.limit}"),
+        (args.max_new_tokens < 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
+        (args.temperature < 0, f"--temperature must be >= 0, got {args.temperature}"),
+        (bool(args.budget) and min(args.budget) < 0, f"--budget must be >= 0, got {args.budget}"),
+    ) if bad]
+    if problems:
+        print("error: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    try:
+        methods = resolve_methods(args.tree)
+    except KeyError as exc:
+        print(f"error: {exc.args[0]}", file=sys.stderr)
+        return 2
     dtype = _DTYPES[args.dtype]
     budgets = [DEFAULT_CPU_BUDGET] if not args.budget else list(args.budget)
-    if any(b < 0 for b in budgets):
-        raise SystemExit(f"error: --budget must be >= 0, got {budgets}")
     budget = budgets[0] if len(budgets) == 1 else budgets
     # one run per (method, budget); chain drafts one node per proposal and ignores the budget
     runs: dict[str, tuple[str, int | None]] = {}
@@ -167,7 +182,11 @@ def main(argv=None) -> int:
             for b in budgets:
                 runs[f"{m}@B{b}"] = (m, b)
     t0 = time.time()
-    target = load_target(args.target, dtype=dtype)
+    try:
+        target = load_target(args.target, dtype=dtype)
+    except (FileNotFoundError, RuntimeError, OSError, ValueError) as exc:
+        print(f"error: cannot load --target {args.target!r}: {exc}", file=sys.stderr)
+        return 2
     try:
         dm = load_dartree(args.checkpoint, target=target, dtype=dtype) if methods else None
     except CheckpointError as exc:

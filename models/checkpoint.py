@@ -56,12 +56,16 @@ def write_folder_atomically(dest: Path, files: dict[str, bytes | dict]) -> None:
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
+    umask = os.umask(0)
+    os.umask(umask)
     try:
         for name, content in files.items():
             if isinstance(content, dict):
                 save_file(content["tensors"], str(tmp / name), metadata=content.get("metadata"))
             else:
                 (tmp / name).write_bytes(content)
+            os.chmod(tmp / name, 0o666 & ~umask)
+        os.chmod(tmp, 0o777 & ~umask)
         old = None
         if dest.exists():
             old = dest.parent / f".{dest.name}.old-{os.getpid()}"
@@ -72,6 +76,25 @@ def write_folder_atomically(dest: Path, files: dict[str, bytes | dict]) -> None:
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def ensure_replaceable(dest: Path, formats: tuple[str, ...]) -> None:
+    """Refuse to overwrite anything but a checkpoint folder of one of ``formats``.
+
+    Raises:
+        CheckpointError: ``dest`` is a file, or a folder that is not such a checkpoint (nothing is touched).
+    """
+    dest = Path(dest)
+    if not dest.exists():
+        return
+    try:
+        fmt = json.loads((dest / "config.json").read_text()).get("format") if dest.is_dir() else None
+    except (OSError, json.JSONDecodeError):
+        fmt = None
+    if fmt not in formats:
+        raise CheckpointError(
+            f"refusing to overwrite {dest}: it exists and is not a {'/'.join(formats)} checkpoint; choose a new --out folder"
+        )
 
 
 def save_dartree(

@@ -88,8 +88,8 @@ def resolve_target_path(spec: str | os.PathLike | None) -> Path:
     path = Path(spec).expanduser()
     if not (path / "config.json").exists():
         raise FileNotFoundError(
-            f"target {str(spec)!r} is neither 'smollm2' nor a local Hugging Face folder with config.json; "
-            "pass target=smollm2 or the path of a downloaded causal-LM folder (no hub downloads are made)"
+            f"target {str(spec)!r} is neither 'smollm2', 'tiny-qwen3' nor a local Hugging Face folder with config.json; "
+            "give 'smollm2' or the path of a downloaded causal-LM folder (no hub downloads are made)"
         )
     return path
 

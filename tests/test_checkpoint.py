@@ -101,3 +101,16 @@ def test_convert_cli_one_line_error_and_success(tmp_path, train_ckpt):
     r = subprocess.run([sys.executable, "convert/to_dartree.py", str(tmp_path / "nothing")],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "config.json" in r.stderr
+
+
+def test_convert_refuses_to_overwrite_a_foreign_folder(tmp_path, train_ckpt):
+    src = train_ckpt[0]
+    precious = tmp_path / "precious"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    with pytest.raises(CheckpointError, match="refusing to overwrite"):
+        convert(src, precious)
+    assert (precious / "notes.txt").read_text() == "keep me"
+    out = convert(src, tmp_path / "dt")
+    convert(src, out)  # re-converting over an earlier dartree checkpoint is fine
+    assert (out / "model.safetensors").stat().st_mode & 0o044  # readable by others under the default umask

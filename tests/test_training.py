@@ -53,6 +53,10 @@ def test_recipe_typo_lists_valid_keys():
         load_recipe(["recipe=nope"])
     with pytest.raises(RecipeError, match="recipe=NAME"):
         load_recipe([])
+    with pytest.raises(RecipeError, match="head.type 'nope' is unknown"):
+        load_recipe(["recipe=tiny_dspark", "head.type=nope"])
+    with pytest.raises(RecipeError, match="train.lr"):
+        load_recipe(["recipe=tiny_dspark", "train.lr=abc"])
     cfg = load_recipe(["recipe=dspark_b16", "train.lr=1e-3"])
     assert cfg.train.lr == 1e-3 and cfg.drafter.block_size == 16 and cfg.head.type == "markov"
 

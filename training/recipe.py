@@ -132,7 +132,12 @@ def load_recipe(args: list[str]) -> DictConfig:
     schema = OmegaConf.structured(Recipe)
     OmegaConf.set_struct(schema, True)
     cli.recipe = path.stem
-    for source, label in ((OmegaConf.load(path), str(path)), (cli, "command line")):
+    try:
+        from_file = OmegaConf.load(path)
+    except Exception as exc:  # yaml.YAMLError and friends: report the file and the parser's one-line reason
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RecipeError(f"cannot parse recipe {path}: {reason}") from None
+    for source, label in ((from_file, str(path)), (cli, "command line")):
         try:
             schema = OmegaConf.merge(schema, source)
         except (ConfigKeyError, ConfigAttributeError) as exc:
@@ -141,6 +146,15 @@ def load_recipe(args: list[str]) -> DictConfig:
                 f"unknown key {key!r} in {label}; valid keys there: {_valid_keys(schema, str(key))}"
             ) from None
         except ValidationError as exc:
-            raise RecipeError(f"bad value in {label}: {exc.msg if hasattr(exc, 'msg') else exc}") from None
+            msg = (getattr(exc, "msg", None) or str(exc) or "wrong type").strip().splitlines()[0]
+            key = getattr(exc, "full_key", None)
+            where = f"{key!r}" if key else "a section (give key=value for a field inside it)"
+            raise RecipeError(f"bad value for {where} in {label}: {msg}") from None
     OmegaConf.resolve(schema)
+    from dartree.models.heads import HEADS
+
+    if schema.head.type not in HEADS:
+        raise RecipeError(f"head.type {schema.head.type!r} is unknown; available: {sorted(HEADS)}")
+    if schema.data.source not in ("sharegpt", "random"):
+        raise RecipeError(f"data.source {schema.data.source!r} is unknown; use 'sharegpt' or 'random'")
     return schema
