@@ -100,6 +100,10 @@ def test_convert_cli_one_line_error_and_success(tmp_path, train_ckpt):
     assert "detected format: dartree-train" in r.stdout and (tmp_path / "cli" / "config.json").exists()
     r = subprocess.run([sys.executable, "convert/to_dartree.py", str(tmp_path / "nothing")],
                        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "does not exist" in r.stderr
+    (tmp_path / "empty").mkdir()
+    r = subprocess.run([sys.executable, "convert/to_dartree.py", str(tmp_path / "empty")],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
     assert r.returncode == 2 and r.stderr.strip().count("\n") == 0 and "config.json" in r.stderr
 
 
