@@ -36,7 +36,7 @@ DEFAULT_CHECKPOINT = REPO / "checkpoints" / "dspark_b16"
 # verify costs ~1.8 AR steps in fp32 here, a 65-token one ~4; verify cost grows fast
 # with tree size on a CPU; GPUs prefer 64+).
 DEFAULT_CPU_BUDGET = 8
-METHOD_ALIASES = {"dartree-pruned": "pruned"}
+METHOD_ALIASES = {"dartree-pruned": "pruned", "dartree-fixed": "fixed"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -72,7 +72,7 @@ def resolve_methods(names: list[str]) -> list[str]:
     """
     out: list[str] = []
     for n in names:
-        for m in (sorted(set(BUILDERS) - {"dartree-pruned"}) if n == "all" else [n]):
+        for m in (sorted(set(BUILDERS) - {"dartree-pruned", "dartree-fixed"}) if n == "all" else [n]):
             m = METHOD_ALIASES.get(m, m)
             if m != "ar" and m not in BUILDERS:
                 raise KeyError(f"unknown --tree {n!r}; available: ar, all, {', '.join(sorted(BUILDERS))}")

@@ -275,3 +275,71 @@ def build_dartree_pruned(
         return Tree.empty()
     sup = build_supertree(block, head, root_id, k=k, quota=lambda d, avail: min(int(width), avail))
     return select_top_b(sup, int(budget), float(beta))
+
+
+@register_builder("dartree-fixed", "fixed")
+def build_dartree_fixed(
+    block: DraftBlock, head: CorrectionHead, root_id: int, budget: int, *, k: int = 64, **extra
+) -> Tree:
+    """DARTree-fixed: depth-wise batched expansion with a fixed quota of ceil(remaining budget / remaining
+    depths) nodes per depth (64 over 16 depths = 4 per depth), beta = 0 (DARTree ``run_dartree.py``).
+
+    Raises:
+        ValueError: k < 1. TypeError: an unknown parameter (``width``/``beta`` are accepted and ignored).
+    """
+    _check_params("dartree-fixed", extra)
+    budget = int(budget)
+    if budget <= 0:
+        return Tree.empty()
+    p_len = block.base_logits.shape[0]
+    used = [0]
+
+    def quota(d: int, avail: int) -> int:
+        q = min(-(-(budget - used[0]) // (p_len - d)), avail)
+        used[0] += q
+        return q
+
+    return build_supertree(block, head, root_id, k=k, quota=quota)
+
+
+@register_builder("ddtree")
+@torch.no_grad()
+def build_ddtree(block: DraftBlock, head: CorrectionHead, root_id: int, budget: int, **extra) -> Tree:
+    """DDTree: best-first heap over the factorised per-depth marginals log_softmax(U_d) (DDTree
+    ``build_ddtree_tree``, arXiv 2604.12989): returns exactly the top-B prefixes by summed log-probability,
+    with K = min(B, V) candidates per depth. The correction head is not used (DDTree drafts from marginals).
+    Ties go to the shallower, earlier-pushed entry.
+
+    Raises:
+        TypeError: an unknown parameter (``k``/``width``/``beta`` are accepted and ignored).
+    """
+    import heapq
+
+    _check_params("ddtree", extra)
+    budget = int(budget)
+    p_len, v = block.base_logits.shape
+    if budget <= 0 or p_len == 0:
+        return Tree.empty()
+    kk = min(budget, v)
+    ids, lp = candidates(torch.log_softmax(block.base_logits.float(), dim=-1), kk)
+    lp_l, ids_l = lp.tolist(), ids.tolist()
+    counter = 0
+    heap = [(-lp_l[0][0], 1, counter, 0, 0, lp_l[0][0])]  # (-logw, depth, order, parent, rank, logw)
+    toks, pars, deps, scs = [], [], [], []
+    while heap and len(toks) < budget:
+        _, depth, _, parent, rank, logw = heapq.heappop(heap)
+        toks.append(ids_l[depth - 1][rank])
+        pars.append(parent)
+        deps.append(depth)
+        scs.append(logw)
+        node = len(toks)
+        if rank + 1 < kk:
+            counter += 1
+            w = logw - lp_l[depth - 1][rank] + lp_l[depth - 1][rank + 1]
+            heapq.heappush(heap, (-w, depth, counter, parent, rank + 1, w))
+        if depth < p_len:
+            counter += 1
+            w = logw + lp_l[depth][0]
+            heapq.heappush(heap, (-w, depth + 1, counter, node, 0, w))
+    return Tree(torch.tensor(toks, dtype=torch.long), torch.tensor(pars, dtype=torch.long),
+                torch.tensor(deps, dtype=torch.long), torch.tensor(scs, dtype=torch.float32))

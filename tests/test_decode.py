@@ -26,6 +26,8 @@ def ar(target, prompt, n=40, stops=(STOP,)):
     ("pruned", 12, {"k": 8, "width": 4}),
     ("pruned", 32, {"k": 16, "width": 12, "beta": -0.2}),
     ("pruned", 1, {}),
+    ("fixed", 16, {"k": 8}),
+    ("ddtree", 12, {}),
 ])
 def test_greedy_speculative_equals_target_greedy(target, drafter, head, prompts, builder, budget, params):
     for p in prompts:

@@ -77,3 +77,31 @@ def test_bad_builder_parameters_are_errors():
         get_builder("chain")(_block(), IdentityHead(), 7, 8, k=0)
     with pytest.raises(ValueError, match="beta"):
         get_builder("pruned")(_block(), IdentityHead(), 7, 8, beta=0.5)
+
+
+def test_ddtree_equals_brute_force_top_b_prefixes():
+    import itertools
+
+    g = torch.Generator().manual_seed(4)
+    p, v = 3, 4
+    block = DraftBlock(torch.zeros(p, 32), torch.randn(p, v, generator=g) * 2)
+    lp = torch.log_softmax(block.base_logits, -1)
+    prefixes = []
+    for d in range(1, p + 1):
+        for path in itertools.product(range(v), repeat=d):
+            prefixes.append((float(sum(lp[i, t] for i, t in enumerate(path))), path))
+    for budget in (1, 5, 13, 40, 84):
+        want = {path for _, path in sorted(prefixes, key=lambda x: -x[0])[:budget]}
+        t = get_builder("ddtree")(block, IdentityHead(), 0, budget)
+        got, paths = set(), {0: ()}
+        for i, (tok, par) in enumerate(zip(t.tokens.tolist(), t.parents.tolist()), start=1):
+            paths[i] = paths[par] + (tok,)
+            got.add(paths[i])
+        assert got == want and t.size == min(budget, len(prefixes)) and _prefix_closed(t)
+
+
+def test_dartree_fixed_spends_the_budget_evenly():
+    t = get_builder("fixed")(_block(p=16), make_markov(), 7, 64, k=16)
+    assert t.size == 64 and torch.bincount(t.depth).tolist()[1:] == [4] * 16 and _prefix_closed(t)
+    t = get_builder("dartree-fixed")(_block(p=6), IdentityHead(), 7, 10, k=16)
+    assert t.size == 10 and torch.bincount(t.depth).tolist()[1:] == [2, 2, 2, 2, 1, 1]
