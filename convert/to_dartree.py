@@ -30,6 +30,8 @@ from dartree.models.checkpoint import (
 
 
 def _read_config(src: Path) -> dict:
+    if not src.is_dir():
+        raise CheckpointError(f"{src} does not exist or is not a folder; give the checkpoint folder as SRC")
     path = src / "config.json"
     if not path.exists():
         raise CheckpointError(f"{src} has no config.json; point SRC at a checkpoint folder")
@@ -111,8 +113,6 @@ def convert(src: str | Path, out: str | Path, *, source_format: str = "auto", dt
         CheckpointError: unreadable or invalid source (named tensor / field), or unknown format.
     """
     src = Path(src)
-    if not src.is_dir():
-        raise CheckpointError(f"{src} does not exist or is not a folder; give the checkpoint folder as SRC")
     ensure_replaceable(Path(out), ("dartree",))
     config = _read_config(src)
     fmt = detect_format(config, src) if source_format == "auto" else source_format
@@ -135,8 +135,6 @@ def main(argv: list[str] | None = None) -> int:
     src = Path(args.src)
     out = Path(args.out) if args.out else src.with_name(src.name + "-dartree")
     try:
-        if not src.is_dir():
-            raise CheckpointError(f"{src} does not exist or is not a folder; give the checkpoint folder as SRC")
         config = _read_config(src)
         if args.source_format == "auto":
             fmt = detect_format(config, src)
