@@ -162,7 +162,7 @@ def build_chain(block: DraftBlock, head: CorrectionHead, root_id: int, budget: i
         total += float(logq[j])
         toks.append(tok)
         scores.append(total)
-        state = head.advance(state, torch.tensor([tok]))
+        state = head.advance(state, torch.tensor([tok]), block.hidden[d : d + 1])
     return Tree(
         tokens=torch.tensor(toks, dtype=torch.long),
         parents=torch.arange(m, dtype=torch.long),
@@ -214,7 +214,7 @@ def build_supertree(
         f_index = torch.arange(next_index, next_index + pick.numel())
         next_index += pick.numel()
         parent_state = None if state is None else state[par_row]
-        state = head.advance(parent_state, new_tok)
+        state = head.advance(parent_state, new_tok, hid[par_row])
     if not toks:
         return Tree.empty()
     return Tree(torch.cat(toks), torch.cat(pars), torch.cat(deps), torch.cat(scs).float())

@@ -5,7 +5,14 @@ A head corrects the drafter's per-position base logits U = lm_head(H) using the 
 - ``init_state(anchor_ids [N]) -> r [N, S]`` (None for stateless heads): the state at depth 0 (the root).
 - ``score(C [N, K], H [N, D], r, base [N, K]) -> [N, K]``: corrected logits of candidates C, i.e. g(C, H, r);
   ``base`` = U[C], the base logits of the same candidates. Callers normalise over C (log-softmax over K).
-- ``advance(r [N, S], tokens [N]) -> r' [N, S]``: the state of a child from its parent's state and token.
+- ``advance(r [N, S], tokens [N], hidden [N, D] | None) -> r' [N, S]``: the state of a child from its parent's
+  state and token; ``hidden`` is H at the child's own depth (needed by the DSpark RNN head, whose next state
+  mixes in h_k; the others ignore it).
+- ``factors(hidden [N, D], r) -> A [N, R]`` and ``out_rows(C [K]) -> W [K, R]``: the low-rank form that every
+  published head shares, g(C, H, r) = U[C] + A · W[C]^T (``None`` for the identity head). Builders hand these
+  to the fused frontier-scoring kernel (``dartree.kernels.frontier``); ``score`` is the plain form.
+- ``bind_embeddings(weight [V, D])``: heads that read the target's frozen input embeddings (Domino's GRU)
+  receive them here after loading; a no-op for the others.
 - ``block_logits(prev_ids [N, P], H [N, P, D], U [N, P, V]) -> [N, P, V]``: the teacher-forced form for
   training, where prev_ids[:, j] is the token before proposal j (the anchor for j = 0).
 
@@ -37,9 +44,23 @@ class CorrectionHead(nn.Module):
         -> corrected logits [N, K] fp32 (unnormalised; callers log-softmax over the K candidates)."""
         raise NotImplementedError
 
-    def advance(self, state, tokens: torch.Tensor):
-        """Child state from the parent's state [N, S] and the child's token [N] int64 -> [N, S]."""
+    def advance(self, state, tokens: torch.Tensor, hidden: torch.Tensor | None = None):
+        """Child state from the parent's state [N, S], the child's token [N] int64 and H at the child's depth
+        [N, D] (optional; only heads whose state reads H need it) -> [N, S]."""
         raise NotImplementedError
+
+    def factors(self, hidden: torch.Tensor, state) -> torch.Tensor | None:
+        """Per-parent activation A [N, R] fp32 with g(C, H, r) = U[C] + A · out_rows(C)^T; None when the head
+        adds nothing (identity). hidden [N, D], state [N, S]."""
+        raise NotImplementedError
+
+    def out_rows(self, cand: torch.Tensor) -> torch.Tensor | None:
+        """Output rows W[C] [..., R] fp32 for candidate ids C [...] int64 (the head's rank-R output matrix)."""
+        raise NotImplementedError
+
+    def bind_embeddings(self, weight: torch.Tensor) -> None:
+        """Receive the target's frozen input-embedding matrix [V, D]; no-op unless the head reads it."""
+        return None
 
     def block_logits(self, prev_ids: torch.Tensor, hidden: torch.Tensor, base_logits: torch.Tensor) -> torch.Tensor:
         """Teacher-forced logits: prev_ids [N, P] int64, hidden [N, P, D], base [N, P, V] -> [N, P, V] fp32."""
@@ -60,7 +81,13 @@ class IdentityHead(CorrectionHead):
     def score(self, cand, hidden, state, base):
         return base.float()
 
-    def advance(self, state, tokens):
+    def advance(self, state, tokens, hidden=None):
+        return None
+
+    def factors(self, hidden, state):
+        return None
+
+    def out_rows(self, cand):
         return None
 
     def block_logits(self, prev_ids, hidden, base_logits):
@@ -99,8 +126,14 @@ class MarkovHead(CorrectionHead):
         rows = self.w2.weight[cand].float()  # [N, K, R]
         return base.float() + torch.einsum("nkr,nr->nk", rows, state.float())
 
-    def advance(self, state, tokens):
+    def advance(self, state, tokens, hidden=None):
         return self.w1(tokens).float()
+
+    def factors(self, hidden, state):
+        return state.float()
+
+    def out_rows(self, cand):
+        return self.w2.weight[cand].float()
 
     def block_logits(self, prev_ids, hidden, base_logits):
         return base_logits.float() + self.w2(self.w1(prev_ids)).float()

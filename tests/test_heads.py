@@ -23,7 +23,7 @@ def test_unrolled_score_advance_equals_block_logits(name):
         got = head.score(cand, hidden[:, j], state, base[:, j].gather(1, cand))
         torch.testing.assert_close(got, full[:, j].gather(1, cand), atol=1e-5, rtol=1.3e-6)
         if j + 1 < p:
-            state = head.advance(state, prev[:, j + 1])
+            state = head.advance(state, prev[:, j + 1], hidden[:, j])  # H of the child's own position
     if name == "markov":
         assert not torch.allclose(full, base)  # the correction is not a no-op
 
