@@ -17,13 +17,24 @@ A head corrects the drafter's per-position base logits U = lm_head(H) using the 
   training, where prev_ids[:, j] is the token before proposal j (the anchor for j = 0).
 
 Unrolling ``score``/``advance`` along prev_ids equals ``block_logits`` (pinned by a test).
-Heads here: ``identity`` (plain DFlash) and ``markov`` (DSpark vanilla Markov head). Logits are fp32.
+Heads here: ``identity`` (plain DFlash), ``markov`` (DSpark vanilla Markov head), ``gated_markov`` (DSpark gated
+variant), ``rnn`` (DSpark RNN head) and ``gru`` (Domino). The DSpark heads optionally carry DSpark's confidence
+head (stored and converted, not used by the decoders). Logits are fp32.
+
+Concat and split orders below follow the public code (SpecForge ``specforge/modeling/draft/{domino,
+dspark_heads}.py``, DeepSpec ``deepspec/modeling/dspark/qwen3/modeling.py``): Domino's ``embed_proj.0`` reads
+``[z ; s]`` (drafter hidden first, GRU state last); the gated head's ``gate_proj`` reads ``[h ; W1[x]]``; the RNN
+head's ``joint_proj`` reads ``[s ; W1[x] ; h]`` and its output splits as (gate, candidate, output); the confidence
+head reads ``[h ; W1[x]]``.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+
+from dartree.kernels.gru import gru_cell
 
 
 class CorrectionHead(nn.Module):
@@ -94,30 +105,80 @@ class IdentityHead(CorrectionHead):
         return base_logits.float()
 
 
-class MarkovHead(CorrectionHead):
+class _ConfidenceMixin:
+    """DSpark's optional confidence head (``AcceptRatePredictor``; DSpark paper section 3.3, ANCHORS.md 5b).
+
+    ``confidence.weight`` [1, D + R] and ``confidence.bias`` [1] when ``confidence_with_markov`` (input
+    ``[h_k ; W1[x_{k-1}]]``, hidden first), else [1, D] (input h_k). It predicts the acceptance probability of
+    each proposal, c_k = sigmoid(w^T x + b); it is stored and converted but the decoders do not use it.
+    """
+
+    def _init_confidence(self, confidence_head: bool, confidence_with_markov: bool, hidden_size: int | None):
+        self.confidence_head = bool(confidence_head)
+        self.confidence_with_markov = bool(confidence_with_markov)
+        if self.confidence_head:
+            if hidden_size is None:
+                raise ValueError(f"{self.type_name} head: confidence_head=True needs hidden_size (the drafter's D)")
+            self.confidence = nn.Linear(int(hidden_size) + (self.rank if self.confidence_with_markov else 0), 1)
+
+    def _confidence_hparams(self) -> dict:
+        if not self.confidence_head:
+            return {}
+        return {"confidence_head": True, "confidence_with_markov": self.confidence_with_markov}
+
+    def _prev_embedding(self, state: torch.Tensor) -> torch.Tensor:
+        """W1[x_prev] [N, R] from a state [N, S]."""
+        return state[:, : self.rank]
+
+    def confidence_logits(self, hidden: torch.Tensor, state: torch.Tensor) -> torch.Tensor:
+        """Confidence logit (pre-sigmoid) per row: hidden [N, D], state [N, S] -> [N] fp32.
+
+        Raises:
+            RuntimeError: the head was built without a confidence head.
+        """
+        if not self.confidence_head:
+            raise RuntimeError(f"this {self.type_name} head has no confidence head (confidence_head=False)")
+        x = hidden.float()
+        if self.confidence_with_markov:
+            x = torch.cat([x, self._prev_embedding(state).float()], dim=-1)
+        return F.linear(x, self.confidence.weight.float(), self.confidence.bias.float())[:, 0]
+
+
+class MarkovHead(_ConfidenceMixin, CorrectionHead):
     """DSpark vanilla Markov head: logits_k = U_k + W2 · W1[x_{k-1}] (DSpark paper section 3, ANCHORS.md 5b).
 
     Parameters: ``w1.weight`` [V, R] (an embedding, DSpark ``markov_w1``), ``w2.weight`` [V, R] (a bias-free
-    linear R -> V, DSpark ``markov_w2``). The state r is W1[x_prev] [N, R]; the first position's previous token
-    is the anchor. H is unused. ``w2`` starts at zero, so an untrained head is the identity.
+    linear R -> V, DSpark ``markov_w2``), optionally ``confidence.{weight,bias}`` (see :class:`_ConfidenceMixin`).
+    The state r is W1[x_prev] [N, R]; the first position's previous token is the anchor. H is unused.
+    ``w2`` starts at zero, so an untrained head is the identity.
 
     Args:
         vocab_size: V.
         rank: R (DSpark default 256; the default target's recipe uses less to fit the 32 MB checkpoint cap).
+        hidden_size: D, needed only with ``confidence_head``.
+        confidence_head, confidence_with_markov: carry DSpark's confidence head (input [h ; W1[x_prev]] or h).
+    Raises:
+        ValueError: ``confidence_head`` without ``hidden_size``.
     """
 
     type_name = "markov"
 
-    def __init__(self, vocab_size: int, rank: int = 256):
+    def __init__(self, vocab_size: int, rank: int = 256, hidden_size: int | None = None,
+                 confidence_head: bool = False, confidence_with_markov: bool = True):
         super().__init__()
         self.vocab_size, self.rank = int(vocab_size), int(rank)
+        self.hidden_size = None if hidden_size is None else int(hidden_size)
         self.w1 = nn.Embedding(self.vocab_size, self.rank)
         self.w2 = nn.Linear(self.rank, self.vocab_size, bias=False)
         nn.init.normal_(self.w1.weight, std=0.02)
         nn.init.zeros_(self.w2.weight)
+        self._init_confidence(confidence_head, confidence_with_markov, hidden_size)
 
     def hparams(self) -> dict:
-        return {"vocab_size": self.vocab_size, "rank": self.rank}
+        out = {"vocab_size": self.vocab_size, "rank": self.rank}
+        if self.hidden_size is not None:
+            out["hidden_size"] = self.hidden_size
+        return {**out, **self._confidence_hparams()}
 
     def init_state(self, anchor_ids):
         return self.w1(anchor_ids).float()
@@ -139,6 +200,212 @@ class MarkovHead(CorrectionHead):
         return base_logits.float() + self.w2(self.w1(prev_ids)).float()
 
 
+class GatedMarkovHead(MarkovHead):
+    """DSpark gated Markov head (ANCHORS.md 5b; SpecForge ``GatedMarkovHead``, DeepSpec ``markov_head_type="gated"``).
+
+    logits_k = U_k + W2 · (gate_k ⊙ W1[x_{k-1}]), gate_k = sigmoid(gate_proj([h_k ; W1[x_{k-1}]])).
+    Parameters: ``w1.weight`` [V, R], ``w2.weight`` [V, R], ``gate_proj.weight`` [R, D + R] and
+    ``gate_proj.bias`` [R] (input order: hidden first), optionally ``confidence.*``. State r = W1[x_prev] [N, R].
+    ``score``/``factors`` need H (the proposal's hidden state).
+
+    Args:
+        vocab_size: V. rank: R. hidden_size: D (required).
+        confidence_head, confidence_with_markov: as :class:`MarkovHead`.
+    """
+
+    type_name = "gated_markov"
+
+    def __init__(self, vocab_size: int, rank: int = 256, hidden_size: int | None = None,
+                 confidence_head: bool = False, confidence_with_markov: bool = True):
+        if hidden_size is None:
+            raise ValueError("gated_markov head needs hidden_size (the drafter's D) for gate_proj")
+        super().__init__(vocab_size, rank, hidden_size, confidence_head, confidence_with_markov)
+        self.gate_proj = nn.Linear(self.hidden_size + self.rank, self.rank)
+
+    def _gate(self, hidden: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        if hidden is None:
+            raise ValueError("gated_markov head needs the proposal's hidden state H; got None")
+        x = torch.cat([hidden.float(), emb.float()], dim=-1)
+        return torch.sigmoid(F.linear(x, self.gate_proj.weight.float(), self.gate_proj.bias.float()))
+
+    def factors(self, hidden, state):
+        return self._gate(hidden, state) * state.float()
+
+    def score(self, cand, hidden, state, base):
+        return base.float() + torch.einsum("nkr,nr->nk", self.out_rows(cand), self.factors(hidden, state))
+
+    def block_logits(self, prev_ids, hidden, base_logits):
+        emb = self.w1(prev_ids).float()  # [N, P, R]
+        return base_logits.float() + F.linear(self._gate(hidden, emb) * emb, self.w2.weight.float())
+
+
+class RNNHead(MarkovHead):
+    """DSpark RNN head (ANCHORS.md 5b; SpecForge ``RNNMarkovHead``, DeepSpec ``markov_head_type="rnn"``).
+
+    With e_k = W1[x_{k-1}] and (a, c, o) = joint_proj([s_{k-1} ; e_k ; h_k]) split in that order:
+    s_k = sigmoid(a) ⊙ s_{k-1} + (1 - sigmoid(a)) ⊙ tanh(c), logits_k = U_k + W2 · tanh(o), s_{-1} = 0.
+    Parameters: ``w1.weight`` [V, R], ``w2.weight`` [V, R], ``joint_proj.weight`` [3R, 2R + D],
+    ``joint_proj.bias`` [3R], optionally ``confidence.*``.
+
+    dartree state r = [s_{k-1} ; e_k] [N, 2R] (the recurrent state before proposal k and the previous token's
+    embedding). ``advance(r, x_k, h_k)`` needs H at the child's own proposal index (the row scored with r).
+
+    Args:
+        vocab_size: V. rank: R. hidden_size: D (required).
+        confidence_head, confidence_with_markov: as :class:`MarkovHead`.
+    """
+
+    type_name = "rnn"
+
+    def __init__(self, vocab_size: int, rank: int = 256, hidden_size: int | None = None,
+                 confidence_head: bool = False, confidence_with_markov: bool = True):
+        if hidden_size is None:
+            raise ValueError("rnn head needs hidden_size (the drafter's D) for joint_proj")
+        super().__init__(vocab_size, rank, hidden_size, confidence_head, confidence_with_markov)
+        self.joint_proj = nn.Linear(2 * self.rank + self.hidden_size, 3 * self.rank)
+
+    def _prev_embedding(self, state):
+        return state[:, self.rank :]
+
+    def _step(self, s: torch.Tensor, e: torch.Tensor, hidden: torch.Tensor):
+        """One RNN step: s [.., R], e [.., R], hidden [.., D] -> (s' [.., R], tanh(o) [.., R]) fp32."""
+        if hidden is None:
+            raise ValueError("rnn head needs the proposal's hidden state H; got None")
+        x = torch.cat([s.float(), e.float(), hidden.float()], dim=-1)
+        a, c, o = F.linear(x, self.joint_proj.weight.float(), self.joint_proj.bias.float()).chunk(3, dim=-1)
+        gate = torch.sigmoid(a)
+        return gate * s.float() + (1 - gate) * torch.tanh(c), torch.tanh(o)
+
+    def init_state(self, anchor_ids):
+        e = self.w1(anchor_ids).float()
+        return torch.cat([torch.zeros_like(e), e], dim=-1)
+
+    def factors(self, hidden, state):
+        return self._step(state[:, : self.rank], state[:, self.rank :], hidden)[1]
+
+    def score(self, cand, hidden, state, base):
+        return base.float() + torch.einsum("nkr,nr->nk", self.out_rows(cand), self.factors(hidden, state))
+
+    def advance(self, state, tokens, hidden=None):
+        s_new = self._step(state[:, : self.rank], state[:, self.rank :], hidden)[0]
+        return torch.cat([s_new, self.w1(tokens).float()], dim=-1)
+
+    def block_logits(self, prev_ids, hidden, base_logits):
+        emb = self.w1(prev_ids).float()  # [N, P, R]
+        s = emb.new_zeros(emb.shape[0], self.rank)
+        outs = []
+        for j in range(prev_ids.shape[1]):
+            s, out = self._step(s, emb[:, j], hidden[:, j])
+            outs.append(out)
+        return base_logits.float() + F.linear(torch.stack(outs, dim=1), self.w2.weight.float())
+
+
+class GRUHead(CorrectionHead):
+    """Domino GRU head (Domino, ANCHORS.md 5a; SpecForge ``DominoDraftModel``).
+
+    With s_k = GRU(E[x_0], ..., E[x_k]) over the target's frozen token embeddings E of the previous tokens
+    (x_0 = the anchor; ``nn.GRU`` without bias, gate order r, z, n) and z_k the drafter's hidden state:
+    logits_k = U_k + fc2 · SiLU(fc1 · [z_k ; s_k]) for k >= ``prefix_len``, and U_k for the first ``prefix_len``
+    proposals (Domino's ``pure_draft_prefix_len``). Rank E = ``emb_dim``.
+
+    Parameters: ``weight_ih`` [3G, D_emb] (``prefix_gru.weight_ih_l0``), ``weight_hh`` [3G, G]
+    (``prefix_gru.weight_hh_l0``), ``fc1.weight`` [E, D + G] (``embed_proj.0``, columns: first D for z, last G
+    for s), ``fc2.weight`` [V, E] (``embed_proj.2``).
+
+    State r = [s ; depth] [N, G + 1]: the GRU state after the path's tokens and the proposal index it scores
+    (a float counter), so the pure-prefix positions are absorbed here: ``factors`` is zero while
+    depth < prefix_len. Root r0 = [GRUCell(E[anchor], 0) ; 0]; ``advance`` = [GRUCell(E[x], s) ; depth + 1]
+    through :func:`dartree.kernels.gru.gru_cell`. E comes from :meth:`bind_embeddings` (not stored).
+
+    Args:
+        vocab_size: V. hidden_size: D. emb_dim: E. gru_hidden_dim: G.
+        prefix_len: leading proposals that use the base logits only (Domino default 1).
+        embed_dim: D_emb, the token-embedding width (default D).
+    Raises:
+        RuntimeError: (at use) no embeddings bound.
+    """
+
+    type_name = "gru"
+
+    def __init__(self, vocab_size: int, hidden_size: int, emb_dim: int = 256, gru_hidden_dim: int = 1024,
+                 prefix_len: int = 1, embed_dim: int | None = None):
+        super().__init__()
+        self.vocab_size, self.hidden_size = int(vocab_size), int(hidden_size)
+        self.emb_dim, self.gru_hidden_dim, self.prefix_len = int(emb_dim), int(gru_hidden_dim), int(prefix_len)
+        self.embed_dim = self.hidden_size if embed_dim is None else int(embed_dim)
+        if self.prefix_len < 0:
+            raise ValueError(f"gru head: prefix_len must be >= 0, got {self.prefix_len}")
+        g = self.gru_hidden_dim
+        self.weight_ih = nn.Parameter(torch.empty(3 * g, self.embed_dim))
+        self.weight_hh = nn.Parameter(torch.empty(3 * g, g))
+        bound = 1.0 / g**0.5
+        nn.init.uniform_(self.weight_ih, -bound, bound)
+        nn.init.uniform_(self.weight_hh, -bound, bound)
+        self.fc1 = nn.Linear(self.hidden_size + g, self.emb_dim, bias=False)
+        self.fc2 = nn.Linear(self.emb_dim, self.vocab_size, bias=False)
+        nn.init.zeros_(self.fc2.weight)  # an untrained head is the identity
+        self.__dict__["_embed"] = None  # the target's embedding; never a parameter or buffer
+
+    def hparams(self) -> dict:
+        out = {"vocab_size": self.vocab_size, "hidden_size": self.hidden_size, "emb_dim": self.emb_dim,
+               "gru_hidden_dim": self.gru_hidden_dim, "prefix_len": self.prefix_len}
+        if self.embed_dim != self.hidden_size:
+            out["embed_dim"] = self.embed_dim
+        return out
+
+    def bind_embeddings(self, weight: torch.Tensor) -> None:
+        """Use ``weight`` [V, D_emb] (the target's frozen input embedding) as E; kept by reference, not stored.
+
+        Raises:
+            ValueError: its shape is not [V, D_emb].
+        """
+        if tuple(weight.shape) != (self.vocab_size, self.embed_dim):
+            raise ValueError(f"gru head: embeddings of shape {list(weight.shape)} do not fit "
+                             f"[vocab_size {self.vocab_size}, embed_dim {self.embed_dim}]")
+        self.__dict__["_embed"] = weight.detach()
+
+    def _gi(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Input-gate pre-activations E[x] · W_ih^T: tokens [...] -> [..., 3G] fp32."""
+        emb = self.__dict__["_embed"]
+        if emb is None:
+            raise RuntimeError("gru head has no token embeddings: call head.bind_embeddings(target.embed_tokens.weight) "
+                               "(load_dartree(..., target=...) does it)")
+        e = F.embedding(tokens.to(emb.device), emb).to(self.weight_ih.device).float()
+        return F.linear(e, self.weight_ih.float())
+
+    def init_state(self, anchor_ids):
+        gi = self._gi(anchor_ids)
+        s = gru_cell(gi, gi.new_zeros(gi.shape[0], self.gru_hidden_dim), self.weight_hh)
+        return torch.cat([s, s.new_zeros(s.shape[0], 1)], dim=-1)
+
+    def advance(self, state, tokens, hidden=None):
+        s = gru_cell(self._gi(tokens), state[:, :-1].float(), self.weight_hh)
+        return torch.cat([s, state[:, -1:].float() + 1], dim=-1)
+
+    def factors(self, hidden, state):
+        x = torch.cat([hidden.float(), state[:, :-1].float()], dim=-1)
+        act = F.silu(F.linear(x, self.fc1.weight.float()))
+        return act * (state[:, -1:] >= self.prefix_len).float()
+
+    def out_rows(self, cand):
+        return self.fc2.weight[cand].float()
+
+    def score(self, cand, hidden, state, base):
+        return base.float() + torch.einsum("nkr,nr->nk", self.out_rows(cand), self.factors(hidden, state))
+
+    def block_logits(self, prev_ids, hidden, base_logits):
+        gi = self._gi(prev_ids)  # [N, P, 3G]
+        s = gi.new_zeros(gi.shape[0], self.gru_hidden_dim)
+        states = []
+        for j in range(prev_ids.shape[1]):
+            s = gru_cell(gi[:, j], s, self.weight_hh, backend="torch")  # differentiable path for training
+            states.append(s)
+        x = torch.cat([hidden.float(), torch.stack(states, dim=1)], dim=-1)
+        act = F.silu(F.linear(x, self.fc1.weight.float()))
+        keep = (torch.arange(prev_ids.shape[1], device=act.device) >= self.prefix_len).float()[None, :, None]
+        return base_logits.float() + F.linear(act * keep, self.fc2.weight.float())
+
+
 HEADS: dict[str, type[CorrectionHead]] = {}
 
 
@@ -154,7 +421,7 @@ def register_head(cls: type[CorrectionHead]) -> type[CorrectionHead]:
     return cls
 
 
-for _cls in (IdentityHead, MarkovHead):
+for _cls in (IdentityHead, MarkovHead, GatedMarkovHead, RNNHead, GRUHead):
     register_head(_cls)
 
 
