@@ -20,6 +20,8 @@ from typing import Callable
 
 import torch
 
+from dartree.kernels.candidates import topk_candidates
+from dartree.kernels.frontier import frontier_topk
 from dartree.models.heads import CorrectionHead
 
 
@@ -57,31 +59,22 @@ class Tree:
         return Tree(z, z.clone(), z.clone(), torch.zeros(0))
 
 
-def candidates(base_logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def candidates(base_logits: torch.Tensor, k: int, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
     """Per-depth top-K of the base logits, ordered by (logit desc, token id asc); ties at the K-th value are
-    resolved toward the lower token id, so the selected set is deterministic too.
+    resolved toward the lower token id, so the selected set is deterministic too
+    (``dartree.kernels.candidates.topk_candidates``).
 
     Args:
         base_logits: [P, V] fp32.
         k: K >= 1 (clamped to V).
+        backend: kernel backend (``auto``: Triton on CUDA, torch on CPU).
     Returns:
         (ids [P, K] int64, logits [P, K] fp32).
     Raises:
         ValueError: k < 1.
     """
-    if int(k) < 1:
-        raise ValueError(f"candidate count K must be >= 1, got {k}")
-    p, v = base_logits.shape
-    k = min(int(k), v)
-    kth = torch.topk(base_logits, k, dim=-1).values[:, -1:]  # [P, 1]
-    gt = base_logits > kth
-    eq = base_logits == kth
-    need = k - gt.sum(-1, keepdim=True)
-    sel = gt | (eq & (torch.cumsum(eq, dim=-1) <= need))  # exactly k per row, lowest ids among the ties
-    ids = sel.nonzero()[:, 1].view(p, k)  # ascending ids per row
-    vals = base_logits.gather(-1, ids)
-    order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
-    return ids.gather(-1, order), vals.gather(-1, order)
+    ids, vals, _ = topk_candidates(base_logits, k, backend=backend)
+    return ids, vals
 
 
 def _stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -90,13 +83,23 @@ def _stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     return torch.sort(scores, descending=True, stable=True).indices[:k]
 
 
-COMMON_PARAMS = {"k", "width", "beta"}
+COMMON_PARAMS = {"k", "width", "beta", "children", "backend"}
 
 
 def _check_params(name: str, extra: dict) -> None:
     unknown = sorted(set(extra) - COMMON_PARAMS)
     if unknown:
         raise TypeError(f"tree builder {name!r} got unknown parameter(s) {unknown}; known: {sorted(COMMON_PARAMS)}")
+
+
+def _check_k(k: int) -> None:
+    if int(k) < 1:
+        raise ValueError(f"candidate count K must be >= 1, got {k}")
+
+
+def _check_beta(beta: float) -> None:
+    if beta > 0:
+        raise ValueError(f"depth bonus beta={beta} > 0 breaks DARTree's prefix-closure guarantee; use beta <= 0")
 
 
 TreeBuilder = Callable[..., Tree]
@@ -131,9 +134,39 @@ def get_builder(name: str) -> TreeBuilder:
     return BUILDERS[name]
 
 
+def expand_frontier(head: CorrectionHead, hidden: torch.Tensor, state, cand: torch.Tensor, base: torch.Tensor,
+                    parent_scores: torch.Tensor, quota: int, backend: str = "auto"):
+    """One depth of batched expansion: g over the shared candidates for every frontier parent, normalised
+    over the K candidates, path scores, and the global top-``quota`` (DARTree ``build_dartree_supertree``).
+
+    Uses the fused frontier kernel (``dartree.kernels.frontier``) through the head's low-rank form
+    g = U[C] + factors(H, r) · out_rows(C)^T; a head without that form is scored with ``head.score``.
+    Args:
+        hidden: [D] H at this depth. state: [F, S] parents' states (or None). cand/base: [K] ids / base logits.
+        parent_scores: [F] fp32. quota: pairs to select.
+    Returns:
+        (parent row [Q] int64, candidate column [Q] int64, path score [Q] fp32), best first; ties go to the
+        earlier parent, then the better-ranked candidate.
+    """
+    n_f, kk = parent_scores.numel(), cand.numel()
+    hid = hidden.expand(n_f, -1)
+    try:
+        act = head.factors(hid, state)
+    except NotImplementedError:
+        g = head.score(cand.expand(n_f, kk), hid, state, base.expand(n_f, kk))
+        path = (parent_scores[:, None] + torch.log_softmax(g.float(), dim=-1)).reshape(-1)
+        pick = _stable_topk(path, quota)
+        path = path[pick]
+    else:
+        rows = None if act is None else head.out_rows(cand)
+        pick, path = frontier_topk(base, parent_scores, quota, act, rows, backend=backend)
+    return pick // kk, pick % kk, path
+
+
 @register_builder("chain")
 @torch.no_grad()
-def build_chain(block: DraftBlock, head: CorrectionHead, root_id: int, budget: int, *, k: int = 64, **extra) -> Tree:
+def build_chain(block: DraftBlock, head: CorrectionHead, root_id: int, budget: int, *, k: int = 64,
+                backend: str = "auto", **extra) -> Tree:
     """Greedy path through the corrected head: depth d takes argmax over C_d of g(C_d, H_d, r), r advances.
 
     The DFlash chain for the identity head, DSpark/Domino chain drafting otherwise (ANCHORS.md 5a, 5b).
@@ -141,56 +174,42 @@ def build_chain(block: DraftBlock, head: CorrectionHead, root_id: int, budget: i
         budget: maximum number of nodes (depths); the chain has min(budget, P) nodes.
         k: candidate count per depth (the argmax is taken over the top-K of the base logits).
     Raises:
-        ValueError: k < 1; TypeError: an unknown parameter (``width`` and ``beta`` are accepted and ignored,
-            so one parameter set serves every builder).
+        ValueError: k < 1; TypeError: an unknown parameter (``width``, ``beta`` and ``children`` are accepted and
+            ignored, so one parameter set serves every builder).
     """
     _check_params("chain", extra)
-    if int(k) < 1:
-        raise ValueError(f"candidate count K must be >= 1, got {k}")
+    _check_k(k)
     p = block.base_logits.shape[0]
     m = max(0, min(int(budget), p))
     if m == 0:
         return Tree.empty()
-    ids, vals = candidates(block.base_logits[:m], k)
-    state = head.init_state(torch.tensor([root_id]))
-    toks, scores, total = [], [], 0.0
-    for d in range(m):
-        g = head.score(ids[d : d + 1], block.hidden[d : d + 1], state, vals[d : d + 1])[0]
-        logq = torch.log_softmax(g, dim=-1)
-        j = int(_stable_topk(g, 1)[0])
-        tok = int(ids[d, j])
-        total += float(logq[j])
-        toks.append(tok)
-        scores.append(total)
-        state = head.advance(state, torch.tensor([tok]), block.hidden[d : d + 1])
-    return Tree(
-        tokens=torch.tensor(toks, dtype=torch.long),
-        parents=torch.arange(m, dtype=torch.long),
-        depth=torch.arange(1, m + 1, dtype=torch.long),
-        score=torch.tensor(scores, dtype=torch.float32),
-    )
+    return build_supertree(block.__class__(block.hidden[:m], block.base_logits[:m]), head, root_id, k=k,
+                           quota=lambda d, avail: 1, backend=backend)
 
 
 @torch.no_grad()
 def build_supertree(
-    block: DraftBlock, head: CorrectionHead, root_id: int, *, k: int, quota: Callable[[int, int], int]
+    block: DraftBlock, head: CorrectionHead, root_id: int, *, k: int, quota: Callable[[int, int], int],
+    backend: str = "auto",
 ) -> Tree:
     """DARTree depth-wise batched expansion (DARTree ``build_dartree_supertree``, ANCHORS.md 5e).
 
     At depth d every frontier parent p scores the K candidates C_d of the base logits with g(C_d, H_d, r_p),
     normalised over C_d: log q~(c | p) = g - logsumexp_C(g). Path scores S(p, c) = S(p) + log q~(c | p) form a
     [|F|, K] matrix, from which the global top-``quota(d, |F|*K)`` pairs become depth-d nodes (the new frontier);
-    their states are advanced in one batched call.
+    their states are advanced in one batched call. Candidate selection and frontier scoring run through
+    ``dartree.kernels`` (``backend``).
 
     Returns:
         The supertree, depth-major (so topologically ordered), scores = path log q~ (nats).
     """
+    _check_k(k)
     p_len = block.base_logits.shape[0]
-    ids, vals = candidates(block.base_logits, k)  # [P, K]
+    ids, vals = candidates(block.base_logits, k, backend=backend)  # [P, K]
     kk = ids.shape[1]
-    state = head.init_state(torch.tensor([root_id]))
-    f_score = torch.zeros(1)
-    f_index = torch.zeros(1, dtype=torch.long)  # node index of frontier entries (root = 0)
+    state = head.init_state(torch.tensor([root_id], device=ids.device))
+    f_score = torch.zeros(1, device=ids.device)
+    f_index = torch.zeros(1, dtype=torch.long, device=ids.device)  # node index of frontier entries (root = 0)
     toks, pars, deps, scs = [], [], [], []
     next_index = 1
     for d in range(p_len):
@@ -198,23 +217,18 @@ def build_supertree(
         q = quota(d, n_f * kk)
         if q <= 0 or n_f == 0:
             break
-        cand = ids[d].expand(n_f, kk)
-        hid = block.hidden[d].expand(n_f, -1)
-        g = head.score(cand, hid, state, vals[d].expand(n_f, kk))  # [F, K]
-        logq = torch.log_softmax(g.float(), dim=-1)
-        path = (f_score[:, None] + logq).reshape(-1)
-        pick = _stable_topk(path, q)
-        par_row, cand_col = pick // kk, pick % kk
+        hid = block.hidden[d]
+        par_row, cand_col, path = expand_frontier(head, hid, state, ids[d], vals[d], f_score, q, backend)
         new_tok = ids[d, cand_col]
         toks.append(new_tok)
         pars.append(f_index[par_row])
-        deps.append(torch.full((pick.numel(),), d + 1, dtype=torch.long))
-        scs.append(path[pick])
-        f_score = path[pick]
-        f_index = torch.arange(next_index, next_index + pick.numel())
-        next_index += pick.numel()
+        deps.append(torch.full((par_row.numel(),), d + 1, dtype=torch.long, device=ids.device))
+        scs.append(path)
+        f_score = path
+        f_index = torch.arange(next_index, next_index + par_row.numel(), device=ids.device)
+        next_index += par_row.numel()
         parent_state = None if state is None else state[par_row]
-        state = head.advance(parent_state, new_tok, hid[par_row])
+        state = head.advance(parent_state, new_tok, hid.expand(par_row.numel(), -1))
     if not toks:
         return Tree.empty()
     return Tree(torch.cat(toks), torch.cat(pars), torch.cat(deps), torch.cat(scs).float())
@@ -229,8 +243,7 @@ def select_top_b(tree: Tree, budget: int, beta: float) -> Tree:
     Raises:
         ValueError: beta > 0 (the prefix-closure guarantee does not hold); use beta <= 0.
     """
-    if beta > 0:
-        raise ValueError(f"depth bonus beta={beta} > 0 breaks DARTree's prefix-closure guarantee; use beta <= 0")
+    _check_beta(beta)
     m = tree.size
     if budget >= m:
         return tree
@@ -257,6 +270,7 @@ def build_dartree_pruned(
     k: int = 64,
     width: int = 12,
     beta: float = -0.2,
+    backend: str = "auto",
     **extra,
 ) -> Tree:
     """DARTree-pruned: supertree of width W per depth, then global top-B by score + beta*depth.
@@ -267,27 +281,30 @@ def build_dartree_pruned(
         TypeError: an unknown parameter.
     """
     _check_params("dartree-pruned", extra)
+    _check_k(k)
     if int(width) < 1:
         raise ValueError(f"supertree width W must be >= 1, got {width}")
-    if beta > 0:
-        raise ValueError(f"depth bonus beta={beta} > 0 breaks DARTree's prefix-closure guarantee; use beta <= 0")
+    _check_beta(beta)
     if budget <= 0:
         return Tree.empty()
-    sup = build_supertree(block, head, root_id, k=k, quota=lambda d, avail: min(int(width), avail))
+    sup = build_supertree(block, head, root_id, k=k, quota=lambda d, avail: min(int(width), avail), backend=backend)
     return select_top_b(sup, int(budget), float(beta))
 
 
 @register_builder("dartree-fixed", "fixed")
 def build_dartree_fixed(
-    block: DraftBlock, head: CorrectionHead, root_id: int, budget: int, *, k: int = 64, **extra
+    block: DraftBlock, head: CorrectionHead, root_id: int, budget: int, *, k: int = 64, backend: str = "auto",
+    **extra,
 ) -> Tree:
     """DARTree-fixed: depth-wise batched expansion with a fixed quota of ceil(remaining budget / remaining
     depths) nodes per depth (64 over 16 depths = 4 per depth), beta = 0 (DARTree ``run_dartree.py``).
 
     Raises:
-        ValueError: k < 1. TypeError: an unknown parameter (``width``/``beta`` are accepted and ignored).
+        ValueError: k < 1. TypeError: an unknown parameter (``width``/``beta``/``children`` are accepted and
+            ignored).
     """
     _check_params("dartree-fixed", extra)
+    _check_k(k)
     budget = int(budget)
     if budget <= 0:
         return Tree.empty()
@@ -299,7 +316,112 @@ def build_dartree_fixed(
         used[0] += q
         return q
 
-    return build_supertree(block, head, root_id, k=k, quota=quota)
+    return build_supertree(block, head, root_id, k=k, quota=quota, backend=backend)
+
+
+@register_builder("pctree")
+def build_pctree(
+    block: DraftBlock, head: CorrectionHead, root_id: int, budget: int, *, k: int = 64, children: int = 4,
+    backend: str = "auto", **extra,
+) -> Tree:
+    """PCTree (arXiv 2608.02123, ANCHORS.md 5d): parent-conditioned drafting for Markov-style heads.
+
+    Depth by depth, every kept parent gets its top-``children`` (k) children from g(C_d, H_d, r_parent), i.e.
+    conditioned on that parent's own token, and the layer keeps the ``children`` best of those by path score
+    (the paper's within-layer top-k pruning), until ``budget`` (N) nodes exist. k = 1 is the DSpark chain.
+    Reading of the paper (its code is not public): the kept set per layer is k nodes, because the reported
+    acceptance lengths (tau 11.16 at block 16 with N = 64, k = 4) need trees about N / k deep; a full k-ary
+    tree would stop at depth 3. Candidates are the top-K of the base logits, normalised over the K (ANCHORS.md
+    section 8), so per-parent top-k then layer top-k equals one global top-k over the layer's parents x K
+    (a test pins that equivalence); the last layer is cut to the remaining budget by path score.
+    Defaults k = 4, N = 32 (the paper's); this project passes N as ``budget``.
+
+    Raises:
+        ValueError: k < 1 or children < 1. TypeError: an unknown parameter.
+    """
+    _check_params("pctree", extra)
+    _check_k(k)
+    if int(children) < 1:
+        raise ValueError(f"PCTree children per parent must be >= 1, got {children}")
+    budget = int(budget)
+    if budget <= 0:
+        return Tree.empty()
+    used = [0]
+
+    def quota(d: int, avail: int) -> int:
+        q = max(0, min(int(children), budget - used[0], avail))
+        used[0] += q
+        return q
+
+    return build_supertree(block, head, root_id, k=k, quota=quota, backend=backend)
+
+
+@register_builder("heap-sequential")
+@torch.no_grad()
+def build_heap_sequential(
+    block: DraftBlock, head: CorrectionHead, root_id: int, budget: int, *, k: int = 64, beta: float = -0.2,
+    backend: str = "auto", **extra,
+) -> Tree:
+    """The exact sequential alternative DARTree ablates (DARTree Table 2, "heap-sequential correction").
+
+    One global best-first heap over the corrected tree: every pop creates one node, advances its state and
+    runs the correction g(C_{d+1}, H_{d+1}, r_node) for that node alone, then pushes its best child and the
+    popped node's next sibling. Priority = path log q~ + beta * depth (q~ normalised over the K candidates, as
+    in ``dartree-pruned``). With beta <= 0 priorities never increase along a path, so the result is exactly the
+    top-B nodes of the whole K-ary corrected tree, prefix-closed; ``dartree-pruned`` with W >= B returns the
+    same set (DARTree Lemma 1). Slow by design: one head call per node instead of one per depth.
+    Ties go to the shallower, earlier-pushed entry.
+
+    Raises:
+        ValueError: k < 1 or beta > 0. TypeError: an unknown parameter.
+    """
+    import heapq
+
+    _check_params("heap-sequential", extra)
+    _check_k(k)
+    _check_beta(beta)
+    budget = int(budget)
+    p_len = block.base_logits.shape[0]
+    if budget <= 0 or p_len == 0:
+        return Tree.empty()
+    ids, vals = candidates(block.base_logits, k, backend=backend)
+    kk = ids.shape[1]
+    dev = ids.device
+
+    def children_of(state, score: float, d: int):
+        # correction for one node: its K children at depth d + 1, best first
+        _, col, path = expand_frontier(head, block.hidden[d], state, ids[d], vals[d],
+                                       torch.tensor([score], device=dev), kk, backend)
+        return ids[d, col].tolist(), path.tolist()
+
+    root_state = head.init_state(torch.tensor([root_id], device=dev))
+    kids = {0: children_of(root_state, 0.0, 0)}
+    states = {0: root_state}
+    node_depth = [0]
+    counter = 0
+    heap = [(-(kids[0][1][0] + beta), 1, counter, 0, 0)]  # (-priority, depth, order, parent, rank)
+    toks, pars, deps, scs = [], [], [], []
+    while heap and len(toks) < budget:
+        _, depth, _, parent, rank = heapq.heappop(heap)
+        tok, score = kids[parent][0][rank], kids[parent][1][rank]
+        toks.append(tok)
+        pars.append(parent)
+        deps.append(depth)
+        scs.append(score)
+        node = len(toks)
+        node_depth.append(depth)
+        if rank + 1 < len(kids[parent][0]):
+            counter += 1
+            heapq.heappush(heap, (-(kids[parent][1][rank + 1] + beta * depth), depth, counter, parent, rank + 1))
+        if depth < p_len and len(toks) < budget:
+            parent_state = None if states[parent] is None else states[parent]
+            st = head.advance(parent_state, torch.tensor([tok], device=dev), block.hidden[depth - 1][None])
+            states[node] = st
+            kids[node] = children_of(st, score, depth)
+            counter += 1
+            heapq.heappush(heap, (-(kids[node][1][0] + beta * (depth + 1)), depth + 1, counter, node, 0))
+    return Tree(torch.tensor(toks, dtype=torch.long), torch.tensor(pars, dtype=torch.long),
+                torch.tensor(deps, dtype=torch.long), torch.tensor(scs, dtype=torch.float32))
 
 
 @register_builder("ddtree")
@@ -311,7 +433,7 @@ def build_ddtree(block: DraftBlock, head: CorrectionHead, root_id: int, budget: 
     Ties go to the shallower, earlier-pushed entry.
 
     Raises:
-        TypeError: an unknown parameter (``k``/``width``/``beta`` are accepted and ignored).
+        TypeError: an unknown parameter (``k``/``width``/``beta``/``children`` are accepted and ignored).
     """
     import heapq
 
@@ -321,7 +443,7 @@ def build_ddtree(block: DraftBlock, head: CorrectionHead, root_id: int, budget: 
     if budget <= 0 or p_len == 0:
         return Tree.empty()
     kk = min(budget, v)
-    ids, lp = candidates(torch.log_softmax(block.base_logits.float(), dim=-1), kk)
+    ids, lp = candidates(torch.log_softmax(block.base_logits.float(), dim=-1), kk, backend=extra.get("backend", "auto"))
     lp_l, ids_l = lp.tolist(), ids.tolist()
     counter = 0
     heap = [(-lp_l[0][0], 1, counter, 0, 0, lp_l[0][0])]  # (-logw, depth, order, parent, rank, logw)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dartree.decode.trees import Tree
+from dartree.kernels.tree_compile import tree_attention, tree_attention_ref
 from dartree.models.target import Target, cache_length, compact_cache
 
 
@@ -43,17 +44,11 @@ def ancestor_matrix(parents: torch.Tensor) -> torch.Tensor:
     Raises:
         ValueError: a parent index is not lower than its child's.
     """
-    m = parents.numel()
-    if m and bool((parents >= torch.arange(1, m + 1)).any()):
-        raise ValueError("tree parents must precede their children (parents[i] < i + 1)")
-    vis = torch.eye(m + 1, dtype=torch.bool)
-    par = parents.tolist()
-    for i in range(1, m + 1):
-        vis[i] |= vis[par[i - 1]]
-    return vis
+    return tree_attention_ref(parents.long())[2] == 0
 
 
-def compile_tree(tree: Tree, root_id: int, start: int, dtype: torch.dtype, device=None) -> TreeInputs:
+def compile_tree(tree: Tree, root_id: int, start: int, dtype: torch.dtype, device=None,
+                 backend: str = "auto") -> TreeInputs:
     """Build ids, positions and the additive ancestor mask for verifying ``tree`` rooted at position ``start``.
 
     DDTree ``compile_ddtree_tree`` (ANCHORS.md section 3): position = start + depth (siblings share one).
@@ -62,22 +57,21 @@ def compile_tree(tree: Tree, root_id: int, start: int, dtype: torch.dtype, devic
         root_id: the root token (the last committed token, not yet in the target cache).
         start: the root's position = the number of committed positions already in the target's KV cache.
         dtype: float dtype of the mask (the target's).
+        backend: kernel backend of the tree compile (``dartree.kernels.tree_compile``; auto = Triton on CUDA).
     Returns:
         TreeInputs (ids and positions [1, M+1] int64, mask [1, 1, M+1, start+M+1] of ``dtype``).
     Raises:
         ValueError: parents do not precede children, or depths disagree with parents.
     """
     m = tree.size
-    if m:
-        full_depth = torch.cat([torch.zeros(1, dtype=torch.long), tree.depth.long()])
-        if not torch.equal(tree.depth.long(), full_depth[tree.parents.long().clamp(0, m)] + 1):
-            raise ValueError("tree depths must equal their parent's depth + 1 (the root has depth 0)")
-    ids = torch.cat([torch.tensor([root_id], dtype=torch.long), tree.tokens.long()])[None]
-    pos = (start + torch.cat([torch.zeros(1, dtype=torch.long), tree.depth.long()]))[None]
-    vis = ancestor_matrix(tree.parents.long())
-    mask = torch.zeros((m + 1, start + m + 1), dtype=dtype)
-    mask[:, start:].masked_fill_(~vis, torch.finfo(dtype).min)
-    return TreeInputs(ids.to(device), pos.to(device), mask[None, None].to(device))
+    parents = tree.parents.long()
+    depth, pos, block_mask = tree_attention(parents.to(device) if device is not None else parents, start, dtype,
+                                            backend=backend)
+    if m and not torch.equal(tree.depth.long().to(depth.device), depth[1:]):
+        raise ValueError("tree depths must equal their parent's depth + 1 (the root has depth 0)")
+    ids = torch.cat([torch.tensor([root_id], dtype=torch.long), tree.tokens.long().cpu()])[None]
+    mask = torch.cat([torch.zeros((m + 1, start), dtype=dtype, device=block_mask.device), block_mask], dim=1)
+    return TreeInputs(ids.to(device), pos[None].to(device), mask[None, None].to(device))
 
 
 def target_tokens(logits: torch.Tensor, temperature: float, generator: torch.Generator | None) -> torch.Tensor:

@@ -1,0 +1,66 @@
+"""Per-depth candidate selection: top-K of the base logits plus log-sum-exp over the K candidates.
+
+DARTree (ANCHORS.md 5e, step 3; section 8): every depth d restricts drafting to C_d = top-K(U_d) and
+normalises scores over C_d, so the log-sum-exp over the K selected base logits is returned with them.
+
+Order and ties: candidates are ordered by (logit descending, token id ascending); ties at the K-th value go
+to the lower token id, so the selected set and its order are deterministic on every backend.
+Shapes: P rows (depths), V vocabulary, K candidates (clamped to V). Logits are fp32 (cast inside).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dartree.kernels._backend import resolve
+
+
+def _check(logits: torch.Tensor, k: int) -> int:
+    if logits.dim() != 2:
+        raise ValueError(f"topk_candidates expects logits [P, V], got shape {tuple(logits.shape)}")
+    if int(k) < 1:
+        raise ValueError(f"candidate count K must be >= 1, got {k}")
+    return min(int(k), logits.shape[1])
+
+
+def topk_candidates_ref(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Plain-torch twin (defines the meaning).
+
+    Args:
+        logits: [P, V] float.
+        k: K >= 1 (clamped to V).
+    Returns:
+        ids [P, K] int64, vals [P, K] fp32 (base logits of ids, descending), lse [P] fp32 = logsumexp(vals).
+    Raises:
+        ValueError: a non-2-D input or k < 1.
+    """
+    k = _check(logits, k)
+    x = logits.float()
+    p, v = x.shape
+    if p == 0:
+        return (torch.zeros(0, k, dtype=torch.long, device=x.device), x.new_zeros(0, k), x.new_zeros(0))
+    kth = torch.topk(x, k, dim=-1).values[:, -1:]  # [P, 1]
+    gt = x > kth
+    eq = x == kth
+    need = k - gt.sum(-1, keepdim=True)
+    sel = gt | (eq & (torch.cumsum(eq, dim=-1) <= need))  # exactly k per row: every larger one + lowest-id ties
+    ids = sel.nonzero()[:, 1].view(p, k)  # ascending ids per row
+    vals = x.gather(-1, ids)
+    order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
+    ids, vals = ids.gather(-1, order), vals.gather(-1, order)
+    return ids, vals, torch.logsumexp(vals, dim=-1)
+
+
+def topk_candidates(logits: torch.Tensor, k: int, backend: str = "auto"):
+    """Top-K candidates per row with their log-sum-exp; Triton on CUDA (``auto``), the ref on CPU.
+
+    Same contract as :func:`topk_candidates_ref`.
+    Raises:
+        ValueError: bad shape, k < 1 or an unknown backend; RuntimeError: ``backend="triton"`` where it cannot run.
+    """
+    kk = _check(logits, k)
+    if resolve(backend, logits.device) == "torch" or logits.shape[0] == 0:
+        return topk_candidates_ref(logits, k)
+    from dartree.kernels import _candidates_triton
+
+    return _candidates_triton.launch(logits, kk)

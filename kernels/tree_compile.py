@@ -1,0 +1,66 @@
+"""Tree compile: parents -> depth, position ids and the additive ancestor mask of tree attention.
+
+DDTree ``compile_ddtree_tree`` (ANCHORS.md section 3): node 0 is the root (the last committed token at position
+``start``), nodes 1..M follow in topological order (parents[i] < i + 1). Node i sees itself and its ancestors
+only: vis[i, :i] = vis[parent(i), :i], vis[i, i] = True. Positions are start + depth (RoPE by depth).
+
+Returns the [M+1, M+1] tree block of the mask; callers prepend zeros for the committed prefix (every node sees
+all of it). Mask values are 0 (visible) and ``finfo(dtype).min`` (hidden): additive float, never boolean.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dartree.kernels._backend import resolve
+
+
+def _check(parents: torch.Tensor) -> None:
+    if parents.dim() != 1:
+        raise ValueError(f"tree parents must be a 1-D tensor [M], got shape {tuple(parents.shape)}")
+    m = parents.numel()
+    if m and bool(((parents < 0) | (parents >= torch.arange(1, m + 1, device=parents.device))).any()):
+        raise ValueError("tree parents must precede their children (0 <= parents[i] < i + 1); "
+                         "number nodes in topological order")
+
+
+def tree_attention_ref(parents: torch.Tensor, start: int = 0, dtype: torch.dtype = torch.float32):
+    """Plain-torch twin (defines the meaning).
+
+    Args:
+        parents: [M] int64, parents[i] = parent of node i+1 (0 = root).
+        start: absolute position of the root.
+        dtype: float dtype of the mask.
+    Returns:
+        depth [M+1] int64 (root 0), position_ids [M+1] int64 (start + depth), mask [M+1, M+1] ``dtype``.
+    Raises:
+        ValueError: parents not 1-D or not preceding their children.
+    """
+    _check(parents)
+    m = parents.numel()
+    par = parents.long().tolist()
+    vis = torch.eye(m + 1, dtype=torch.bool)
+    depth = [0] * (m + 1)
+    for i in range(1, m + 1):
+        vis[i] |= vis[par[i - 1]]
+        depth[i] = depth[par[i - 1]] + 1
+    depth_t = torch.tensor(depth, dtype=torch.long)
+    mask = torch.zeros(m + 1, m + 1, dtype=dtype).masked_fill_(~vis, torch.finfo(dtype).min)
+    dev = parents.device
+    return depth_t.to(dev), (depth_t + int(start)).to(dev), mask.to(dev)
+
+
+def tree_attention(parents: torch.Tensor, start: int = 0, dtype: torch.dtype = torch.float32,
+                   backend: str = "auto"):
+    """Tree compile on the GPU (one Triton program per node walks its ancestors) or the ref on CPU.
+
+    Same contract as :func:`tree_attention_ref`.
+    Raises:
+        ValueError: as the ref or an unknown backend; RuntimeError: ``backend="triton"`` where it cannot run.
+    """
+    _check(parents)
+    if resolve(backend, parents.device) == "torch":
+        return tree_attention_ref(parents, start, dtype)
+    from dartree.kernels import _tree_compile_triton
+
+    return _tree_compile_triton.launch(parents, int(start), dtype)
