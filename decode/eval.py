@@ -44,7 +44,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="dartree-eval", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--tree", nargs="+", default=["pruned"],
-                    help=f"methods besides the AR baseline: ar, {', '.join(sorted(BUILDERS))}, or all")
+                    help=f"methods besides the AR baseline: ar, {', '.join(sorted(BUILDERS))}, or all "
+                         "(every builder once; heap-sequential is the slow exact reference)")
     ap.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
     ap.add_argument("--limit", type=int, default=20, help="prompts per dataset")
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -53,7 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "reported as METHOD@B<n> for every tree builder other than chain")
     ap.add_argument("--width", type=int, default=12, help="supertree width W per depth (pruned)")
     ap.add_argument("--candidates", type=int, default=64, help="candidate count K per depth")
-    ap.add_argument("--beta", type=float, default=-0.2, help="depth bonus beta (pruned; must be <= 0)")
+    ap.add_argument("--beta", type=float, default=-0.2, help="depth bonus beta (pruned, heap-sequential; <= 0)")
+    ap.add_argument("--children", type=int, default=4, help="children per kept parent k (pctree)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="dartree checkpoint folder")
@@ -157,6 +159,7 @@ def main(argv=None) -> int:
         (args.beta > 0, f"--beta {args.beta} > 0 breaks prefix closure; use beta <= 0"),
         (args.candidates < 1, f"--candidates must be >= 1, got {args.candidates}"),
         (args.width < 1, f"--width must be >= 1, got {args.width}"),
+        (args.children < 1, f"--children must be >= 1, got {args.children}"),
         (args.limit < 1, f"--limit must be >= 1, got {args.limit}"),
         (args.max_new_tokens < 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
         (args.temperature < 0, f"--temperature must be >= 0, got {args.temperature}"),
@@ -207,7 +210,7 @@ def main(argv=None) -> int:
     console.print(f"target {target.name} ({args.dtype}), {len(prompts)} prompts, methods: ar + {methods}, "
                   f"budget {budget}; loaded in {time.time() - t0:.1f}s")
     methods = list(runs)
-    params = {"k": args.candidates, "width": args.width, "beta": args.beta}
+    params = {"k": args.candidates, "width": args.width, "beta": args.beta, "children": args.children}
 
     def run(method: str, ids: list, seed: int, max_new: int) -> GenerateOutput:
         gen = torch.Generator().manual_seed(seed)
@@ -273,19 +276,20 @@ def main(argv=None) -> int:
     md = ["# dartree eval report", "",
           f"target `{target.name}` ({args.dtype}, {report['environment']['device']}), checkpoint `{args.checkpoint}`, "
           f"T={args.temperature}, max_new_tokens={args.max_new_tokens}, budget B={budget}, "
-          f"K={args.candidates}, W={args.width}, beta={args.beta}, {len(prompts)} prompts", ""]
+          f"K={args.candidates}, W={args.width}, beta={args.beta}, children={args.children}, {len(prompts)} prompts", ""]
     for scope, data in [("all", report["methods"])] + [(d, report["datasets"][d]) for d in args.datasets]:
         table = Table(title=f"{scope}")
-        for col in ["method", "tau", "tokens/s", "speedup", "lossless", "draft ms", "tree ms", "verify ms"]:
+        for col in ["method", "tau", "tokens/s", "speedup", "lossless", "nodes", "draft ms", "tree ms", "verify ms"]:
             table.add_column(col, justify="right")
-        md += [f"## {scope}", "", "| method | tau | tokens/s | speedup | lossless | draft ms | tree ms | verify ms |",
-               "|---|---|---|---|---|---|---|---|"]
+        md += [f"## {scope}", "",
+               "| method | tau | tokens/s | speedup | lossless | nodes | draft ms | tree ms | verify ms |",
+               "|---|---|---|---|---|---|---|---|---|"]
         for m, r in data.items():
             loss = "n/a" if r["lossless"] is None else ("yes" if r["lossless"] else f"NO ({r['mismatches']})")
             if m == "ar":
                 loss = "baseline"
             cells = [m, f"{r['tau']:.3f}", f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.3f}x", loss,
-                     f"{r.get('draft_ms_per_round', 0):.1f}", f"{r.get('tree_build_ms_per_round', 0):.1f}",
+                     f"{r.get('mean_tree_nodes', 1.0):.1f}", f"{r.get('draft_ms_per_round', 0):.1f}", f"{r.get('tree_build_ms_per_round', 0):.1f}",
                      f"{r.get('verify_ms_per_round', 0):.1f}"]
             table.add_row(*cells)
             md.append("| " + " | ".join(cells) + " |")

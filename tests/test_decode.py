@@ -28,6 +28,8 @@ def ar(target, prompt, n=40, stops=(STOP,)):
     ("pruned", 1, {}),
     ("fixed", 16, {"k": 8}),
     ("ddtree", 12, {}),
+    ("pctree", 12, {"k": 8, "children": 3}),
+    ("heap-sequential", 12, {"k": 8}),
 ])
 def test_greedy_speculative_equals_target_greedy(target, drafter, head, prompts, builder, budget, params):
     for p in prompts:

@@ -78,3 +78,13 @@ def test_eval_cli_bad_checkpoint_is_clear(tiny_folder, tmp_path):
     r = subprocess.run([sys.executable, "decode/eval.py", "--target", str(tiny_folder / "target"), "--checkpoint",
                         str(tmp_path), "--limit", "1"], cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "not a dartree checkpoint" in r.stderr
+
+
+def test_tree_all_expands_to_every_builder_once():
+    from dartree.decode.eval import resolve_methods
+
+    got = resolve_methods(["all"])
+    assert got == ["chain", "ddtree", "fixed", "heap-sequential", "pctree", "pruned"]
+    assert resolve_methods(["dartree-pruned", "pruned", "ar"]) == ["pruned"]
+    with pytest.raises(KeyError, match="available"):
+        resolve_methods(["beam"])

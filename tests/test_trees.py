@@ -105,3 +105,142 @@ def test_dartree_fixed_spends_the_budget_evenly():
     assert t.size == 64 and torch.bincount(t.depth).tolist()[1:] == [4] * 16 and _prefix_closed(t)
     t = get_builder("dartree-fixed")(_block(p=6), IdentityHead(), 7, 10, k=16)
     assert t.size == 10 and torch.bincount(t.depth).tolist()[1:] == [2, 2, 2, 2, 1, 1]
+
+
+def _paths(tree: Tree) -> dict:
+    """token path (root excluded) -> score, for every node."""
+    out, paths = {}, {0: ()}
+    for i, (tok, par, sc) in enumerate(zip(tree.tokens.tolist(), tree.parents.tolist(), tree.score.tolist()), 1):
+        paths[i] = paths[par] + (tok,)
+        out[paths[i]] = sc
+    return out
+
+
+def _best_first_over(tree: Tree, budget: int, beta: float) -> set:
+    """Independent best-first selection over an existing tree: pop the best node whose parent is taken."""
+    import heapq
+
+    kids: dict[int, list[int]] = {}
+    for i, par in enumerate(tree.parents.tolist(), 1):
+        kids.setdefault(par, []).append(i)
+    adj = [0.0] + (tree.score + beta * tree.depth.float()).tolist()
+    heap = [(-adj[c], c) for c in kids.get(0, [])]
+    heapq.heapify(heap)
+    taken = []
+    while heap and len(taken) < budget:
+        _, c = heapq.heappop(heap)
+        taken.append(c)
+        for ch in kids.get(c, []):
+            heapq.heappush(heap, (-adj[ch], ch))
+    paths = list(_paths(tree))
+    return {paths[c - 1] for c in taken}
+
+
+@pytest.mark.parametrize("beta", [0.0, -0.1, -0.5])
+@pytest.mark.parametrize("budget", [1, 7, 20, 40])
+def test_lemma1_top_b_equals_best_first_and_is_prefix_closed(beta, budget):
+    """DARTree Lemma 1: with beta <= 0, global top-B over the supertree = best-first heap selection."""
+    for seed in range(3):
+        head = make_markov(seed, scale=1.0)
+        sup = build_supertree(_block(seed=seed), head, 7, k=16, quota=lambda d, avail: min(8, avail))
+        top = select_top_b(sup, budget, beta)
+        assert _prefix_closed(top) and top.size == min(budget, sup.size)
+        assert set(_paths(top)) == _best_first_over(sup, budget, beta)
+
+
+def test_positive_beta_is_refused_by_every_builder_that_ranks_by_depth():
+    for name in ("pruned", "heap-sequential"):
+        with pytest.raises(ValueError, match="prefix-closure"):
+            get_builder(name)(_block(), make_markov(), 7, 8, beta=0.1)
+
+
+@torch.no_grad()
+def _brute_force_corrected(block, head, root, k, budget, beta):
+    """All nodes of the K-ary corrected tree (scores from head.score directly), top-B by score + beta*depth."""
+    ids, vals = candidates(block.base_logits, k)
+    nodes = []
+
+    def rec(state, path, score, d):
+        if d == ids.shape[0]:
+            return
+        g = head.score(ids[d : d + 1], block.hidden[d : d + 1], state, vals[d : d + 1])[0]
+        logq = torch.log_softmax(g, -1)
+        for j in range(ids.shape[1]):
+            tok = int(ids[d, j])
+            sc = score + float(logq[j])
+            nodes.append((sc + beta * (d + 1), path + (tok,)))
+            rec(head.advance(state, torch.tensor([tok]), block.hidden[d : d + 1]), path + (tok,), sc, d + 1)
+
+    rec(head.init_state(torch.tensor([root])), (), 0.0, 0)
+    return {p for _, p in sorted(nodes, key=lambda x: -x[0])[:budget]}
+
+
+@pytest.mark.parametrize("budget", [1, 5, 12, 30])
+def test_heap_sequential_is_the_exact_top_b_of_the_corrected_tree(budget):
+    for seed in range(2):
+        block, head = _block(p=3, v=40, seed=seed), make_markov(seed, scale=1.0)
+        t = get_builder("heap-sequential")(block, head, 7, budget, k=4, beta=-0.1)
+        assert set(_paths(t)) == _brute_force_corrected(block, head, 7, 4, budget, -0.1)
+        assert _prefix_closed(t) and t.size == budget
+
+
+@pytest.mark.parametrize("budget", [1, 8, 20])
+def test_heap_sequential_equals_pruned_when_width_covers_the_budget(budget):
+    for seed in range(3):
+        block, head = _block(seed=seed), make_markov(seed, scale=1.0)
+        heap = get_builder("heap-sequential")(block, head, 7, budget, k=16, beta=-0.2)
+        pruned = get_builder("pruned")(block, head, 7, budget, k=16, width=budget, beta=-0.2)
+        hp, pp = _paths(heap), _paths(pruned)
+        assert set(hp) == set(pp)
+        for path, sc in hp.items():
+            assert abs(sc - pp[path]) < 1e-5
+
+
+@torch.no_grad()
+def test_pctree_k1_is_the_chain_and_matches_a_literal_parent_conditioned_expansion():
+    block, head = _block(p=6), make_markov(1, scale=1.0)
+    chain = get_builder("chain")(block, head, 7, 6, k=16)
+    k1 = get_builder("pctree")(block, head, 7, 64, k=16, children=1)
+    assert torch.equal(chain.tokens, k1.tokens) and torch.equal(chain.parents, k1.parents)
+    # literal reading: each kept parent takes its own top-k children, then the layer keeps the k best paths
+    kc, budget = 3, 14
+    ids, vals = candidates(block.base_logits, 16)
+    frontier = [((), 0.0, head.init_state(torch.tensor([7])))]
+    want, left = [], budget
+    for d in range(6):
+        offers = []
+        for fi, (path, sc, st) in enumerate(frontier):
+            g = head.score(ids[d : d + 1], block.hidden[d : d + 1], st, vals[d : d + 1])[0]
+            logq = torch.log_softmax(g, -1)
+            top = torch.sort(logq, descending=True, stable=True).indices[:kc]
+            offers += [(sc + float(logq[j]), fi, r, int(ids[d, j]), st) for r, j in enumerate(top.tolist())]
+        offers.sort(key=lambda o: (-o[0], o[1], o[2]))
+        kept = offers[: min(kc, left)]
+        left -= len(kept)
+        want += [frontier[o[1]][0] + (o[3],) for o in kept]
+        frontier = [(frontier[o[1]][0] + (o[3],), o[0],
+                     head.advance(o[4], torch.tensor([o[3]]), block.hidden[d : d + 1])) for o in kept]
+        if not left:
+            break
+    t = get_builder("pctree")(block, head, 7, budget, k=16, children=kc)
+    assert list(_paths(t)) == want and t.size == budget
+    assert torch.bincount(t.depth).tolist()[1:] == [3, 3, 3, 3, 2]
+
+
+@pytest.mark.parametrize("builder", ["chain", "pruned", "fixed", "pctree", "heap-sequential", "ddtree"])
+def test_edge_cases_budget_k_and_small_vocab(builder):
+    b = get_builder(builder)
+    head = make_markov()
+    block = _block()
+    assert b(block, head, 7, 0, k=16).size == 0
+    one = b(block, head, 7, 1, k=16)
+    assert one.size == 1 and one.depth.tolist() == [1] and one.parents.tolist() == [0]
+    k1 = b(block, head, 7, 8, k=1)
+    assert _prefix_closed(k1) and k1.size <= 8
+    if builder != "ddtree":  # a single candidate per depth: the tree is the base argmax chain
+        assert k1.tokens.tolist() == block.base_logits.argmax(-1)[: k1.size].tolist()
+    small = DraftBlock(torch.randn(3, 32), torch.randn(3, 5))  # V = 5 < K
+    t = b(small, IdentityHead(), 1, 64, k=64, width=12)
+    assert _prefix_closed(t) and 1 <= t.size <= 64
+    again = b(small, IdentityHead(), 1, 64, k=64, width=12)
+    assert torch.equal(t.tokens, again.tokens) and torch.equal(t.parents, again.parents)
