@@ -205,12 +205,13 @@ def test_layer_mismatch_and_unknown_builder_are_clear(target, drafter):
         speculative_generate(other, drafter, IdentityHead(), [3, 4], builder="chain", max_new_tokens=4)
 
 
-def test_zlab_proposal_offset_is_lossless(target, prompts):
+@pytest.mark.parametrize("block_size", [8, 5])
+def test_zlab_proposal_offset_and_other_block_sizes_are_lossless(target, prompts, block_size):
     # z-lab DFlash convention: block positions 1..L-1 are the P = L - 1 proposals
-    drafter = make_drafter(proposal_offset=1)
-    assert drafter.cfg.num_proposals == 7
-    for p in prompts[:4]:
-        for builder in ("chain", "pruned"):
+    drafter = make_drafter(block_size=block_size, proposal_offset=1)
+    assert drafter.cfg.num_proposals == block_size - 1
+    for p in prompts[:3]:
+        for builder in ("chain", "pruned", "fixed", "ddtree", "pctree", "heap-sequential"):
             got = speculative_generate(target, drafter, make_markov(), p, builder=builder, budget=10,
                                        max_new_tokens=30, stop_ids=[STOP])
             assert got.tokens == ar(target, p, n=30)
