@@ -1,10 +1,16 @@
-"""Convert a drafter checkpoint into the dartree format: ``python convert/to_dartree.py SRC [--out DST]``.
+"""Convert a drafter checkpoint into the dartree format.
 
-Sources handled here: ``dartree-train`` (a checkpoint written by ``training/train.py``) and ``dartree``
-(re-validated and re-written). Readers for published layouts (z-lab DFlash, SpecForge Domino / DSpark,
-DeepSpec DSpark) plug into ``READERS``. Every source is validated strictly: a missing, unexpected or
-mis-shaped tensor is an error naming it, and nothing is written unless the whole conversion succeeds
-(the output folder appears by atomic rename).
+``python convert/to_dartree.py SRC [--out DST] [--from auto|dartree|dartree-train|zlab-dflash|specforge-domino|
+specforge-dspark|deepspec-dspark] [--target SPEC] [--dtype auto|bfloat16|float16|float32]``
+
+Sources: ``dartree-train`` (written by ``training/train.py``), ``dartree`` (re-validated and re-written) and the
+published layouts of :mod:`dartree.convert.formats` (z-lab DFlash, SpecForge Domino / DSpark, DeepSpec DSpark;
+config.json + safetensors, sharded or not). ``auto`` detects the layout from config fields and tensor names and
+says what it detected. Every source is validated strictly before anything is written: a missing, unexpected or
+mis-shaped tensor is an error naming it, an unknown config layout lists the expected fields, and with
+``--target`` the vocab / hidden size / layer ids / mask id are checked against the target. The output folder
+appears by atomic rename, so a failed conversion leaves nothing half-written. Published tensors are passed
+through bit for bit (``--dtype auto``), so converting and exporting back gives identical tensors.
 """
 
 from __future__ import annotations
@@ -16,16 +22,18 @@ from pathlib import Path
 from typing import Callable
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
+from dartree.convert.formats import SOURCE_FORMATS, detect, parse_config, published_name, strip_legacy
 from dartree.models.checkpoint import (
     CheckpointError,
-    build_from_config,
+    check_target_pairing,
+    dartree_config,
     ensure_replaceable,
+    expected_tensors,
     load_dartree,
-    load_strict,
-    save_dartree,
+    write_dartree,
 )
 
 
@@ -41,32 +49,85 @@ def _read_config(src: Path) -> dict:
         raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
 
 
-def _read_tensors(src: Path) -> dict[str, torch.Tensor]:
+def _weight_files(src: Path) -> list[Path]:
+    """The safetensors files of a folder; with a ``*.safetensors.index.json`` every shard it names must exist.
+
+    Raises:
+        CheckpointError: no safetensors file, or a shard named by the index is missing.
+    """
     files = sorted(src.glob("*.safetensors"))
+    for index in sorted(src.glob("*.safetensors.index.json")):
+        try:
+            shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, AttributeError) as exc:
+            raise CheckpointError(f"{index} is not a safetensors index (needs a 'weight_map'): {exc}") from None
+        missing = [s for s in shards if not (src / s).exists()]
+        if missing:
+            raise CheckpointError(f"{src}: shard {missing[0]!r} named in {index.name} is missing; copy the whole folder")
     if not files:
         raise CheckpointError(f"{src} holds no *.safetensors file")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
+    return files
+
+
+def _tensor_names(src: Path) -> set[str]:
+    """Tensor names from the safetensors headers only (cheap; used for format detection)."""
+    names: set[str] = set()
+    for f in _weight_files(src):
         try:
-            tensors.update(load_file(str(f)))
+            with safe_open(str(f), framework="pt") as fh:
+                names.update(fh.keys())
         except (SafetensorError, OSError, ValueError) as exc:
             raise CheckpointError(f"cannot read {f}: {exc} (truncated or not safetensors)") from exc
+    return names
+
+
+def _read_tensors(src: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a (possibly sharded) safetensors checkpoint folder.
+
+    Raises:
+        CheckpointError: unreadable / truncated file (named), or one tensor name in two shards.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    for f in _weight_files(src):
+        try:
+            part = load_file(str(f))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"cannot read {f}: {exc} (truncated or not safetensors)") from exc
+        dup = sorted(set(part) & set(tensors))
+        if dup:
+            raise CheckpointError(f"{src}: tensor {dup[0]!r} is stored in two shards (again in {f.name})")
+        tensors.update(part)
     return tensors
 
 
-def read_dartree_train(src: Path, config: dict):
-    """Reader for ``training/train.py`` checkpoints: tensors ``drafter.*`` and ``head.*``.
+def _check_tensors(given: dict, expected: dict, where, rename: Callable[[str], str] = lambda n: n) -> None:
+    """Compare source tensors with the expected set, naming tensors in the source's own terms.
+
+    Args:
+        given: source name -> tensor. expected: dartree name -> shape. rename: dartree name -> source name.
+    Raises:
+        CheckpointError: missing, mis-shaped or unexpected tensor (the first one, by name, with shapes).
+    """
+    want = {rename(k): shape for k, shape in expected.items()}
+    for name, shape in want.items():
+        if name not in given:
+            raise CheckpointError(f"{where}: missing tensor {name!r} (expected shape {list(shape)})")
+        if tuple(given[name].shape) != tuple(shape):
+            raise CheckpointError(
+                f"{where}: tensor {name!r} has shape {list(given[name].shape)}, expected {list(shape)}"
+            )
+    extra = sorted(set(given) - set(want))
+    if extra:
+        raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all)")
+
+
+def read_dartree_train(src: Path, config: dict) -> tuple[dict, dict]:
+    """Reader for ``training/train.py`` checkpoints (tensors ``drafter.*`` and ``head.*``, fp32).
 
     Returns:
-        (drafter, head, target identity, provenance).
+        (dartree config, tensors by dartree name).
     """
     tensors = _read_tensors(src)
-    drafter, head = build_from_config(config, src / "config.json")
-    load_strict(drafter, tensors, "drafter.", src)
-    load_strict(head, tensors, "head.", src)
-    extra = sorted(k for k in tensors if not k.startswith(("drafter.", "head.")))
-    if extra:
-        raise CheckpointError(f"{src}: unexpected tensor {extra[0]!r}")
     state = config.get("state", {})
     provenance = {
         "source_format": "dartree-train",
@@ -79,38 +140,90 @@ def read_dartree_train(src: Path, config: dict):
         "train_tokens": state.get("train_tokens"),
         "holdout_tf_tau": state.get("holdout_tf_tau"),
     }
-    return drafter, head, config["target"], provenance
+    try:
+        out = dartree_config(config["drafter"], config["head"], config["target"], provenance)
+    except KeyError as exc:
+        raise CheckpointError(f"{src / 'config.json'}: missing entry {exc}") from None
+    expected = expected_tensors(out, src / "config.json")
+    _check_tensors(tensors, expected, src, rename=lambda n: "drafter." + n[len("backbone."):] if n.startswith("backbone.") else n)
+    mapped = {("backbone." + k[len("drafter."):] if k.startswith("drafter.") else k): v for k, v in tensors.items()}
+    return out, mapped
 
 
-def read_dartree(src: Path, config: dict):
-    """Reader for checkpoints already in the dartree format (strictly re-validated)."""
-    dm = load_dartree(src)
-    return dm.drafter, dm.head, dm.config["target"], dm.config.get("provenance", {})
+def read_dartree(src: Path, config: dict) -> tuple[dict, dict]:
+    """Reader for checkpoints already in the dartree format (strictly re-validated; tensors kept as stored)."""
+    load_dartree(src)  # strict: format, version, names, shapes
+    return config, _read_tensors(src)
 
 
-READERS: dict[str, Callable] = {"dartree-train": read_dartree_train, "dartree": read_dartree}
+def read_published(fmt: str) -> Callable:
+    """Reader for one published layout (see :mod:`dartree.convert.formats`); tensors pass through unchanged."""
+
+    def reader(src: Path, config: dict) -> tuple[dict, dict]:
+        where = src
+        parsed = parse_config(config, fmt, src / "config.json")
+        out = dartree_config(parsed.drafter, parsed.head, parsed.target, {"source_format": fmt, "source": str(src)})
+        expected = expected_tensors(out, src / "config.json")
+        given = strip_legacy(_read_tensors(src), where)
+        for name, shape in parsed.dropped.items():  # DeepSpec's frozen copies of the target's embedding / lm_head
+            if name not in given:
+                raise CheckpointError(f"{where}: missing tensor {name!r} (expected shape {list(shape)})")
+            if tuple(given[name].shape) != shape:
+                raise CheckpointError(f"{where}: tensor {name!r} has shape {list(given[name].shape)}, expected {list(shape)}")
+            given.pop(name)
+        _check_tensors(given, expected, where, rename=lambda n: published_name(n, fmt))
+        tensors = {k: given[published_name(k, fmt)] for k in expected}
+        if parsed.dropped:
+            out["provenance"]["dropped"] = sorted(parsed.dropped)
+        return out, tensors
+
+    reader.__doc__ = f"Reader for the {fmt} layout."
+    return reader
+
+
+READERS: dict[str, Callable] = {
+    "dartree-train": read_dartree_train,
+    "dartree": read_dartree,
+    **{fmt: read_published(fmt) for fmt in SOURCE_FORMATS},
+}
 
 
 def detect_format(config: dict, src: Path) -> str:
-    """Name the source format from config fields.
+    """Name the source layout from config fields and tensor names (see :func:`detect_format_why`)."""
+    return detect_format_why(config, src)[0]
+
+
+def detect_format_why(config: dict, src: Path) -> tuple[str, str]:
+    """(format, reason) for the checkpoint in ``src``.
 
     Raises:
-        CheckpointError: unknown layout; lists the known ones.
+        CheckpointError: unknown layout; lists the known ones and what each needs.
     """
-    fmt = config.get("format")
-    if fmt in READERS:
-        return fmt
-    raise CheckpointError(
-        f"{src}/config.json: unknown checkpoint layout (format={fmt!r}); this converter reads {sorted(READERS)} "
-        "(config.json with a 'format' field as written by dartree)"
-    )
+    try:
+        return detect(config, _tensor_names(src) if config.get("format") is None else set())
+    except CheckpointError as exc:
+        raise CheckpointError(f"{src}/config.json: {exc}") from None
 
 
-def convert(src: str | Path, out: str | Path, *, source_format: str = "auto", dtype=torch.bfloat16) -> Path:
+def convert(
+    src: str | Path,
+    out: str | Path,
+    *,
+    source_format: str = "auto",
+    dtype: torch.dtype | None = None,
+    target=None,
+) -> Path:
     """Convert ``src`` into a dartree checkpoint at ``out`` (atomically); returns ``out``.
 
+    Args:
+        src: checkpoint folder (config.json + *.safetensors).
+        out: output folder; replaced only if it is a dartree checkpoint.
+        source_format: ``auto`` or one of :data:`READERS`.
+        dtype: cast every tensor to this dtype; None keeps published and dartree tensors as stored and writes
+            ``dartree-train`` checkpoints (fp32) in bf16.
+        target: optional :class:`~dartree.models.target.Target` to validate the pairing against.
     Raises:
-        CheckpointError: unreadable or invalid source (named tensor / field), or unknown format.
+        CheckpointError: unreadable or invalid source (named tensor / field), unknown format, target mismatch.
     """
     src = Path(src)
     ensure_replaceable(Path(out), ("dartree",))
@@ -118,33 +231,49 @@ def convert(src: str | Path, out: str | Path, *, source_format: str = "auto", dt
     fmt = detect_format(config, src) if source_format == "auto" else source_format
     if fmt not in READERS:
         raise CheckpointError(f"--from {fmt!r} is not one of {sorted(READERS)}")
-    drafter, head, target_identity, provenance = READERS[fmt](src, config)
-    save_dartree(out, drafter, head, target_identity, dtype=dtype, provenance=provenance)
-    load_dartree(out)  # read back strictly before reporting success
+    dconfig, tensors = READERS[fmt](src, config)
+    if target is not None:
+        check_target_pairing(dconfig, target)
+    if dtype is None and fmt == "dartree-train":
+        dtype = torch.bfloat16
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    write_dartree(out, dconfig, tensors)
     return Path(out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point (``dartree-convert``); exit status 2 on a bad checkpoint."""
+    """Console entry point (``dartree-convert``); exit status 2 on a bad checkpoint (one-line error on stderr)."""
     ap = argparse.ArgumentParser(prog="dartree-convert", description=__doc__.split("\n")[0])
-    ap.add_argument("src", help="checkpoint folder (config.json + *.safetensors)")
+    ap.add_argument("src", help="checkpoint folder (config.json + *.safetensors, sharded or not)")
     ap.add_argument("--out", help="output folder (default: SRC-dartree)")
     ap.add_argument("--from", dest="source_format", default="auto", choices=["auto", *sorted(READERS)])
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--target", help="validate against this target (smollm2, tiny-qwen3 or a local HF folder)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                    help="auto: keep published tensors as stored; training checkpoints go to bf16")
     args = ap.parse_args(argv)
     src = Path(args.src)
     out = Path(args.out) if args.out else src.with_name(src.name + "-dartree")
     try:
         config = _read_config(src)
         if args.source_format == "auto":
-            fmt = detect_format(config, src)
-            print(f"detected format: {fmt}")
+            fmt, why = detect_format_why(config, src)
+            print(f"detected format: {fmt} ({why})")
         else:
             fmt = args.source_format
             print(f"format: {fmt} (given with --from)")
-        convert(src, out, source_format=fmt, dtype=getattr(torch, args.dtype))
+        target = None
+        if args.target:
+            from dartree.models.target import load_target
+
+            target = load_target(args.target)
+        dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+        convert(src, out, source_format=fmt, dtype=dtype, target=target)
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, RuntimeError) as exc:
+        print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
         return 2
     except OSError as exc:
         print(f"error: cannot write {out}: {exc.strerror or exc}; choose a writable --out folder", file=sys.stderr)

@@ -97,6 +97,41 @@ def ensure_replaceable(dest: Path, formats: tuple[str, ...]) -> None:
         )
 
 
+def dartree_config(drafter_cfg: dict, head_cfg: dict, target_identity: dict, provenance: dict | None = None) -> dict:
+    """The config.json dict of a dartree checkpoint (format and version set; the layout in the module docstring).
+
+    Args:
+        drafter_cfg: :class:`DrafterConfig` fields. head_cfg: ``{"type": ..., **hparams}``.
+        target_identity: ``name``, ``vocab_size``, ``hidden_size``, ``num_layers`` of the target.
+        provenance: free-form record of how the checkpoint was made.
+    """
+    return {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "drafter": dict(drafter_cfg),
+        "head": dict(head_cfg),
+        "target": dict(target_identity),
+        "provenance": dict(provenance or {}),
+    }
+
+
+def write_dartree(folder: str | os.PathLike, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+    """Write a dartree checkpoint folder from its config dict and tensors (``backbone.*``, ``head.*``), atomically.
+
+    Tensors are written as given (dtype kept), so a converter can pass published tensors through bit for bit.
+    Returns the folder path.
+    """
+    tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
+    write_folder_atomically(
+        Path(folder),
+        {
+            "config.json": json.dumps(config, indent=2).encode(),
+            "model.safetensors": {"tensors": tensors, "metadata": {"format": FORMAT}},
+        },
+    )
+    return Path(folder)
+
+
 def save_dartree(
     folder: str | os.PathLike,
     drafter: DFlashDrafter,
@@ -106,25 +141,25 @@ def save_dartree(
     dtype: torch.dtype = torch.bfloat16,
     provenance: dict | None = None,
 ) -> Path:
-    """Save a drafter + head in the dartree format (atomically). Returns the folder path."""
-    tensors = {f"backbone.{k}": v.detach().to(dtype).contiguous() for k, v in drafter.state_dict().items()}
-    tensors.update({f"head.{k}": v.detach().to(dtype).contiguous() for k, v in head.state_dict().items()})
-    config = {
-        "format": FORMAT,
-        "format_version": FORMAT_VERSION,
-        "drafter": drafter.cfg.to_dict(),
-        "head": {"type": head.type_name, **head.hparams()},
-        "target": dict(target_identity),
-        "provenance": provenance or {},
-    }
-    write_folder_atomically(
-        Path(folder),
-        {
-            "config.json": json.dumps(config, indent=2).encode(),
-            "model.safetensors": {"tensors": tensors, "metadata": {"format": FORMAT}},
-        },
-    )
-    return Path(folder)
+    """Save a drafter + head in the dartree format (atomically), tensors cast to ``dtype``. Returns the folder path."""
+    tensors = {f"backbone.{k}": v.detach().to(dtype) for k, v in drafter.state_dict().items()}
+    tensors.update({f"head.{k}": v.detach().to(dtype) for k, v in head.state_dict().items()})
+    config = dartree_config(drafter.cfg.to_dict(), {"type": head.type_name, **head.hparams()}, target_identity, provenance)
+    return write_dartree(folder, config, tensors)
+
+
+def expected_tensors(config: dict, where) -> dict[str, tuple[int, ...]]:
+    """Names (``backbone.*``, ``head.*``) and shapes of the tensors a checkpoint config calls for.
+
+    Built on the meta device, so it costs no memory even for a large drafter.
+    Raises:
+        CheckpointError: as :func:`build_from_config`.
+    """
+    with torch.device("meta"):
+        drafter, head = build_from_config(config, where)
+    out = {f"backbone.{k}": tuple(v.shape) for k, v in drafter.state_dict().items()}
+    out.update({f"head.{k}": tuple(v.shape) for k, v in head.state_dict().items()})
+    return out
 
 
 def build_from_config(config: dict, where) -> tuple[DFlashDrafter, CorrectionHead]:
@@ -164,7 +199,11 @@ def check_target_pairing(config: dict, target) -> None:
         problems.append(f"hidden_size: checkpoint {d['hidden_size']} vs target {target.hidden_size}")
     bad = [i for i in d["target_layer_ids"] if not 0 <= i < target.num_layers]
     if bad:
-        problems.append(f"target_layer_ids {bad} outside the target's {target.num_layers} layers")
+        problems.append(f"target_layer_ids {bad} outside the target's {target.num_layers} layers (0..{target.num_layers - 1})")
+    embed_dim = config.get("head", {}).get("embed_dim") or config.get("head", {}).get("hidden_size")
+    if config.get("head", {}).get("type") == "gru" and embed_dim != target.embed_tokens.weight.shape[1]:
+        problems.append(f"gru head embed_dim: checkpoint {embed_dim} vs target embedding width "
+                        f"{target.embed_tokens.weight.shape[1]}")
     if not 0 <= d["mask_token_id"] < target.vocab_size:
         problems.append(f"mask_token_id {d['mask_token_id']} >= target vocab rows {target.vocab_size}")
     if problems:
@@ -181,7 +220,8 @@ def load_dartree(
 
     Args:
         folder: folder with config.json and model.safetensors.
-        target: optional Target to validate the pairing against.
+        target: optional Target to validate the pairing against; its input embedding is bound to the head
+            (``head.bind_embeddings``), which the ``gru`` head needs before use.
         dtype: parameter dtype after loading (checkpoints are stored in bf16).
     Raises:
         CheckpointError: missing files, wrong format, unreadable/truncated safetensors, missing/unexpected/
@@ -216,6 +256,8 @@ def load_dartree(
         raise CheckpointError(f"{w_path}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all)")
     drafter.to(device=device, dtype=dtype).eval()
     head.to(device=device, dtype=dtype).eval()
+    if target is not None:
+        head.bind_embeddings(target.embed_tokens.weight)  # Domino's GRU reads the target's token embeddings
     return DraftModel(drafter, head, config)
 
 

@@ -1,0 +1,375 @@
+"""Published drafter layouts: tensor names and config fields, both ways (read into dartree, write back).
+
+Layouts (facts from the public code, ANCHORS.md sections 1, 5a, 5b):
+
+- ``zlab-dflash`` (z-lab/dflash ``dflash/model.py``): a Qwen3 config plus ``dflash_config.{mask_token_id,
+  target_layer_ids}`` and ``block_size`` (top level or in ``dflash_config``); tensors ``fc``, ``hidden_norm``,
+  ``norm`` and Qwen3 layers ``layers.{i}.self_attn.{q,k,v,o}_proj / {q,k}_norm``, ``layers.{i}.mlp.{gate,up,
+  down}_proj``, ``layers.{i}.{input,post_attention}_layernorm``; no embedding or lm_head. Block positions
+  1..B-1 are the proposals (dartree ``proposal_offset`` 1), head ``identity``.
+- ``specforge-domino`` (SpecForge ``specforge/modeling/draft/domino.py``): the same backbone plus
+  ``prefix_gru.weight_{ih,hh}_l0`` and ``embed_proj.{0,2}.weight`` (older checkpoints: under ``logit_head.``);
+  ``dflash_config.{emb_dim, gru_hidden_dim, pure_draft_prefix_len, shift_label}``. ``shift_label`` true means all
+  B positions are proposals (offset 0), else B-1 (offset 1); head ``gru`` with ``prefix_len`` =
+  ``pure_draft_prefix_len`` counted in proposals, as SpecForge's ``suffix_start`` does in both modes.
+- ``specforge-dspark`` (SpecForge ``dspark.py`` / ``dspark_heads.py``): the backbone plus
+  ``markov_head.markov_w1.weight``, ``markov_head.markov_w2.weight``, ``markov_head.gate_proj.*`` (gated),
+  ``markov_head.joint_proj.*`` (rnn), ``confidence_head.proj.*``; fields ``markov_rank``, ``markov_head_type``
+  (vanilla | gated | rnn), ``enable_confidence_head``, ``confidence_head_with_markov`` in ``dflash_config`` (or
+  at the top level, the older ``DSparkConfig`` layout). All B positions are proposals (offset 0): DSpark trains
+  on labels anchor+1..anchor+B (ANCHORS.md 5b trusts training over SpecForge's B-1 inference slice).
+- ``deepspec-dspark`` (DeepSpec ``deepspec/modeling/dspark/qwen3/{config,modeling}.py``): the target's config
+  with top-level ``target_layer_ids``, ``mask_token_id``, ``block_size``, ``num_anchors`` and the DSpark fields;
+  tensors as SpecForge DSpark plus frozen copies ``embed_tokens.weight`` and ``lm_head.weight`` [V, D], which
+  dartree drops (the target provides them).
+
+Both transformers config layouts are read: ``rope_theta`` at the top level (transformers 4) or under
+``rope_parameters`` (transformers 5). Exports write the transformers-4 layout, as the published configs do.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from dartree.models.checkpoint import CheckpointError, FORMAT, FORMAT_VERSION
+
+SOURCE_FORMATS = ("zlab-dflash", "specforge-domino", "specforge-dspark", "deepspec-dspark")
+EXPORT_FORMATS = ("zlab-dflash", "specforge-domino", "specforge-dspark")
+
+_MARKOV_TYPES = {"vanilla": "markov", "gated": "gated_markov", "rnn": "rnn"}
+_DSPARK_HEADS = {v: k for k, v in _MARKOV_TYPES.items()}
+_LEGACY_PREFIXES = ("prefix_gru.", "embed_proj.", "markov_head.", "confidence_head.")
+_LAYER = re.compile(r"^backbone\.layers\.(\d+)\.(.+)$")
+_ATTN = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
+_MLP = {"gate_proj", "up_proj", "down_proj"}
+_HEAD_NAMES = {
+    "gru": {"weight_ih": "prefix_gru.weight_ih_l0", "weight_hh": "prefix_gru.weight_hh_l0",
+            "fc1.weight": "embed_proj.0.weight", "fc2.weight": "embed_proj.2.weight"},
+    "dspark": {"w1.weight": "markov_head.markov_w1.weight", "w2.weight": "markov_head.markov_w2.weight",
+               "gate_proj.weight": "markov_head.gate_proj.weight", "gate_proj.bias": "markov_head.gate_proj.bias",
+               "joint_proj.weight": "markov_head.joint_proj.weight", "joint_proj.bias": "markov_head.joint_proj.bias",
+               "confidence.weight": "confidence_head.proj.weight", "confidence.bias": "confidence_head.proj.bias"},
+}
+
+
+def published_name(name: str, fmt: str) -> str:
+    """Map a dartree tensor name (``backbone.*`` / ``head.*``) to its name in the published layout ``fmt``.
+
+    ``backbone.layers.{i}.q_proj.weight`` -> ``layers.{i}.self_attn.q_proj.weight``, ``...gate_proj...`` ->
+    ``layers.{i}.mlp.gate_proj...``, other backbone names lose the ``backbone.`` prefix; head names per
+    the module docstring.
+    Raises:
+        CheckpointError: a head tensor that ``fmt`` has no name for (the head type does not fit the layout).
+    """
+    if name.startswith("backbone."):
+        m = _LAYER.match(name)
+        if m:
+            i, rest = m.groups()
+            mod = rest.split(".", 1)[0]
+            if mod in _ATTN:
+                return f"layers.{i}.self_attn.{rest}"
+            if mod in _MLP:
+                return f"layers.{i}.mlp.{rest}"
+            return f"layers.{i}.{rest}"
+        return name[len("backbone."):]
+    local = name[len("head."):]
+    table = _HEAD_NAMES["gru"] if fmt == "specforge-domino" else _HEAD_NAMES["dspark"]
+    if fmt == "zlab-dflash" or local not in table:
+        raise CheckpointError(f"tensor {name!r} has no counterpart in the {fmt} layout")
+    return table[local]
+
+
+def strip_legacy(tensors: dict, where) -> dict:
+    """Rename older SpecForge ``logit_head.{prefix_gru,embed_proj,markov_head,confidence_head}.*`` tensors to
+    the direct layout (SpecForge ``normalize_draft_head_checkpoint_keys``).
+
+    Raises:
+        CheckpointError: both the legacy and the direct name of one tensor are present.
+    """
+    out = {}
+    for k, v in tensors.items():
+        new = k
+        if k.startswith("logit_head.") and k[len("logit_head."):].startswith(_LEGACY_PREFIXES):
+            new = k[len("logit_head."):]
+        if new in out:
+            raise CheckpointError(f"{where}: tensor {new!r} appears twice (also as {k!r}); keep one of them")
+        out[new] = v
+    return out
+
+
+def _get(config: dict, key: str, *, where, fmt: str, nested: bool = True, default=..., expected: str = ""):
+    """Field ``key`` from ``dflash_config`` (when ``nested``) or the top level; error listing the layout if absent."""
+    dc = config.get("dflash_config") or {}
+    if nested and key in dc:
+        return dc[key]
+    if key in config:
+        return config[key]
+    if default is not ...:
+        return default
+    place = f"dflash_config.{key} or {key}" if nested else key
+    raise CheckpointError(
+        f"{where}: unknown config layout for {fmt}: no {place}; expected {expected or _EXPECTED[fmt]}"
+    )
+
+
+_QWEN3 = ("hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, "
+          "head_dim, rms_norm_eps, vocab_size, rope_theta (or rope_parameters.rope_theta)")
+_EXPECTED = {
+    "zlab-dflash": f"a Qwen3 config ({_QWEN3}) with block_size and dflash_config.{{mask_token_id, target_layer_ids}}",
+    "specforge-domino": f"a Qwen3 config ({_QWEN3}) with block_size and dflash_config.{{mask_token_id, "
+                        "target_layer_ids, emb_dim, gru_hidden_dim, pure_draft_prefix_len, shift_label}",
+    "specforge-dspark": f"a Qwen3 config ({_QWEN3}) with block_size and dflash_config.{{mask_token_id, "
+                        "target_layer_ids, markov_rank, markov_head_type, enable_confidence_head, "
+                        "confidence_head_with_markov}",
+    "deepspec-dspark": f"a Qwen3 config ({_QWEN3}) with top-level block_size, mask_token_id, target_layer_ids, "
+                       "markov_rank, markov_head_type, enable_confidence_head",
+}
+
+
+def _rope_theta(config: dict, where, fmt: str) -> float:
+    rp = config.get("rope_parameters")
+    if isinstance(rp, dict) and "rope_theta" in rp:
+        if rp.get("rope_type", "default") != "default":
+            raise CheckpointError(f"{where}: rope_parameters.rope_type {rp['rope_type']!r} is not supported "
+                                  "(dartree drafters use plain RoPE); only 'default' converts")
+        return float(rp["rope_theta"])
+    if "rope_theta" in config:
+        rs = config.get("rope_scaling")
+        if rs and (rs.get("rope_type") or rs.get("type")) not in (None, "default"):
+            raise CheckpointError(f"{where}: rope_scaling {rs!r} is not supported (dartree drafters use plain "
+                                  "RoPE); only null or type 'default' converts")
+        return float(config["rope_theta"])
+    raise CheckpointError(f"{where}: unknown config layout for {fmt}: no rope_theta at the top level "
+                          f"(transformers 4) nor rope_parameters.rope_theta (transformers 5); expected {_EXPECTED[fmt]}")
+
+
+def _check_supported(config: dict, where) -> None:
+    """Refuse published options dartree's backbone does not implement (each named with its value)."""
+    dc = config.get("dflash_config") or {}
+    if config.get("attention_bias"):
+        raise CheckpointError(f"{where}: attention_bias=true is not supported (dartree layers have no q/k/v/o bias)")
+    bad_types = sorted(set(config.get("layer_types") or []) - {"full_attention"})
+    if bad_types:
+        raise CheckpointError(f"{where}: layer_types {bad_types} are not supported; dartree converts full_attention only")
+    for key, ok in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0)):
+        val = dc.get(key, config.get(key, ok))
+        if val is not None and float(val) != ok:
+            raise CheckpointError(f"{where}: {key}={val} is not supported; dartree converts only {ok}")
+    if dc.get("final_logit_softcapping", config.get("final_logit_softcapping")):
+        raise CheckpointError(f"{where}: final_logit_softcapping is not supported by dartree")
+    if dc.get("is_causal", config.get("is_causal")):
+        raise CheckpointError(f"{where}: is_causal=true is not supported (DFlash blocks attend bidirectionally)")
+
+
+def _backbone(config: dict, where, fmt: str, *, proposal_offset: int) -> dict:
+    """DrafterConfig fields from a published Qwen3-style config."""
+    _check_supported(config, where)
+    nested = fmt != "deepspec-dspark"
+    try:
+        d = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        out = {
+            "hidden_size": d,
+            "intermediate_size": int(config["intermediate_size"]),
+            "num_layers": int(config["num_hidden_layers"]),
+            "num_heads": heads,
+            "num_kv_heads": int(config.get("num_key_value_heads") or heads),
+            "head_dim": int(config.get("head_dim") or d // heads),
+            "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+            "qk_norm": True,  # Qwen3 layers always carry q_norm / k_norm
+        }
+        int(config["vocab_size"])
+    except KeyError as exc:
+        raise CheckpointError(f"{where}: unknown config layout for {fmt}: no {exc.args[0]}; "
+                              f"expected {_EXPECTED[fmt]}") from None
+    ids = _get(config, "target_layer_ids", where=where, fmt=fmt, nested=nested)
+    if not isinstance(ids, list) or any(int(i) < 0 for i in ids):
+        raise CheckpointError(f"{where}: target_layer_ids {ids!r} must be a list of layer indices >= 0 "
+                              "(DeepSpec's -1, the embedding output, is not supported by dartree)")
+    out.update(
+        target_layer_ids=[int(i) for i in ids],
+        mask_token_id=int(_get(config, "mask_token_id", where=where, fmt=fmt, nested=nested)),
+        block_size=int(_get(config, "block_size", where=where, fmt=fmt, nested=nested)),
+        proposal_offset=proposal_offset,
+        rope_theta=_rope_theta(config, where, fmt),
+    )
+    return out
+
+
+def _dspark_head(config: dict, where, fmt: str, vocab: int, hidden: int) -> dict:
+    nested = fmt == "specforge-dspark"
+    rank = int(_get(config, "markov_rank", where=where, fmt=fmt, nested=nested))
+    conf = bool(_get(config, "enable_confidence_head", where=where, fmt=fmt, nested=nested, default=False))
+    with_markov = bool(_get(config, "confidence_head_with_markov", where=where, fmt=fmt, nested=nested, default=True))
+    if rank <= 0:
+        if conf:
+            raise CheckpointError(f"{where}: a confidence head without a Markov head (markov_rank 0) is not "
+                                  "supported by dartree")
+        return {"type": "identity"}
+    kind = str(_get(config, "markov_head_type", where=where, fmt=fmt, nested=nested, default="vanilla")).lower()
+    if kind not in _MARKOV_TYPES:
+        raise CheckpointError(f"{where}: markov_head_type {kind!r} is unknown; expected one of {sorted(_MARKOV_TYPES)}")
+    head = {"type": _MARKOV_TYPES[kind], "vocab_size": vocab, "rank": rank}
+    if kind != "vanilla" or conf:
+        head["hidden_size"] = hidden
+    if conf:
+        head.update(confidence_head=True, confidence_with_markov=with_markov)
+    return head
+
+
+@dataclass
+class Parsed:
+    """A published config read into dartree terms: drafter fields, head config, target identity, and the
+    names of published tensors that dartree drops (with their expected shapes)."""
+
+    drafter: dict
+    head: dict
+    target: dict
+    dropped: dict
+
+
+def parse_config(config: dict, fmt: str, where) -> Parsed:
+    """Read a published config (layout ``fmt``) into dartree terms.
+
+    Raises:
+        CheckpointError: unknown layout (the message lists the expected fields), unsupported options, or an
+            unknown ``fmt``.
+    """
+    if fmt not in SOURCE_FORMATS:
+        raise CheckpointError(f"unknown source format {fmt!r}; known: {list(SOURCE_FORMATS)}")
+    if fmt == "zlab-dflash":
+        drafter = _backbone(config, where, fmt, proposal_offset=1)
+        head = {"type": "identity"}
+    elif fmt == "specforge-domino":
+        shift = bool(_get(config, "shift_label", where=where, fmt=fmt, default=False))
+        drafter = _backbone(config, where, fmt, proposal_offset=0 if shift else 1)
+        head = {
+            "type": "gru",
+            "vocab_size": int(config["vocab_size"]),
+            "hidden_size": drafter["hidden_size"],
+            "emb_dim": int(_get(config, "emb_dim", where=where, fmt=fmt)),
+            "gru_hidden_dim": int(_get(config, "gru_hidden_dim", where=where, fmt=fmt)),
+            "prefix_len": int(_get(config, "pure_draft_prefix_len", where=where, fmt=fmt, default=0)),
+        }
+    else:
+        drafter = _backbone(config, where, fmt, proposal_offset=0)
+        head = _dspark_head(config, where, fmt, int(config["vocab_size"]), drafter["hidden_size"])
+    vocab, d = int(config["vocab_size"]), drafter["hidden_size"]
+    dropped = {"embed_tokens.weight": (vocab, d), "lm_head.weight": (vocab, d)} if fmt == "deepspec-dspark" else {}
+    target = {"name": config.get("_name_or_path") or f"(unknown; {fmt} source)", "vocab_size": vocab,
+              "hidden_size": d, "num_layers": config.get("num_target_layers")}
+    return Parsed(drafter, head, target, dropped)
+
+
+def detect(config: dict, tensor_names: set[str]) -> tuple[str, str]:
+    """Name the layout of a checkpoint from its config fields and tensor names; returns (format, reason).
+
+    Raises:
+        CheckpointError: no known layout matches; the message lists what each layout needs.
+    """
+    fmt = config.get("format")
+    if fmt in (FORMAT, "dartree-train"):
+        return fmt, f"config.json format={fmt!r}"
+    names = {n[len("logit_head."):] if n.startswith("logit_head.") else n for n in tensor_names}
+    dc = config.get("dflash_config")
+    dc = dc if isinstance(dc, dict) else {}
+    projector = dc.get("projector_type")
+    has_gru = any(n.startswith(("prefix_gru.", "embed_proj.")) for n in names)
+    has_markov = any(n.startswith(("markov_head.", "confidence_head.")) for n in names)
+    if "target_layer_ids" in config and "dflash_config" not in config and (
+            "markov_rank" in config or "embed_tokens.weight" in names):
+        return "deepspec-dspark", "top-level target_layer_ids and markov_rank (DeepSpec layout)"
+    if dc:
+        if projector == "domino" or has_gru:
+            why = "dflash_config.projector_type='domino'" if projector == "domino" else "prefix_gru.* tensors"
+            return "specforge-domino", why
+        if projector == "dspark" or has_markov or "markov_rank" in dc or "markov_rank" in config:
+            why = "dflash_config.projector_type='dspark'" if projector == "dspark" else "markov_head.* tensors / markov_rank"
+            return "specforge-dspark", why
+        return "zlab-dflash", "dflash_config without head tensors"
+    raise CheckpointError(
+        f"unknown checkpoint layout (format={fmt!r}, no dflash_config, no top-level target_layer_ids); expected one "
+        "of: dartree / dartree-train (config 'format'), zlab-dflash / specforge-domino / specforge-dspark "
+        "(Qwen3 config with dflash_config), deepspec-dspark (top-level target_layer_ids and markov_rank)"
+    )
+
+
+def export_config(config: dict, fmt: str) -> dict:
+    """The published config.json for a dartree checkpoint config exported to ``fmt`` (transformers-4 layout).
+
+    Raises:
+        CheckpointError: the drafter or head cannot be expressed in ``fmt`` (named, with what would fit).
+    """
+    if fmt not in EXPORT_FORMATS:
+        raise CheckpointError(f"unknown export format {fmt!r}; known: {list(EXPORT_FORMATS)}")
+    d, head, tgt = config["drafter"], dict(config["head"]), config.get("target", {})
+    htype = head.get("type")
+    want_head = {"zlab-dflash": ("identity",), "specforge-domino": ("gru",),
+                 "specforge-dspark": ("markov", "gated_markov", "rnn")}[fmt]
+    if htype not in want_head:
+        raise CheckpointError(f"head type {htype!r} cannot be exported as {fmt} (it carries {list(want_head)}); "
+                              f"choose --to {_fmt_for_head(htype)}")
+    if not d.get("qk_norm", False):
+        raise CheckpointError(f"drafter has qk_norm=false but {fmt} layers are Qwen3 layers with q_norm/k_norm; "
+                              "only drafters trained with drafter.qk_norm=true export")
+    if fmt in ("zlab-dflash", "specforge-dspark") and d["proposal_offset"] != (1 if fmt == "zlab-dflash" else 0):
+        need = 1 if fmt == "zlab-dflash" else 0
+        raise CheckpointError(f"{fmt} drafters use proposal_offset {need}, this one uses {d['proposal_offset']}; "
+                              "exporting would shift every proposal by one position")
+    vocab = tgt.get("vocab_size") or head.get("vocab_size")
+    if vocab is None:
+        raise CheckpointError("the checkpoint records no target vocab_size (config target.vocab_size); cannot "
+                              "write the published vocab_size")
+    n = d["num_layers"]
+    out = {
+        "architectures": ["DFlashDraftModel"],
+        "model_type": "qwen3",
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "block_size": d["block_size"],
+        "head_dim": d["head_dim"],
+        "hidden_act": "silu",
+        "hidden_size": d["hidden_size"],
+        "intermediate_size": d["intermediate_size"],
+        "layer_types": ["full_attention"] * n,
+        "max_window_layers": n,
+        "num_attention_heads": d["num_heads"],
+        "num_hidden_layers": n,
+        "num_key_value_heads": d["num_kv_heads"],
+        "rms_norm_eps": d["rms_norm_eps"],
+        "rope_scaling": None,
+        "rope_theta": d["rope_theta"],
+        "sliding_window": None,
+        "tie_word_embeddings": False,
+        "use_sliding_window": False,
+        "vocab_size": vocab,
+        "dflash_config": {"mask_token_id": d["mask_token_id"], "target_layer_ids": list(d["target_layer_ids"])},
+    }
+    if tgt.get("num_layers") is not None:
+        out["num_target_layers"] = tgt["num_layers"]
+    if tgt.get("name"):
+        out["_name_or_path"] = tgt["name"]
+    dc = out["dflash_config"]
+    if fmt == "specforge-domino":
+        if head.get("embed_dim", head["hidden_size"]) != d["hidden_size"]:
+            raise CheckpointError(f"gru head embed_dim {head['embed_dim']} != hidden_size {d['hidden_size']}; "
+                                  "SpecForge Domino's GRU input width is the hidden size")
+        dc.update(projector_type="domino", pure_draft_prefix_len=head["prefix_len"], emb_dim=head["emb_dim"],
+                  gru_hidden_dim=head["gru_hidden_dim"], shift_label=d["proposal_offset"] == 0)
+        out["emb_dim"] = head["emb_dim"]
+    elif fmt == "specforge-dspark":
+        out["architectures"] = ["DSparkDraftModel"]
+        dc.update(projector_type="dspark", markov_rank=head["rank"], markov_head_type=_DSPARK_HEADS[htype],
+                  enable_confidence_head=bool(head.get("confidence_head", False)),
+                  confidence_head_with_markov=bool(head.get("confidence_with_markov", True)))
+    return out
+
+
+def _fmt_for_head(htype) -> str:
+    return {"identity": "zlab-dflash", "gru": "specforge-domino"}.get(htype, "specforge-dspark")
+
+
+def is_dartree(config: dict) -> bool:
+    """True when ``config`` is a dartree checkpoint config of the current version."""
+    return config.get("format") == FORMAT and config.get("format_version") == FORMAT_VERSION

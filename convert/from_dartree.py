@@ -1,0 +1,94 @@
+"""Export a dartree checkpoint back to a published drafter layout, so engines that load those formats can serve it.
+
+``python convert/from_dartree.py SRC --to zlab-dflash|specforge-domino|specforge-dspark --out DST``
+
+The head type decides the layout: ``identity`` -> z-lab DFlash, ``gru`` -> SpecForge Domino, ``markov`` /
+``gated_markov`` / ``rnn`` -> SpecForge DSpark (names and config fields in :mod:`dartree.convert.formats`).
+Tensors are written bit for bit under their published names, so ``to_dartree.py`` reads the export back
+unchanged. A drafter the layout cannot express (q/k norm off, a proposal offset the layout does not use, another
+head type) is refused with the reason. The output folder appears by atomic rename.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from safetensors import SafetensorError
+from safetensors.torch import load_file
+
+from dartree.convert.formats import EXPORT_FORMATS, export_config, published_name
+from dartree.models.checkpoint import CheckpointError, load_dartree, write_folder_atomically
+
+
+def _ensure_exportable_destination(dest: Path) -> None:
+    """Refuse to overwrite anything but an earlier published drafter export (a folder whose config.json has
+    ``dflash_config``).
+
+    Raises:
+        CheckpointError: ``dest`` is a file or a folder that is not such a checkpoint (nothing is touched).
+    """
+    if not dest.exists():
+        return
+    try:
+        ok = dest.is_dir() and "dflash_config" in json.loads((dest / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        ok = False
+    if not ok:
+        raise CheckpointError(f"refusing to overwrite {dest}: it exists and is not a published drafter checkpoint; "
+                              "choose a new --out folder")
+
+
+def export(src: str | Path, out: str | Path, *, to: str) -> Path:
+    """Write the dartree checkpoint ``src`` in the published layout ``to`` at ``out`` (atomically); returns ``out``.
+
+    Args:
+        src: dartree checkpoint folder. out: destination folder. to: one of :data:`EXPORT_FORMATS`.
+    Raises:
+        CheckpointError: ``src`` is not a valid dartree checkpoint (strict load), ``to`` is unknown, or the
+            drafter / head cannot be expressed in ``to`` (the message says why and what would fit).
+    """
+    src, out = Path(src), Path(out)
+    if to not in EXPORT_FORMATS:
+        raise CheckpointError(f"--to {to!r} is not one of {list(EXPORT_FORMATS)}")
+    _ensure_exportable_destination(out)
+    config = load_dartree(src).config  # strict: format, version, names, shapes
+    published = export_config(config, to)
+    try:
+        tensors = load_file(str(src / "model.safetensors"))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {src / 'model.safetensors'}: {exc} (truncated or not safetensors)") from exc
+    mapped = {published_name(k, to): v.contiguous() for k, v in tensors.items()}
+    write_folder_atomically(
+        out,
+        {
+            "config.json": json.dumps(published, indent=2).encode(),
+            "model.safetensors": {"tensors": mapped, "metadata": {"format": "pt"}},
+        },
+    )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point (``dartree-export``); exit status 2 with a one-line error on a bad checkpoint."""
+    ap = argparse.ArgumentParser(prog="dartree-export", description=__doc__.split("\n")[0])
+    ap.add_argument("src", help="dartree checkpoint folder")
+    ap.add_argument("--to", required=True, choices=list(EXPORT_FORMATS), help="published layout to write")
+    ap.add_argument("--out", required=True, help="output folder")
+    args = ap.parse_args(argv)
+    try:
+        export(args.src, args.out, to=args.to)
+    except CheckpointError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except OSError as exc:
+        print(f"error: cannot write {args.out}: {exc.strerror or exc}; choose a writable --out folder", file=sys.stderr)
+        return 2
+    print(f"wrote {args.out} ({args.to})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
