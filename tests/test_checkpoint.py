@@ -118,3 +118,19 @@ def test_convert_refuses_to_overwrite_a_foreign_folder(tmp_path, train_ckpt):
     out = convert(src, tmp_path / "dt")
     convert(src, out)  # re-converting over an earlier dartree checkpoint is fine
     assert (out / "model.safetensors").stat().st_mode & 0o044  # readable by others under the default umask
+
+
+def test_load_with_target_binds_the_gru_heads_embeddings(tmp_path, target):
+    from dartree.models.heads import GRUHead
+
+    torch.manual_seed(0)
+    head = GRUHead(96, 32, emb_dim=4, gru_hidden_dim=3)
+    torch.nn.init.normal_(head.fc2.weight)
+    cfg = __import__("omegaconf").OmegaConf.create({"recipe": "unit"})
+    save_training_checkpoint(tmp_path / "ckpt", make_drafter(), head, target, cfg, {"step": 1})
+    out = convert(tmp_path / "ckpt", tmp_path / "dt", dtype=torch.float32)
+    with pytest.raises(RuntimeError, match="bind_embeddings"):
+        load_dartree(out).head.init_state(torch.tensor([5]))
+    head.bind_embeddings(target.embed_tokens.weight)
+    got = load_dartree(out, target=target).head.init_state(torch.tensor([5]))
+    assert torch.equal(got, head.init_state(torch.tensor([5])))

@@ -379,6 +379,23 @@ def test_trained_here_export_and_reimport_is_unchanged(tmp_path, target, fmt):
     assert json.loads((exported / "config.json").read_text())["architectures"]
 
 
+def test_user_trains_with_train_py_exports_and_reimports_unchanged(tmp_path, monkeypatch, target):
+    from dartree.training.recipe import load_recipe
+    from dartree.training.train import build_models, run
+
+    for kind in ("gated_markov", "rnn", "gru"):  # build_models takes every head type
+        _, head = build_models(load_recipe(["recipe=tiny_dspark", f"head.type={kind}"]), target)
+        assert head.type_name == kind
+    monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
+    run(load_recipe(["recipe=tiny_dspark", "head.type=gru", f"output_dir={tmp_path / 'run'}"]))
+    dt = convert(tmp_path / "run" / "checkpoint", tmp_path / "dt", dtype=torch.float32)
+    again = convert(export(dt, tmp_path / "pub", to="specforge-domino"), tmp_path / "again")
+    c0, c1 = (json.loads((x / "config.json").read_text()) for x in (dt, again))
+    assert c0["head"]["type"] == "gru" and (c0["drafter"], c0["head"]) == (c1["drafter"], c1["head"])
+    t0, t1 = load_file(str(dt / "model.safetensors")), load_file(str(again / "model.safetensors"))
+    assert t0.keys() == t1.keys() and all(_bytes(t0[k]) == _bytes(t1[k]) for k in t0)
+
+
 # ------------------------------------------------------------------------------------------------ decoding
 def _load_by_hand(t: dict, drafter, head) -> None:
     """Put published tensors into dartree modules attribute by attribute (the spec, independent of the converter)."""

@@ -79,13 +79,31 @@ def build_models(cfg: DictConfig, target: Target):
         drafter = DFlashDrafter(dcfg)
         if d.init_from_target:
             drafter.init_from_target_layers(target.model, list(range(n_t - d.num_layers, n_t)))
-        params = {"vocab_size": target.vocab_size}
-        if cfg.head.type == "markov":
-            params["rank"] = cfg.head.rank
-        head = build_head(cfg.head.type, **params)
+        head = build_head(cfg.head.type, **_head_params(cfg.head, target))
+        head.bind_embeddings(target.embed_tokens.weight)  # the gru head reads the target's token embeddings
     except (ValueError, KeyError) as exc:
         raise RecipeError(f"cannot build the drafter from the recipe: {exc}") from None
     return drafter, head
+
+
+def _head_params(h: DictConfig, target: Target) -> dict:
+    """Constructor arguments of the recipe's head type: ``markov`` / ``gated_markov`` / ``rnn`` take ``rank``
+    (and optional ``confidence_head``, ``confidence_with_markov``); ``gru`` takes ``emb_dim`` (default: ``rank``),
+    ``gru_hidden_dim`` (default 4 x emb_dim) and ``prefix_len`` (default 1, Domino's pure_draft_prefix_len).
+    Keys the recipe schema does not hold yet fall back to these defaults."""
+    params = {"vocab_size": target.vocab_size}
+    if h.type in ("markov", "gated_markov", "rnn"):
+        params["rank"] = h.rank
+        if h.type != "markov" or h.get("confidence_head", False):
+            params["hidden_size"] = target.hidden_size
+        if h.get("confidence_head", False):
+            params.update(confidence_head=True, confidence_with_markov=bool(h.get("confidence_with_markov", True)))
+    elif h.type == "gru":
+        emb = int(h.get("emb_dim", None) or h.rank)
+        params.update(hidden_size=target.hidden_size, emb_dim=emb,
+                      gru_hidden_dim=int(h.get("gru_hidden_dim", None) or 4 * emb),
+                      prefix_len=int(h.get("prefix_len", 1)))
+    return params
 
 
 def _rope_theta(tcfg) -> float:
