@@ -32,7 +32,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from dartree.models.checkpoint import CheckpointError, FORMAT, FORMAT_VERSION
+from dartree.models.checkpoint import FORMAT, CheckpointError
 
 SOURCE_FORMATS = ("zlab-dflash", "specforge-domino", "specforge-dspark", "deepspec-dspark")
 EXPORT_FORMATS = ("zlab-dflash", "specforge-domino", "specforge-dspark")
@@ -369,7 +369,3 @@ def export_config(config: dict, fmt: str) -> dict:
 def _fmt_for_head(htype) -> str:
     return {"identity": "zlab-dflash", "gru": "specforge-domino"}.get(htype, "specforge-dspark")
 
-
-def is_dartree(config: dict) -> bool:
-    """True when ``config`` is a dartree checkpoint config of the current version."""
-    return config.get("format") == FORMAT and config.get("format_version") == FORMAT_VERSION

@@ -516,6 +516,16 @@ def test_wrong_target_pairing_is_named(tmp_path, other, pattern):
     assert not (tmp_path / "out").exists()
 
 
+def test_cli_target_pairing_error_is_one_line(tmp_path):
+    src = make_source(tmp_path, "specforge-dspark")
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["dflash_config"]["target_layer_ids"] = [1, 5]
+    (src / "config.json").write_text(json.dumps(cfg))
+    r = _cli("convert/to_dartree.py", str(src), "--out", str(tmp_path / "out"), "--target", "tiny-qwen3")
+    assert r.returncode == 2 and r.stderr.strip().count("\n") == 0, r.stderr
+    assert "target_layer_ids [5] outside the target's 4 layers" in r.stderr and not (tmp_path / "out").exists()
+
+
 def test_mask_token_outside_target_vocab_is_named(tmp_path, target):
     src = make_source(tmp_path, "zlab-dflash")
     cfg = json.loads((src / "config.json").read_text())
