@@ -416,17 +416,25 @@ def _load_by_hand(t: dict, drafter, head) -> None:
         elif isinstance(head, MarkovHead):
             head.w1.weight.copy_(t["markov_head.markov_w1.weight"])
             head.w2.weight.copy_(t["markov_head.markov_w2.weight"])
-            head.joint_proj.weight.copy_(t["markov_head.joint_proj.weight"])
-            head.joint_proj.bias.copy_(t["markov_head.joint_proj.bias"])
+            for name in ("gate_proj", "joint_proj"):
+                if hasattr(head, name):
+                    getattr(head, name).weight.copy_(t[f"markov_head.{name}.weight"])
+                    getattr(head, name).bias.copy_(t[f"markov_head.{name}.bias"])
 
 
-@pytest.mark.parametrize("fmt", ["specforge-domino", "deepspec-dspark"])
-def test_decoding_with_converted_checkpoint_is_lossless_and_drafts_like_weights_trained_here(tmp_path, target, fmt):
-    src = make_source(tmp_path, fmt, kind="rnn", confidence=False)
+@pytest.mark.parametrize("fmt,kind", [("zlab-dflash", None), ("specforge-domino", None),
+                                      ("specforge-dspark", "gated"), ("deepspec-dspark", "rnn")])
+def test_decoding_with_converted_checkpoint_is_lossless_and_drafts_like_weights_trained_here(tmp_path, target, fmt, kind):
+    from dartree.models.heads import GatedMarkovHead, IdentityHead
+
+    src = make_source(tmp_path, fmt, kind=kind or "vanilla", confidence=False)
     dm = load_dartree(convert(src, tmp_path / "dt", target=target), target=target)
     t = load_file(str(src / "model.safetensors"))
-    drafter = make_drafter(proposal_offset=0)
-    head = GRUHead(VOCAB, D, emb_dim=E, gru_hidden_dim=G, prefix_len=1) if fmt == "specforge-domino" else RNNHead(VOCAB, R, hidden_size=D)
+    drafter = make_drafter(proposal_offset=1 if fmt == "zlab-dflash" else 0)
+    head = {"zlab-dflash": lambda: IdentityHead(),
+            "specforge-domino": lambda: GRUHead(VOCAB, D, emb_dim=E, gru_hidden_dim=G, prefix_len=1),
+            "specforge-dspark": lambda: GatedMarkovHead(VOCAB, R, hidden_size=D),
+            "deepspec-dspark": lambda: RNNHead(VOCAB, R, hidden_size=D)}[fmt]()
     _load_by_hand(t, drafter, head)
     head.bind_embeddings(target.embed_tokens.weight)
     chain = get_builder("chain")
