@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dartree.models.drafter import DFlashDrafter, DrafterConfig
-from dartree.models.heads import IdentityHead, MarkovHead
+from dartree.models.heads import IdentityHead, MarkovHead, build_head
 from dartree.models.target import tiny_target
 
 VOCAB = 96
@@ -44,9 +44,31 @@ def drafter():
     return make_drafter()
 
 
-@pytest.fixture(params=["identity", "markov"])
-def head(request):
-    return IdentityHead() if request.param == "identity" else make_markov()
+def make_head(name: str, target=None, seed: int = 0, scale: float = 0.5):
+    """A head of every registered type on the tiny shapes, with non-zero output rows so the correction acts;
+    the gru head is bound to ``target``'s embeddings."""
+    if name == "identity":
+        return IdentityHead()
+    if name == "markov":
+        return make_markov(seed, scale)
+    torch.manual_seed(seed)
+    params = {"vocab_size": VOCAB, "hidden_size": 32}
+    if name == "gru":
+        params.update(emb_dim=8, gru_hidden_dim=16, prefix_len=1)
+    else:
+        params["rank"] = 8
+    head = build_head(name, **params)
+    out = head.fc2 if name == "gru" else head.w2
+    torch.nn.init.normal_(out.weight, std=scale)
+    if name == "gru":
+        head.bind_embeddings(target.embed_tokens.weight)
+    return head.eval()
+
+
+@pytest.fixture(params=["identity", "markov", "gated_markov", "rnn", "gru"])
+def head(request, target):
+    """Every head type behind g(C, H, r)."""
+    return make_head(request.param, target)
 
 
 @pytest.fixture
