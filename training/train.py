@@ -13,11 +13,13 @@ import json
 import math
 import os
 import resource
+import signal
 import sys
 import time
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
@@ -33,7 +35,13 @@ from dartree.training.data import (
     regenerate_responses,
     sample_anchors,
 )
-from dartree.training.losses import block_attention_mask, dspark_loss, teacher_forced_tau
+from dartree.training.losses import (
+    block_attention_mask,
+    domino_loss,
+    dspark_loss,
+    lambda_schedule,
+    teacher_forced_tau,
+)
 from dartree.training.recipe import RecipeError, load_recipe
 
 TRAIN_FORMAT = "dartree-train"
@@ -135,11 +143,54 @@ def prepare_data(cfg: DictConfig, target: Target) -> BlockData:
     return BlockData(responses, feats, holdout=cfg.data.holdout)
 
 
-def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: DictConfig, gen: torch.Generator):
-    """Forward one training sequence with random anchors; returns LossOut or None when it has no anchor.
+def _seed(*parts: int) -> int:
+    """A 63-bit seed mixed from integers (the anchor RNG of one sequence at one step; rank- and resume-free)."""
+    h = 1469598103934665603
+    for p in parts:
+        h = ((h ^ (int(p) & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
+    return h
+
+
+def teacher_forced_states(head, prev: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
+    """Head states along the true previous tokens: r_0 = init_state(prev[:, 0]), r_j = advance(r_{j-1},
+    prev[:, j], H[:, j-1]); prev [A, P] int64, hidden [A, P, D] -> [A, P, S] (None for stateless heads)."""
+    st = head.init_state(prev[:, 0])
+    if st is None:
+        return None
+    out = [st]
+    for j in range(1, prev.shape[1]):
+        st = head.advance(st, prev[:, j], hidden[:, j - 1])
+        out.append(st)
+    return torch.stack(out, dim=1)
+
+
+class TrainModule(torch.nn.Module):
+    """The trainable drafter backbone and correction head as one module (what the DeepSpeed engine wraps).
+
+    ``forward(target, data, i, cfg, gen, lam)`` is :func:`sequence_loss` for training sequence i, returned as a
+    tuple of tensors (loss, ce, l1, bce, acc_per_pos, count_per_pos), or None: ZeRO-3's backward hooks find
+    their tensors only in plain containers.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, head):
+        super().__init__()
+        self.drafter, self.head = drafter, head
+
+    def forward(self, target: Target, data: BlockData, i: int, cfg: DictConfig, gen: torch.Generator, lam: float = 0.0):
+        out = sequence_loss(self.drafter, self.head, target, data, i, cfg, gen, lam)
+        if out is None:
+            return None
+        return out.loss, out.ce, out.l1, out.bce, out.acc_per_pos, out.count_per_pos
+
+
+def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: DictConfig, gen: torch.Generator,
+                  lam: float = 0.0):
+    """Forward one training sequence with random anchors under the recipe's loss; returns LossOut or None
+    when it has no anchor.
 
     Block n = [t[a_n], MASK x (L-1)] at positions a_n + arange(L); proposal j (at block position
     proposal_offset + j) predicts t[a_n + 1 + j]; the head's previous token for proposal j is t[a_n + j].
+    ``lam`` is Domino's curriculum weight on the base CE (loss.type domino).
     """
     tokens, feats, final, plen = data.sequence(i)
     s = tokens.numel()
@@ -155,8 +206,8 @@ def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: D
     embed = target.embed_tokens
     x = embed(block.reshape(1, -1)).to(torch.float32)
     mask = block_attention_mask(anchors, s, L)
-    use_bf16 = bool(cfg.train.bf16)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=use_bf16):
+    lc = cfg.loss
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(cfg.train.bf16)):
         hidden = drafter(x, q_pos, feats[None].float(), torch.arange(s)[None], mask=mask)
         hidden = hidden.view(a, L, -1)[:, off:]  # [A, P, D]
         base = target.lm_head(hidden)  # [A, P, V]
@@ -165,20 +216,32 @@ def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: D
         lpc = lp.clamp(max=s - 1)
         labels = tokens[lpc]
         prev = tokens[(lp - 1).clamp(max=s - 1)]
+        if lc.type == "dflash":
+            return dspark_loss(base, labels, valid, None, gamma=lc.gamma, ce_weight=1.0, l1_weight=0.0)
         logits = head.block_logits(prev, hidden, base)
+        if lc.type == "domino":
+            return domino_loss(logits, base, labels, valid, gamma=lc.gamma, lam=lam)
         with torch.no_grad():
             t_logits = target.lm_head(final[(lp - 1).clamp(max=s - 1)].to(target.lm_head.weight.dtype))
-    return dspark_loss(
-        logits, labels, valid, t_logits,
-        gamma=cfg.train.loss_gamma, ce_weight=cfg.train.ce_weight, l1_weight=cfg.train.l1_weight,
-    )
+        conf = None
+        if getattr(head, "confidence_head", False):
+            states = teacher_forced_states(head, prev, hidden.float())
+            d = hidden.shape[-1]
+            conf = head.confidence_logits(hidden.float().reshape(-1, d), states.reshape(a * P, -1)).view(a, P)
+    return dspark_loss(logits, labels, valid, t_logits, gamma=lc.gamma, ce_weight=lc.ce_weight,
+                       l1_weight=lc.l1_weight, conf_logits=conf, conf_weight=lc.conf_weight if conf is not None else 0.0)
 
 
-def save_training_checkpoint(folder: Path, drafter, head, target: Target, cfg: DictConfig, state: dict) -> None:
+def save_training_checkpoint(folder: Path, drafter, head, target: Target, cfg: DictConfig, state: dict,
+                             state_dicts: tuple[dict, dict] | None = None) -> None:
     """Write ``folder`` atomically: config.json (format ``dartree-train``, recipe, drafter/head/target config,
-    trainer state) and model.safetensors (``drafter.*`` and ``head.*`` in fp32)."""
-    tensors = {f"drafter.{k}": v.detach().float().contiguous() for k, v in drafter.state_dict().items()}
-    tensors.update({f"head.{k}": v.detach().float().contiguous() for k, v in head.state_dict().items()})
+    trainer state) and model.safetensors (``drafter.*`` and ``head.*`` full tensors in fp32).
+
+    ``state_dicts`` = (drafter, head) full state dicts when the modules' own hold partitions (ZeRO-3).
+    """
+    drafter_sd, head_sd = state_dicts if state_dicts is not None else (drafter.state_dict(), head.state_dict())
+    tensors = {f"drafter.{k}": v.detach().float().contiguous() for k, v in drafter_sd.items()}
+    tensors.update({f"head.{k}": v.detach().float().contiguous() for k, v in head_sd.items()})
     config = {
         "format": TRAIN_FORMAT,
         "drafter": drafter.cfg.to_dict(),
@@ -198,10 +261,9 @@ def evaluate_holdout(drafter, head, target, data: BlockData, cfg: DictConfig) ->
     """Teacher-forced accuracy per block position on the held-out sequences, and the implied chain tau."""
     if not data.holdout_ids:
         return {}
-    gen = torch.Generator().manual_seed(1234)
     hits, cnts = None, None
     for i in data.holdout_ids:
-        out = sequence_loss(drafter, head, target, data, i, cfg, gen)
+        out = sequence_loss(drafter, head, target, data, i, cfg, torch.Generator().manual_seed(_seed(1234, i)))
         if out is None:
             continue
         h = out.acc_per_pos * out.count_per_pos
@@ -213,29 +275,105 @@ def evaluate_holdout(drafter, head, target, data: BlockData, cfg: DictConfig) ->
     return {"holdout_acc_per_pos": [round(float(x), 4) for x in acc], "holdout_tf_tau": teacher_forced_tau(acc)}
 
 
+def load_init(path: str, target: Target, cfg: DictConfig):
+    """Drafter and head to fine-tune from ``init_from=PATH`` (a dartree checkpoint, e.g. a converted published
+    drafter, or a ``training/train.py`` checkpoint). The backbone architecture comes from the checkpoint; a
+    checkpoint whose head is ``identity`` (a plain DFlash drafter) gets a fresh head of the recipe's type.
+
+    Raises:
+        RecipeError: the folder is not a drafter checkpoint, does not fit the target, or holds a different head
+            type than the recipe trains (other than identity).
+    """
+    from dartree.models.checkpoint import CheckpointError, build_from_config, check_target_pairing, load_strict
+
+    folder = Path(path)
+    cfg_path = folder / "config.json"
+    try:
+        config = json.loads(cfg_path.read_text())
+        fmt = config.get("format")
+        if fmt not in ("dartree", TRAIN_FORMAT):
+            raise CheckpointError(f"{cfg_path}: format {fmt!r} is not a dartree or training checkpoint; convert it "
+                                  "first: python convert/to_dartree.py SRC --out DST, then init_from=DST")
+        check_target_pairing(config, target)
+        drafter, head = build_from_config(config, cfg_path)
+        from safetensors.torch import load_file
+
+        tensors = load_file(str(folder / "model.safetensors"))
+        prefix = "backbone." if fmt == "dartree" else "drafter."
+        load_strict(drafter, tensors, prefix, folder)
+        if head.type_name == cfg.head.type:
+            load_strict(head, tensors, "head.", folder)
+            head.bind_embeddings(target.embed_tokens.weight)
+        elif head.type_name == "identity":
+            _, head = build_models(cfg, target)
+        else:
+            raise CheckpointError(f"init_from {folder} holds a {head.type_name!r} head but the recipe trains "
+                                  f"{cfg.head.type!r}; set head.type={head.type_name} or start from a DFlash drafter")
+    except FileNotFoundError as exc:
+        raise RecipeError(f"init_from={path}: {exc.strerror or exc}: {exc.filename}") from None
+    except (CheckpointError, ValueError, KeyError) as exc:
+        raise RecipeError(f"init_from={path}: {exc}") from None
+    return drafter.float(), head.float()
+
+
 def run(cfg: DictConfig) -> dict:
-    """Run a recipe end to end; returns a summary dict (also written to ``<output_dir>/summary.json``)."""
+    """Run a recipe end to end on every rank; returns a summary dict (rank 0 also writes
+    ``<output_dir>/summary.json``, ``acceptance.json`` and the checkpoint)."""
+    from dartree.training.engine import (
+        ds_config,
+        full_state_dict,
+        gathered,
+        init_distributed,
+        load_resume,
+        make_engine,
+        save_resume,
+    )
+
     t_start = time.time()
+    rank, world = init_distributed()
+    main_rank = rank == 0
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    if cfg.train.seqs_per_step % world:
+        raise RecipeError(f"train.seqs_per_step={cfg.train.seqs_per_step} must be a multiple of the number of "
+                          f"processes ({world})")
     torch.manual_seed(cfg.seed)
     out_dir = Path(cfg.output_dir)
     target = load_target(cfg.target.path, dtype=_dtype(cfg.target.dtype))
-    drafter, head = build_models(cfg, target)
+    if cfg.init_from:
+        drafter, head = load_init(cfg.init_from, target, cfg)
+        if main_rank:
+            print(f"init_from {cfg.init_from}: {drafter.cfg.num_layers}-layer backbone, block {drafter.cfg.block_size}, "
+                  f"head {head.type_name}", flush=True)
+    else:
+        drafter, head = build_models(cfg, target)
     target.set_layer_ids(drafter.cfg.target_layer_ids)
     t_data = time.time()
-    data = prepare_data(cfg, target)
+    if main_rank:  # rank 0 builds the cached data; the others then read the cache
+        data = prepare_data(cfg, target)
+    dist.barrier()
+    if not main_rank:
+        data = prepare_data(cfg, target)
     data_s = time.time() - t_data
-    print(f"data: {len(data)} training sequences ({data.num_tokens()} tokens), {len(data.holdout_ids)} held out; "
-          f"prepared in {data_s / 60:.1f} min", flush=True)
+    if main_rank:
+        print(f"data: {len(data)} training sequences ({data.num_tokens()} tokens), {len(data.holdout_ids)} held out; "
+              f"prepared in {data_s / 60:.1f} min", flush=True)
+    if not len(data):
+        raise RecipeError("no training sequence has a response token to predict; raise data.max_new_tokens")
 
-    params = list(drafter.parameters()) + list(head.parameters())
+    if cfg.freeze_backbone:
+        drafter.requires_grad_(False)
+    module = TrainModule(drafter, head)
+    params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        raise RecipeError("nothing to train: freeze_backbone=true with an identity head (use a DSpark or Domino head)")
     opt = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=(0.9, 0.95))
-    steps_per_epoch = math.ceil(len(data) / cfg.train.seqs_per_step)
+    sps = cfg.train.seqs_per_step
+    steps_per_epoch = math.ceil(len(data) / sps)
     total = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
     warm = max(1, int(cfg.train.warmup_ratio * total))
-
     cap_s = cfg.train.max_minutes * 60
+    clock = {"t_train": time.time()}
 
     def lr_at(step: int) -> float:
         # linear warm-up, then cosine to 5%; with a wall-clock cap the decay follows whichever of
@@ -244,68 +382,116 @@ def run(cfg: DictConfig) -> dict:
             return (step + 1) / warm
         prog = (step - warm) / max(1, total - warm)
         if cap_s:
-            prog = max(prog, (time.time() - t_train) / cap_s)
+            prog = max(prog, (time.time() - clock["t_train"]) / cap_s)
         return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, prog)))
 
-    t_train = time.time()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_at)
+    stage = int(cfg.deepspeed.zero_stage)
+    dsc = ds_config(stage, sps // world, cfg.train.grad_clip)
+    dsc["zero_allow_untested_optimizer"] = True
+    engine = make_engine(module, opt, sched, dsc)
+    if stage == 3:  # the heads read their weights functionally (not through a submodule call)
+        import deepspeed
+
+        for p in head.parameters():
+            deepspeed.zero.register_external_parameter(module, p)
+
+    losses: list[float] = []
+    step = preds = 0
+    acc_ema = None
+    if cfg.resume:
+        client = load_resume(engine, out_dir)
+        if client is None:
+            if main_rank:
+                print(f"resume=true but {out_dir / 'resume'} holds no state: starting from step 0", flush=True)
+        else:
+            step, losses, preds = int(client["step"]), list(client["losses"]), int(client.get("preds", 0))
+            acc_ema = torch.tensor(client["acc_ema"]) if client.get("acc_ema") is not None else None
+            if main_rank:
+                print(f"resumed {out_dir / 'resume'} at step {step}/{total}", flush=True)
     wb = None
-    if cfg.wandb.enabled:
+    if cfg.wandb.enabled and main_rank:
         import wandb
 
         wb = wandb.init(project=cfg.wandb.project, mode=cfg.wandb.mode, name=cfg.recipe,
                         config=OmegaConf.to_container(cfg), dir=str(out_dir))
-    gen = torch.Generator().manual_seed(cfg.seed)
-    order_gen = torch.Generator().manual_seed(cfg.seed + 1)
-    drafter.train()
-    head.train()
-    losses, step, preds = [], 0, 0
+    n_train = len(data.train_ids)
+
+    def batch_for(st: int) -> list[int]:
+        # epoch e visits the training sequences in a permutation seeded by (seed, e); the last batch of an
+        # epoch wraps around so every step has seqs_per_step sequences (DeepSpeed's fixed accumulation)
+        e, j = divmod(st, steps_per_epoch)
+        perm = torch.randperm(n_train, generator=torch.Generator().manual_seed(_seed(cfg.seed, 7, e))).tolist()
+        idx = [perm[(j * sps + q) % n_train] for q in range(sps)]
+        return [data.train_ids[q] for q in idx]
+
+    kill_at = int(os.environ.get("DARTREE_KILL_AT_STEP", "0"))  # tests: SIGKILL after this step
+    engine.train()
+    clock["t_train"] = time.time()
+    t_steps0, preds0 = time.time(), preds
     last_save = time.time()
-    acc_ema = None
-    order: list[int] = []
-    bar = tqdm(total=total, desc=f"train {cfg.recipe}", unit="step")
+    bar = tqdm(total=total, initial=step, desc=f"train {cfg.recipe}", unit="step", disable=not main_rank)
     stopped_early = False
     while step < total:
-        if not order:
-            order = [data.train_ids[j] for j in torch.randperm(len(data.train_ids), generator=order_gen).tolist()]
-        batch, order = order[: cfg.train.seqs_per_step], order[cfg.train.seqs_per_step :]
-        opt.zero_grad(set_to_none=True)
-        tot = ce = l1 = 0.0
-        n_ok = 0
-        for i in batch:
-            out = sequence_loss(drafter, head, target, data, i, cfg, gen)
-            if out is None:
+        lam = 0.0
+        if cfg.loss.type == "domino":
+            lam = lambda_schedule(step, total, cfg.loss.lambda_base_start, cfg.loss.lambda_decay_ratio)
+        mine = batch_for(step)[rank::world]
+        sums = torch.zeros(5)  # loss, ce, l1, bce, predictions
+        for i in mine:
+            out = engine(target, data, i, cfg, torch.Generator().manual_seed(_seed(cfg.seed, step, i)), lam)
+            if out is None:  # pragma: no cover - BlockData keeps only sequences with anchors
+                out_loss = sum(p.sum() for p in params) * 0.0
+                engine.backward(out_loss)
+                engine.step()
                 continue
-            (out.loss / len(batch)).backward()
-            tot += float(out.loss.detach()) / len(batch)
-            ce += float(out.ce) / len(batch)
-            l1 += float(out.l1) / len(batch)
-            preds += int(out.count_per_pos.sum())
-            acc_ema = out.acc_per_pos if acc_ema is None else 0.9 * acc_ema + 0.1 * out.acc_per_pos
-            n_ok += 1
-        if n_ok:
-            torch.nn.utils.clip_grad_norm_(params, cfg.train.grad_clip)
-            opt.step()
-        sched.step()
+            loss, o_ce, o_l1, o_bce, o_acc, o_cnt = out
+            engine.backward(loss)
+            engine.step()
+            sums += torch.tensor([float(loss.detach()), float(o_ce), float(o_l1), float(o_bce), float(o_cnt.sum())])
+            acc_ema = o_acc if acc_ema is None else 0.9 * acc_ema + 0.1 * o_acc
+        dist.all_reduce(sums)
+        tot, ce, l1, bce = (sums[:4] / sps).tolist()
+        preds += int(sums[4])
         step += 1
         losses.append(round(tot, 6))
-        el = time.time() - t_train
+        el = time.time() - clock["t_train"]
         tf_tau = teacher_forced_tau(acc_ema) if acc_ema is not None else 1.0
-        bar.set_postfix(loss=f"{tot:.4f}", ce=f"{ce:.3f}", l1=f"{l1:.3f}", tf_tau=f"{tf_tau:.2f}", tok_s=f"{preds / el:.0f}")
+        rate = (preds - preds0) / max(time.time() - t_steps0, 1e-9)
+        post = {"loss": f"{tot:.4f}", "ce": f"{ce:.3f}", "tf_tau": f"{tf_tau:.2f}", "pred_s": f"{rate:.0f}"}
+        if cfg.loss.type == "dspark":
+            post["l1"] = f"{l1:.3f}"
+        if cfg.loss.type == "domino":
+            post["lam"] = f"{lam:.2f}"
+        bar.set_postfix(**post)
         bar.update(1)
         if wb is not None:
-            wb.log({"loss": tot, "ce": ce, "l1": l1, "lr": sched.get_last_lr()[0], "tf_tau": tf_tau}, step=step)
-        if cfg.train.max_minutes and el > cfg.train.max_minutes * 60:
+            wb.log({"loss": tot, "ce": ce, "l1": l1, "bce": bce, "lam": lam, "lr": sched.get_last_lr()[0],
+                    "tf_tau": tf_tau}, step=step)
+        flags = torch.tensor([
+            float(bool(cfg.train.max_minutes) and el > cap_s),
+            float(bool(cfg.train.save_every_minutes) and time.time() - last_save > cfg.train.save_every_minutes * 60),
+        ])
+        dist.broadcast(flags, 0)  # rank 0's clock decides for everyone
+        due = bool(flags[1]) or (cfg.train.save_every_steps and step % cfg.train.save_every_steps == 0)
+        if due and step < total and not bool(flags[0]):
+            save_resume(engine, out_dir, {"step": step, "losses": losses, "preds": preds,
+                                          "acc_ema": None if acc_ema is None else acc_ema.tolist()})
+            last_save = time.time()
+        if kill_at and step == kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if bool(flags[0]):
             stopped_early = True
             break
-        if cfg.train.save_every_minutes and time.time() - last_save > cfg.train.save_every_minutes * 60:
-            save_training_checkpoint(out_dir / "checkpoint", drafter, head, target, cfg, {"step": step, "losses": losses})
-            last_save = time.time()
     bar.close()
-    train_s = time.time() - t_train
-    drafter.eval()
-    head.eval()
-    hold = evaluate_holdout(drafter, head, target, data, cfg)
+    train_s = time.time() - clock["t_train"]
+    save_resume(engine, out_dir, {"step": step, "losses": losses, "preds": preds,
+                                  "acc_ema": None if acc_ema is None else acc_ema.tolist()})
+    engine.eval()
+    with gathered(module, stage):
+        hold = evaluate_holdout(drafter, head, target, data, cfg)
+    drafter_sd = full_state_dict(drafter, stage)
+    head_sd = full_state_dict(head, stage)
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
     summary = {
         "recipe": cfg.recipe,
@@ -314,28 +500,40 @@ def run(cfg: DictConfig) -> dict:
         "stopped_by_time_cap": stopped_early,
         "final_loss": losses[-1] if losses else None,
         "losses": losses,
+        "processes": world,
+        "zero_stage": stage,
         "train_sequences": len(data),
         "train_tokens": data.num_tokens(),
         "predictions": preds,
-        "predictions_per_s": preds / max(train_s, 1e-9),
+        "predictions_per_s": (preds - preds0) / max(train_s, 1e-9),
         "train_tf_tau": teacher_forced_tau(acc_ema) if acc_ema is not None else None,
+        "train_acc_per_pos": None if acc_ema is None else [round(float(x), 4) for x in acc_ema],
         "data_prep_min": data_s / 60,
         "train_min": train_s / 60,
         "wall_min": (time.time() - t_start) / 60,
         "peak_rss_gib": peak_gib,
+        "param_checksum": float(sum(v.double().sum() for v in list(drafter_sd.values()) + list(head_sd.values()))),
         **hold,
     }
-    save_training_checkpoint(out_dir / "checkpoint", drafter, head, target, cfg, {"step": step, **{k: v for k, v in summary.items() if k != "losses"}, "losses": losses})
-    tmp = out_dir / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1))
-    os.replace(tmp, out_dir / "summary.json")
+    if main_rank:
+        save_training_checkpoint(out_dir / "checkpoint", drafter, head, target, cfg,
+                                 {**{k: v for k, v in summary.items() if k != "losses"}, "losses": losses},
+                                 state_dicts=(drafter_sd, head_sd))
+        for name, payload in (("summary.json", summary),
+                              ("acceptance.json", {k: summary.get(k) for k in (
+                                  "train_acc_per_pos", "train_tf_tau", "holdout_acc_per_pos", "holdout_tf_tau",
+                                  "steps", "train_tokens", "train_sequences")})):
+            tmp = out_dir / (name + ".tmp")
+            tmp.write_text(json.dumps(payload, indent=1))
+            os.replace(tmp, out_dir / name)
     if wb is not None:
         wb.finish()
     print(
-        f"done: {step} steps, final loss {summary['final_loss']}, held-out teacher-forced tau "
-        f"{summary.get('holdout_tf_tau', float('nan')):.3f}; wall time {summary['wall_min']:.1f} min "
-        f"(data {summary['data_prep_min']:.1f}, train {summary['train_min']:.1f}); peak memory {peak_gib:.2f} GiB; "
-        f"checkpoint {out_dir / 'checkpoint'}",
+        f"[rank {rank}/{world}] done: {step} steps, final loss {summary['final_loss']}, held-out teacher-forced tau "
+        f"{summary.get('holdout_tf_tau', float('nan')):.3f}; {summary['predictions_per_s']:.0f} predictions/s; "
+        f"wall time {summary['wall_min']:.1f} min (data {summary['data_prep_min']:.1f}, train "
+        f"{summary['train_min']:.1f}); peak memory {peak_gib:.2f} GiB; param checksum {summary['param_checksum']:.6f}"
+        + (f"; checkpoint {out_dir / 'checkpoint'}" if main_rank else ""),
         flush=True,
     )
     return summary
@@ -344,6 +542,8 @@ def run(cfg: DictConfig) -> dict:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point (``dartree-train``). Returns the exit status (2 for a recipe error)."""
     args = sys.argv[1:] if argv is None else argv
+    # the deepspeed launcher passes --local_rank=N (torchrun sets LOCAL_RANK instead)
+    args = [a for a in args if not a.startswith("--local_rank") and not a.startswith("--local-rank")]
     if any(a in ("-h", "--help") for a in args):
         print(__doc__)
         return 0
@@ -352,12 +552,16 @@ def main(argv: list[str] | None = None) -> int:
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(OmegaConf.to_yaml(cfg), flush=True)
+    if os.environ.get("RANK", "0") == "0":
+        print(OmegaConf.to_yaml(cfg), flush=True)
     try:
         run(cfg)
     except RecipeError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        if dist.is_initialized():  # leave the process group cleanly (gloo/shm teardown at exit can abort)
+            dist.destroy_process_group()
     return 0
 
 

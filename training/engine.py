@@ -1,0 +1,125 @@
+"""DeepSpeed as the training engine: process group, engine creation, full-weight gathering, resumable state.
+
+``deepspeed training/train.py recipe=...`` or ``torchrun --nproc_per_node N training/train.py recipe=...`` start
+N data-parallel processes; a plain ``python training/train.py`` is one process (the rendezvous variables
+RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are filled in for it). The backend is gloo on CPU and
+nccl on CUDA. ZeRO stage 0-3 comes from the recipe (``deepspeed.zero_stage``).
+
+Resumable state lives in ``<output_dir>/resume`` (DeepSpeed's own checkpoint: model, optimiser, LR scheduler,
+plus the trainer's client state: step, logged losses). It is written into ``resume.tmp`` by every rank and
+renamed into place by rank 0 after a barrier, so a process killed at any moment leaves either the previous
+complete state or the new complete one, never a half-written one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+RESUME_DIR = "resume"
+RESUME_TAG = "last"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> tuple[int, int]:
+    """Join (or, for a single process without a launcher, create) the process group; returns (rank, world).
+
+    Raises:
+        RuntimeError: DeepSpeed is not installed (fix: ``make setup``, which installs it with DS_BUILD_OPS=0).
+    """
+    try:
+        import deepspeed
+    except ImportError as exc:
+        raise RuntimeError("training needs DeepSpeed: run `make setup` (installs it with DS_BUILD_OPS=0)") from exc
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+                                   verbose=False)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def ds_config(zero_stage: int, grad_accum: int, grad_clip: float) -> dict:
+    """The DeepSpeed config of a recipe: one sequence per micro-step, ``grad_accum`` micro-steps per optimiser
+    step on each rank, gradient clipping, ZeRO ``zero_stage``; fp32 master weights (the drafter autocasts)."""
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": int(grad_accum),
+        "gradient_clipping": float(grad_clip),
+        "zero_optimization": {"stage": int(zero_stage)},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }
+
+
+def make_engine(module: torch.nn.Module, optimizer, scheduler, config: dict):
+    """Wrap ``module`` (drafter + head) with its optimiser and LR scheduler in a DeepSpeed engine."""
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=config)
+    return engine
+
+
+@contextlib.contextmanager
+def gathered(module: torch.nn.Module, zero_stage: int):
+    """Context in which every parameter of ``module`` holds its full tensor (ZeRO-3 partitions them)."""
+    if zero_stage == 3:
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+            yield
+    else:
+        yield
+
+
+def full_state_dict(module: torch.nn.Module, zero_stage: int) -> dict[str, torch.Tensor]:
+    """Full fp32 copies of every tensor of ``module``'s state dict (gathered under ZeRO-3; all ranks must call)."""
+    with gathered(module, zero_stage):
+        return {k: v.detach().float().clone().contiguous() for k, v in module.state_dict().items()}
+
+
+def save_resume(engine, out_dir: Path, client_state: dict) -> Path:
+    """Write the resumable state atomically to ``out_dir/resume`` (all ranks call; see the module docstring)."""
+    final = out_dir / RESUME_DIR
+    tmp = out_dir / (RESUME_DIR + ".tmp")
+    rank = dist.get_rank()
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    dist.barrier()
+    engine.save_checkpoint(str(tmp), tag=RESUME_TAG, client_state=client_state, save_latest=False)
+    dist.barrier()
+    if rank == 0:
+        old = out_dir / (RESUME_DIR + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load_resume(engine, out_dir: Path) -> dict | None:
+    """Restore engine state from ``out_dir/resume``; returns the client state, or None when there is none."""
+    final = out_dir / RESUME_DIR
+    if not (final / RESUME_TAG).exists():
+        return None
+    path, client = engine.load_checkpoint(str(final), tag=RESUME_TAG, load_module_strict=True,
+                                          load_optimizer_states=True, load_lr_scheduler_states=True)
+    if path is None:
+        raise RuntimeError(f"could not load the resumable state in {final}; delete it to start over")
+    return client
