@@ -302,3 +302,20 @@ def test_loss_and_head_must_fit_together():
     for name in ("dflash_b16", "domino_b16", "dspark_b16"):
         cfg = load_recipe([f"recipe={name}"])
         assert cfg.drafter.block_size == 16 and cfg.loss.gamma == 7.0
+
+
+def test_prepare_is_its_own_cached_step(tmp_path, monkeypatch, capsys):
+    from dartree.training.prepare import main as prepare_main
+
+    monkeypatch.setenv("DARTREE_CACHE", str(tmp_path))
+    assert prepare_main(["recipe=tiny_dspark"]) == 0
+    assert "data ready: 10 training + 2 held-out sequences" in capsys.readouterr().out
+    folders = sorted((tmp_path / "data").iterdir())
+    assert len(folders) == 1 and (folders[0] / "responses.jsonl").exists()
+    assert len(list(folders[0].glob("features-*.safetensors"))) == 1
+    stamp = (folders[0] / "responses.jsonl").stat().st_mtime_ns
+    assert prepare_main(["recipe=tiny_dspark"]) == 0  # unchanged input: reused, not rebuilt
+    assert (folders[0] / "responses.jsonl").stat().st_mtime_ns == stamp
+    assert prepare_main(["recipe=tiny_dspark", "data.num_prompts=9"]) == 0  # changed input: a new data set
+    assert len(list((tmp_path / "data").iterdir())) == 2
+    assert prepare_main(["recipe=tiny_dspark", "drafter.target_layer_ids=[0,7]"]) == 2

@@ -1,0 +1,67 @@
+"""Prepare a recipe's training data on its own: ``python training/prepare.py recipe=NAME [key=value ...]``.
+
+Runs the data stage of ``training/train.py`` and stops: the target regenerates responses to the recipe's
+prompts (length-sorted batches, progress bar, appended batch by batch so an interrupted run continues where it
+stopped), then the target's features are cached. Both are stored under ``$DARTREE_CACHE/data`` (default
+``~/.cache/dartree/data``) keyed by a hash of (target, prompts, generation settings) and, for features, the
+target layer ids: a changed input rebuilds, an unchanged one is reused, and ``train.py`` finds the cache.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+from omegaconf import DictConfig
+
+from dartree.models.drafter import build_target_layer_ids
+from dartree.models.target import load_target
+from dartree.training.recipe import RecipeError, load_recipe
+
+
+def prepare(cfg: DictConfig) -> dict:
+    """Build (or find) the recipe's regenerated responses and target features; returns a summary dict.
+
+    Raises:
+        RecipeError: invalid recipe values (for example layer ids outside the target).
+    """
+    from dartree.training.train import _dtype, prepare_data
+
+    t0 = time.time()
+    target = load_target(cfg.target.path, dtype=_dtype(cfg.target.dtype))
+    d = cfg.drafter
+    layer_ids = list(d.target_layer_ids) or build_target_layer_ids(target.num_layers, d.num_target_features)
+    try:
+        target.set_layer_ids(layer_ids)
+    except ValueError as exc:
+        raise RecipeError(f"drafter.target_layer_ids: {exc}") from None
+    data = prepare_data(cfg, target)
+    return {
+        "train_sequences": len(data),
+        "holdout_sequences": len(data.holdout_ids),
+        "train_tokens": data.num_tokens(),
+        "response_tokens": sum(len(data.tokens[i]) - data.prompt_len[i] for i in data.train_ids + data.holdout_ids),
+        "layer_ids": layer_ids,
+        "minutes": (time.time() - t0) / 60,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; returns the exit status (2 for a recipe error)."""
+    args = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__)
+        return 0
+    try:
+        summary = prepare(load_recipe(args))
+    except RecipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(f"data ready: {summary['train_sequences']} training + {summary['holdout_sequences']} held-out sequences, "
+          f"{summary['response_tokens']} response tokens, target layers {summary['layer_ids']}, "
+          f"{summary['minutes']:.1f} min", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
