@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 from dartree.convert.formats import SOURCE_FORMATS, detect, parse_config, published_name, strip_legacy
 from dartree.models.checkpoint import (
     CheckpointError,
+    cast_floats,
     check_target_pairing,
     dartree_config,
     ensure_replaceable,
@@ -237,7 +238,7 @@ def convert(
     if dtype is None and fmt == "dartree-train":
         dtype = torch.bfloat16
     if dtype is not None:
-        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+        tensors = {k: cast_floats(v, dtype) for k, v in tensors.items()}
     write_dartree(out, dconfig, tensors)
     return Path(out)
 

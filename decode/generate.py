@@ -156,7 +156,7 @@ def draft_block(
     q_pos = torch.arange(start, start + cfg.block_size, device=dev)[None]
     ctx_pos = torch.arange(c0, start, device=dev)[None]
     h = drafter(x, q_pos, ctx_feats[None], ctx_pos, cache=dcache)[0, cfg.proposal_offset :]
-    base = target.lm_head(h.to(target.lm_head.weight.dtype)).float()
+    base = drafter.base_logits(h, target.lm_head)  # [P, V] fp32 (-inf outside a draft vocabulary)
     return DraftBlock(hidden=h, base_logits=base)
 
 

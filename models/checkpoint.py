@@ -142,10 +142,15 @@ def save_dartree(
     provenance: dict | None = None,
 ) -> Path:
     """Save a drafter + head in the dartree format (atomically), tensors cast to ``dtype``. Returns the folder path."""
-    tensors = {f"backbone.{k}": v.detach().to(dtype) for k, v in drafter.state_dict().items()}
-    tensors.update({f"head.{k}": v.detach().to(dtype) for k, v in head.state_dict().items()})
+    tensors = {f"backbone.{k}": cast_floats(v.detach(), dtype) for k, v in drafter.state_dict().items()}
+    tensors.update({f"head.{k}": cast_floats(v.detach(), dtype) for k, v in head.state_dict().items()})
     config = dartree_config(drafter.cfg.to_dict(), {"type": head.type_name, **head.hparams()}, target_identity, provenance)
     return write_dartree(folder, config, tensors)
+
+
+def cast_floats(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """``t`` in ``dtype`` when it is floating point; integer tensors (token ids such as ``draft_vocab``) unchanged."""
+    return t.to(dtype) if dtype is not None and t.is_floating_point() else t
 
 
 def expected_tensors(config: dict, where) -> dict[str, tuple[int, ...]]:
@@ -251,6 +256,12 @@ def load_dartree(
         check_target_pairing(config, target)
     load_strict(drafter, tensors, "backbone.", w_path)
     load_strict(head, tensors, "head.", w_path)
+    if drafter.cfg.draft_vocab_size:
+        ids = drafter.draft_vocab
+        v = head.vocab_size if getattr(head, "vocab_size", None) else (target.vocab_size if target is not None else None)
+        if ids.unique().numel() != ids.numel() or int(ids.min()) < 0 or (v is not None and int(ids.max()) >= v):
+            raise CheckpointError(f"{w_path}: backbone.draft_vocab must hold distinct token ids in [0, {v}); "
+                                  "the file is corrupt or was written with a float dtype")
     extra = sorted(k for k in tensors if not k.startswith(("backbone.", "head.")))
     if extra:
         raise CheckpointError(f"{w_path}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all)")

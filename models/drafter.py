@@ -52,6 +52,9 @@ class DrafterConfig:
         proposal_offset: first predicting block position (0: DSpark/Domino, P = L; 1: z-lab DFlash, P = L - 1).
         target_layer_ids: decoder layers of the target whose outputs are fused (``hidden_states[l+1]``).
         mask_token_id: id of the MASK token filling the block (must be < the target's vocab rows).
+        draft_vocab_size: 0 drafts over the target's full vocabulary; N > 0 restricts the drafter's base logits
+            to N token ids (buffer ``draft_vocab``, the most frequent target tokens, EAGLE-3 style) scored with the
+            target's own lm_head rows. Verification always uses the full vocabulary, so output is unchanged.
     """
 
     hidden_size: int
@@ -67,6 +70,7 @@ class DrafterConfig:
     qk_norm: bool = True
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    draft_vocab_size: int = 0
 
     @property
     def num_proposals(self) -> int:
@@ -86,6 +90,8 @@ class DrafterConfig:
             raise ValueError(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids is empty; give the target layers the drafter is conditioned on")
+        if self.draft_vocab_size < 0:
+            raise ValueError(f"draft_vocab_size must be >= 0 (0 = full vocabulary), got {self.draft_vocab_size}")
 
 
 class RMSNorm(nn.Module):
@@ -189,7 +195,8 @@ class DFlashDrafter(nn.Module):
 
     Parameters (dartree names): ``fc.weight`` [D, nL*D], ``hidden_norm.weight`` [D], ``norm.weight`` [D],
     ``layers.{i}.{q,k,v,o}_proj.weight``, ``layers.{i}.{q,k}_norm.weight`` (qk_norm only),
-    ``layers.{i}.{gate,up,down}_proj.weight``, ``layers.{i}.{input,post_attention}_layernorm.weight``.
+    ``layers.{i}.{gate,up,down}_proj.weight``, ``layers.{i}.{input,post_attention}_layernorm.weight``,
+    and ``draft_vocab`` [N] int64 when ``cfg.draft_vocab_size`` = N > 0.
 
     Raises:
         ValueError: from :meth:`DrafterConfig.validate`.
@@ -207,6 +214,21 @@ class DFlashDrafter(nn.Module):
         for m in self.modules():
             if isinstance(m, nn.Linear):
                 nn.init.normal_(m.weight, std=0.02)
+        if cfg.draft_vocab_size:
+            self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size, dtype=torch.long))
+
+    def base_logits(self, hidden: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
+        """Base logits U = lm_head(H) over the full vocabulary, fp32: hidden [..., D] -> [..., V].
+
+        With a draft vocabulary only its N rows of the (target's) lm_head are used and every other token gets
+        -inf, so candidate selection never proposes it; the cost is N/V of the full head.
+        """
+        w = lm_head.weight
+        if not self.cfg.draft_vocab_size:
+            return F.linear(hidden.to(w.dtype), w).float()
+        sub = F.linear(hidden.to(w.dtype), w[self.draft_vocab]).float()
+        full = sub.new_full((*sub.shape[:-1], w.shape[0]), float("-inf"))
+        return full.scatter_(-1, self.draft_vocab.expand(*sub.shape[:-1], -1), sub)
 
     def forward(
         self,

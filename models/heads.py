@@ -13,8 +13,9 @@ A head corrects the drafter's per-position base logits U = lm_head(H) using the 
   to the fused frontier-scoring kernel (``dartree.kernels.frontier``); ``score`` is the plain form.
 - ``bind_embeddings(weight [V, D])``: heads that read the target's frozen input embeddings (Domino's GRU)
   receive them here after loading; a no-op for the others.
-- ``block_logits(prev_ids [N, P], H [N, P, D], U [N, P, V]) -> [N, P, V]``: the teacher-forced form for
-  training, where prev_ids[:, j] is the token before proposal j (the anchor for j = 0).
+- ``block_logits(prev_ids [N, P], H [N, P, D], U [N, P, V], vocab=None) -> [N, P, V]``: the teacher-forced form
+  for training, where prev_ids[:, j] is the token before proposal j (the anchor for j = 0); with ``vocab`` [N']
+  (a draft vocabulary) U holds only those columns and the result is restricted the same way.
 
 Unrolling ``score``/``advance`` along prev_ids equals ``block_logits`` (pinned by a test).
 Heads here: ``identity`` (plain DFlash), ``markov`` (DSpark vanilla Markov head), ``gated_markov`` (DSpark gated
@@ -73,8 +74,10 @@ class CorrectionHead(nn.Module):
         """Receive the target's frozen input-embedding matrix [V, D]; no-op unless the head reads it."""
         return None
 
-    def block_logits(self, prev_ids: torch.Tensor, hidden: torch.Tensor, base_logits: torch.Tensor) -> torch.Tensor:
-        """Teacher-forced logits: prev_ids [N, P] int64, hidden [N, P, D], base [N, P, V] -> [N, P, V] fp32."""
+    def block_logits(self, prev_ids: torch.Tensor, hidden: torch.Tensor, base_logits: torch.Tensor,
+                     vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """Teacher-forced logits: prev_ids [N, P] int64, hidden [N, P, D], base [N, P, V'] -> [N, P, V'] fp32, where
+        V' = V, or the N' ids of ``vocab`` [N'] int64 when given (equal to the full result's ``[..., vocab]``)."""
         raise NotImplementedError
 
 
@@ -101,7 +104,7 @@ class IdentityHead(CorrectionHead):
     def out_rows(self, cand):
         return None
 
-    def block_logits(self, prev_ids, hidden, base_logits):
+    def block_logits(self, prev_ids, hidden, base_logits, vocab=None):
         return base_logits.float()
 
 
@@ -196,8 +199,11 @@ class MarkovHead(_ConfidenceMixin, CorrectionHead):
     def out_rows(self, cand):
         return self.w2.weight[cand].float()
 
-    def block_logits(self, prev_ids, hidden, base_logits):
-        return base_logits.float() + self.w2(self.w1(prev_ids)).float()
+    def _w2(self, vocab):
+        return self.w2.weight.float() if vocab is None else self.w2.weight[vocab].float()
+
+    def block_logits(self, prev_ids, hidden, base_logits, vocab=None):
+        return base_logits.float() + F.linear(self.w1(prev_ids).float(), self._w2(vocab))
 
 
 class GatedMarkovHead(MarkovHead):
@@ -234,9 +240,9 @@ class GatedMarkovHead(MarkovHead):
     def score(self, cand, hidden, state, base):
         return base.float() + torch.einsum("nkr,nr->nk", self.out_rows(cand), self.factors(hidden, state))
 
-    def block_logits(self, prev_ids, hidden, base_logits):
+    def block_logits(self, prev_ids, hidden, base_logits, vocab=None):
         emb = self.w1(prev_ids).float()  # [N, P, R]
-        return base_logits.float() + F.linear(self._gate(hidden, emb) * emb, self.w2.weight.float())
+        return base_logits.float() + F.linear(self._gate(hidden, emb) * emb, self._w2(vocab))
 
 
 class RNNHead(MarkovHead):
@@ -290,14 +296,14 @@ class RNNHead(MarkovHead):
         s_new = self._step(state[:, : self.rank], state[:, self.rank :], hidden)[0]
         return torch.cat([s_new, self.w1(tokens).float()], dim=-1)
 
-    def block_logits(self, prev_ids, hidden, base_logits):
+    def block_logits(self, prev_ids, hidden, base_logits, vocab=None):
         emb = self.w1(prev_ids).float()  # [N, P, R]
         s = emb.new_zeros(emb.shape[0], self.rank)
         outs = []
         for j in range(prev_ids.shape[1]):
             s, out = self._step(s, emb[:, j], hidden[:, j])
             outs.append(out)
-        return base_logits.float() + F.linear(torch.stack(outs, dim=1), self.w2.weight.float())
+        return base_logits.float() + F.linear(torch.stack(outs, dim=1), self._w2(vocab))
 
 
 class GRUHead(CorrectionHead):
@@ -393,7 +399,7 @@ class GRUHead(CorrectionHead):
     def score(self, cand, hidden, state, base):
         return base.float() + torch.einsum("nkr,nr->nk", self.out_rows(cand), self.factors(hidden, state))
 
-    def block_logits(self, prev_ids, hidden, base_logits):
+    def block_logits(self, prev_ids, hidden, base_logits, vocab=None):
         gi = self._gi(prev_ids)  # [N, P, 3G]
         s = gi.new_zeros(gi.shape[0], self.gru_hidden_dim)
         states = []
@@ -403,7 +409,8 @@ class GRUHead(CorrectionHead):
         x = torch.cat([hidden.float(), torch.stack(states, dim=1)], dim=-1)
         act = F.silu(F.linear(x, self.fc1.weight.float()))
         keep = (torch.arange(prev_ids.shape[1], device=act.device) >= self.prefix_len).float()[None, :, None]
-        return base_logits.float() + F.linear(act * keep, self.fc2.weight.float())
+        fc2 = self.fc2.weight if vocab is None else self.fc2.weight[vocab]
+        return base_logits.float() + F.linear(act * keep, fc2.float())
 
 
 HEADS: dict[str, type[CorrectionHead]] = {}

@@ -112,3 +112,19 @@ def test_unknown_head_lists_available():
         build_head("nope")
     assert {"identity", "markov", "gated_markov", "rnn", "gru"} <= set(HEADS)
     assert IdentityHead().init_state(torch.tensor([1])) is None
+
+
+@pytest.mark.parametrize("name", ["identity", "markov", "gated_markov", "rnn", "gru"])
+def test_block_logits_on_a_draft_vocabulary_equals_the_restricted_full_result(name, target):
+    from conftest import make_head
+
+    torch.manual_seed(1)
+    head = make_head(name, target)
+    v, p, n = 96, 5, 3
+    prev = torch.randint(0, v, (n, p))
+    hidden = torch.randn(n, p, 32)
+    base = torch.randn(n, p, v)
+    vocab = torch.tensor([0, 3, 7, 8, 40, 95])
+    full = head.block_logits(prev, hidden, base)
+    sub = head.block_logits(prev, hidden, base[..., vocab], vocab=vocab)
+    torch.testing.assert_close(sub, full[..., vocab], atol=1e-5, rtol=1e-5)

@@ -319,3 +319,99 @@ def test_prepare_is_its_own_cached_step(tmp_path, monkeypatch, capsys):
     assert prepare_main(["recipe=tiny_dspark", "data.num_prompts=9"]) == 0  # changed input: a new data set
     assert len(list((tmp_path / "data").iterdir())) == 2
     assert prepare_main(["recipe=tiny_dspark", "drafter.target_layer_ids=[0,7]"]) == 2
+
+
+# ---- reduced draft vocabulary ----
+
+def test_draft_vocab_base_logits_are_the_target_rows_and_minus_inf_elsewhere(target):
+    import dataclasses
+
+    from dartree.models.drafter import DFlashDrafter
+
+    d = make_drafter()
+    cfg = dataclasses.replace(d.cfg, draft_vocab_size=5)
+    dv = DFlashDrafter(cfg)
+    dv.draft_vocab.copy_(torch.tensor([1, 4, 9, 50, 95]))
+    h = torch.randn(3, 32)
+    full = target.lm_head(h).float()
+    got = dv.base_logits(h, target.lm_head)
+    torch.testing.assert_close(got[:, dv.draft_vocab], full[:, dv.draft_vocab])
+    rest = torch.ones(96, dtype=torch.bool)
+    rest[dv.draft_vocab] = False
+    assert bool(torch.isinf(got[:, rest]).all()) and bool((got[:, rest] < 0).all())
+    torch.testing.assert_close(d.base_logits(h, target.lm_head), full)  # no vocabulary: the full head
+
+
+def test_l1_on_a_draft_vocabulary_equals_the_full_vocabulary_distance():
+    g = torch.Generator().manual_seed(0)
+    v, vocab = 12, torch.tensor([0, 2, 3, 7, 11])
+    zt = torch.randn(2, 3, v, generator=g) * 2
+    sub_logits = torch.randn(2, 3, vocab.numel(), generator=g)
+    labels = torch.tensor([[0, 1, -1], [4, 2, 3]])  # -1: outside the vocabulary
+    valid = torch.ones(2, 3, dtype=torch.bool)
+    pt = zt.softmax(-1)
+    p_sub = pt[..., vocab]
+    got = dspark_loss(sub_logits, labels, valid, None, gamma=7.0, ce_weight=0.0, l1_weight=1.0,
+                      target_probs=(p_sub, 1 - p_sub.sum(-1)))
+    pd_full = torch.zeros(2, 3, v)
+    pd_full[..., vocab] = sub_logits.softmax(-1)
+    l1 = (pd_full - pt).abs().sum(-1)
+    w = torch.exp(-torch.arange(3) / 7.0)[None].expand(2, 3)
+    assert float(got.l1) == pytest.approx(float((w * l1).sum() / w.sum()), rel=1e-5)
+    assert got.acc_per_pos[2] <= 0.5  # the out-of-vocabulary label at position 2 of row 0 is a miss
+
+
+def test_select_draft_vocab_counts_ties_and_required_ids():
+    from dartree.training.data import select_draft_vocab
+
+    class D:
+        tokens = [torch.tensor([9, 9, 5, 5, 5, 3, 7]), torch.tensor([8, 3, 4])]
+        prompt_len = [1, 1]
+        train_ids = [0, 1]
+
+    ids, cover = select_draft_vocab(D(), 3, 10)
+    # responses: 9 5 5 5 3 7 | 3 4 -> 5 x3, 3 x2, then 4, 7, 9 once each: the tie goes to the lowest id
+    assert ids.tolist() == [3, 4, 5] and cover == pytest.approx(6 / 8)
+    ids, _ = select_draft_vocab(D(), 3, 10, always=[1])
+    assert ids.tolist() == [1, 3, 5]
+    with pytest.raises(ValueError, match="draft_vocab_size"):
+        select_draft_vocab(D(), 11, 10)
+
+
+def test_draft_vocab_drafter_trains_converts_and_decodes_losslessly(tmp_path, monkeypatch, prompts):
+    from dartree.convert.to_dartree import convert
+    from dartree.decode.generate import autoregressive_generate, speculative_generate
+    from dartree.models.checkpoint import load_dartree
+    from dartree.models.target import load_target
+
+    monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
+    run(load_recipe(["recipe=tiny_dspark", f"output_dir={tmp_path / 'run'}", "drafter.draft_vocab_size=40",
+                     "train.max_steps=3"]))
+    target = load_target("tiny-qwen3")  # the recipe's target
+    dm = load_dartree(convert(tmp_path / "run" / "checkpoint", tmp_path / "dt"), target=target)
+    target.set_layer_ids(dm.drafter.cfg.target_layer_ids)
+    vocab = dm.drafter.draft_vocab
+    assert vocab.dtype == torch.long and vocab.numel() == 40 and vocab.unique().numel() == 40
+    assert int(vocab.max()) < 96 and bool((vocab[1:] > vocab[:-1]).all())
+    trees = []
+
+    def spy(block, head, root, budget, **kw):
+        from dartree.decode.trees import get_builder
+
+        t = get_builder("pruned")(block, head, root, budget, **kw)
+        trees.append(t)
+        return t
+
+    from dartree.decode.trees import BUILDERS
+
+    BUILDERS["test-spy"] = spy
+    try:
+        for p in prompts[:4]:
+            want = autoregressive_generate(target, p, max_new_tokens=24, stop_ids=[1]).tokens
+            got = speculative_generate(target, dm.drafter, dm.head, p, builder="test-spy", budget=8,
+                                       max_new_tokens=24, stop_ids=[1])
+            assert got.tokens == want
+    finally:
+        del BUILDERS["test-spy"]
+    proposed = torch.cat([t.tokens for t in trees])
+    assert bool(torch.isin(proposed, vocab).all())  # nothing outside the draft vocabulary is ever drafted

@@ -299,7 +299,9 @@ class BlockData:
         self.prompt_len = [len(p) for p in ds["prompt_ids"]]
         self.tokens = [torch.tensor(p + r, dtype=torch.long) for p, r in zip(ds["prompt_ids"], ds["response_ids"])]
         t = load_file(str(features))
+        self.features_path = Path(features)
         self.feats, self.final, self.offsets = t["feats"], t["final"], t["offsets"]
+        self.lse: torch.Tensor | None = None  # [T_all] target log-sum-exp, set when a draft vocabulary trains
         if int(self.offsets[-1]) != sum(len(x) for x in self.tokens):
             raise ValueError(f"feature file {features} does not match {responses}; delete it to rebuild")
         n = len(self.tokens)
@@ -315,6 +317,11 @@ class BlockData:
         """Total tokens of the given sequences (default: training split)."""
         ids = self.train_ids if ids is None else ids
         return sum(len(self.tokens[i]) for i in ids)
+
+    def lse_of(self, i: int) -> torch.Tensor:
+        """Target log-sum-exp [T] fp32 of sequence i (after ``self.lse`` was set from :func:`target_lse`)."""
+        a, b = int(self.offsets[i]), int(self.offsets[i + 1])
+        return self.lse[a:b]
 
     def sequence(self, i: int):
         """Return (tokens [T] int64, feats [T, nL*D] bf16, final [T, D] bf16, prompt_len) of sequence i."""
@@ -339,3 +346,59 @@ def sample_anchors(prompt_len: int, seq_len: int, num_anchors: int, generator: t
     k = min(num_anchors, cand.numel())
     pick = torch.randperm(cand.numel(), generator=generator)[:k]
     return cand[pick].sort().values
+
+
+def select_draft_vocab(data: "BlockData", n: int, vocab_size: int, always: Sequence[int] = ()) -> tuple[torch.Tensor, float]:
+    """The N most frequent response tokens of the training split, for a reduced draft vocabulary.
+
+    EAGLE-3's reduced draft vocabulary applied to DFlash drafters (DESIGN.md "Draft economics"): the drafter
+    scores only these N tokens with the target's own lm_head rows; verification keeps the full vocabulary.
+    Ties go to the lower token id; ids in ``always`` (the stop token) are included in any case.
+
+    Returns:
+        (ids [N] int64 ascending, fraction of training response tokens they cover).
+    Raises:
+        ValueError: n < 1, n > vocab_size, or more ``always`` ids than n.
+    """
+    if not 1 <= n <= vocab_size:
+        raise ValueError(f"draft_vocab_size must be in [1, {vocab_size}], got {n}")
+    always = sorted({int(a) for a in always if 0 <= int(a) < vocab_size})
+    if len(always) > n:
+        raise ValueError(f"draft_vocab_size {n} cannot hold the {len(always)} required ids {always}")
+    resp = [data.tokens[i][data.prompt_len[i]:] for i in data.train_ids]
+    counts = torch.bincount(torch.cat(resp), minlength=vocab_size) if resp else torch.zeros(vocab_size, dtype=torch.long)
+    order = torch.sort(-counts, stable=True).indices.tolist()
+    chosen = list(always)
+    keep = set(chosen)
+    for t in order:
+        if len(chosen) == n:
+            break
+        if t not in keep:
+            chosen.append(t)
+            keep.add(t)
+    ids = torch.tensor(sorted(chosen), dtype=torch.long)
+    total = int(counts.sum())
+    return ids, (float(counts[ids].sum()) / total if total else 1.0)
+
+
+@torch.no_grad()
+def target_lse(target: Target, features: Path, *, chunk: int = 2048) -> torch.Tensor:
+    """log-sum-exp over the full vocabulary of the target's logits at every cached position: [T_all] fp32.
+
+    Computed once from the cached final hidden states (lm_head only, no target forward) and cached beside the
+    features as ``lse-<features name>.safetensors``; with it, p_t on a draft vocabulary and the p_t mass outside
+    it need only the draft vocabulary's lm_head rows during training.
+    """
+    out = features.with_name("lse-" + features.name)
+    if out.exists():
+        return load_file(str(out))["lse"]
+    final = load_file(str(features))["final"]
+    w = target.lm_head.weight
+    lse = torch.empty(final.shape[0], dtype=torch.float32)
+    for a in tqdm(range(0, final.shape[0], chunk), desc="target log-sum-exp", unit="chunk"):
+        z = torch.nn.functional.linear(final[a : a + chunk].to(w.device, w.dtype), w).float()
+        lse[a : a + chunk] = torch.logsumexp(z, dim=-1).cpu()
+    tmp = out.with_suffix(".tmp")
+    save_file({"lse": lse}, str(tmp))
+    os.replace(tmp, out)
+    return lse

@@ -86,9 +86,11 @@ def gathered(module: torch.nn.Module, zero_stage: int):
 
 
 def full_state_dict(module: torch.nn.Module, zero_stage: int) -> dict[str, torch.Tensor]:
-    """Full fp32 copies of every tensor of ``module``'s state dict (gathered under ZeRO-3; all ranks must call)."""
+    """Full copies of every tensor of ``module``'s state dict, floats in fp32, integer buffers unchanged
+    (gathered under ZeRO-3; all ranks must call)."""
     with gathered(module, zero_stage):
-        return {k: v.detach().float().clone().contiguous() for k, v in module.state_dict().items()}
+        return {k: (v.detach().float() if v.is_floating_point() else v.detach()).clone().contiguous()
+                for k, v in module.state_dict().items()}
 
 
 def save_resume(engine, out_dir: Path, client_state: dict) -> Path:

@@ -63,6 +63,13 @@ class LossOut:
         self.base_ce = zero if self.base_ce is None else self.base_ce
 
 
+def _ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Per-prediction CE [A, P]; labels < 0 (tokens outside a draft vocabulary) give 0 (they are masked out)."""
+    a, p, v = logits.shape
+    ce = F.cross_entropy(logits.float().reshape(-1, v), labels.clamp(min=0).reshape(-1), reduction="none")
+    return ce.view(a, p) * (labels >= 0).float()
+
+
 def decay_weights(valid: torch.Tensor, gamma: float) -> torch.Tensor:
     """w[a, k] = exp(-k / gamma) where valid, else 0: valid [A, P] bool -> [A, P] fp32 (k = 0 is the first
     prediction; DFlash's exp(-(k-1)/gamma) over block positions k >= 1 is the same sequence)."""
@@ -91,17 +98,16 @@ def domino_loss(logits: torch.Tensor, base_logits: torch.Tensor, labels: torch.T
     """Domino loss: (1 - lam) CE(corrected) + lam CE(base), both decay-weighted and normalised by the weight sum.
 
     Args:
-        logits: [A, P, V] corrected logits. base_logits: [A, P, V] base logits U. labels [A, P] int64,
-        valid [A, P] bool. lam: curriculum weight in [0, 1] (:func:`lambda_schedule`).
+        logits: [A, P, V] corrected logits. base_logits: [A, P, V] base logits U. labels [A, P] int64 (< 0: a
+        token outside the draft vocabulary, left out of the CE and counted as a miss), valid [A, P] bool.
+        lam: curriculum weight in [0, 1] (:func:`lambda_schedule`).
     Returns:
         LossOut (accuracy from the corrected logits).
     """
-    a, p, v = logits.shape
-    w = decay_weights(valid, gamma)
+    w = decay_weights(valid & (labels >= 0), gamma)
     wsum = w.sum().clamp_min(1e-8)
-    ce = (w * F.cross_entropy(logits.float().reshape(-1, v), labels.reshape(-1), reduction="none").view(a, p)).sum() / wsum
-    base_ce = (w * F.cross_entropy(base_logits.float().reshape(-1, v), labels.reshape(-1),
-                                   reduction="none").view(a, p)).sum() / wsum
+    ce = (w * _ce(logits, labels)).sum() / wsum
+    base_ce = (w * _ce(base_logits, labels)).sum() / wsum
     acc, cnt = _accuracy(logits, labels, valid)
     return LossOut((1 - lam) * ce + lam * base_ce, ce.detach(), torch.zeros(()), acc, cnt,
                    base_ce=base_ce.detach())
@@ -118,6 +124,7 @@ def dspark_loss(
     l1_weight: float,
     conf_logits: torch.Tensor | None = None,
     conf_weight: float = 0.0,
+    target_probs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> LossOut:
     """DSpark training loss (DSpark paper section 3.3; DeepSpec ``config/dspark``); with ``ce_weight=1,
     l1_weight=0`` and no confidence it is the DFlash loss.
@@ -127,6 +134,9 @@ def dspark_loss(
         labels: [A, P] int64 target tokens.
         valid: [A, P] bool, False past the sequence end.
         target_logits: [A, P, V] target logits at the same predictions (p_t = softmax), or None for CE only.
+        labels: [A, P] int64; < 0 marks a token outside the draft vocabulary (no CE; counted as a miss).
+        target_probs: instead of target_logits when the logits cover a draft vocabulary only: (p_t on the same
+            columns [A, P, V'], p_t mass outside them [A, P]); the L1 distance adds the outside mass (p_d is 0 there).
         gamma: decay; position k weighs exp(-k / gamma).
         conf_logits: [A, P] confidence logits c (pre-sigmoid), trained by BCE towards 1 - ||p_d - p_t||_1 / 2
             (detached), weighted like the other terms; needs target_logits.
@@ -140,16 +150,21 @@ def dspark_loss(
     lf = logits.float().reshape(-1, v)
     w = decay_weights(valid, gamma)
     wsum = w.sum().clamp_min(1e-8)
-    ce = F.cross_entropy(lf, labels.reshape(-1), reduction="none").view(a, p)
-    ce_term = (w * ce).sum() / wsum
+    w_ce = decay_weights(valid & (labels >= 0), gamma)
+    ce_term = (w_ce * _ce(logits, labels)).sum() / w_ce.sum().clamp_min(1e-8)
     l1_term = torch.zeros((), dtype=torch.float32)
     bce_term = torch.zeros((), dtype=torch.float32)
-    if conf_logits is not None and target_logits is None:
+    has_target = target_logits is not None or target_probs is not None
+    if conf_logits is not None and not has_target:
         raise ValueError("the confidence BCE needs target_logits (its label is 1 - TV distance to p_t)")
-    if target_logits is not None and (l1_weight or conf_logits is not None):
+    if has_target and (l1_weight or conf_logits is not None):
         pd = lf.softmax(-1)
-        pt = target_logits.float().reshape(-1, v).softmax(-1)
-        l1 = (pd - pt).abs().sum(-1).view(a, p)
+        if target_probs is not None:
+            pt_sub, outside = target_probs
+            l1 = (pd - pt_sub.float().reshape(-1, v)).abs().sum(-1).view(a, p) + outside.float()
+        else:
+            pt = target_logits.float().reshape(-1, v).softmax(-1)
+            l1 = (pd - pt).abs().sum(-1).view(a, p)
         l1_term = (w * l1).sum() / wsum
         if conf_logits is not None:
             label = (1 - 0.5 * l1.detach()).clamp(0, 1)

@@ -36,6 +36,10 @@ def prepare(cfg: DictConfig) -> dict:
     except ValueError as exc:
         raise RecipeError(f"drafter.target_layer_ids: {exc}") from None
     data = prepare_data(cfg, target)
+    if cfg.drafter.draft_vocab_size:
+        from dartree.training.data import target_lse
+
+        target_lse(target, data.features_path)  # needed by draft-vocabulary training
     return {
         "train_sequences": len(data),
         "holdout_sequences": len(data.holdout_ids),

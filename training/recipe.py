@@ -34,6 +34,7 @@ class DrafterSection:
     block_size: int = 16
     proposal_offset: int = 0  # 0: DSpark/Domino convention (P = L)
     mask_token_id: Optional[int] = None  # default: tokenizer unk id, else 0
+    draft_vocab_size: int = 0  # 0: full vocabulary; N: the N most frequent response tokens (EAGLE-3 style)
 
 
 @dataclass

@@ -20,10 +20,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from dartree.models.checkpoint import write_folder_atomically
+from dartree.models.checkpoint import cast_floats, write_folder_atomically
 from dartree.models.drafter import DFlashDrafter, DrafterConfig, build_target_layer_ids
 from dartree.models.heads import build_head
 from dartree.models.target import Target, load_target
@@ -34,6 +35,8 @@ from dartree.training.data import (
     random_prompts,
     regenerate_responses,
     sample_anchors,
+    select_draft_vocab,
+    target_lse,
 )
 from dartree.training.losses import (
     block_attention_mask,
@@ -82,6 +85,7 @@ def build_models(cfg: DictConfig, target: Target):
         qk_norm=d.qk_norm,
         rms_norm_eps=float(tcfg.rms_norm_eps),
         rope_theta=float(_rope_theta(tcfg)),
+        draft_vocab_size=int(d.draft_vocab_size),
     )
     try:
         drafter = DFlashDrafter(dcfg)
@@ -207,29 +211,43 @@ def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: D
     x = embed(block.reshape(1, -1)).to(torch.float32)
     mask = block_attention_mask(anchors, s, L)
     lc = cfg.loss
+    vocab = drafter.draft_vocab if dc.draft_vocab_size else None
+    w_out = target.lm_head.weight if vocab is None else target.lm_head.weight[vocab]  # [V or N, D], frozen
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(cfg.train.bf16)):
         hidden = drafter(x, q_pos, feats[None].float(), torch.arange(s)[None], mask=mask)
         hidden = hidden.view(a, L, -1)[:, off:]  # [A, P, D]
-        base = target.lm_head(hidden)  # [A, P, V]
+        base = F.linear(hidden, w_out)  # [A, P, V] (or [A, P, N] on a draft vocabulary)
         lp = anchors[:, None] + 1 + torch.arange(P)  # label positions
         valid = lp < s
         lpc = lp.clamp(max=s - 1)
         labels = tokens[lpc]
         prev = tokens[(lp - 1).clamp(max=s - 1)]
+        if vocab is not None:  # label index within the draft vocabulary, -1 outside it (a sure miss)
+            inv = torch.full((target.vocab_size,), -1, dtype=torch.long)
+            inv[vocab] = torch.arange(vocab.numel())
+            labels = inv[labels]
         if lc.type == "dflash":
             return dspark_loss(base, labels, valid, None, gamma=lc.gamma, ce_weight=1.0, l1_weight=0.0)
-        logits = head.block_logits(prev, hidden, base)
+        logits = head.block_logits(prev, hidden, base, vocab=vocab)
         if lc.type == "domino":
             return domino_loss(logits, base, labels, valid, gamma=lc.gamma, lam=lam)
+        t_logits = t_probs = None
         with torch.no_grad():
-            t_logits = target.lm_head(final[(lp - 1).clamp(max=s - 1)].to(target.lm_head.weight.dtype))
+            t_hidden = final[(lp - 1).clamp(max=s - 1)].to(w_out.dtype)
+            z = F.linear(t_hidden, w_out).float()
+            if vocab is None:
+                t_logits = z
+            else:  # p_t on the draft vocabulary from the cached full-vocabulary log-sum-exp
+                p_sub = torch.exp(z - data.lse_of(i)[(lp - 1).clamp(max=s - 1)][..., None])
+                t_probs = (p_sub, (1 - p_sub.sum(-1)).clamp(min=0))
         conf = None
         if getattr(head, "confidence_head", False):
             states = teacher_forced_states(head, prev, hidden.float())
             d = hidden.shape[-1]
             conf = head.confidence_logits(hidden.float().reshape(-1, d), states.reshape(a * P, -1)).view(a, P)
     return dspark_loss(logits, labels, valid, t_logits, gamma=lc.gamma, ce_weight=lc.ce_weight,
-                       l1_weight=lc.l1_weight, conf_logits=conf, conf_weight=lc.conf_weight if conf is not None else 0.0)
+                       l1_weight=lc.l1_weight, conf_logits=conf, conf_weight=lc.conf_weight if conf is not None else 0.0,
+                       target_probs=t_probs)
 
 
 def save_training_checkpoint(folder: Path, drafter, head, target: Target, cfg: DictConfig, state: dict,
@@ -240,8 +258,8 @@ def save_training_checkpoint(folder: Path, drafter, head, target: Target, cfg: D
     ``state_dicts`` = (drafter, head) full state dicts when the modules' own hold partitions (ZeRO-3).
     """
     drafter_sd, head_sd = state_dicts if state_dicts is not None else (drafter.state_dict(), head.state_dict())
-    tensors = {f"drafter.{k}": v.detach().float().contiguous() for k, v in drafter_sd.items()}
-    tensors.update({f"head.{k}": v.detach().float().contiguous() for k, v in head_sd.items()})
+    tensors = {f"drafter.{k}": cast_floats(v.detach(), torch.float32).contiguous() for k, v in drafter_sd.items()}
+    tensors.update({f"head.{k}": cast_floats(v.detach(), torch.float32).contiguous() for k, v in head_sd.items()})
     config = {
         "format": TRAIN_FORMAT,
         "drafter": drafter.cfg.to_dict(),
@@ -360,6 +378,22 @@ def run(cfg: DictConfig) -> dict:
               f"prepared in {data_s / 60:.1f} min", flush=True)
     if not len(data):
         raise RecipeError("no training sequence has a response token to predict; raise data.max_new_tokens")
+    if drafter.cfg.draft_vocab_size:
+        if not cfg.init_from:  # a fine-tuned drafter keeps the vocabulary it was trained with
+            stop = [target.config.eos_token_id] if isinstance(target.config.eos_token_id, int) else []
+            try:
+                ids, cover = select_draft_vocab(data, drafter.cfg.draft_vocab_size, target.vocab_size, stop)
+            except ValueError as exc:
+                raise RecipeError(f"drafter.draft_vocab_size: {exc}") from None
+            drafter.draft_vocab.copy_(ids)
+            if main_rank:
+                print(f"draft vocabulary: {ids.numel()} of {target.vocab_size} tokens cover {100 * cover:.1f}% of "
+                      "the training response tokens", flush=True)
+        if main_rank:  # cached beside the features: rank 0 computes, the others read
+            data.lse = target_lse(target, data.features_path)
+        dist.barrier()
+        if not main_rank:
+            data.lse = target_lse(target, data.features_path)
 
     if cfg.freeze_backbone:
         drafter.requires_grad_(False)
