@@ -55,6 +55,9 @@ def export(src: str | Path, out: str | Path, *, to: str) -> Path:
         raise CheckpointError(f"--to {to!r} is not one of {list(EXPORT_FORMATS)}")
     _ensure_exportable_destination(out)
     config = load_dartree(src).config  # strict: format, version, names, shapes
+    if config["drafter"].get("draft_vocab_size"):
+        raise CheckpointError(f"{src} drafts over a reduced vocabulary of {config['drafter']['draft_vocab_size']} tokens, "
+                              f"which the {to} layout cannot express; retrain with drafter.draft_vocab_size=0 to export")
     published = export_config(config, to)
     try:
         tensors = load_file(str(src / "model.safetensors"))

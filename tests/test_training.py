@@ -415,3 +415,17 @@ def test_draft_vocab_drafter_trains_converts_and_decodes_losslessly(tmp_path, mo
         del BUILDERS["test-spy"]
     proposed = torch.cat([t.tokens for t in trees])
     assert bool(torch.isin(proposed, vocab).all())  # nothing outside the draft vocabulary is ever drafted
+
+
+def test_a_draft_vocab_drafter_is_not_exported_to_published_layouts(tmp_path, monkeypatch):
+    from dartree.convert.from_dartree import export
+    from dartree.convert.to_dartree import convert
+    from dartree.models.checkpoint import CheckpointError
+
+    monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
+    run(load_recipe(["recipe=tiny_dflash", f"output_dir={tmp_path / 'run'}", "drafter.draft_vocab_size=40",
+                     "train.max_steps=1"]))
+    dt = convert(tmp_path / "run" / "checkpoint", tmp_path / "dt")
+    with pytest.raises(CheckpointError, match="reduced vocabulary of 40 tokens"):
+        export(dt, tmp_path / "pub", to="zlab-dflash")
+    assert not (tmp_path / "pub").exists()
