@@ -429,3 +429,15 @@ def test_a_draft_vocab_drafter_is_not_exported_to_published_layouts(tmp_path, mo
     with pytest.raises(CheckpointError, match="reduced vocabulary of 40 tokens"):
         export(dt, tmp_path / "pub", to="zlab-dflash")
     assert not (tmp_path / "pub").exists()
+
+
+def test_train_infer_parity_tool_agrees_within_two_points(tmp_path, monkeypatch):
+    from dartree.training.parity import main as parity_main, parity
+
+    monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
+    run(load_recipe(["recipe=tiny_dspark", f"output_dir={tmp_path / 'run'}", "train.max_steps=60", "train.lr=3e-3"]))
+    out = parity(tmp_path / "run", split="train")
+    assert out["sequences"] == 10 and len(out["train_path"]) == 8
+    assert max(out["train_path"]) > 0.05  # the drafter learned something, so agreement is not 0 == 0
+    assert out["max_abs_diff"] <= 0.02
+    assert parity_main([str(tmp_path / "nope")]) == 2

@@ -1,0 +1,132 @@
+"""Train/infer parity: teacher-forced acceptance of a trained drafter through the inference code path.
+
+``python training/parity.py runs/NAME`` reads the run's training checkpoint and recipe, rebuilds its data (from
+the cache), and for the held-out sequences at the anchors the training metric uses computes, per block position,
+how often the drafter's draft equals the true next token, twice:
+
+- training path: :func:`dartree.training.train.evaluate_holdout` (one masked forward over all blocks of a
+  sequence, ``head.block_logits``, argmax over the drafting vocabulary);
+- inference path: for every anchor, ``decode.generate.draft_block`` with the drafter's own context cache, then
+  the head's ``init_state`` / ``score`` / ``advance`` along the true tokens and the top-1 of
+  ``decode.trees.expand_frontier`` over the top-K candidates, exactly as the tree builders draft.
+
+The two must agree (within 2 points per position); a gap means training and decoding see different inputs.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from dartree.training.recipe import RecipeError
+
+
+@torch.no_grad()
+def inference_accuracy(drafter, head, target, data, cfg, *, k: int = 64) -> torch.Tensor:
+    """Per-position teacher-forced accuracy [P] through the inference path on ``data.holdout_ids``.
+
+    Anchors are drawn as :func:`~dartree.training.train.evaluate_holdout` draws them, so both see the same blocks.
+    """
+    from dartree.decode.generate import draft_block
+    from dartree.decode.trees import candidates, expand_frontier
+    from dartree.models.drafter import DraftCache
+    from dartree.training.data import sample_anchors
+    from dartree.training.train import _seed
+
+    p_len = drafter.cfg.num_proposals
+    hits = torch.zeros(p_len)
+    cnts = torch.zeros(p_len)
+    for i in data.holdout_ids:
+        tokens, feats, _, plen = data.sequence(i)
+        s = tokens.numel()
+        anchors = sample_anchors(plen, s, cfg.train.num_anchors, torch.Generator().manual_seed(_seed(1234, i)))
+        for a in anchors.tolist():
+            block = draft_block(target, drafter, int(tokens[a]), a, feats[:a].float(), DraftCache(1))
+            ids, vals = candidates(block.base_logits, k)
+            state = head.init_state(tokens[a : a + 1])
+            for j in range(p_len):
+                if a + 1 + j >= s:
+                    break
+                _, col, _ = expand_frontier(head, block.hidden[j], state, ids[j], vals[j], torch.zeros(1), 1)
+                label = tokens[a + 1 + j]
+                hits[j] += float(ids[j, col[0]] == label)
+                cnts[j] += 1
+                state = head.advance(state, label[None], block.hidden[j : j + 1])  # teacher forcing
+    return hits / cnts.clamp_min(1)
+
+
+def parity(run_dir: str | Path, split: str = "holdout") -> dict:
+    """Compare training-path and inference-path teacher-forced accuracy of the run in ``run_dir`` on the
+    held-out sequences (``split="holdout"``) or the training ones (``"train"``; parity is about code paths, so
+    either split shows a gap).
+
+    Returns:
+        {"train_path": [P], "inference_path": [P], "max_abs_diff": float}.
+    Raises:
+        RecipeError: the folder holds no training checkpoint, or an unknown split.
+    """
+    if split not in ("holdout", "train"):
+        raise RecipeError(f"split must be 'holdout' or 'train', got {split!r}")
+    from omegaconf import OmegaConf
+
+    from dartree.models.checkpoint import build_from_config, load_strict
+    from dartree.models.target import load_target
+    from dartree.training.train import _dtype, evaluate_holdout, prepare_data
+
+    ckpt = Path(run_dir) / "checkpoint"
+    try:
+        config = json.loads((ckpt / "config.json").read_text())
+    except FileNotFoundError:
+        raise RecipeError(f"{ckpt} holds no training checkpoint (config.json); give a training run folder") from None
+    cfg = OmegaConf.create(config["recipe"])
+    target = load_target(cfg.target.path, dtype=_dtype(cfg.target.dtype))
+    drafter, head = build_from_config(config, ckpt / "config.json")
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    load_strict(drafter, tensors, "drafter.", ckpt)
+    load_strict(head, tensors, "head.", ckpt)
+    head.bind_embeddings(target.embed_tokens.weight)
+    drafter.float().eval()
+    head.float().eval()
+    target.set_layer_ids(drafter.cfg.target_layer_ids)
+    data = prepare_data(cfg, target)
+    if drafter.cfg.draft_vocab_size:
+        from dartree.training.data import target_lse
+
+        data.lse = target_lse(target, data.features_path)
+    if split == "train":
+        data.holdout_ids = list(data.train_ids)
+    cfg.train.bf16 = False  # compare in fp32, as decoding runs
+    train_path = torch.tensor(evaluate_holdout(drafter, head, target, data, cfg)["holdout_acc_per_pos"])
+    infer_path = inference_accuracy(drafter, head, target, data, cfg)
+    return {"split": split, "sequences": len(data.holdout_ids),
+            "train_path": [round(float(x), 4) for x in train_path],
+            "inference_path": [round(float(x), 4) for x in infer_path],
+            "max_abs_diff": float((train_path - infer_path).abs().max())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; exit status 1 when the paths differ by more than 2 points, 2 on bad input."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="parity", description=__doc__.split("\n")[0])
+    ap.add_argument("run_dir", help="training run folder (holds checkpoint/)")
+    ap.add_argument("--split", default="holdout", choices=["holdout", "train"])
+    args = ap.parse_args(argv)
+    try:
+        out = parity(args.run_dir, args.split)
+    except RecipeError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps(out, indent=1))
+    ok = out["max_abs_diff"] <= 0.02
+    print(("parity ok" if ok else "PARITY GAP") + f": max difference {100 * out['max_abs_diff']:.2f} points per position")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
