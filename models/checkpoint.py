@@ -15,6 +15,7 @@ mismatch is an error naming both values. Writes go to a temporary folder that is
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -105,10 +106,14 @@ def dartree_config(drafter_cfg: dict, head_cfg: dict, target_identity: dict, pro
         target_identity: ``name``, ``vocab_size``, ``hidden_size``, ``num_layers`` of the target.
         provenance: free-form record of how the checkpoint was made.
     """
+    drafter = dict(drafter_cfg)
+    for f in dataclasses.fields(DrafterConfig):  # fields added later get their defaults, so configs compare equal
+        if f.default is not dataclasses.MISSING:
+            drafter.setdefault(f.name, f.default)
     return {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "drafter": dict(drafter_cfg),
+        "drafter": drafter,
         "head": dict(head_cfg),
         "target": dict(target_identity),
         "provenance": dict(provenance or {}),
