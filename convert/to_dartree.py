@@ -45,9 +45,12 @@ def _read_config(src: Path) -> dict:
     if not path.exists():
         raise CheckpointError(f"{src} has no config.json; point SRC at a checkpoint folder")
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path} holds a JSON {type(config).__name__}, not an object of config fields")
+    return config
 
 
 def _weight_files(src: Path) -> list[Path]:

@@ -140,7 +140,9 @@ def report_warnings(report: dict, tau_floor: float = 1.05) -> list[str]:
     for m, r in report["methods"].items():
         if m == "ar":
             continue
-        if r["tau"] < tau_floor:
+        if r["tau"] < tau_floor and r.get("mean_tree_nodes", 1.0) == 0:
+            out.append(f"WARNING: {m} drafted no tree nodes (budget 0), so tau is 1: raise --budget")
+        elif r["tau"] < tau_floor:
             out.append(f"WARNING: {m} tau = {r['tau']:.3f} is about 1: the drafter contributes nothing "
                        "(untrained, mismatched to the target, or the wrong checkpoint)")
         if r["lossless"] is False:
@@ -153,9 +155,8 @@ def main(argv=None) -> int:
     """Console entry point (``dartree-eval``); returns the exit status."""
     args = parse_args(argv)
     console = Console(width=120)
-    if args.threads:
-        torch.set_num_threads(args.threads)
     problems = [msg for bad, msg in (
+        (args.threads < 0, f"--threads must be >= 0 (0: torch's default), got {args.threads}"),
         (args.beta > 0, f"--beta {args.beta} > 0 breaks prefix closure; use beta <= 0"),
         (args.candidates < 1, f"--candidates must be >= 1, got {args.candidates}"),
         (args.width < 1, f"--width must be >= 1, got {args.width}"),
@@ -168,6 +169,8 @@ def main(argv=None) -> int:
     if problems:
         print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
         methods = resolve_methods(args.tree)
     except KeyError as exc:

@@ -559,3 +559,11 @@ def test_exporter_refuses_what_the_layout_cannot_express(tmp_path, target):
 
         export_config(cfg, "specforge-dspark")
     assert not any((tmp_path / n).exists() for n in ("z", "d"))
+
+
+def test_config_json_that_is_not_an_object_is_named(tmp_path):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="holds a JSON list, not an object"):
+        convert(tmp_path / "src", tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -88,3 +88,10 @@ def test_tree_all_expands_to_every_builder_once():
     assert resolve_methods(["dartree-pruned", "pruned", "ar"]) == ["pruned"]
     with pytest.raises(KeyError, match="available"):
         resolve_methods(["beam"])
+
+
+def test_negative_threads_is_a_one_line_error(capsys):
+    from dartree.decode.eval import main
+
+    assert main(["--threads", "-2", "--limit", "1"]) == 2
+    assert "--threads must be >= 0" in capsys.readouterr().err

@@ -224,6 +224,13 @@ def test_sigkill_then_resume_logs_the_same_losses(tmp_path):
     a, b = _ckpt(tmp_path / "full"), _ckpt(tmp_path / "cut")
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
+    # a longer run may resume; a different recipe may not (the saved state would not fit it)
+    longer = _train([*common[:1], "train.max_steps=9", "train.save_every_steps=3", f"output_dir={tmp_path / 'cut'}",
+                     "resume=true"], cache)
+    assert "at step 8/9" in longer.stdout
+    other = _train([*common, f"output_dir={tmp_path / 'cut'}", "resume=true", "drafter.block_size=4"], cache, check=False)
+    assert other.returncode == 2 and "drafter.block_size: saved 8 vs now 4" in other.stderr
+    assert other.stderr.count("\n") <= 3 and "Traceback" not in other.stderr
 
 
 @pytest.mark.parametrize("recipe,head_type", [("tiny_dflash", "identity"), ("tiny_domino", "gru"),

@@ -14,6 +14,7 @@ complete state or the new complete one, never a half-written one.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import shutil
 import socket
@@ -93,8 +94,44 @@ def full_state_dict(module: torch.nn.Module, zero_stage: int) -> dict[str, torch
                 for k, v in module.state_dict().items()}
 
 
-def save_resume(engine, out_dir: Path, client_state: dict) -> Path:
-    """Write the resumable state atomically to ``out_dir/resume`` (all ranks call; see the module docstring)."""
+RECIPE_FILE = "recipe.json"
+# recipe keys that may change between a run and its resumption (everything else must match)
+RESUMABLE_CHANGES = {"resume", "output_dir", "train.max_steps", "train.max_minutes", "train.epochs",
+                     "train.save_every_minutes", "train.save_every_steps", "train.threads", "wandb.enabled",
+                     "wandb.mode", "wandb.project"}
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def check_resumable(out_dir: Path, recipe: dict) -> None:
+    """Refuse to resume ``out_dir/resume`` under a recipe that differs from the one that wrote it (other than
+    the keys in :data:`RESUMABLE_CHANGES`, e.g. a longer run).
+
+    Raises:
+        ValueError: names the differing keys with both values and the two ways out.
+    """
+    saved_path = out_dir / RESUME_DIR / RECIPE_FILE
+    if not saved_path.exists():
+        return
+    saved, now = _flat(json.loads(saved_path.read_text())), _flat(recipe)
+    diff = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
+    if diff:
+        shown = ", ".join(f"{k}: saved {saved.get(k)!r} vs now {now.get(k)!r}" for k in diff[:4])
+        raise ValueError(f"resume=true: {out_dir / RESUME_DIR} was written by a different recipe ({shown}"
+                         f"{', ...' if len(diff) > 4 else ''}); use the same settings, or a new output_dir")
+
+
+def save_resume(engine, out_dir: Path, client_state: dict, recipe: dict | None = None) -> Path:
+    """Write the resumable state atomically to ``out_dir/resume`` (all ranks call; see the module docstring);
+    ``recipe`` (the run's resolved recipe) is stored beside it for :func:`check_resumable`."""
     final = out_dir / RESUME_DIR
     tmp = out_dir / (RESUME_DIR + ".tmp")
     rank = dist.get_rank()
@@ -105,6 +142,8 @@ def save_resume(engine, out_dir: Path, client_state: dict) -> Path:
     engine.save_checkpoint(str(tmp), tag=RESUME_TAG, client_state=client_state, save_latest=False)
     dist.barrier()
     if rank == 0:
+        if recipe is not None:
+            (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=1))
         old = out_dir / (RESUME_DIR + ".old")
         shutil.rmtree(old, ignore_errors=True)
         if final.exists():

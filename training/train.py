@@ -338,6 +338,7 @@ def run(cfg: DictConfig) -> dict:
     """Run a recipe end to end on every rank; returns a summary dict (rank 0 also writes
     ``<output_dir>/summary.json``, ``acceptance.json`` and the checkpoint)."""
     from dartree.training.engine import (
+        check_resumable,
         ds_config,
         full_state_dict,
         gathered,
@@ -434,6 +435,10 @@ def run(cfg: DictConfig) -> dict:
     step = preds = 0
     acc_ema = None
     if cfg.resume:
+        try:
+            check_resumable(out_dir, OmegaConf.to_container(cfg))
+        except ValueError as exc:
+            raise RecipeError(str(exc)) from None
         client = load_resume(engine, out_dir)
         if client is None:
             if main_rank:
@@ -510,7 +515,8 @@ def run(cfg: DictConfig) -> dict:
         due = bool(flags[1]) or (cfg.train.save_every_steps and step % cfg.train.save_every_steps == 0)
         if due and step < total and not bool(flags[0]):
             save_resume(engine, out_dir, {"step": step, "losses": losses, "preds": preds,
-                                          "acc_ema": None if acc_ema is None else acc_ema.tolist()})
+                                          "acc_ema": None if acc_ema is None else acc_ema.tolist()},
+                        OmegaConf.to_container(cfg))
             last_save = time.time()
         if kill_at and step == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -520,7 +526,7 @@ def run(cfg: DictConfig) -> dict:
     bar.close()
     train_s = time.time() - clock["t_train"]
     save_resume(engine, out_dir, {"step": step, "losses": losses, "preds": preds,
-                                  "acc_ema": None if acc_ema is None else acc_ema.tolist()})
+                                  "acc_ema": None if acc_ema is None else acc_ema.tolist()}, OmegaConf.to_container(cfg))
     engine.eval()
     with gathered(module, stage):
         hold = evaluate_holdout(drafter, head, target, data, cfg)
