@@ -307,12 +307,15 @@ def export_config(config: dict, fmt: str) -> dict:
     htype = head.get("type")
     want_head = {"zlab-dflash": ("identity",), "specforge-domino": ("gru",),
                  "specforge-dspark": ("markov", "gated_markov", "rnn")}[fmt]
+    problems = []
     if htype not in want_head:
-        raise CheckpointError(f"head type {htype!r} cannot be exported as {fmt} (it carries {list(want_head)}); "
-                              f"choose --to {_fmt_for_head(htype)}")
-    if not d.get("qk_norm", False):
-        raise CheckpointError(f"drafter has qk_norm=false but {fmt} layers are Qwen3 layers with q_norm/k_norm; "
-                              "only drafters trained with drafter.qk_norm=true export")
+        problems.append(f"head type {htype!r} cannot be exported as {fmt} (it carries {list(want_head)}); "
+                        f"choose --to {_fmt_for_head(htype)}")
+    if not d.get("qk_norm", False):  # every published layout has Qwen3 layers: report it with the head problem
+        problems.append(f"the drafter has qk_norm=false but the published layouts are Qwen3 layers with "
+                        "q_norm/k_norm; only drafters trained with drafter.qk_norm=true export")
+    if problems:
+        raise CheckpointError("; ".join(problems))
     if fmt in ("zlab-dflash", "specforge-dspark") and d["proposal_offset"] != (1 if fmt == "zlab-dflash" else 0):
         need = 1 if fmt == "zlab-dflash" else 0
         raise CheckpointError(f"{fmt} drafters use proposal_offset {need}, this one uses {d['proposal_offset']}; "

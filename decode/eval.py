@@ -46,9 +46,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--tree", nargs="+", default=["pruned"],
                     help=f"methods besides the AR baseline: ar, {', '.join(sorted(BUILDERS))}, or all "
                          "(every builder once; heap-sequential is the slow exact reference)")
-    ap.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
+    ap.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS), help="prompt sets")
     ap.add_argument("--limit", type=int, default=20, help="prompts per dataset")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
     ap.add_argument("--budget", type=int, nargs="+", default=None,
                     help=f"tree nodes per round B (default {DEFAULT_CPU_BUDGET}); several values run a budget sweep, "
                          "reported as METHOD@B<n> for every tree builder other than chain")
@@ -56,11 +56,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--candidates", type=int, default=64, help="candidate count K per depth")
     ap.add_argument("--beta", type=float, default=-0.2, help="depth bonus beta (pruned, heap-sequential; <= 0)")
     ap.add_argument("--children", type=int, default=4, help="children per kept parent k (pctree)")
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (output must equal AR's)")
+    ap.add_argument("--seed", type=int, default=0, help="prompt choice and sampling seed")
     ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="dartree checkpoint folder")
     ap.add_argument("--target", default=DEFAULT_TARGET, help="'smollm2' or a local Hugging Face folder")
-    ap.add_argument("--dtype", default="float32", choices=sorted(_DTYPES))
+    ap.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="target and drafter dtype")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     ap.add_argument("--out", default="reports/latest", help="folder for report.json and report.md")
     return ap.parse_args(argv)
