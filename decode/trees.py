@@ -414,8 +414,7 @@ def build_heap_sequential(
             counter += 1
             heapq.heappush(heap, (-(kids[parent][1][rank + 1] + beta * depth), depth, counter, parent, rank + 1))
         if depth < p_len and len(toks) < budget:
-            parent_state = None if states[parent] is None else states[parent]
-            st = head.advance(parent_state, torch.tensor([tok], device=dev), block.hidden[depth - 1][None])
+            st = head.advance(states[parent], torch.tensor([tok], device=dev), block.hidden[depth - 1][None])
             states[node] = st
             kids[node] = children_of(st, score, depth)
             counter += 1
