@@ -140,8 +140,9 @@ def _train(args, cache, launcher=(), extra_env=None, check=True):
     cmd = [*launcher] if launcher else [sys.executable]
     r = subprocess.run([*cmd, "training/train.py", *args], cwd=REPO, env={**_env(cache), **(extra_env or {})},
                        capture_output=True, text=True, timeout=300)
-    if check:
-        assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-3000:])
+    if check:  # the lines that name a rank's failure first (torchrun's summary alone does not say why)
+        why = [ln for ln in r.stderr.splitlines() if any(w in ln for w in ("Error", "error:", "terminate", "what()"))]
+        assert r.returncode == 0, ("\n".join(why[-20:]), r.stdout[-1500:], r.stderr[-2500:])
     return r
 
 

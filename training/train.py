@@ -601,6 +601,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     finally:
         if dist.is_initialized():  # leave the process group cleanly (gloo/shm teardown at exit can abort)
+            if sys.exc_info()[0] is None:
+                dist.barrier()  # no rank tears its group down while another still writes or gathers
             dist.destroy_process_group()
     return 0
 
