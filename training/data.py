@@ -5,8 +5,9 @@ Pipeline (each stage cached under ``cache_root()/data/<hash>`` and reused when i
 1. prompts: first human turns of the whole ShareGPT conversations (the packaged JSON is truncated, so it is
    decoded object by object and the partial tail is dropped), chat-templated by the target's tokenizer;
 2. responses: greedy continuations by the target itself (DFlash / DSpark practice: train on the target's own
-   outputs, ANCHORS.md section 2), generated in length-sorted batches and appended batch by batch, so an
-   interrupted run resumes where it stopped;
+   outputs, ANCHORS.md section 2), generated shortest prompt first with continuous batching (a finished row's
+   slot takes the next prompt: :mod:`dartree.training.regen`) and appended as rows finish, so an interrupted
+   run resumes where it stopped;
 3. features: one target forward per sequence storing the captured layer outputs [T, nL*D] and the final
    (normed) hidden state [T, D] in bf16, from which training recomputes the target distribution p_t.
 
@@ -19,6 +20,7 @@ import hashlib
 import json
 import os
 import random
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +31,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from dartree.models.target import Target, cache_root
+from dartree.training.regen import continuous_greedy
 
 
 def iter_sharegpt_conversations(limit: int | None = None) -> Iterator[dict]:
@@ -64,12 +67,32 @@ def iter_sharegpt_conversations(limit: int | None = None) -> Iterator[dict]:
             return
 
 
-def sharegpt_prompts(num: int, seed: int, *, min_chars: int = 8, max_chars: int = 2000) -> list[str]:
+_CODE = re.compile(
+    r"```|\bdef |\bfunction\b|\bclass \w|#include|\bimport \w|\bSELECT\b|\bpython\b|\bjavascript\b|\bjava\b|"
+    r"c\+\+|\bcode\b|\bscript\b|\bsql\b|\bregex\b|\bbash\b|\btypescript\b|\breact\b|\bapi\b|\bhtml\b|\bcss\b",
+    re.IGNORECASE,
+)
+
+
+def looks_like_code(text: str) -> bool:
+    """True when a prompt asks about programming (a code fence, code syntax or a language/tool name)."""
+    return bool(_CODE.search(text))
+
+
+def sharegpt_prompts(num: int, seed: int, *, min_chars: int = 8, max_chars: int = 2000,
+                     code_fraction: float = 0.0) -> list[str]:
     """Return ``num`` distinct first human turns from ShareGPT, deterministically shuffled by ``seed``.
 
+    With ``code_fraction`` > 0, ``round(num * code_fraction)`` of them are programming prompts
+    (:func:`looks_like_code`) and the rest are not (the issue's "code prompts beside chat"; HumanEval, an eval
+    set, is never used for training). The result is shuffled so both kinds are spread over it.
+
     Raises:
-        ValueError: fewer than ``num`` usable prompts exist.
+        ValueError: fewer than ``num`` usable prompts (or too few of either kind) exist, or ``code_fraction``
+            is outside [0, 1].
     """
+    if not 0.0 <= code_fraction <= 1.0:
+        raise ValueError(f"data.code_fraction must be in [0, 1] (got {code_fraction})")
     seen, prompts = set(), []
     for conv in iter_sharegpt_conversations():
         turns = conv.get("conversations") or []
@@ -81,6 +104,16 @@ def sharegpt_prompts(num: int, seed: int, *, min_chars: int = 8, max_chars: int 
         seen.add(text)
         prompts.append(text)
     random.Random(seed).shuffle(prompts)
+    if code_fraction > 0:
+        n_code = round(num * code_fraction)
+        code = [p for p in prompts if looks_like_code(p)]
+        chat = [p for p in prompts if not looks_like_code(p)]
+        if len(code) < n_code or len(chat) < num - n_code:
+            raise ValueError(f"asked for {n_code} code and {num - n_code} other ShareGPT prompts but only "
+                             f"{len(code)} and {len(chat)} are usable; lower data.num_prompts or data.code_fraction")
+        prompts = code[:n_code] + chat[: num - n_code]
+        random.Random(seed + 1).shuffle(prompts)
+        return prompts
     if len(prompts) < num:
         raise ValueError(f"asked for {num} ShareGPT prompts but only {len(prompts)} are usable; lower data.num_prompts")
     return prompts[:num]
@@ -107,7 +140,8 @@ class DataSpec:
         max_prompt_tokens: prompts longer than this (after the chat template) are skipped.
         max_new_tokens: response cap, in tokens (the eval length is a good choice).
         seed: prompt shuffle seed.
-        batch_size: generation batch (rows of similar length).
+        batch_size: generation slots (rows decoded together; a finished row takes the next prompt).
+        code_fraction: about this share of the prompts are programming prompts (:func:`sharegpt_prompts`).
     """
 
     num_prompts: int = 1024
@@ -115,6 +149,7 @@ class DataSpec:
     max_new_tokens: int = 256
     seed: int = 0
     batch_size: int = 32
+    code_fraction: float = 0.0
 
 
 def random_prompts(num: int, length: int, vocab_size: int, seed: int, low: int = 2) -> list[list[int]]:
@@ -134,11 +169,19 @@ def regenerate_responses(
     """Generate the target's greedy responses to ShareGPT prompts; return the path of ``responses.jsonl``.
 
     Each line holds ``{"prompt_ids": [...], "response_ids": [...]}``; the response ends with the stop token when
-    the target stopped. Batches are appended to ``responses.partial.jsonl`` as they finish, so a killed run
-    resumes; the final file appears by atomic rename. Reused when the hash of (target, spec) matches.
+    the target stopped. Rows are appended to ``responses.partial.jsonl`` as they finish (flushed every ~5 s),
+    so a killed run resumes; the final file appears by atomic rename. Reused when the hash of (target, spec)
+    matches.
+
+    Raises:
+        ValueError: a target without a tokenizer and no ``stop_id``; ``spec.max_new_tokens < 1``.
     """
+    if spec.max_new_tokens < 1:
+        raise ValueError(f"data.max_new_tokens must be >= 1 (got {spec.max_new_tokens})")
     key = {"target": target.name, "vocab": target.vocab_size, "dtype": str(target.dtype), **spec.__dict__}
     key.pop("batch_size")
+    if not key["code_fraction"]:
+        key.pop("code_fraction")  # data sets made before the option keep their hash
     if prompts is not None:
         key["prompts"] = _hash(prompts)
     folder = out_dir or (cache_root() / "data" / f"responses-{_hash(key)}")
@@ -152,10 +195,9 @@ def regenerate_responses(
         if tok is None:
             raise ValueError("regenerate_responses: a target without a tokenizer needs stop_id")
         stop_id = tok.eos_token_id
-    pad_id = stop_id if tok is None or tok.pad_token_id is None else tok.pad_token_id
     if prompts is None:
         prompts = []
-        for t in sharegpt_prompts(spec.num_prompts * 2, spec.seed):
+        for t in sharegpt_prompts(spec.num_prompts * 2, spec.seed, code_fraction=spec.code_fraction):
             ids = chat_prompt_ids(tok, t)
             if len(ids) <= spec.max_prompt_tokens:
                 prompts.append(ids)
@@ -179,37 +221,28 @@ def regenerate_responses(
         with open(partial, "r+b") as fh:
             fh.truncate(good)
     todo = [i for i in order if i not in done]
-    batches = [todo[i : i + spec.batch_size] for i in range(0, len(todo), spec.batch_size)]
-    t0, n_tok = time.time(), 0
-    bar = tqdm(batches, desc="regenerating responses", unit="batch")
-    for batch in bar:
-        width = max(len(prompts[i]) for i in batch)
-        ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for r, i in enumerate(batch):
-            ids[r, width - len(prompts[i]) :] = torch.tensor(prompts[i])
-            mask[r, width - len(prompts[i]) :] = 1
-        with torch.no_grad():
-            out = target.model.generate(
-                input_ids=ids.to(target.device),
-                attention_mask=mask.to(target.device),
-                max_new_tokens=spec.max_new_tokens,
-                do_sample=False,
-                eos_token_id=stop_id,
-                pad_token_id=pad_id,
-            )
-        lines = []
-        for r, i in enumerate(batch):
-            resp = out[r, width:].tolist()
-            if stop_id in resp:
-                resp = resp[: resp.index(stop_id) + 1]
-            n_tok += len(resp)
-            lines.append(json.dumps({"index": i, "prompt_ids": prompts[i], "response_ids": resp}))
-        with open(partial, "a") as fh:
-            fh.write("\n".join(lines) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+    t0, n_tok, pending_lines, last_flush = time.time(), 0, [], time.time()
+
+    def flush() -> None:
+        if pending_lines:
+            with open(partial, "a") as fh:
+                fh.write("\n".join(pending_lines) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            pending_lines.clear()
+
+    bar = tqdm(total=len(todo), desc="regenerating responses", unit="resp")
+    for i, resp in continuous_greedy(target.model, prompts, max_new_tokens=spec.max_new_tokens, stop_id=stop_id,
+                                     slots=spec.batch_size, order=todo):
+        n_tok += len(resp)
+        pending_lines.append(json.dumps({"index": i, "prompt_ids": list(prompts[i]), "response_ids": resp}))
+        if time.time() - last_flush > 5:  # a kill loses at most ~5 s of responses
+            flush()
+            last_flush = time.time()
+        bar.update(1)
         bar.set_postfix(tok_s=f"{n_tok / (time.time() - t0):.0f}")
+    flush()
+    bar.close()
     tmp = folder / "responses.jsonl.tmp"
     with open(partial) as src, open(tmp, "w") as dst:
         rows = sorted((json.loads(line) for line in src if line.strip()), key=lambda r: r["index"])

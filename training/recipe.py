@@ -66,7 +66,8 @@ class DataSection:
     max_prompt_tokens: int = 256
     max_new_tokens: int = 256
     seed: int = 0
-    gen_batch_size: int = 48
+    gen_batch_size: int = 64  # regeneration slots (continuous batching; 64 measured fastest on 2 cores)
+    code_fraction: float = 0.0  # about this share of the ShareGPT prompts are programming prompts
     holdout: int = 32
     random_prompt_len: int = 12  # "random" source only
 

@@ -131,6 +131,7 @@ def prepare_data(cfg: DictConfig, target: Target) -> BlockData:
         max_new_tokens=cfg.data.max_new_tokens,
         seed=cfg.data.seed,
         batch_size=cfg.data.gen_batch_size,
+        code_fraction=cfg.data.code_fraction,
     )
     gen_dtype = _dtype(cfg.target.gen_dtype)
     gen_target = target if gen_dtype == target.dtype else load_target(cfg.target.path, dtype=gen_dtype)

@@ -1,0 +1,90 @@
+"""Regeneration of training responses: continuous batching equals plain greedy decoding, resume, prompt mix."""
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+
+from dartree.decode.generate import autoregressive_generate
+from dartree.training.data import DataSpec, looks_like_code, regenerate_responses, sharegpt_prompts
+from dartree.training.regen import continuous_greedy
+
+MAX_NEW = 10
+
+
+def _prompts(n=13, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, 96, (1 + (7 * i) % 19,), generator=g).tolist() for i in range(n)]
+
+
+def _greedy(target, prompts, stop):
+    out = []
+    for p in prompts:
+        toks = autoregressive_generate(target, p, max_new_tokens=MAX_NEW, stop_ids=[stop]).tokens
+        out.append(list(toks))
+    return out
+
+
+@pytest.fixture(scope="module")
+def stop_and_reference(target):
+    prompts = _prompts()
+    free = _greedy(target, prompts, stop=-1)
+    # a token the model often emits, so several rows stop early and their slots are refilled
+    stop = Counter(t for row in free for t in row[1:]).most_common(1)[0][0]
+    return prompts, stop, _greedy(target, prompts, stop)
+
+
+@pytest.mark.parametrize("slots", [1, 4, 13, 32])
+def test_continuous_greedy_equals_one_prompt_at_a_time(target, stop_and_reference, slots):
+    prompts, stop, ref = stop_and_reference
+    assert any(len(r) < MAX_NEW for r in ref) and any(len(r) == MAX_NEW for r in ref)  # both endings occur
+    got = dict(continuous_greedy(target.model, prompts, max_new_tokens=MAX_NEW, stop_id=stop, slots=slots))
+    assert sorted(got) == list(range(len(prompts)))
+    for i, row in enumerate(ref):
+        assert got[i] == row, (i, got[i], row)
+
+
+def test_continuous_greedy_generates_only_the_given_order(target, stop_and_reference):
+    prompts, stop, ref = stop_and_reference
+    got = list(continuous_greedy(target.model, prompts, max_new_tokens=MAX_NEW, stop_id=stop, slots=3,
+                                 order=[5, 0, 9]))
+    assert sorted(i for i, _ in got) == [0, 5, 9]
+    assert all(row == ref[i] for i, row in got)
+
+
+def test_continuous_greedy_rejects_bad_arguments(target):
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        list(continuous_greedy(target.model, [[3, 4]], max_new_tokens=0, stop_id=1))
+    with pytest.raises(ValueError, match="at least one token"):
+        list(continuous_greedy(target.model, [[3, 4], []], max_new_tokens=2, stop_id=1))
+
+
+def test_regenerate_responses_resumes_after_a_torn_write(target, stop_and_reference, tmp_path):
+    prompts, stop, ref = stop_and_reference
+    spec = DataSpec(num_prompts=len(prompts), max_new_tokens=MAX_NEW, batch_size=4)
+    whole = regenerate_responses(target, spec, tmp_path / "whole", prompts=prompts, stop_id=stop)
+    rows = [json.loads(line) for line in whole.read_text().splitlines()]
+    assert [r["index"] for r in rows] == list(range(len(prompts)))
+    assert [r["response_ids"] for r in rows] == ref and [r["prompt_ids"] for r in rows] == prompts
+    # a killed run: four complete lines, then half a line
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    lines = whole.read_text().splitlines()
+    (cut / "responses.partial.jsonl").write_text("\n".join(lines[:4]) + "\n" + lines[4][:17])
+    again = regenerate_responses(target, spec, cut, prompts=prompts, stop_id=stop)
+    assert again.read_text() == whole.read_text()
+    assert not (cut / "responses.partial.jsonl").exists()
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
+        regenerate_responses(target, DataSpec(max_new_tokens=0), tmp_path / "z", prompts=prompts, stop_id=stop)
+
+
+def test_sharegpt_prompts_mix_code_prompts_beside_chat():
+    mixed = sharegpt_prompts(40, 0, code_fraction=0.25)
+    assert len(mixed) == 40 == len(set(mixed))
+    assert sum(map(looks_like_code, mixed)) == 10
+    assert mixed == sharegpt_prompts(40, 0, code_fraction=0.25)  # deterministic
+    assert looks_like_code("Write a Python function that reverses a list")
+    assert not looks_like_code("What is the capital of France?")
+    with pytest.raises(ValueError, match="code_fraction"):
+        sharegpt_prompts(4, 0, code_fraction=1.5)
