@@ -104,6 +104,29 @@ def test_training_block_equals_inference_block_and_sees_no_future(target):
     assert not torch.allclose(h2[1], h[1])
 
 
+def test_block_structured_attention_equals_the_dense_mask_values_and_gradients(target):
+    """Training attention over [context ; own block] keys (BlockAttention) == the dense [context ; all blocks]
+    mask, in the output and in every parameter's gradient (fp32, GQA with 2 query heads per K/V head)."""
+    from dartree.models.drafter import BlockAttention
+
+    seq = torch.randint(2, 96, (1, 30), generator=torch.Generator().manual_seed(5))
+    feats = target.forward(seq).features
+    anchors, L = torch.tensor([3, 11, 12, 20, 26]), 4
+    q_pos = (anchors[:, None] + torch.arange(L)).reshape(1, -1)
+    x = torch.randn(1, anchors.numel() * L, 32, generator=torch.Generator().manual_seed(6))
+    outs, grads = [], []
+    for mask in (block_attention_mask(anchors, 30, L), BlockAttention.from_anchors(anchors, 30, L)):
+        drafter = make_drafter(block_size=L)
+        h = drafter(x, q_pos, feats, torch.arange(30)[None], mask=mask)
+        (h * torch.linspace(-1, 1, h.numel()).view_as(h)).sum().backward()
+        outs.append(h.detach())
+        grads.append({k: p.grad.clone() for k, p in drafter.named_parameters()})
+    assert drafter.cfg.num_heads // drafter.cfg.num_kv_heads == 2
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+    for k in grads[0]:
+        torch.testing.assert_close(grads[1][k], grads[0][k], atol=1e-5, rtol=1e-4)
+
+
 def test_dspark_loss_weights_and_zero_at_match():
     v = 10
     labels = torch.tensor([[3, 4, 5]])

@@ -147,18 +147,19 @@ def dspark_loss(
         ValueError: conf_logits without target_logits.
     """
     a, p, v = logits.shape
-    lf = logits.float().reshape(-1, v)
+    logp = logits.float().reshape(-1, v).log_softmax(-1)  # one normalisation serves the CE and p_d
     w = decay_weights(valid, gamma)
     wsum = w.sum().clamp_min(1e-8)
     w_ce = decay_weights(valid & (labels >= 0), gamma)
-    ce_term = (w_ce * _ce(logits, labels)).sum() / w_ce.sum().clamp_min(1e-8)
+    nll = -logp.gather(-1, labels.clamp(min=0).reshape(-1, 1)).view(a, p) * (labels >= 0).float()
+    ce_term = (w_ce * nll).sum() / w_ce.sum().clamp_min(1e-8)
     l1_term = torch.zeros((), dtype=torch.float32)
     bce_term = torch.zeros((), dtype=torch.float32)
     has_target = target_logits is not None or target_probs is not None
     if conf_logits is not None and not has_target:
         raise ValueError("the confidence BCE needs target_logits (its label is 1 - TV distance to p_t)")
     if has_target and (l1_weight or conf_logits is not None):
-        pd = lf.softmax(-1)
+        pd = logp.exp()
         if target_probs is not None:
             pt_sub, outside = target_probs
             l1 = (pd - pt_sub.float().reshape(-1, v)).abs().sum(-1).view(a, p) + outside.float()

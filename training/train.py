@@ -25,7 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
 from dartree.models.checkpoint import cast_floats, write_folder_atomically
-from dartree.models.drafter import DFlashDrafter, DrafterConfig, build_target_layer_ids
+from dartree.models.drafter import BlockAttention, DFlashDrafter, DrafterConfig, build_target_layer_ids
 from dartree.models.heads import build_head
 from dartree.models.target import Target, load_target
 from dartree.training.data import (
@@ -39,7 +39,6 @@ from dartree.training.data import (
     target_lse,
 )
 from dartree.training.losses import (
-    block_attention_mask,
     domino_loss,
     dspark_loss,
     lambda_schedule,
@@ -188,6 +187,22 @@ class TrainModule(torch.nn.Module):
         return out.loss, out.ce, out.l1, out.bce, out.acc_per_pos, out.count_per_pos
 
 
+def _output_rows(target: Target, vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The frozen lm_head rows the drafter is trained on ([V, D] or the draft vocabulary's [N, D]) and the map
+    token id -> draft-vocabulary index (-1 outside), computed once per (target, vocabulary) and reused."""
+    w = target.lm_head.weight
+    if vocab is None:
+        return w, None
+    key = (w.data_ptr(), tuple(w.shape), vocab.data_ptr(), vocab._version, vocab.numel())
+    hit = getattr(target, "_draft_rows", None)
+    if hit is None or hit[0] != key or not torch.equal(hit[3], vocab):
+        inv = torch.full((target.vocab_size,), -1, dtype=torch.long)
+        inv[vocab] = torch.arange(vocab.numel())
+        hit = (key, w[vocab].contiguous(), inv, vocab.clone())
+        target._draft_rows = hit
+    return hit[1], hit[2]
+
+
 def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: DictConfig, gen: torch.Generator,
                   lam: float = 0.0):
     """Forward one training sequence with random anchors under the recipe's loss; returns LossOut or None
@@ -210,10 +225,10 @@ def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: D
     q_pos = (anchors[:, None] + torch.arange(L)).reshape(1, -1)
     embed = target.embed_tokens
     x = embed(block.reshape(1, -1)).to(torch.float32)
-    mask = block_attention_mask(anchors, s, L)
+    mask = BlockAttention.from_anchors(anchors, s, L)  # = block_attention_mask, over each block's own keys
     lc = cfg.loss
     vocab = drafter.draft_vocab if dc.draft_vocab_size else None
-    w_out = target.lm_head.weight if vocab is None else target.lm_head.weight[vocab]  # [V or N, D], frozen
+    w_out, inv = _output_rows(target, vocab)  # [V or N, D] frozen rows; token id -> draft index (-1 outside)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(cfg.train.bf16)):
         hidden = drafter(x, q_pos, feats[None].float(), torch.arange(s)[None], mask=mask)
         hidden = hidden.view(a, L, -1)[:, off:]  # [A, P, D]
@@ -224,8 +239,6 @@ def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: D
         labels = tokens[lpc]
         prev = tokens[(lp - 1).clamp(max=s - 1)]
         if vocab is not None:  # label index within the draft vocabulary, -1 outside it (a sure miss)
-            inv = torch.full((target.vocab_size,), -1, dtype=torch.long)
-            inv[vocab] = torch.arange(vocab.numel())
             labels = inv[labels]
         if lc.type == "dflash":
             return dspark_loss(base, labels, valid, None, gamma=lc.gamma, ce_weight=1.0, l1_weight=0.0)
