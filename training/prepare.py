@@ -1,8 +1,8 @@
 """Prepare a recipe's training data on its own: ``python training/prepare.py recipe=NAME [key=value ...]``.
 
 Runs the data stage of ``training/train.py`` and stops: the target regenerates responses to the recipe's
-prompts (length-sorted batches, progress bar, appended batch by batch so an interrupted run continues where it
-stopped), then the target's features are cached. Both are stored under ``$DARTREE_CACHE/data`` (default
+prompts (continuous batching, shortest prompt first, progress bar; rows are appended as they finish so an
+interrupted run continues where it stopped), then the target's features are cached. Both are stored under ``$DARTREE_CACHE/data`` (default
 ``~/.cache/dartree/data``) keyed by a hash of (target, prompts, generation settings) and, for features, the
 target layer ids: a changed input rebuilds, an unchanged one is reused, and ``train.py`` finds the cache.
 """
