@@ -1,7 +1,7 @@
 """Training-side benchmark: regeneration tokens/s, training predictions/s and peak memory per recipe, and the
 2-process DeepSpeed run. Prints a table and writes a JSON report (atomically).
 
-    python training/bench.py [--recipes dflash_b16 domino_b16 dspark_b16] [--steps 40] [--regen-prompts 64]
+    python training/bench.py [--recipes dflash_b16 domino_b16 dspark_b16] [--steps 40] [--regen-prompts 256]
                              [--hf-baseline] [--two-process dspark_b16] [--out reports/bench.json]
 
 Each training figure comes from a real ``training/train.py`` run of ``--steps`` optimiser steps in a fresh
@@ -109,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipes", nargs="+", default=["dflash_b16", "domino_b16", "dspark_b16"])
     ap.add_argument("--steps", type=int, default=40, help="optimiser steps per training run (default 40)")
-    ap.add_argument("--regen-prompts", type=int, default=64, help="prompts for the regeneration figure; 0 skips it")
+    ap.add_argument("--regen-prompts", type=int, default=256,
+                    help="prompts for the regeneration figure (default 256: several refills of every slot); 0 skips it")
     ap.add_argument("--hf-baseline", action="store_true", help="also time transformers' generate (slower)")
     ap.add_argument("--two-process", default="dspark_b16", help="recipe for the 2-process run ('' skips it)")
     ap.add_argument("--out", default="reports/bench.json")
