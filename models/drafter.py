@@ -171,7 +171,7 @@ def block_structured_attention(q, k_blk, v_blk, ctx_k, ctx_v, spec: BlockAttenti
     a = al // L
     qg = q.reshape(kv, rep * al, d)
     s_ctx = torch.matmul(qg, ctx_k[0].transpose(-1, -2)).reshape(kv, rep, al, -1).float()  # [kv, rep, AL, S]
-    s_ctx = s_ctx * scale + spec.ctx_bias
+    s_ctx = s_ctx * scale + spec.ctx_bias.to(s_ctx.device)
     qb = q.reshape(kv, rep, a, L, d).transpose(1, 2).reshape(kv, a, rep * L, d)
     kb = k_blk[0].reshape(kv, a, L, d)
     s_blk = torch.matmul(qb, kb.transpose(-1, -2)).float() * scale  # [kv, A, rep*L, L]

@@ -6,8 +6,9 @@
 
 Each training figure comes from a real ``training/train.py`` run of ``--steps`` optimiser steps in a fresh
 process (its summary.json: predictions/s over the training steps, peak RSS); the first run of a recipe whose
-data is not cached yet regenerates it first (minutes; cached after). Regeneration is timed on the first
-``--regen-prompts`` prompts of the first recipe's data settings, with the continuous-batching generator the
+data is not cached yet regenerates it first (minutes; cached after). Regeneration is timed on
+``--regen-prompts`` ShareGPT prompts drawn with the first recipe's data settings (seed, prompt cap, code
+share; with a code share they are not the data set's first prompts), with the continuous-batching generator the
 data stage uses (``--hf-baseline`` adds ``transformers`` ``generate`` on the same prompts and batch size).
 Figures depend on what else runs on the machine: run it alone.
 """
