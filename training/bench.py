@@ -30,29 +30,17 @@ import torch
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _regen_prompts(cfg, target, n: int) -> list[list[int]]:
-    from dartree.training.data import chat_prompt_ids, sharegpt_prompts
-
-    out = []
-    for text in sharegpt_prompts(max(2 * n, 8), cfg.data.seed, code_fraction=cfg.data.code_fraction):
-        ids = chat_prompt_ids(target.tokenizer, text)
-        if len(ids) <= cfg.data.max_prompt_tokens:
-            out.append(ids)
-        if len(out) == n:
-            break
-    return out
-
-
 def bench_regeneration(recipe: str, n: int, hf_baseline: bool) -> dict:
     """Response tokens/s of the data stage's generator (and optionally of ``generate``) on ``n`` prompts."""
     from dartree.models.target import load_target
+    from dartree.training.data import chat_prompts
     from dartree.training.recipe import load_recipe
     from dartree.training.regen import continuous_greedy
     from dartree.training.train import _dtype
 
     cfg = load_recipe([f"recipe={recipe}"])
     target = load_target(cfg.target.path, dtype=_dtype(cfg.target.gen_dtype))
-    prompts = _regen_prompts(cfg, target, n)
+    prompts = chat_prompts(target.tokenizer, n, cfg.data.seed, cfg.data.max_prompt_tokens, cfg.data.code_fraction)
     stop = target.tokenizer.eos_token_id
     t0, n_tok = time.perf_counter(), 0
     for _, resp in continuous_greedy(target.model, prompts, max_new_tokens=cfg.data.max_new_tokens, stop_id=stop,

@@ -127,6 +127,23 @@ def chat_prompt_ids(tokenizer, text: str) -> list[int]:
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
+def chat_prompts(tokenizer, num: int, seed: int, max_prompt_tokens: int, code_fraction: float = 0.0) -> list[list[int]]:
+    """Token ids of up to ``num`` chat-templated ShareGPT prompts of at most ``max_prompt_tokens`` tokens, drawn
+    from ``2 * num`` candidates of :func:`sharegpt_prompts` (same ``seed`` and ``code_fraction``) in order.
+
+    Raises:
+        ValueError: from :func:`sharegpt_prompts`.
+    """
+    out = []
+    for text in sharegpt_prompts(num * 2, seed, code_fraction=code_fraction):
+        ids = chat_prompt_ids(tokenizer, text)
+        if len(ids) <= max_prompt_tokens:
+            out.append(ids)
+        if len(out) == num:
+            break
+    return out
+
+
 def _hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -196,13 +213,7 @@ def regenerate_responses(
             raise ValueError("regenerate_responses: a target without a tokenizer needs stop_id")
         stop_id = tok.eos_token_id
     if prompts is None:
-        prompts = []
-        for t in sharegpt_prompts(spec.num_prompts * 2, spec.seed, code_fraction=spec.code_fraction):
-            ids = chat_prompt_ids(tok, t)
-            if len(ids) <= spec.max_prompt_tokens:
-                prompts.append(ids)
-            if len(prompts) == spec.num_prompts:
-                break
+        prompts = chat_prompts(tok, spec.num_prompts, spec.seed, spec.max_prompt_tokens, spec.code_fraction)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     partial = folder / "responses.partial.jsonl"
     done = set()
