@@ -232,7 +232,7 @@ def test_zero3_checkpoint_holds_full_tensors_equal_to_stage0(engine_runs):
 
 def test_sigkill_then_resume_logs_the_same_losses(tmp_path):
     cache = tmp_path / "cache"
-    common = ["recipe=tiny_dspark", "train.max_steps=8", "train.save_every_steps=3"]
+    common = ["recipe=tiny_dspark", "train.max_steps=8", "train.save_every_steps=3", "train.eval_every_steps=2"]
     _train([*common, f"output_dir={tmp_path / 'full'}"], cache)
     killed = _train([*common, f"output_dir={tmp_path / 'cut'}"], cache, extra_env={"DARTREE_KILL_AT_STEP": "5"},
                     check=False)
@@ -248,6 +248,16 @@ def test_sigkill_then_resume_logs_the_same_losses(tmp_path):
     a, b = _ckpt(tmp_path / "full"), _ckpt(tmp_path / "cut")
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-6)
+    # the learning curve: a point every 2 steps and at the end, resumed without a gap or a repeat
+    c_full = json.loads((tmp_path / "full" / "curve.json").read_text())
+    c_cut = json.loads((tmp_path / "cut" / "curve.json").read_text())
+    assert [p["step"] for p in c_full] == [2, 4, 6, 8] == [p["step"] for p in c_cut]
+    assert [p["train_tokens"] for p in c_cut] == [p["train_tokens"] for p in c_full]
+    assert [p["distinct_sequences"] for p in c_full] == [4, 8, 10, 10]  # 10 training sequences, 2 per step
+    tok = [p["train_tokens"] for p in c_full]
+    assert all(0 < x < y for x, y in zip(tok, tok[1:]))
+    for p, q in zip(c_full, c_cut):
+        assert abs(p["holdout_chain_tau"] - q["holdout_chain_tau"]) < 1e-3 and 1 <= p["holdout_chain_tau"] <= 9
     # a longer run may resume; a different recipe may not (the saved state would not fit it)
     longer = _train([*common[:1], "train.max_steps=9", "train.save_every_steps=3", f"output_dir={tmp_path / 'cut'}",
                      "resume=true"], cache)
@@ -471,4 +481,7 @@ def test_train_infer_parity_tool_agrees_within_two_points(tmp_path, monkeypatch)
     assert out["sequences"] == 10 and len(out["train_path"]) == 8
     assert max(out["train_path"]) > 0.05  # the drafter learned something, so agreement is not 0 == 0
     assert out["max_abs_diff"] <= 0.02
+    # the learning curve's chain acceptance (leading correct run per anchor) agrees with the inference path
+    assert out["train_path_chain_tau"] > 1.05
+    assert abs(out["train_path_chain_tau"] - out["inference_path_chain_tau"]) <= 0.02 * out["inference_path_chain_tau"]
     assert parity_main([str(tmp_path / "nope")]) == 2

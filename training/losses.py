@@ -46,7 +46,8 @@ class LossOut:
 
     ``ce`` is the CE of the final (corrected) logits; ``l1`` the L1 distance to the target distribution
     (dspark); ``bce`` the confidence BCE (dspark with a confidence head); ``base_ce`` the CE of the base
-    logits (domino). Unused pieces are 0.
+    logits (domino). Unused pieces are 0. ``hit`` [A, P] bool: prediction (a, k) is the label (teacher-forced,
+    valid positions only); its leading run per anchor is the chain acceptance at that anchor.
     """
 
     loss: torch.Tensor
@@ -56,6 +57,7 @@ class LossOut:
     count_per_pos: torch.Tensor
     bce: torch.Tensor = None
     base_ce: torch.Tensor = None
+    hit: torch.Tensor = None
 
     def __post_init__(self):
         zero = torch.zeros(())
@@ -82,7 +84,7 @@ def _accuracy(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor):
         a, p, v = logits.shape
         hit = (logits.reshape(-1, v).argmax(-1).view(a, p) == labels) & valid
         cnt = valid.float().sum(0)
-        return hit.float().sum(0) / cnt.clamp_min(1), cnt
+        return hit.float().sum(0) / cnt.clamp_min(1), cnt, hit
 
 
 def lambda_schedule(step: int, total_steps: int, start: float = 1.0, ratio: float = 1.0) -> float:
@@ -108,9 +110,9 @@ def domino_loss(logits: torch.Tensor, base_logits: torch.Tensor, labels: torch.T
     wsum = w.sum().clamp_min(1e-8)
     ce = (w * _ce(logits, labels)).sum() / wsum
     base_ce = (w * _ce(base_logits, labels)).sum() / wsum
-    acc, cnt = _accuracy(logits, labels, valid)
+    acc, cnt, hit = _accuracy(logits, labels, valid)
     return LossOut((1 - lam) * ce + lam * base_ce, ce.detach(), torch.zeros(()), acc, cnt,
-                   base_ce=base_ce.detach())
+                   base_ce=base_ce.detach(), hit=hit)
 
 
 def dspark_loss(
@@ -172,8 +174,8 @@ def dspark_loss(
             bce = F.binary_cross_entropy_with_logits(conf_logits.float(), label, reduction="none")
             bce_term = (w * bce).sum() / wsum
     loss = ce_weight * ce_term + l1_weight * l1_term + conf_weight * bce_term
-    acc, cnt = _accuracy(logits, labels, valid)
-    return LossOut(loss, ce_term.detach(), l1_term.detach(), acc, cnt, bce=bce_term.detach())
+    acc, cnt, hit = _accuracy(logits, labels, valid)
+    return LossOut(loss, ce_term.detach(), l1_term.detach(), acc, cnt, bce=bce_term.detach(), hit=hit)
 
 
 def teacher_forced_tau(acc_per_pos: torch.Tensor) -> float:

@@ -26,7 +26,16 @@ from dartree.training.recipe import RecipeError
 
 @torch.no_grad()
 def inference_accuracy(drafter, head, target, data, cfg, *, k: int = 64) -> torch.Tensor:
-    """Per-position teacher-forced accuracy [P] through the inference path on ``data.holdout_ids``.
+    """Per-position teacher-forced accuracy [P] through the inference path on ``data.holdout_ids``
+    (:func:`inference_metrics`' first half)."""
+    return inference_metrics(drafter, head, target, data, cfg, k=k)[0]
+
+
+@torch.no_grad()
+def inference_metrics(drafter, head, target, data, cfg, *, k: int = 64) -> tuple[torch.Tensor, float]:
+    """Per-position teacher-forced accuracy [P] and the chain acceptance (mean over anchors of 1 + leading
+    correct proposals, bonus included) through the inference path (``draft_block`` + ``expand_frontier`` over
+    the top-k candidates) on ``data.holdout_ids``.
 
     Anchors are drawn as :func:`~dartree.training.train.evaluate_holdout` draws them, so both see the same blocks.
     """
@@ -39,6 +48,7 @@ def inference_accuracy(drafter, head, target, data, cfg, *, k: int = 64) -> torc
     p_len = drafter.cfg.num_proposals
     hits = torch.zeros(p_len)
     cnts = torch.zeros(p_len)
+    runs = []
     for i in data.holdout_ids:
         tokens, feats, _, plen = data.sequence(i)
         s = tokens.numel()
@@ -47,15 +57,20 @@ def inference_accuracy(drafter, head, target, data, cfg, *, k: int = 64) -> torc
             block = draft_block(target, drafter, int(tokens[a]), a, feats[:a].float(), DraftCache(1))
             ids, vals = candidates(block.base_logits, k)
             state = head.init_state(tokens[a : a + 1])
+            run, leading = 1, True
             for j in range(p_len):
                 if a + 1 + j >= s:
                     break
                 _, col, _ = expand_frontier(head, block.hidden[j], state, ids[j], vals[j], torch.zeros(1), 1)
                 label = tokens[a + 1 + j]
-                hits[j] += float(ids[j, col[0]] == label)
+                hit = bool(ids[j, col[0]] == label)
+                hits[j] += float(hit)
                 cnts[j] += 1
+                leading = leading and hit
+                run += int(leading)
                 state = head.advance(state, label[None], block.hidden[j : j + 1])  # teacher forcing
-    return hits / cnts.clamp_min(1)
+            runs.append(run)
+    return hits / cnts.clamp_min(1), sum(runs) / max(len(runs), 1)
 
 
 def parity(run_dir: str | Path, split: str = "holdout") -> dict:
@@ -64,7 +79,8 @@ def parity(run_dir: str | Path, split: str = "holdout") -> dict:
     either split shows a gap).
 
     Returns:
-        {"train_path": [P], "inference_path": [P], "max_abs_diff": float}.
+        {"train_path": [P], "inference_path": [P], "max_abs_diff": float, "train_path_chain_tau": float,
+        "inference_path_chain_tau": float, ...}.
     Raises:
         RecipeError: the folder holds no training checkpoint, or an unknown split.
     """
@@ -101,12 +117,14 @@ def parity(run_dir: str | Path, split: str = "holdout") -> dict:
     if split == "train":
         data.holdout_ids = list(data.train_ids)
     cfg.train.bf16 = False  # compare in fp32, as decoding runs
-    train_path = torch.tensor(evaluate_holdout(drafter, head, target, data, cfg)["holdout_acc_per_pos"])
-    infer_path = inference_accuracy(drafter, head, target, data, cfg)
+    hold = evaluate_holdout(drafter, head, target, data, cfg)
+    train_path = torch.tensor(hold["holdout_acc_per_pos"])
+    infer_path, infer_chain = inference_metrics(drafter, head, target, data, cfg)
     return {"split": split, "sequences": len(data.holdout_ids),
             "train_path": [round(float(x), 4) for x in train_path],
             "inference_path": [round(float(x), 4) for x in infer_path],
-            "max_abs_diff": float((train_path - infer_path).abs().max())}
+            "max_abs_diff": float((train_path - infer_path).abs().max()),
+            "train_path_chain_tau": hold["holdout_chain_tau"], "inference_path_chain_tau": infer_chain}
 
 
 def main(argv: list[str] | None = None) -> int:

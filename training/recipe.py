@@ -87,6 +87,7 @@ class TrainSection:
     threads: int = 0  # torch threads; 0 = torch default
     save_every_minutes: float = 15.0  # resumable checkpoint every this many minutes (0: off)
     save_every_steps: int = 0  # ... and/or every this many steps (0: off)
+    eval_every_steps: int = 0  # learning curve: held-out chain tau every this many steps (0: only at the end)
 
 
 @dataclass

@@ -187,6 +187,13 @@ class TrainModule(torch.nn.Module):
         return out.loss, out.ce, out.l1, out.bce, out.acc_per_pos, out.count_per_pos
 
 
+def _write_json(path: Path, payload) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1))
+    os.replace(tmp, path)
+
+
 def _output_rows(target: Target, vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The frozen lm_head rows the drafter is trained on ([V, D] or the draft vocabulary's [N, D]) and the map
     token id -> draft-vocabulary index (-1 outside), computed once per (target, vocabulary) and reused."""
@@ -290,10 +297,15 @@ def save_training_checkpoint(folder: Path, drafter, head, target: Target, cfg: D
 
 @torch.no_grad()
 def evaluate_holdout(drafter, head, target, data: BlockData, cfg: DictConfig) -> dict:
-    """Teacher-forced accuracy per block position on the held-out sequences, and the implied chain tau."""
+    """Teacher-forced accuracy per block position on the held-out sequences ([P] fractions), the chain tau
+    those imply (``holdout_tf_tau``, positions treated as independent) and the measured chain acceptance
+    ``holdout_chain_tau``: the mean over held-out anchors of 1 + the number of leading correct proposals
+    (bonus included). The responses are the target's greedy output, so at T=0 a chain decoder drafting at
+    those anchors accepts exactly that run (for every head: while the run lasts, its drafted previous tokens
+    are the true ones)."""
     if not data.holdout_ids:
         return {}
-    hits, cnts = None, None
+    hits, cnts, runs = None, None, []
     for i in data.holdout_ids:
         out = sequence_loss(drafter, head, target, data, i, cfg, torch.Generator().manual_seed(_seed(1234, i)))
         if out is None:
@@ -301,10 +313,12 @@ def evaluate_holdout(drafter, head, target, data: BlockData, cfg: DictConfig) ->
         h = out.acc_per_pos * out.count_per_pos
         hits = h if hits is None else hits + h
         cnts = out.count_per_pos if cnts is None else cnts + out.count_per_pos
+        runs.append(1 + torch.cumprod(out.hit.long(), dim=1).sum(1))
     if hits is None:
         return {}
     acc = hits / cnts.clamp_min(1)
-    return {"holdout_acc_per_pos": [round(float(x), 4) for x in acc], "holdout_tf_tau": teacher_forced_tau(acc)}
+    return {"holdout_acc_per_pos": [round(float(x), 4) for x in acc], "holdout_tf_tau": teacher_forced_tau(acc),
+            "holdout_chain_tau": float(torch.cat(runs).float().mean())}
 
 
 def load_init(path: str, target: Target, cfg: DictConfig):
@@ -448,6 +462,9 @@ def run(cfg: DictConfig) -> dict:
     losses: list[float] = []
     step = preds = 0
     acc_ema = None
+    curve: list[dict] = []  # learning curve: held-out chain tau against training tokens and sequences
+    seen: set[int] = set()  # distinct training sequences visited
+    seen_tokens = 0
     if cfg.resume:
         try:
             check_resumable(out_dir, OmegaConf.to_container(cfg))
@@ -460,6 +477,8 @@ def run(cfg: DictConfig) -> dict:
         else:
             step, losses, preds = int(client["step"]), list(client["losses"]), int(client.get("preds", 0))
             acc_ema = torch.tensor(client["acc_ema"]) if client.get("acc_ema") is not None else None
+            curve, seen = list(client.get("curve", [])), set(client.get("seen", []))
+            seen_tokens = int(client.get("seen_tokens", 0))
             if main_rank:
                 print(f"resumed {out_dir / 'resume'} at step {step}/{total}", flush=True)
     wb = None
@@ -478,6 +497,26 @@ def run(cfg: DictConfig) -> dict:
         idx = [perm[(j * sps + q) % n_train] for q in range(sps)]
         return [data.train_ids[q] for q in idx]
 
+    def client_state() -> dict:
+        return {"step": step, "losses": losses, "preds": preds,
+                "acc_ema": None if acc_ema is None else acc_ema.tolist(),
+                "curve": curve, "seen": sorted(seen), "seen_tokens": seen_tokens}
+
+    def add_point(hold: dict) -> None:
+        if hold and (not curve or curve[-1]["step"] != step):
+            curve.append({"step": step, "train_tokens": seen_tokens, "sequences": step * sps,
+                          "distinct_sequences": len(seen), "holdout_chain_tau": round(hold["holdout_chain_tau"], 4),
+                          "holdout_tf_tau": round(hold["holdout_tf_tau"], 4)})
+
+    def curve_point() -> None:
+        engine.eval()
+        with gathered(module, stage):
+            hold = evaluate_holdout(drafter, head, target, data, cfg)
+        engine.train()
+        add_point(hold)
+        if hold and main_rank:
+            _write_json(out_dir / "curve.json", curve)
+
     kill_at = int(os.environ.get("DARTREE_KILL_AT_STEP", "0"))  # tests: SIGKILL after this step
     engine.train()
     clock["t_train"] = time.time()
@@ -489,7 +528,10 @@ def run(cfg: DictConfig) -> dict:
         lam = 0.0
         if cfg.loss.type == "domino":
             lam = lambda_schedule(step, total, cfg.loss.lambda_base_start, cfg.loss.lambda_decay_ratio)
-        mine = batch_for(step)[rank::world]
+        batch = batch_for(step)
+        seen.update(batch)
+        seen_tokens += data.num_tokens(batch)
+        mine = batch[rank::world]
         sums = torch.zeros(5)  # loss, ce, l1, bce, predictions
         for i in mine:
             out = engine(target, data, i, cfg, torch.Generator().manual_seed(_seed(cfg.seed, step, i)), lam)
@@ -526,11 +568,11 @@ def run(cfg: DictConfig) -> dict:
             float(bool(cfg.train.save_every_minutes) and time.time() - last_save > cfg.train.save_every_minutes * 60),
         ])
         dist.broadcast(flags, 0)  # rank 0's clock decides for everyone
+        if cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0 and step < total:
+            curve_point()
         due = bool(flags[1]) or (cfg.train.save_every_steps and step % cfg.train.save_every_steps == 0)
         if due and step < total and not bool(flags[0]):
-            save_resume(engine, out_dir, {"step": step, "losses": losses, "preds": preds,
-                                          "acc_ema": None if acc_ema is None else acc_ema.tolist()},
-                        OmegaConf.to_container(cfg))
+            save_resume(engine, out_dir, client_state(), OmegaConf.to_container(cfg))
             last_save = time.time()
         if kill_at and step == kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -539,11 +581,11 @@ def run(cfg: DictConfig) -> dict:
             break
     bar.close()
     train_s = time.time() - clock["t_train"]
-    save_resume(engine, out_dir, {"step": step, "losses": losses, "preds": preds,
-                                  "acc_ema": None if acc_ema is None else acc_ema.tolist()}, OmegaConf.to_container(cfg))
+    save_resume(engine, out_dir, client_state(), OmegaConf.to_container(cfg))
     engine.eval()
     with gathered(module, stage):
         hold = evaluate_holdout(drafter, head, target, data, cfg)
+    add_point(hold)
     drafter_sd = full_state_dict(drafter, stage)
     head_sd = full_state_dict(head, stage)
     peak_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2
@@ -566,6 +608,7 @@ def run(cfg: DictConfig) -> dict:
         "train_min": train_s / 60,
         "wall_min": (time.time() - t_start) / 60,
         "peak_rss_gib": peak_gib,
+        "curve": curve,
         "param_checksum": float(sum(v.double().sum() for v in list(drafter_sd.values()) + list(head_sd.values()))),
         **hold,
     }
@@ -573,13 +616,11 @@ def run(cfg: DictConfig) -> dict:
         save_training_checkpoint(out_dir / "checkpoint", drafter, head, target, cfg,
                                  {**{k: v for k, v in summary.items() if k != "losses"}, "losses": losses},
                                  state_dicts=(drafter_sd, head_sd))
-        for name, payload in (("summary.json", summary),
+        for name, payload in (("summary.json", summary), ("curve.json", curve),
                               ("acceptance.json", {k: summary.get(k) for k in (
                                   "train_acc_per_pos", "train_tf_tau", "holdout_acc_per_pos", "holdout_tf_tau",
-                                  "steps", "train_tokens", "train_sequences")})):
-            tmp = out_dir / (name + ".tmp")
-            tmp.write_text(json.dumps(payload, indent=1))
-            os.replace(tmp, out_dir / name)
+                                  "holdout_chain_tau", "steps", "train_tokens", "train_sequences")})):
+            _write_json(out_dir / name, payload)
     if wb is not None:
         wb.finish()
     print(
