@@ -136,13 +136,14 @@ def read_dartree_train(src: Path, config: dict) -> tuple[dict, dict]:
     provenance = {
         "source_format": "dartree-train",
         "recipe": config.get("recipe", {}).get("recipe"),
-        "steps": state.get("step"),
+        "steps": state.get("steps", state.get("step")),
         "final_loss": state.get("final_loss"),
         "train_min": state.get("train_min"),
         "data_prep_min": state.get("data_prep_min"),
         "train_sequences": state.get("train_sequences"),
         "train_tokens": state.get("train_tokens"),
         "holdout_tf_tau": state.get("holdout_tf_tau"),
+        "holdout_chain_tau": state.get("holdout_chain_tau"),
     }
     try:
         out = dartree_config(config["drafter"], config["head"], config["target"], provenance)

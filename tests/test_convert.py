@@ -392,6 +392,9 @@ def test_user_trains_with_train_py_exports_and_reimports_unchanged(tmp_path, mon
     again = convert(export(dt, tmp_path / "pub", to="specforge-domino"), tmp_path / "again")
     c0, c1 = (json.loads((x / "config.json").read_text()) for x in (dt, again))
     assert c0["head"]["type"] == "gru" and (c0["drafter"], c0["head"]) == (c1["drafter"], c1["head"])
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())  # what train.py ran is recorded
+    assert c0["provenance"]["steps"] == summary["steps"] > 0
+    assert c0["provenance"]["holdout_chain_tau"] == pytest.approx(summary["holdout_chain_tau"])
     t0, t1 = load_file(str(dt / "model.safetensors")), load_file(str(again / "model.safetensors"))
     assert t0.keys() == t1.keys() and all(_bytes(t0[k]) == _bytes(t1[k]) for k in t0)
 
