@@ -15,7 +15,10 @@ A head corrects the drafter's per-position base logits U = lm_head(H) using the 
   receive them here after loading; a no-op for the others.
 - ``block_logits(prev_ids [N, P], H [N, P, D], U [N, P, V], vocab=None) -> [N, P, V]``: the teacher-forced form
   for training, where prev_ids[:, j] is the token before proposal j (the anchor for j = 0); with ``vocab`` [N']
-  (a draft vocabulary) U holds only those columns and the result is restricted the same way.
+  (a draft vocabulary) U holds only those columns and the result is restricted the same way. It is
+  U + A · W^T with ``block_factors(prev_ids, H, vocab) -> (A [N, P, R], W [V', R])`` (None for identity), the
+  form the fused training loss (``dartree.training.losses.fused_block_loss``) consumes without materialising
+  the [N, P, V'] logits.
 
 Unrolling ``score``/``advance`` along prev_ids equals ``block_logits`` (pinned by a test).
 Heads here: ``identity`` (plain DFlash), ``markov`` (DSpark vanilla Markov head), ``gated_markov`` (DSpark gated
@@ -74,11 +77,36 @@ class CorrectionHead(nn.Module):
         """Receive the target's frozen input-embedding matrix [V, D]; no-op unless the head reads it."""
         return None
 
+    def block_states(self, prev_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
+        """Teacher-forced states along the true previous tokens: r_0 = init_state(prev[:, 0]), r_j =
+        advance(r_{j-1}, prev[:, j], H[:, j-1]); prev_ids [N, P] int64, hidden [N, P, D] -> [N, P, S] fp32 (None
+        for stateless heads). Heads whose state is a function of the previous token alone override it with one
+        batched lookup."""
+        st = self.init_state(prev_ids[:, 0])
+        if st is None:
+            return None
+        out = [st]
+        for j in range(1, prev_ids.shape[1]):
+            st = self.advance(st, prev_ids[:, j], hidden[:, j - 1])
+            out.append(st)
+        return torch.stack(out, dim=1)
+
+    def block_factors(self, prev_ids: torch.Tensor, hidden: torch.Tensor, vocab: torch.Tensor | None = None):
+        """Teacher-forced low-rank form: prev_ids [N, P] int64 (the token before each proposal; the anchor for
+        proposal 0), hidden [N, P, D] -> (A [N, P, R] fp32, W [V', R] fp32) with block logits U + A · W^T, where
+        V' = V, or the N' ids of ``vocab`` [N'] int64; None for a head that adds nothing (identity).
+        Differentiable in the head's parameters and in ``hidden``."""
+        raise NotImplementedError
+
     def block_logits(self, prev_ids: torch.Tensor, hidden: torch.Tensor, base_logits: torch.Tensor,
                      vocab: torch.Tensor | None = None) -> torch.Tensor:
         """Teacher-forced logits: prev_ids [N, P] int64, hidden [N, P, D], base [N, P, V'] -> [N, P, V'] fp32, where
-        V' = V, or the N' ids of ``vocab`` [N'] int64 when given (equal to the full result's ``[..., vocab]``)."""
-        raise NotImplementedError
+        V' = V, or the N' ids of ``vocab`` [N'] int64 when given (equal to the full result's ``[..., vocab]``);
+        U + A · W^T from :meth:`block_factors`."""
+        f = self.block_factors(prev_ids, hidden, vocab)
+        if f is None:
+            return base_logits.float()
+        return base_logits.float() + F.linear(f[0], f[1])
 
 
 class IdentityHead(CorrectionHead):
@@ -104,8 +132,8 @@ class IdentityHead(CorrectionHead):
     def out_rows(self, cand):
         return None
 
-    def block_logits(self, prev_ids, hidden, base_logits, vocab=None):
-        return base_logits.float()
+    def block_factors(self, prev_ids, hidden, vocab=None):
+        return None
 
 
 class _ConfidenceMixin:
@@ -202,8 +230,11 @@ class MarkovHead(_ConfidenceMixin, CorrectionHead):
     def _w2(self, vocab):
         return self.w2.weight.float() if vocab is None else self.w2.weight[vocab].float()
 
-    def block_logits(self, prev_ids, hidden, base_logits, vocab=None):
-        return base_logits.float() + F.linear(self.w1(prev_ids).float(), self._w2(vocab))
+    def block_states(self, prev_ids, hidden):
+        return self.w1(prev_ids).float()  # r = W1[x_prev]: one lookup (and one sparse-to-dense gradient)
+
+    def block_factors(self, prev_ids, hidden, vocab=None):
+        return self.w1(prev_ids).float(), self._w2(vocab)
 
 
 class GatedMarkovHead(MarkovHead):
@@ -240,9 +271,9 @@ class GatedMarkovHead(MarkovHead):
     def score(self, cand, hidden, state, base):
         return base.float() + torch.einsum("nkr,nr->nk", self.out_rows(cand), self.factors(hidden, state))
 
-    def block_logits(self, prev_ids, hidden, base_logits, vocab=None):
+    def block_factors(self, prev_ids, hidden, vocab=None):
         emb = self.w1(prev_ids).float()  # [N, P, R]
-        return base_logits.float() + F.linear(self._gate(hidden, emb) * emb, self._w2(vocab))
+        return self._gate(hidden, emb) * emb, self._w2(vocab)
 
 
 class RNNHead(MarkovHead):
@@ -273,6 +304,8 @@ class RNNHead(MarkovHead):
     def _prev_embedding(self, state):
         return state[:, self.rank :]
 
+    block_states = CorrectionHead.block_states  # r = [s ; e] follows the recurrence
+
     def _step(self, s: torch.Tensor, e: torch.Tensor, hidden: torch.Tensor):
         """One RNN step: s [.., R], e [.., R], hidden [.., D] -> (s' [.., R], tanh(o) [.., R]) fp32."""
         if hidden is None:
@@ -296,14 +329,14 @@ class RNNHead(MarkovHead):
         s_new = self._step(state[:, : self.rank], state[:, self.rank :], hidden)[0]
         return torch.cat([s_new, self.w1(tokens).float()], dim=-1)
 
-    def block_logits(self, prev_ids, hidden, base_logits, vocab=None):
+    def block_factors(self, prev_ids, hidden, vocab=None):
         emb = self.w1(prev_ids).float()  # [N, P, R]
         s = emb.new_zeros(emb.shape[0], self.rank)
         outs = []
         for j in range(prev_ids.shape[1]):
             s, out = self._step(s, emb[:, j], hidden[:, j])
             outs.append(out)
-        return base_logits.float() + F.linear(torch.stack(outs, dim=1), self._w2(vocab))
+        return torch.stack(outs, dim=1), self._w2(vocab)
 
 
 class GRUHead(CorrectionHead):
@@ -399,7 +432,7 @@ class GRUHead(CorrectionHead):
     def score(self, cand, hidden, state, base):
         return base.float() + torch.einsum("nkr,nr->nk", self.out_rows(cand), self.factors(hidden, state))
 
-    def block_logits(self, prev_ids, hidden, base_logits, vocab=None):
+    def block_factors(self, prev_ids, hidden, vocab=None):
         gi = self._gi(prev_ids)  # [N, P, 3G]
         s = gi.new_zeros(gi.shape[0], self.gru_hidden_dim)
         states = []
@@ -410,7 +443,7 @@ class GRUHead(CorrectionHead):
         act = F.silu(F.linear(x, self.fc1.weight.float()))
         keep = (torch.arange(prev_ids.shape[1], device=act.device) >= self.prefix_len).float()[None, :, None]
         fc2 = self.fc2.weight if vocab is None else self.fc2.weight[vocab]
-        return base_logits.float() + F.linear(act * keep, fc2.float())
+        return act * keep, fc2.float()
 
 
 HEADS: dict[str, type[CorrectionHead]] = {}

@@ -42,6 +42,24 @@ def test_unrolled_score_advance_equals_block_logits(name):
         assert not torch.allclose(full[:, 1:], base[:, 1:])  # the correction is not a no-op
 
 
+@pytest.mark.parametrize("name", ["identity", "markov", "gated_markov", "rnn", "gru"])
+def test_block_states_equal_unrolled_init_state_and_advance(name):
+    """The batched teacher-forced states (the Markov family's one lookup) equal init_state/advance unrolled."""
+    head = _make(name, seed=2)
+    n, p = 3, 5
+    prev = torch.randint(0, V, (n, p))
+    hidden = torch.randn(n, p, D)
+    got = head.block_states(prev, hidden)
+    if name == "identity":
+        assert got is None
+        return
+    state = head.init_state(prev[:, 0])
+    for j in range(p):
+        torch.testing.assert_close(got[:, j], state, atol=1e-6, rtol=1e-6)
+        if j + 1 < p:
+            state = head.advance(state, prev[:, j + 1], hidden[:, j])
+
+
 @pytest.mark.parametrize("name", ["markov", "gated_markov", "rnn", "gru"])
 def test_score_equals_low_rank_form(name):
     head = _make(name, seed=1)

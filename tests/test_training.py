@@ -11,7 +11,7 @@ import torch
 from conftest import make_drafter
 from dartree.decode.generate import draft_block
 from dartree.models.drafter import DraftCache
-from dartree.training.losses import block_attention_mask, dspark_loss
+from dartree.training.losses import block_attention_mask, domino_loss, dspark_loss, fused_block_loss
 from dartree.training.recipe import RecipeError, load_recipe
 from dartree.training.train import run
 
@@ -485,3 +485,133 @@ def test_train_infer_parity_tool_agrees_within_two_points(tmp_path, monkeypatch)
     assert out["train_path_chain_tau"] > 1.05
     assert abs(out["train_path_chain_tau"] - out["inference_path_chain_tau"]) <= 0.02 * out["inference_path_chain_tau"]
     assert parity_main([str(tmp_path / "nope")]) == 2
+
+
+def _loss_case(kind: str, draft_vocab: bool, seed: int = 0):
+    """Random hidden states, head factors and target rows for one loss; returns (fused kwargs, reference fn)."""
+    g = torch.Generator().manual_seed(seed)
+    a, p, d, v, r, v_full = 5, 7, 16, 50, 4, 80
+    h = torch.randn(a, p, d, generator=g).requires_grad_()
+    fa = torch.randn(a, p, r, generator=g).requires_grad_()
+    fw = torch.randn(v, r, generator=g).requires_grad_()
+    conf = torch.randn(a, p, generator=g).requires_grad_()
+    w_full = torch.randn(v_full, d, generator=g)
+    w_out = w_full[:v]
+    labels = torch.randint(0, v, (a, p), generator=g)
+    labels[0, 2] = -1  # outside the draft vocabulary
+    valid = torch.ones(a, p, dtype=torch.bool)
+    valid[1, 4:] = False
+    th = torch.randn(a, p, d, generator=g)
+    lse = torch.logsumexp(th @ w_full.T, -1) if draft_vocab else None
+    leaves = (h, fa, fw, conf)
+    if kind == "dspark":
+        kw = dict(factors=(fa, fw), target_hidden=th, target_lse=lse, ce_weight=0.1, l1_weight=0.9,
+                  conf_logits=conf, conf_weight=1.0)
+
+        def ref():
+            z = th @ w_out.T
+            tp = None
+            if draft_vocab:
+                ps = torch.exp(z - lse[..., None])
+                tp = (ps, (1 - ps.sum(-1)).clamp(min=0))
+            return dspark_loss(h @ w_out.T + fa @ fw.T, labels, valid, None if draft_vocab else z, gamma=7.0,
+                               ce_weight=0.1, l1_weight=0.9, conf_logits=conf, conf_weight=1.0, target_probs=tp)
+    elif kind == "domino":
+        kw = dict(factors=(fa, fw), lam=0.3)
+
+        def ref():
+            base = h @ w_out.T
+            return domino_loss(base + fa @ fw.T, base, labels, valid, gamma=7.0, lam=0.3)
+    else:
+        kw = {}
+
+        def ref():
+            return dspark_loss(h @ w_out.T, labels, valid, None, gamma=7.0, ce_weight=1.0, l1_weight=0.0)
+    return h, w_out, labels, valid, kw, ref, leaves
+
+
+@pytest.mark.parametrize("kind", ["dspark", "domino", "dflash"])
+@pytest.mark.parametrize("draft_vocab", [True, False])
+@pytest.mark.parametrize("chunk", [3, None])
+def test_fused_loss_equals_the_materialised_loss_and_gradients(kind, draft_vocab, chunk):
+    """fused_block_loss (chunked, gradient formed in the forward) == the reference losses on materialised
+    logits: loss, every piece, per-position accuracy, hits, and the gradients of hidden, A, W and the
+    confidence logits (fp32)."""
+    h, w_out, labels, valid, kw, ref, leaves = _loss_case(kind, draft_vocab)
+    got = fused_block_loss(h, w_out, labels, valid, gamma=7.0, chunk=chunk, **kw)
+    got.loss.backward()
+    g_got = [None if t.grad is None else t.grad.clone() for t in leaves]
+    for t in leaves:
+        t.grad = None
+    want = ref()
+    want.loss.backward()
+    for k in ("loss", "ce", "l1", "bce", "base_ce", "acc_per_pos", "count_per_pos"):
+        torch.testing.assert_close(getattr(got, k).float(), getattr(want, k).float(), atol=1e-5, rtol=1e-5, msg=k)
+    assert torch.equal(got.hit, want.hit)
+    assert float(got.loss.detach()) > 0 and (kind != "dspark" or float(got.l1) > 0)
+    for name, x, t in zip("h a w conf".split(), g_got, leaves):
+        y = t.grad
+        if y is None or x is None:
+            assert (x is None or not x.any()) and (y is None or not y.any()), name
+            continue
+        assert y.abs().sum() > 0, name
+        torch.testing.assert_close(x, y, atol=1e-5, rtol=1e-4, msg=name)
+    assert not g_got[0][1, 4:].any()  # invalid predictions give no gradient
+
+
+def test_fused_loss_in_bf16_is_close_to_the_autocast_reference():
+    """With bf16 output rows (what training passes under bf16), the fused loss tracks the autocast path."""
+    h, w_out, labels, valid, kw, ref, leaves = _loss_case("dspark", True, seed=1)
+    got = fused_block_loss(h, w_out.bfloat16(), labels, valid, gamma=7.0, **kw)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = ref()
+    assert float(got.loss) == pytest.approx(float(want.loss), rel=0.02)
+    assert float(got.l1) == pytest.approx(float(want.l1), rel=0.02)
+
+
+def test_fused_loss_refuses_bad_arguments():
+    h, w_out, labels, valid, kw, ref, leaves = _loss_case("dspark", False)
+    with pytest.raises(ValueError, match="chunk"):
+        fused_block_loss(h, w_out, labels, valid, gamma=7.0, chunk=0)
+    with pytest.raises(ValueError, match="target_hidden"):
+        fused_block_loss(h, w_out, labels, valid, gamma=7.0, conf_logits=kw["conf_logits"])
+    with pytest.raises(ValueError, match="lam"):
+        fused_block_loss(h, w_out, labels, valid, gamma=7.0, lam=0.5, target_hidden=kw["target_hidden"])
+
+
+@pytest.mark.parametrize("recipe", ["tiny_dflash", "tiny_domino", "tiny_dspark"])
+def test_sequence_loss_fused_equals_the_reference_path(recipe, target, tmp_path):
+    """One training sequence through sequence_loss: train.fused_loss=true and =false give the same loss and
+    the same gradients on every drafter and head parameter (fp32 tiny recipes)."""
+    from dartree.training.train import build_models, sequence_loss
+
+    class _Data:  # one sequence: prompt of 6 tokens, 26 in all; features and final states random
+        def __init__(self, n_feat, d):
+            g = torch.Generator().manual_seed(3)
+            self.t = torch.randint(1, 90, (26,), generator=g)
+            self.f = torch.randn(26, n_feat * d, generator=g)
+            self.fin = torch.randn(26, d, generator=g)
+
+        def sequence(self, i):
+            return self.t, self.f, self.fin, 6
+
+    results = []
+    for fused in (True, False):
+        cfg = load_recipe([f"recipe={recipe}", f"train.fused_loss={str(fused).lower()}", "train.num_anchors=5"])
+        torch.manual_seed(0)
+        dr, hd = build_models(cfg, target)
+        if hd.type_name == "gru":
+            hd.bind_embeddings(target.embed_tokens.weight)
+        for prm in hd.parameters():  # make the head's correction non-trivial
+            torch.nn.init.normal_(prm, std=0.3)
+        data = _Data(len(dr.cfg.target_layer_ids), target.config.hidden_size)
+        out = sequence_loss(dr, hd, target, data, 0, cfg, torch.Generator().manual_seed(5), lam=0.4)
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in [*dr.named_parameters(), *hd.named_parameters()] if p.grad is not None}
+        results.append((out, grads))
+    (o1, g1), (o2, g2) = results
+    torch.testing.assert_close(o1.loss, o2.loss, atol=1e-5, rtol=1e-5)
+    assert torch.equal(o1.hit, o2.hit)
+    assert g1.keys() == g2.keys() and len(g1) > 3
+    for n in g1:
+        torch.testing.assert_close(g1[n], g2[n], atol=1e-5, rtol=1e-4, msg=n)

@@ -98,6 +98,7 @@ RECIPE_FILE = "recipe.json"
 # recipe keys that may change between a run and its resumption (everything else must match)
 RESUMABLE_CHANGES = {"resume", "output_dir", "train.max_steps", "train.max_minutes", "train.epochs",
                      "train.save_every_minutes", "train.save_every_steps", "train.eval_every_steps", "train.threads",
+                     "train.fused_loss",
                      "wandb.enabled",
                      "wandb.mode", "wandb.project"}
 

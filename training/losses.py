@@ -184,3 +184,201 @@ def teacher_forced_tau(acc_per_pos: torch.Tensor) -> float:
     tau = 1 + sum_j prod_{i<=j} acc_i: an estimate that treats positions as independent.
     """
     return float(1.0 + torch.cumprod(acc_per_pos.float(), 0).sum())
+
+
+class _FusedBlockLoss(torch.autograd.Function):
+    """Chunked logits + loss + gradient in one pass (see :func:`fused_block_loss`); the gradient is computed in
+    the forward, chunk by chunk, and scaled by the upstream gradient in the backward."""
+
+    @staticmethod
+    def forward(ctx, h, a, w_head, w_out, t_h, t_lse, labels, c_ce, c_base, c_l1, chunk, want_grad):
+        n, d = h.shape
+        dt, dev = w_out.dtype, h.device
+        f32 = torch.float32
+        with torch.autocast(dev.type, enabled=False), torch.no_grad():
+            hm = h.detach().to(dt)
+            am = None if a is None else a.detach().to(dt)
+            whm = None if w_head is None else w_head.detach().to(dt)
+            thm = None if t_h is None else t_h.to(dt)
+            grad_h = torch.empty(n, d, dtype=f32, device=dev)
+            g_all = None if a is None or not want_grad else torch.empty(n, w_out.shape[0], dtype=dt, device=dev)
+            nll, base_nll, l1 = (torch.zeros(n, dtype=f32, device=dev) for _ in range(3))
+            hit = torch.zeros(n, dtype=torch.bool, device=dev)
+            with_base = bool((c_base != 0).any())
+            for s0 in range(0, n, chunk):
+                e = slice(s0, min(n, s0 + chunk))
+                rows = torch.arange(e.stop - s0, device=dev)
+                y = labels[e]
+                ok = (y >= 0).to(f32)
+                yc = y.clamp(min=0)
+                base = hm[e] @ w_out.T  # [c, V'] in the matmul dtype (autocast's rounding)
+                x = base.to(f32, copy=True)  # base itself stays U for Domino's base CE
+                if am is not None:
+                    x += (am[e] @ whm.T).float()
+                mx, arg = x.max(-1, keepdim=True)
+                hit[e] = arg[:, 0] == y
+                x_y = x[rows, yc]
+                p = x.sub_(mx).exp_()  # softmax in place: exp(x - max) / sum
+                z = p.sum(-1, keepdim=True)
+                p.div_(z)
+                nll[e] = (mx[:, 0] + z[:, 0].log() - x_y) * ok
+                if thm is not None:  # p_t on the same columns (outside mass from the full-vocabulary lse)
+                    q = (thm[e] @ w_out.T).float()
+                    if t_lse is None:
+                        q = q.softmax(-1)
+                        outside = 0.0
+                    else:
+                        q = q.sub_(t_lse[e, None]).exp_()
+                        outside = (1 - q.sum(-1)).clamp(min=0)
+                    diff = q.neg_().add_(p)  # p - p_t
+                    l1[e] = diff.abs().sum(-1) + outside
+                if not want_grad:  # evaluation: the pieces only
+                    if with_base:
+                        base_nll[e] = -base.float().log_softmax(-1)[rows, yc] * ok
+                    continue
+                cc = c_ce[e]
+                if thm is not None:  # CE + L1: p_j (c_ce + c_l1 (s_j - sum_v s_v p_v)) - c_ce [j = y]
+                    sgn = diff.sign_()
+                    inner = (sgn * p).sum(-1, keepdim=True)
+                    g = sgn.sub_(inner).mul_(c_l1[e, None]).add_(cc[:, None]).mul_(p)
+                else:  # CE: c_ce (p - onehot(y))
+                    g = p.mul_(cc[:, None])
+                g[rows, yc] -= cc * ok
+                if with_base:  # Domino's base CE on U alone; U gets both gradients, A and W the corrected one
+                    if am is not None:
+                        g_all[e] = g.to(dt)
+                    lpb = base.float().log_softmax(-1)
+                    base_nll[e] = -lpb[rows, yc] * ok
+                    cb = c_base[e]
+                    gb = lpb.exp_().mul_(cb[:, None])
+                    gb[rows, yc] -= cb * ok
+                    g += gb
+                    grad_h[e] = (g.to(dt) @ w_out).float()
+                else:
+                    gd = g.to(dt)
+                    if am is not None:
+                        g_all[e] = gd
+                    grad_h[e] = (gd @ w_out).float()
+            grad_a = grad_w = None
+            if am is not None and want_grad:
+                grad_a = (g_all @ whm).float()
+                grad_w = (g_all.T @ am).float()
+            loss = (c_ce * nll).sum() + (c_base * base_nll).sum() + (c_l1 * l1).sum()
+        ctx.save_for_backward(grad_h, grad_a, grad_w)
+        ctx.dtypes = (h.dtype, None if a is None else a.dtype, None if w_head is None else w_head.dtype)
+        ctx.mark_non_differentiable(nll, base_nll, l1, hit)
+        return loss, nll, base_nll, l1, hit
+
+    @staticmethod
+    def backward(ctx, g_loss, *_):
+        grad_h, grad_a, grad_w = ctx.saved_tensors
+        dh, da, dw = ctx.dtypes
+        out_a = None if grad_a is None else (grad_a * g_loss).to(da)
+        out_w = None if grad_w is None else (grad_w * g_loss).to(dw)
+        return (grad_h * g_loss).to(dh), out_a, out_w, None, None, None, None, None, None, None, None, None
+
+
+def fused_block_loss(
+    hidden: torch.Tensor,
+    w_out: torch.Tensor,
+    labels: torch.Tensor,
+    valid: torch.Tensor,
+    *,
+    gamma: float,
+    factors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    target_hidden: torch.Tensor | None = None,
+    target_lse: torch.Tensor | None = None,
+    ce_weight: float = 1.0,
+    l1_weight: float = 0.0,
+    lam: float | None = None,
+    conf_logits: torch.Tensor | None = None,
+    conf_weight: float = 0.0,
+    chunk: int | None = None,
+) -> LossOut:
+    """The dflash / dspark / domino losses without materialising the [A, P, V'] logits (Liger-style fused
+    linear cross-entropy, extended to DSpark's L1 and Domino's base CE).
+
+    The drafter logits are x = hidden · w_out^T + A · W^T (``factors`` = (A, W) from the head's
+    ``block_factors``; None for plain DFlash). Rows are processed ``chunk`` at a time: logits, log-softmax,
+    CE, p_t, L1, argmax and the gradient with respect to x (CE: p - onehot; L1: p_j (s_j - sum_v s_v p_v) with
+    s = sign(p - p_t)) stay in cache, and only the gradients for hidden, A and W leave the chunk. Matmuls run in
+    ``w_out.dtype`` (pass bf16 rows for autocast-like training; their products are rounded to it as autocast
+    does), everything else in fp32. Equals :func:`dspark_loss` / :func:`domino_loss` on the materialised logits
+    (loss, pieces, hits and gradients; test).
+
+    Args:
+        hidden: [A, P, D] drafter hidden states (any float dtype; differentiable).
+        w_out: [V', D] frozen output rows (the target's lm_head, or the draft vocabulary's rows).
+        labels: [A, P] int64 draft-vocabulary indices (< 0: outside it; no CE, a sure miss). valid: [A, P] bool.
+        gamma: decay; prediction k weighs exp(-k / gamma).
+        factors: (A [A, P, R], W [V', R]) fp32, differentiable; None for no correction.
+        target_hidden: [A, P, D] the target's final hidden state before each label (p_t = softmax of its
+            logits on these rows), or None (CE only).
+        target_lse: [A, P] the target's full-vocabulary log-sum-exp when ``w_out`` is a draft vocabulary (the
+            L1 then adds p_t's mass outside it); None normalises p_t over the V' columns.
+        ce_weight, l1_weight: DSpark's weights (``lam`` None). lam: Domino's curriculum weight: the loss is
+            (1 - lam) CE(x) + lam CE(U), both over valid in-vocabulary predictions.
+        conf_logits: [A, P] confidence logits, trained by BCE towards 1 - L1/2 (detached), weight conf_weight.
+        chunk: rows per chunk; None: about 2M logits per chunk (256 rows of an 8,192-token draft vocabulary;
+            fastest of 16..512 on the 2-core CPU here, where larger matmuls beat cache residency).
+    Returns:
+        LossOut as :func:`dspark_loss` (``lam`` None) or :func:`domino_loss`.
+    Raises:
+        ValueError: conf_logits or lam together with a missing target / incompatible option; chunk < 1.
+    """
+    if chunk is None:
+        chunk = max(16, (1 << 21) // max(1, w_out.shape[0]))
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    if conf_logits is not None and target_hidden is None:
+        raise ValueError("the confidence BCE needs target_hidden (its label is 1 - TV distance to p_t)")
+    if lam is not None and (target_hidden is not None or conf_logits is not None):
+        raise ValueError("lam (the Domino loss) takes no target distribution or confidence logits")
+    a_n, p = labels.shape
+    dev = hidden.device
+    in_vocab = valid & (labels >= 0)
+    w = decay_weights(valid, gamma)
+    w_ce = decay_weights(in_vocab, gamma)
+    rows = valid.reshape(-1).nonzero()[:, 0]  # only valid predictions are computed
+    zero = torch.zeros(rows.numel(), dtype=torch.float32, device=dev)
+    if lam is None:
+        c_ce = (ce_weight * w_ce / w_ce.sum().clamp_min(1e-8)).reshape(-1)[rows]
+        c_base = zero
+        c_l1 = (l1_weight * w / w.sum().clamp_min(1e-8)).reshape(-1)[rows] if target_hidden is not None else zero
+    else:
+        wn = (w_ce / w_ce.sum().clamp_min(1e-8)).reshape(-1)[rows]
+        c_ce, c_base, c_l1 = (1 - lam) * wn, lam * wn, zero
+    d = hidden.shape[-1]
+    h = hidden.reshape(-1, d)[rows]
+    a = wh = None
+    if factors is not None:
+        a = factors[0].reshape(a_n * p, -1)[rows]
+        wh = factors[1]
+    t_h = None if target_hidden is None else target_hidden.reshape(-1, d)[rows]
+    t_lse = None if target_lse is None or target_hidden is None else target_lse.reshape(-1)[rows].float()
+    lab = labels.reshape(-1)[rows]
+    loss, nll_r, base_r, l1_r, hit_r = _FusedBlockLoss.apply(h, a, wh, w_out, t_h, t_lse, lab, c_ce.float(),
+                                                              c_base.float(), c_l1.float(), int(chunk),
+                                                              torch.is_grad_enabled())
+
+    def scatter(v, dtype=torch.float32):
+        out = torch.zeros(a_n * p, dtype=dtype, device=dev)
+        out[rows] = v
+        return out.view(a_n, p)
+
+    nll, l1, hit = scatter(nll_r), scatter(l1_r), scatter(hit_r, torch.bool)
+    ce_term = (w_ce * nll).sum() / w_ce.sum().clamp_min(1e-8)
+    cnt = valid.float().sum(0)
+    acc = hit.float().sum(0) / cnt.clamp_min(1)
+    if lam is not None:
+        base_ce = (w_ce * scatter(base_r)).sum() / w_ce.sum().clamp_min(1e-8)
+        return LossOut(loss, ce_term.detach(), torch.zeros(()), acc, cnt, base_ce=base_ce.detach(), hit=hit)
+    wsum = w.sum().clamp_min(1e-8)
+    l1_term = (w * l1).sum() / wsum if target_hidden is not None else torch.zeros(())
+    bce_term = torch.zeros((), dtype=torch.float32)
+    if conf_logits is not None:
+        label = (1 - 0.5 * l1).clamp(0, 1)
+        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), label, reduction="none")
+        bce_term = (w * bce).sum() / wsum
+        loss = loss + conf_weight * bce_term
+    return LossOut(loss, ce_term.detach(), l1_term.detach(), acc, cnt, bce=bce_term.detach(), hit=hit)

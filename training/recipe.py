@@ -84,6 +84,7 @@ class TrainSection:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     bf16: bool = True  # autocast the drafter to bf16 on CPU/GPU
+    fused_loss: bool = True  # chunked logits+loss+gradient (losses.fused_block_loss); false: materialised logits
     threads: int = 0  # torch threads; 0 = torch default
     save_every_minutes: float = 15.0  # resumable checkpoint every this many minutes (0: off)
     save_every_steps: int = 0  # ... and/or every this many steps (0: off)

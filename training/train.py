@@ -41,6 +41,7 @@ from dartree.training.data import (
 from dartree.training.losses import (
     domino_loss,
     dspark_loss,
+    fused_block_loss,
     lambda_schedule,
     teacher_forced_tau,
 )
@@ -155,19 +156,6 @@ def _seed(*parts: int) -> int:
     return h
 
 
-def teacher_forced_states(head, prev: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:
-    """Head states along the true previous tokens: r_0 = init_state(prev[:, 0]), r_j = advance(r_{j-1},
-    prev[:, j], H[:, j-1]); prev [A, P] int64, hidden [A, P, D] -> [A, P, S] (None for stateless heads)."""
-    st = head.init_state(prev[:, 0])
-    if st is None:
-        return None
-    out = [st]
-    for j in range(1, prev.shape[1]):
-        st = head.advance(st, prev[:, j], hidden[:, j - 1])
-        out.append(st)
-    return torch.stack(out, dim=1)
-
-
 class TrainModule(torch.nn.Module):
     """The trainable drafter backbone and correction head as one module (what the DeepSpeed engine wraps).
 
@@ -194,20 +182,28 @@ def _write_json(path: Path, payload) -> None:
     os.replace(tmp, path)
 
 
-def _output_rows(target: Target, vocab: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The frozen lm_head rows the drafter is trained on ([V, D] or the draft vocabulary's [N, D]) and the map
-    token id -> draft-vocabulary index (-1 outside), computed once per (target, vocabulary) and reused."""
+def _output_rows(target: Target, vocab: torch.Tensor | None,
+                 dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The frozen lm_head rows the drafter is trained on ([V, D] or the draft vocabulary's [N, D]), in ``dtype``
+    (default: the target's), and the map token id -> draft-vocabulary index (-1 outside; None without a
+    vocabulary), computed once per (target, vocabulary, dtype) and reused."""
     w = target.lm_head.weight
-    if vocab is None:
-        return w, None
-    key = (w.data_ptr(), tuple(w.shape), vocab.data_ptr(), vocab._version, vocab.numel())
-    hit = getattr(target, "_draft_rows", None)
-    if hit is None or hit[0] != key or not torch.equal(hit[3], vocab):
-        inv = torch.full((target.vocab_size,), -1, dtype=torch.long)
-        inv[vocab] = torch.arange(vocab.numel())
-        hit = (key, w[vocab].contiguous(), inv, vocab.clone())
-        target._draft_rows = hit
-    return hit[1], hit[2]
+    dtype = w.dtype if dtype is None else dtype
+    key = (w.data_ptr(), w._version, tuple(w.shape), dtype, None if vocab is None else vocab.data_ptr(),
+           None if vocab is None else vocab._version)
+    cache = target.__dict__.setdefault("_draft_rows", {})
+    hit = cache.get(key)
+    if hit is None or (vocab is not None and not torch.equal(hit[2], vocab)):
+        if vocab is None:
+            hit = (w.detach().to(dtype), None, None)
+        else:
+            inv = torch.full((target.vocab_size,), -1, dtype=torch.long)
+            inv[vocab] = torch.arange(vocab.numel())
+            hit = (w.detach()[vocab].to(dtype).contiguous(), inv, vocab.clone())
+        if len(cache) > 4:
+            cache.clear()
+        cache[key] = hit
+    return hit[0], hit[1]
 
 
 def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: DictConfig, gen: torch.Generator,
@@ -234,38 +230,57 @@ def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: D
     x = embed(block.reshape(1, -1)).to(torch.float32)
     mask = BlockAttention.from_anchors(anchors, s, L)  # = block_attention_mask, over each block's own keys
     lc = cfg.loss
+    bf16 = bool(cfg.train.bf16)
+    fused = bool(cfg.train.get("fused_loss", True))
     vocab = drafter.draft_vocab if dc.draft_vocab_size else None
-    w_out, inv = _output_rows(target, vocab)  # [V or N, D] frozen rows; token id -> draft index (-1 outside)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(cfg.train.bf16)):
-        hidden = drafter(x, q_pos, feats[None].float(), torch.arange(s)[None], mask=mask)
+    # [V or N, D] frozen rows (bf16 once, not per call, for the fused loss); token id -> draft index (-1 outside)
+    w_out, inv = _output_rows(target, vocab, torch.bfloat16 if fused and bf16 else None)
+    feats = feats[None] if bf16 and feats.dtype == torch.bfloat16 else feats[None].float()
+    lp = anchors[:, None] + 1 + torch.arange(P)  # label positions
+    valid = lp < s
+    lpc = lp.clamp(max=s - 1)
+    labels = tokens[lpc]
+    prev = tokens[(lp - 1).clamp(max=s - 1)]
+    if vocab is not None:  # label index within the draft vocabulary, -1 outside it (a sure miss)
+        labels = inv[labels]
+    with_target = lc.type == "dspark" and (lc.l1_weight or getattr(head, "confidence_head", False))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        hidden = drafter(x, q_pos, feats, torch.arange(s)[None], mask=mask)
         hidden = hidden.view(a, L, -1)[:, off:]  # [A, P, D]
+        factors = None if lc.type == "dflash" else head.block_factors(prev, hidden, vocab)
+        conf = None
+        if lc.type == "dspark" and getattr(head, "confidence_head", False):
+            states = head.block_states(prev, hidden.float())
+            d = hidden.shape[-1]
+            conf = head.confidence_logits(hidden.float().reshape(-1, d), states.reshape(a * P, -1)).view(a, P)
+    t_hidden = final[(lp - 1).clamp(max=s - 1)] if with_target else None
+    t_lse = data.lse_of(i)[(lp - 1).clamp(max=s - 1)] if with_target and vocab is not None else None
+    if fused:
+        if lc.type == "domino":
+            return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, factors=factors, lam=lam)
+        if lc.type == "dflash":
+            return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma)
+        return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, factors=factors,
+                                target_hidden=t_hidden, target_lse=t_lse, ce_weight=lc.ce_weight,
+                                l1_weight=lc.l1_weight, conf_logits=conf,
+                                conf_weight=lc.conf_weight if conf is not None else 0.0)
+    # the reference path: materialised [A, P, V'] logits through autograd (train.fused_loss=false)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         base = F.linear(hidden, w_out)  # [A, P, V] (or [A, P, N] on a draft vocabulary)
-        lp = anchors[:, None] + 1 + torch.arange(P)  # label positions
-        valid = lp < s
-        lpc = lp.clamp(max=s - 1)
-        labels = tokens[lpc]
-        prev = tokens[(lp - 1).clamp(max=s - 1)]
-        if vocab is not None:  # label index within the draft vocabulary, -1 outside it (a sure miss)
-            labels = inv[labels]
         if lc.type == "dflash":
             return dspark_loss(base, labels, valid, None, gamma=lc.gamma, ce_weight=1.0, l1_weight=0.0)
-        logits = head.block_logits(prev, hidden, base, vocab=vocab)
+        logits = base.float() if factors is None else base.float() + F.linear(factors[0], factors[1])
         if lc.type == "domino":
             return domino_loss(logits, base, labels, valid, gamma=lc.gamma, lam=lam)
         t_logits = t_probs = None
-        with torch.no_grad():
-            t_hidden = final[(lp - 1).clamp(max=s - 1)].to(w_out.dtype)
-            z = F.linear(t_hidden, w_out).float()
-            if vocab is None:
-                t_logits = z
-            else:  # p_t on the draft vocabulary from the cached full-vocabulary log-sum-exp
-                p_sub = torch.exp(z - data.lse_of(i)[(lp - 1).clamp(max=s - 1)][..., None])
-                t_probs = (p_sub, (1 - p_sub.sum(-1)).clamp(min=0))
-        conf = None
-        if getattr(head, "confidence_head", False):
-            states = teacher_forced_states(head, prev, hidden.float())
-            d = hidden.shape[-1]
-            conf = head.confidence_logits(hidden.float().reshape(-1, d), states.reshape(a * P, -1)).view(a, P)
+        if with_target:
+            with torch.no_grad():
+                z = F.linear(t_hidden.to(w_out.dtype), w_out).float()
+                if vocab is None:
+                    t_logits = z
+                else:  # p_t on the draft vocabulary from the cached full-vocabulary log-sum-exp
+                    p_sub = torch.exp(z - t_lse[..., None])
+                    t_probs = (p_sub, (1 - p_sub.sum(-1)).clamp(min=0))
     return dspark_loss(logits, labels, valid, t_logits, gamma=lc.gamma, ce_weight=lc.ce_weight,
                        l1_weight=lc.l1_weight, conf_logits=conf, conf_weight=lc.conf_weight if conf is not None else 0.0,
                        target_probs=t_probs)
