@@ -66,7 +66,7 @@ class DataSection:
     max_prompt_tokens: int = 256
     max_new_tokens: int = 256
     seed: int = 0
-    gen_batch_size: int = 64  # regeneration slots (continuous batching; 64 measured fastest on 2 cores)
+    gen_batch_size: int = 128  # regeneration slots (continuous batching; 128: 630 tok/s, 64: 573 on 256 prompts)
     code_fraction: float = 0.0  # about this share of the ShareGPT prompts are programming prompts
     holdout: int = 32
     random_prompt_len: int = 12  # "random" source only
