@@ -445,7 +445,11 @@ def run(cfg: DictConfig) -> dict:
     params = [p for p in module.parameters() if p.requires_grad]
     if not params:
         raise RecipeError("nothing to train: freeze_backbone=true with an identity head (use a DSpark or Domino head)")
-    opt = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=(0.9, 0.95))
+    # torch's fused AdamW (one kernel per parameter; CPU and CUDA, fp32): the for-loop version cost ~5% of a
+    # dspark_b16 step here at 2 sequences per step
+    fused_adam = all(p.device.type in ("cpu", "cuda") and p.dtype == torch.float32 for p in params)
+    opt = torch.optim.AdamW(params, lr=cfg.train.lr, weight_decay=cfg.train.weight_decay, betas=(0.9, 0.95),
+                            fused=fused_adam)
     sps = cfg.train.seqs_per_step
     steps_per_epoch = math.ceil(len(data) / sps)
     total = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * steps_per_epoch))
