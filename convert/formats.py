@@ -144,14 +144,39 @@ def _rope_theta(config: dict, where, fmt: str) -> float:
                           f"(transformers 4) nor rope_parameters.rope_theta (transformers 5); expected {_EXPECTED[fmt]}")
 
 
+def effective_layer_types(config: dict) -> list[str]:
+    """Per-layer attention types exactly as transformers' Qwen3Config (and so z-lab / SpecForge) resolve them.
+
+    ``layer_types`` when given; else every layer is ``full_attention`` unless ``use_sliding_window`` is true and
+    ``sliding_window`` (default 4096) is set, in which case layers ``i >= max_window_layers`` (default 28) are
+    ``sliding_attention`` (transformers ``Qwen3Config.__post_init__``). Returns one entry per
+    ``num_hidden_layers``.
+    """
+    if config.get("layer_types"):
+        return list(config["layer_types"])
+    n = int(config.get("num_hidden_layers") or 0)
+    window = config.get("sliding_window", 4096) if config.get("use_sliding_window") else None
+    first = 28 if config.get("max_window_layers") is None else int(config["max_window_layers"])
+    return ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)]
+
+
 def _check_supported(config: dict, where) -> None:
     """Refuse published options dartree's backbone does not implement (each named with its value)."""
     dc = config.get("dflash_config") or {}
     if config.get("attention_bias"):
         raise CheckpointError(f"{where}: attention_bias=true is not supported (dartree layers have no q/k/v/o bias)")
-    bad_types = sorted(set(config.get("layer_types") or []) - {"full_attention"})
+    bad_types = sorted(set(effective_layer_types(config)) - {"full_attention"})
     if bad_types:
-        raise CheckpointError(f"{where}: layer_types {bad_types} are not supported; dartree converts full_attention only")
+        how = ("layer_types" if config.get("layer_types") else
+               f"use_sliding_window=true with max_window_layers={config.get('max_window_layers', 28)} (transformers "
+               "derives sliding_attention layers from them)")
+        raise CheckpointError(f"{where}: {how} gives {bad_types} layers (sliding_window="
+                              f"{config.get('sliding_window', 4096)}), which are not supported; dartree drafters "
+                              "attend over the whole context and the whole block (full_attention only)")
+    if dc.get("use_swa") or dc.get("swa_window_size"):
+        raise CheckpointError(f"{where}: dflash_config.use_swa={dc.get('use_swa')} / swa_window_size="
+                              f"{dc.get('swa_window_size')} (ModelOpt sliding-window attention) is not supported; "
+                              "dartree drafters attend over the whole context (full_attention only)")
     for key, ok in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0)):
         val = dc.get(key, config.get(key, ok))
         if val is not None and float(val) != ok:
@@ -162,8 +187,50 @@ def _check_supported(config: dict, where) -> None:
         raise CheckpointError(f"{where}: is_causal=true is not supported (DFlash blocks attend bidirectionally)")
 
 
-def _backbone(config: dict, where, fmt: str, *, proposal_offset: int) -> dict:
-    """DrafterConfig fields from a published Qwen3-style config."""
+def resolve_mask_token_id(tokenizer, vocab_size: int) -> int | None:
+    """The MASK id SpecForge picks when a draft config names none (SpecForge
+    ``training/model_utils.resolve_mask_token_id``, without an explicit or config id): the tokenizer's mask token,
+    else the first embedding row past the tokenizer (``len(tokenizer)`` when it is < ``vocab_size``), else its pad,
+    eos, then unk token; the first candidate inside ``[0, vocab_size)`` wins. Returns None when none fits.
+    """
+    if tokenizer is None:
+        return None
+    cands = [getattr(tokenizer, "mask_token_id", None)]
+    try:
+        size = len(tokenizer)
+    except TypeError:
+        size = vocab_size
+    if size < vocab_size:
+        cands.append(size)
+    cands += [getattr(tokenizer, a, None) for a in ("pad_token_id", "eos_token_id", "unk_token_id")]
+    for c in cands:
+        if c is not None and 0 <= int(c) < vocab_size:
+            return int(c)
+    return None
+
+
+def _mask_token_id(config: dict, where, fmt: str, nested: bool, target) -> int:
+    """``mask_token_id`` from the config; when absent, resolved from ``target``'s tokenizer as SpecForge does.
+
+    Raises:
+        CheckpointError: absent and no target tokenizer to resolve it from (the message names both fixes).
+    """
+    if "mask_token_id" in (config.get("dflash_config") or {}) or "mask_token_id" in config:
+        val = _get(config, "mask_token_id", where=where, fmt=fmt, nested=nested)
+        if val is not None:
+            return int(val)
+    resolved = resolve_mask_token_id(getattr(target, "tokenizer", None), int(config.get("vocab_size") or 0))
+    if resolved is None:
+        place = "dflash_config.mask_token_id" if nested else "mask_token_id"
+        raise CheckpointError(
+            f"{where}: the config names no {place}; SpecForge then resolves it from the target's tokenizer (its "
+            "mask token, the first unused embedding row, pad, eos, unk): pass --target with the target's folder "
+            f"(it has a tokenizer) to resolve it the same way, or write {place} into config.json")
+    return resolved
+
+
+def _backbone(config: dict, where, fmt: str, *, proposal_offset: int, target=None) -> dict:
+    """DrafterConfig fields from a published Qwen3-style config (``target``: optional, resolves a missing MASK id)."""
     _check_supported(config, where)
     nested = fmt != "deepspec-dspark"
     try:
@@ -189,7 +256,7 @@ def _backbone(config: dict, where, fmt: str, *, proposal_offset: int) -> dict:
                               "(DeepSpec's -1, the embedding output, is not supported by dartree)")
     out.update(
         target_layer_ids=[int(i) for i in ids],
-        mask_token_id=int(_get(config, "mask_token_id", where=where, fmt=fmt, nested=nested)),
+        mask_token_id=_mask_token_id(config, where, fmt, nested, target),
         block_size=int(_get(config, "block_size", where=where, fmt=fmt, nested=nested)),
         proposal_offset=proposal_offset,
         rope_theta=_rope_theta(config, where, fmt),
@@ -199,9 +266,23 @@ def _backbone(config: dict, where, fmt: str, *, proposal_offset: int) -> dict:
 
 def _dspark_head(config: dict, where, fmt: str, vocab: int, hidden: int) -> dict:
     nested = fmt == "specforge-dspark"
-    rank = int(_get(config, "markov_rank", where=where, fmt=fmt, nested=nested))
-    conf = bool(_get(config, "enable_confidence_head", where=where, fmt=fmt, nested=nested, default=False))
-    with_markov = bool(_get(config, "confidence_head_with_markov", where=where, fmt=fmt, nested=nested, default=True))
+    if fmt == "specforge-dspark":
+        # SpecForge DSparkDraftModel._init_draft_head / build_markov_head: a missing markov_rank is 0 (no Markov
+        # head); the confidence head exists when enable_confidence_head, which defaults to
+        # confidence_head_alpha > 0; confidence_head_with_markov defaults to false.
+        alpha = float(_get(config, "confidence_head_alpha", where=where, fmt=fmt, default=0.0) or 0.0)
+        rank = int(_get(config, "markov_rank", where=where, fmt=fmt, default=0) or 0)
+        conf = bool(_get(config, "enable_confidence_head", where=where, fmt=fmt, default=alpha > 0.0))
+        with_markov = bool(_get(config, "confidence_head_with_markov", where=where, fmt=fmt, default=False))
+    else:
+        rank = int(_get(config, "markov_rank", where=where, fmt=fmt, nested=nested))
+        conf = bool(_get(config, "enable_confidence_head", where=where, fmt=fmt, nested=nested, default=False))
+        with_markov = bool(_get(config, "confidence_head_with_markov", where=where, fmt=fmt, nested=nested,
+                                default=True))
+    if rank < 0:
+        raise CheckpointError(f"{where}: markov_rank must be >= 0, got {rank}")
+    if conf and with_markov and rank == 0:
+        raise CheckpointError(f"{where}: confidence_head_with_markov=true needs markov_rank > 0 (SpecForge refuses it too)")
     if rank <= 0:
         if conf:
             raise CheckpointError(f"{where}: a confidence head without a Markov head (markov_rank 0) is not "
@@ -229,8 +310,11 @@ class Parsed:
     dropped: dict
 
 
-def parse_config(config: dict, fmt: str, where) -> Parsed:
+def parse_config(config: dict, fmt: str, where, target=None) -> Parsed:
     """Read a published config (layout ``fmt``) into dartree terms.
+
+    ``target`` (optional :class:`~dartree.models.target.Target`): its tokenizer resolves a missing MASK id the
+    way SpecForge does.
 
     Raises:
         CheckpointError: unknown layout (the message lists the expected fields), unsupported options, or an
@@ -239,11 +323,11 @@ def parse_config(config: dict, fmt: str, where) -> Parsed:
     if fmt not in SOURCE_FORMATS:
         raise CheckpointError(f"unknown source format {fmt!r}; known: {list(SOURCE_FORMATS)}")
     if fmt == "zlab-dflash":
-        drafter = _backbone(config, where, fmt, proposal_offset=1)
+        drafter = _backbone(config, where, fmt, proposal_offset=1, target=target)
         head = {"type": "identity"}
     elif fmt == "specforge-domino":
         shift = bool(_get(config, "shift_label", where=where, fmt=fmt, default=False))
-        drafter = _backbone(config, where, fmt, proposal_offset=0 if shift else 1)
+        drafter = _backbone(config, where, fmt, proposal_offset=0 if shift else 1, target=target)
         head = {
             "type": "gru",
             "vocab_size": int(config["vocab_size"]),
@@ -253,7 +337,7 @@ def parse_config(config: dict, fmt: str, where) -> Parsed:
             "prefix_len": int(_get(config, "pure_draft_prefix_len", where=where, fmt=fmt, default=0)),
         }
     else:
-        drafter = _backbone(config, where, fmt, proposal_offset=0)
+        drafter = _backbone(config, where, fmt, proposal_offset=0, target=target)
         head = _dspark_head(config, where, fmt, int(config["vocab_size"]), drafter["hidden_size"])
     vocab, d = int(config["vocab_size"]), drafter["hidden_size"]
     dropped = {"embed_tokens.weight": (vocab, d), "lm_head.weight": (vocab, d)} if fmt == "deepspec-dspark" else {}
@@ -272,6 +356,14 @@ def detect(config: dict, tensor_names: set[str]) -> tuple[str, str]:
     if fmt in (FORMAT, "dartree-train"):
         return fmt, f"config.json format={fmt!r}"
     names = {n[len("logit_head."):] if n.startswith("logit_head.") else n for n in tensor_names}
+    for pair in FORMAT_PAIRS.values():
+        why = pair.detect(config, names)
+        if why:
+            return pair.name, why
+    seen = _dflash2_seen(config, names)
+    if seen:
+        raise CheckpointError(f"detected a DFlash 2 drafter (z-lab DFlash2DraftModel: {seen}); dartree does not "
+                              "convert DFlash 2 (grouped dynamic convolutions and the candidate selector) yet")
     dc = config.get("dflash_config")
     dc = dc if isinstance(dc, dict) else {}
     projector = dc.get("projector_type")
@@ -358,6 +450,7 @@ def export_config(config: dict, fmt: str) -> dict:
         if head.get("embed_dim", head["hidden_size"]) != d["hidden_size"]:
             raise CheckpointError(f"gru head embed_dim {head['embed_dim']} != hidden_size {d['hidden_size']}; "
                                   "SpecForge Domino's GRU input width is the hidden size")
+        out["architectures"] = ["DominoDraftModel"]  # SpecForge's loader dispatches on it (DFlash would drop the GRU)
         dc.update(projector_type="domino", pure_draft_prefix_len=head["prefix_len"], emb_dim=head["emb_dim"],
                   gru_hidden_dim=head["gru_hidden_dim"], shift_label=d["proposal_offset"] == 0)
         out["emb_dim"] = head["emb_dim"]
@@ -366,9 +459,112 @@ def export_config(config: dict, fmt: str) -> dict:
         dc.update(projector_type="dspark", markov_rank=head["rank"], markov_head_type=_DSPARK_HEADS[htype],
                   enable_confidence_head=bool(head.get("confidence_head", False)),
                   confidence_head_with_markov=bool(head.get("confidence_with_markov", True)))
+        if d["num_kv_heads"] == d["num_heads"]:  # SpecForge DSpark refuses equal head counts unless told "mha"
+            dc["attention_mode"] = "mha"
     return out
 
 
 def _fmt_for_head(htype) -> str:
     return {"identity": "zlab-dflash", "gru": "specforge-domino"}.get(htype, "specforge-dspark")
 
+
+
+def check_copy_of_target(name: str, tensor, target, where, rows=None) -> None:
+    """Check a published drafter's own frozen copy of a target tensor against the target, when one is given.
+
+    DeepSpec drafters keep ``embed_tokens.weight`` / ``lm_head.weight`` [V, D]; speculators checkpoints with a
+    reduced vocabulary keep ``lm_head.weight`` [N, D] (the target's rows ``rows`` [N]). dartree drafts with the
+    target's own tensors, so a copy that differs would silently change the drafts.
+
+    Args:
+        name: the published tensor name (``embed_tokens.weight``, ``lm_head.weight``, ``verifier_lm_head.weight``).
+        tensor: the stored copy. target: a :class:`~dartree.models.target.Target` or None (nothing to check).
+        rows: [N] int64 target row ids the copy holds (None: all rows).
+    Raises:
+        CheckpointError: shapes differ, or values differ after casting the target's tensor to the copy's dtype
+            (the message gives the number of differing rows and the largest absolute difference).
+    """
+    if target is None:
+        return
+    import torch
+
+    ref = (target.embed_tokens.weight if name.startswith("embed_tokens") else target.lm_head.weight).detach()
+    if rows is not None:
+        ref = ref[rows.to(ref.device)]
+    if tuple(ref.shape) != tuple(tensor.shape):
+        raise CheckpointError(f"{where}: the drafter's own {name} has shape {list(tensor.shape)} but the target "
+                              f"{target.name!r} gives {list(ref.shape)}")
+    diff = (tensor.float().cpu() - ref.to(tensor.dtype).float().cpu()).abs()
+    if bool((diff > 0).any()):
+        bad = int((diff.amax(-1) > 0).sum()) if diff.dim() > 1 else int((diff > 0).sum())
+        raise CheckpointError(
+            f"{where}: the drafter's own {name} differs from target {target.name!r}'s ({bad} of {diff.shape[0]} rows "
+            f"differ, max |difference| {float(diff.max()):.4g}); dartree drafts with the target's tensor, so this "
+            "drafter was trained for another target: convert it with the target it was trained for")
+
+
+@dataclass
+class FormatPair:
+    """One published layout as a reader/writer pair (the format registry, :data:`FORMAT_PAIRS`).
+
+    Attributes:
+        name: the ``--from`` / ``--to`` name.
+        detect: (config.json dict, tensor names) -> a reason string when the checkpoint is in this layout, else None.
+        read: (config.json dict, tensors by published name, where, target or None) -> (dartree config, tensors by
+            dartree name); raises CheckpointError naming any field or tensor it cannot honour.
+        write: (dartree config, tensors by dartree name, target or None) -> (config.json dict, tensors by published
+            name); raises CheckpointError naming what the layout cannot express.
+    """
+
+    name: str
+    detect: object
+    read: object
+    write: object
+
+    def reader(self, read_tensors):
+        """A ``to_dartree`` reader ``(src, config, target=None) -> (dartree config, tensors)`` over this pair."""
+
+        def reader(src, config: dict, target=None):
+            return self.read(config, read_tensors(src), src, target)
+
+        reader.__doc__ = f"Reader for the {self.name} layout (format registry)."
+        return reader
+
+
+FORMAT_PAIRS: dict[str, FormatPair] = {}
+
+
+def register_format(pair: FormatPair) -> FormatPair:
+    """Add a reader/writer pair to the registry under ``pair.name``.
+
+    Raises:
+        ValueError: the name is already taken (by a pair or a built-in layout).
+    """
+    if pair.name in FORMAT_PAIRS or pair.name in SOURCE_FORMATS or pair.name in (FORMAT, "dartree-train"):
+        raise ValueError(f"format {pair.name!r} is already registered")
+    FORMAT_PAIRS[pair.name] = pair
+    return pair
+
+
+def _dflash2_seen(config: dict, names: set[str]) -> str | None:
+    """What marks a DFlash 2 checkpoint (z-lab ``DFlash2DraftModel``), or None."""
+    dc = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
+    seen = []
+    if "DFlash2DraftModel" in (config.get("architectures") or []):
+        seen.append("architectures ['DFlash2DraftModel']")
+    keys = [k for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k") if k in dc or k in config]
+    if keys:
+        seen.append("config " + ", ".join(keys))
+    conv = sorted(n for n in names if ".attention_conv." in n or ".mlp_conv." in n)
+    sel = sorted(n for n in names if n.startswith("candidate_selector."))
+    if conv:
+        seen.append(f"{len(conv)} layers.*.{{attention,mlp}}_conv.* tensors")
+    if sel:
+        seen.append(f"{len(sel)} candidate_selector.* tensors")
+    return "; ".join(seen) or None
+
+
+from dartree.convert import vllm_speculators as _vllm_speculators  # noqa: E402  (registers "speculators")
+
+EXPORT_FORMATS = EXPORT_FORMATS + tuple(FORMAT_PAIRS)
+del _vllm_speculators

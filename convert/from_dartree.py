@@ -1,12 +1,15 @@
 """Export a dartree checkpoint back to a published drafter layout, so engines that load those formats can serve it.
 
-``python convert/from_dartree.py SRC --to zlab-dflash|specforge-domino|specforge-dspark --out DST``
+``python convert/from_dartree.py SRC --to zlab-dflash|specforge-domino|specforge-dspark|speculators --out DST
+[--target SPEC]``
 
 The head type decides the layout: ``identity`` -> z-lab DFlash, ``gru`` -> SpecForge Domino, ``markov`` /
 ``gated_markov`` / ``rnn`` -> SpecForge DSpark (names and config fields in :mod:`dartree.convert.formats`).
 Tensors are written bit for bit under their published names, so ``to_dartree.py`` reads the export back
 unchanged. A drafter the layout cannot express (q/k norm off, a proposal offset the layout does not use, another
-head type) is refused with the reason. The output folder appears by atomic rename.
+head type) is refused with the reason. The output folder appears by atomic rename. ``speculators`` (vLLM) is a
+reader/writer pair of the format registry (:mod:`dartree.convert.vllm_speculators`): ``identity`` -> dflash,
+DSpark heads -> dspark, with a reduced draft vocabulary as ``d2t`` / ``t2d`` (needs ``--target``).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from pathlib import Path
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from dartree.convert.formats import EXPORT_FORMATS, export_config, published_name
+from dartree.convert.formats import EXPORT_FORMATS, FORMAT_PAIRS, export_config, published_name
 from dartree.models.checkpoint import CheckpointError, load_dartree, write_folder_atomically
 
 
@@ -33,7 +36,8 @@ def _ensure_exportable_destination(dest: Path) -> None:
     if not dest.exists():
         return
     try:
-        ok = dest.is_dir() and "dflash_config" in json.loads((dest / "config.json").read_text())
+        cfg = json.loads((dest / "config.json").read_text()) if dest.is_dir() else {}
+        ok = "dflash_config" in cfg or "speculators_model_type" in cfg
     except (OSError, json.JSONDecodeError):
         ok = False
     if not ok:
@@ -41,11 +45,13 @@ def _ensure_exportable_destination(dest: Path) -> None:
                               "choose a new --out folder")
 
 
-def export(src: str | Path, out: str | Path, *, to: str) -> Path:
+def export(src: str | Path, out: str | Path, *, to: str, target=None) -> Path:
     """Write the dartree checkpoint ``src`` in the published layout ``to`` at ``out`` (atomically); returns ``out``.
 
     Args:
         src: dartree checkpoint folder. out: destination folder. to: one of :data:`EXPORT_FORMATS`.
+        target: optional :class:`~dartree.models.target.Target`; layouts of the format registry use it (speculators:
+            the verifier path, and the lm_head rows of a reduced draft vocabulary).
     Raises:
         CheckpointError: ``src`` is not a valid dartree checkpoint (strict load), ``to`` is unknown, or the
             drafter / head cannot be expressed in ``to`` (the message says why and what would fit).
@@ -55,6 +61,15 @@ def export(src: str | Path, out: str | Path, *, to: str) -> Path:
         raise CheckpointError(f"--to {to!r} is not one of {list(EXPORT_FORMATS)}")
     _ensure_exportable_destination(out)
     config = load_dartree(src).config  # strict: format, version, names, shapes
+    if to in FORMAT_PAIRS:  # a reader/writer pair of the format registry
+        try:
+            tensors = load_file(str(src / "model.safetensors"))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"cannot read {src / 'model.safetensors'}: {exc} (truncated or not safetensors)") from exc
+        published, mapped = FORMAT_PAIRS[to].write(config, tensors, target)
+        write_folder_atomically(out, {"config.json": json.dumps(published, indent=2).encode(),
+                                      "model.safetensors": {"tensors": mapped, "metadata": {"format": "pt"}}})
+        return out
     if config["drafter"].get("draft_vocab_size"):
         raise CheckpointError(f"{src} drafts over a reduced vocabulary of {config['drafter']['draft_vocab_size']} tokens, "
                               f"which the {to} layout cannot express; retrain with drafter.draft_vocab_size=0 to export")
@@ -80,9 +95,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("src", help="dartree checkpoint folder")
     ap.add_argument("--to", required=True, choices=list(EXPORT_FORMATS), help="published layout to write")
     ap.add_argument("--out", required=True, help="output folder")
+    ap.add_argument("--target", help="the target (smollm2, tiny-qwen3 or a local HF folder); speculators exports record "
+                                     "it as the verifier and need it for a reduced draft vocabulary")
     args = ap.parse_args(argv)
     try:
-        export(args.src, args.out, to=args.to)
+        target = None
+        if args.target:
+            from dartree.models.target import load_target
+
+            target = load_target(args.target)
+        export(args.src, args.out, to=args.to, target=target)
     except CheckpointError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,11 +1,12 @@
 """Convert a drafter checkpoint into the dartree format.
 
 ``python convert/to_dartree.py SRC [--out DST] [--from auto|dartree|dartree-train|zlab-dflash|specforge-domino|
-specforge-dspark|deepspec-dspark] [--target SPEC] [--dtype auto|bfloat16|float16|float32]``
+specforge-dspark|deepspec-dspark|speculators] [--target SPEC] [--dtype auto|bfloat16|float16|float32]``
 
 Sources: ``dartree-train`` (written by ``training/train.py``), ``dartree`` (re-validated and re-written) and the
 published layouts of :mod:`dartree.convert.formats` (z-lab DFlash, SpecForge Domino / DSpark, DeepSpec DSpark;
-config.json + safetensors, sharded or not). ``auto`` detects the layout from config fields and tensor names and
+config.json + safetensors, sharded or not), and the reader/writer pairs of the format registry
+(``formats.FORMAT_PAIRS``: vLLM speculators). ``auto`` detects the layout from config fields and tensor names and
 says what it detected. Every source is validated strictly before anything is written: a missing, unexpected or
 mis-shaped tensor is an error naming it, an unknown config layout lists the expected fields, and with
 ``--target`` the vocab / hidden size / layer ids / mask id are checked against the target. The output folder
@@ -25,7 +26,15 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
-from dartree.convert.formats import SOURCE_FORMATS, detect, parse_config, published_name, strip_legacy
+from dartree.convert.formats import (
+    FORMAT_PAIRS,
+    SOURCE_FORMATS,
+    check_copy_of_target,
+    detect,
+    parse_config,
+    published_name,
+    strip_legacy,
+)
 from dartree.models.checkpoint import (
     CheckpointError,
     cast_floats,
@@ -125,8 +134,8 @@ def _check_tensors(given: dict, expected: dict, where, rename: Callable[[str], s
         raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all)")
 
 
-def read_dartree_train(src: Path, config: dict) -> tuple[dict, dict]:
-    """Reader for ``training/train.py`` checkpoints (tensors ``drafter.*`` and ``head.*``, fp32).
+def read_dartree_train(src: Path, config: dict, target=None) -> tuple[dict, dict]:
+    """Reader for ``training/train.py`` checkpoints (tensors ``drafter.*`` and ``head.*``, fp32; ``target`` unused).
 
     Returns:
         (dartree config, tensors by dartree name).
@@ -155,8 +164,9 @@ def read_dartree_train(src: Path, config: dict) -> tuple[dict, dict]:
     return out, mapped
 
 
-def read_dartree(src: Path, config: dict) -> tuple[dict, dict]:
-    """Reader for checkpoints already in the dartree format (strictly re-validated; tensors kept as stored)."""
+def read_dartree(src: Path, config: dict, target=None) -> tuple[dict, dict]:
+    """Reader for checkpoints already in the dartree format (strictly re-validated; tensors kept as stored;
+    ``target`` unused: :func:`convert` checks the pairing)."""
     load_dartree(src)  # strict: format, version, names, shapes
     return config, _read_tensors(src)
 
@@ -164,9 +174,9 @@ def read_dartree(src: Path, config: dict) -> tuple[dict, dict]:
 def read_published(fmt: str) -> Callable:
     """Reader for one published layout (see :mod:`dartree.convert.formats`); tensors pass through unchanged."""
 
-    def reader(src: Path, config: dict) -> tuple[dict, dict]:
+    def reader(src: Path, config: dict, target=None) -> tuple[dict, dict]:
         where = src
-        parsed = parse_config(config, fmt, src / "config.json")
+        parsed = parse_config(config, fmt, src / "config.json", target=target)
         out = dartree_config(parsed.drafter, parsed.head, parsed.target, {"source_format": fmt, "source": str(src)})
         expected = expected_tensors(out, src / "config.json")
         given = strip_legacy(_read_tensors(src), where)
@@ -175,7 +185,7 @@ def read_published(fmt: str) -> Callable:
                 raise CheckpointError(f"{where}: missing tensor {name!r} (expected shape {list(shape)})")
             if tuple(given[name].shape) != shape:
                 raise CheckpointError(f"{where}: tensor {name!r} has shape {list(given[name].shape)}, expected {list(shape)}")
-            given.pop(name)
+            check_copy_of_target(name, given.pop(name), target, where)
         _check_tensors(given, expected, where, rename=lambda n: published_name(n, fmt))
         tensors = {k: given[published_name(k, fmt)] for k in expected}
         if parsed.dropped:
@@ -190,6 +200,7 @@ READERS: dict[str, Callable] = {
     "dartree-train": read_dartree_train,
     "dartree": read_dartree,
     **{fmt: read_published(fmt) for fmt in SOURCE_FORMATS},
+    **{fmt: pair.reader(_read_tensors) for fmt, pair in FORMAT_PAIRS.items()},
 }
 
 
@@ -236,7 +247,7 @@ def convert(
     fmt = detect_format(config, src) if source_format == "auto" else source_format
     if fmt not in READERS:
         raise CheckpointError(f"--from {fmt!r} is not one of {sorted(READERS)}")
-    dconfig, tensors = READERS[fmt](src, config)
+    dconfig, tensors = READERS[fmt](src, config, target=target)
     if target is not None:
         check_target_pairing(dconfig, target)
     if dtype is None and fmt == "dartree-train":

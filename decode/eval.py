@@ -7,13 +7,16 @@ baseline and the losslessness oracle), then each requested method decodes the sa
 method and dataset: tau (committed tokens per verify forward, bonus included), tokens/s and speedup over AR
 (AR time-per-output-token / method time-per-output-token, prefill excluded, same process, after a warm-up),
 per-round stage times, and losslessness (T = 0: the count of prompts whose output differs from AR's, with
-the first divergence and the target's top-2 logit margin there). Writes ``report.json`` and ``report.md``.
+the first divergence and the target's top-2 logit margin there). Writes ``report.json`` and ``report.md``,
+then the figures beside them, embedded in report.md (``dartree.decode.report``; ``--no-plots`` skips them;
+``dartree-report DIR`` redraws them from report.json).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import sys
@@ -26,6 +29,7 @@ from rich.table import Table
 
 from dartree.decode.generate import GenerateOutput, autoregressive_generate, speculative_generate
 from dartree.decode.prompts import DATASETS, Prompt, load_prompts
+from dartree.decode.report import annotate_trees, write_figures
 from dartree.decode.trees import BUILDERS
 from dartree.models.checkpoint import CheckpointError, load_dartree
 from dartree.models.target import DEFAULT_TARGET, load_target
@@ -63,6 +67,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="target and drafter dtype")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     ap.add_argument("--out", default="reports/latest", help="folder for report.json and report.md")
+    ap.add_argument("--no-plots", action="store_true",
+                    help="tables only: no PNG figures (report.json still keeps the data to draw them later)")
+    ap.add_argument("--draw-round", type=int, default=None,
+                    help="1-based verify round of the first prompt to draw as a tree per method (default: the "
+                         "round with the longest accepted path)")
     return ap.parse_args(argv)
 
 
@@ -151,19 +160,44 @@ def report_warnings(report: dict, tau_floor: float = 1.05) -> list[str]:
     return out
 
 
+def out_problem(out: str) -> str | None:
+    """Why ``--out`` cannot receive the report (an existing file, or a folder that cannot be created or written;
+    :func:`dartree.models.validate.folder_problem`), checked before any model is loaded; None when it can."""
+    from dartree.models.validate import folder_problem
+
+    why = folder_problem(out)
+    return None if why is None else f"--out {out!r} {why}; give a writable folder for report.json and report.md"
+
+
 def main(argv=None) -> int:
-    """Console entry point (``dartree-eval``); returns the exit status."""
+    """Console entry point (``dartree-eval``); returns the exit status: 0, or 2 with a one-line error for a bad
+    argument, target, checkpoint or prompt set (checked before any decoding). Restores torch's thread count on
+    return, so it can run repeatedly in one process."""
+    threads = torch.get_num_threads()
+    try:
+        return _eval_main(argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _eval_main(argv=None) -> int:
+    """:func:`main` without the thread-count restore."""
     args = parse_args(argv)
     console = Console(width=120)
     problems = [msg for bad, msg in (
         (args.threads < 0, f"--threads must be >= 0 (0: torch's default), got {args.threads}"),
-        (args.beta > 0, f"--beta {args.beta} > 0 breaks prefix closure; use beta <= 0"),
+        (not math.isfinite(args.beta) or args.beta > 0, f"--beta {args.beta} must be a finite number <= 0 "
+                                                         "(beta > 0 breaks prefix closure)"),
         (args.candidates < 1, f"--candidates must be >= 1, got {args.candidates}"),
         (args.width < 1, f"--width must be >= 1, got {args.width}"),
         (args.children < 1, f"--children must be >= 1, got {args.children}"),
         (args.limit < 1, f"--limit must be >= 1, got {args.limit}"),
         (args.max_new_tokens < 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
-        (args.temperature < 0, f"--temperature must be >= 0, got {args.temperature}"),
+        (not math.isfinite(args.temperature) or args.temperature < 0,
+         f"--temperature must be a finite number >= 0, got {args.temperature}"),
+        (not 0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}"),
+        (out_problem(args.out) is not None, out_problem(args.out)),
+        (args.draw_round is not None and args.draw_round < 1, f"--draw-round is 1-based, got {args.draw_round}"),
         (bool(args.budget) and min(args.budget) < 0, f"--budget must be >= 0, got {args.budget}"),
     ) if bad]
     if problems:
@@ -191,7 +225,8 @@ def main(argv=None) -> int:
     try:
         target = load_target(args.target, dtype=dtype)
     except (FileNotFoundError, RuntimeError, OSError, ValueError) as exc:
-        print(f"error: cannot load --target {args.target!r}: {exc}", file=sys.stderr)
+        print(f"error: cannot load --target {args.target!r}: {(str(exc).strip().splitlines() or [type(exc).__name__])[0]}",
+              file=sys.stderr)
         return 2
     try:
         dm = load_dartree(args.checkpoint, target=target, dtype=dtype) if methods else None
@@ -208,14 +243,18 @@ def main(argv=None) -> int:
     from dartree.training.data import chat_prompt_ids
 
     prompts: list[Prompt] = []
-    for d in args.datasets:
-        prompts += load_prompts(d, args.limit, args.seed)
+    try:
+        for d in args.datasets:
+            prompts += load_prompts(d, args.limit, args.seed)
+    except (RuntimeError, KeyError, OSError) as exc:  # a prompt package missing or unreadable
+        print(f"error: --datasets {d}: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
     console.print(f"target {target.name} ({args.dtype}), {len(prompts)} prompts, methods: ar + {methods}, "
                   f"budget {budget}; loaded in {time.time() - t0:.1f}s")
     methods = list(runs)
     params = {"k": args.candidates, "width": args.width, "beta": args.beta, "children": args.children}
 
-    def run(method: str, ids: list, seed: int, max_new: int) -> GenerateOutput:
+    def run(method: str, ids: list, seed: int, max_new: int, record: bool = False) -> GenerateOutput:
         gen = torch.Generator().manual_seed(seed)
         if method == "ar":
             return autoregressive_generate(target, ids, max_new_tokens=max_new, temperature=args.temperature,
@@ -224,6 +263,7 @@ def main(argv=None) -> int:
         return speculative_generate(
             target, dm.drafter, dm.head, ids, builder=builder, max_new_tokens=max_new,
             temperature=args.temperature, stop_ids=stop_ids, budget=b, generator=gen, builder_params=params,
+            record_trees=record,
         )
 
     warm_ids = chat_prompt_ids(tok, "Say hello.")
@@ -245,6 +285,7 @@ def main(argv=None) -> int:
                 "target": target.name, "checkpoint": str(args.checkpoint) if methods else None,
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
                 "budget": budget, "builder_params": params,
+                "proposals": dm.drafter.cfg.num_proposals if dm is not None else None,
                 "prompts": [{"dataset": p.dataset, "id": p.id, "text": p.text[:120]} for p in prompts[:done]],
                 "prompts_done": done, "prompts_planned": len(prompts),
             },
@@ -257,6 +298,7 @@ def main(argv=None) -> int:
             ar_d = [r for r in ar_all if r["dataset"] == d]
             report["datasets"][d] = {m: _agg([r for r in rows[m] if r["dataset"] == d], ar_d) for m in ["ar", *methods]}
         report["per_prompt"] = rows
+        report["trees"] = trees  # every verify tree of the first prompt, per method, for drawing
 
         md = ["# dartree eval report", "",
               f"target `{target.name}` ({args.dtype}, {report['environment']['device']}), checkpoint `{args.checkpoint}`, "
@@ -287,6 +329,7 @@ def main(argv=None) -> int:
         return report
 
     rows: dict[str, list[dict]] = {m: [] for m in ["ar", *methods]}
+    trees: dict[str, dict] = {}
     for pi, p in enumerate(prompts):
         ids = chat_prompt_ids(tok, p.text)
         seed = args.seed * 100003 + pi
@@ -296,10 +339,13 @@ def main(argv=None) -> int:
                            "accept_lengths": ar.stats.accept_lengths})
         line = [f"[{pi + 1}/{len(prompts)}] {p.dataset}:{p.id} ar {ar.stats.new_tokens} tok"]
         for m in methods:
-            o = run(m, ids, seed, args.max_new_tokens)
+            o = run(m, ids, seed, args.max_new_tokens, record=pi == 0)
             row = {**base, "new_tokens": o.stats.new_tokens, "decode_s": o.stats.decode_s,
                    "accept_lengths": o.stats.accept_lengths, "stage_s": o.stats.stage_s,
-                   "tree_nodes": o.stats.tree_nodes, "mismatch": None}
+                   "tree_nodes": o.stats.tree_nodes, "depth_nodes": o.stats.depth_nodes,
+                   "accepted_depths": o.stats.accepted_depths, "mismatch": None}
+            if pi == 0:
+                trees[m] = {**base, "rounds": annotate_trees(o.stats.trees, lambda i: tok.decode([i]))}
             if args.temperature == 0:
                 row["mismatch"] = o.tokens != ar.tokens
                 if row["mismatch"]:
@@ -314,6 +360,9 @@ def main(argv=None) -> int:
     report = write_report(len(prompts), show=True)
     for w in report_warnings(report):
         console.print(f"[bold red]{w}[/bold red]")
+    if not args.no_plots:  # after report.json and the tables: a figure problem is a warning, never a lost report
+        for w in write_figures(report, out, args.draw_round):
+            console.print(f"[bold yellow]{w}[/bold yellow]")
     console.print(f"wrote {out / 'report.json'} and {out / 'report.md'} ({(time.time() - t0) / 60:.1f} min)")
     return 0
 

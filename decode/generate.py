@@ -15,13 +15,16 @@ from typing import Sequence
 
 import torch
 
-from dartree.decode.trees import DraftBlock, get_builder
+from dartree.decode.inputs import check_generate_args, check_speculative_args
+from dartree.decode.budget import CostModel, calibrate, prune_to
+from dartree.decode.trees import DraftBlock, Tree, get_builder
 from dartree.decode.verify import compile_tree, target_tokens, verify
 from dartree.models.drafter import DFlashDrafter, DraftCache
 from dartree.models.heads import CorrectionHead
 from dartree.models.target import Target
 
 STAGES = ("draft", "tree_build", "tree_compile", "verify", "commit")
+BETA_BUILDERS = ("pruned", "dartree-pruned", "heap-sequential")  # builders that rank nodes by score + beta * depth
 
 
 @dataclass
@@ -36,6 +39,16 @@ class DecodeStats:
         decode_s: seconds after prefill until the last token.
         new_tokens: generated tokens (the first token, from prefill, included).
         tree_nodes: tree size of each round.
+        depth_nodes: per round, the tree's node count at depth 1, 2, ... up to its deepest node
+            (``[]`` for an empty tree); sums to ``tree_nodes``.
+        accepted_depths: per round, the depth of the deepest accepted tree node before any truncation by
+            stop ids / max_new_tokens (0: every drafted token rejected); ``accept_lengths[i] <=
+            accepted_depths[i] + 1``, with equality except in a round cut short by a stop id or the length cap.
+        budgets: per round, the verification budget used (nodes verified; with ``budget="auto"`` the cost
+            model's choice, 0 = a plain AR step).
+        trees: only with ``speculative_generate(record_trees=True)``: per round a dict with the verify tree
+            (``root`` token id, tree ``tokens`` / ``parents`` / ``depth`` as in ``Tree``, ``accepted`` node
+            indices root (0) first, and the ``bonus`` token id), for drawing; empty otherwise.
     """
 
     accept_lengths: list = field(default_factory=list)
@@ -44,6 +57,10 @@ class DecodeStats:
     decode_s: float = 0.0
     new_tokens: int = 0
     tree_nodes: list = field(default_factory=list)
+    depth_nodes: list = field(default_factory=list)
+    budgets: list = field(default_factory=list)
+    accepted_depths: list = field(default_factory=list)
+    trees: list = field(default_factory=list)
 
     @property
     def rounds(self) -> int:
@@ -87,11 +104,10 @@ def _prefill(target: Target, prompt_ids: Sequence[int], cache, temperature, gene
     return first, out.features[0]
 
 
-def _check_args(prompt_ids, max_new_tokens):
-    if len(prompt_ids) == 0:
-        raise ValueError("prompt_ids is empty; give at least one prompt token")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+def _check_args(target, prompt_ids, max_new_tokens, temperature, stop_ids, generator) -> tuple[list, list]:
+    """(prompt ids, stop ids) as int lists after the checks of :func:`dartree.decode.inputs.check_generate_args`."""
+    return check_generate_args(target, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                               stop_ids=stop_ids, generator=generator)
 
 
 @torch.no_grad()
@@ -106,10 +122,14 @@ def autoregressive_generate(
 ) -> GenerateOutput:
     """Plain one-token-per-forward decoding of the target (the baseline and the losslessness oracle).
 
+    ``prompt_ids`` is [T] or [1, T] (list, tensor or array; Hugging Face ``input_ids`` work as they are);
+    ``stop_ids`` a sequence, a set, one int or None. Arguments as :func:`speculative_generate`.
     Raises:
-        ValueError: empty prompt or negative max_new_tokens.
+        TypeError: ``target`` is not a dartree Target, or an argument has the wrong type (named).
+        ValueError: empty or batched prompt ([N > 1, T]: one request at a time), an id outside the target's
+            vocabulary, negative max_new_tokens, negative or non-finite temperature, a generator on another device.
     """
-    _check_args(prompt_ids, max_new_tokens)
+    prompt_ids, stop_ids = _check_args(target, prompt_ids, max_new_tokens, temperature, stop_ids, generator)
     stops, stats, out = set(int(s) for s in stop_ids), DecodeStats(), []
     if max_new_tokens == 0:
         return GenerateOutput(out, stats)
@@ -141,7 +161,8 @@ def draft_block(
     ``ctx_feats`` [C, nL*D] are the target features of positions ``dcache.length .. start-1`` (not yet in the
     drafter's cache); they are appended to ``dcache``, which never holds block entries.
     Returns:
-        DraftBlock(hidden [P, D], base_logits [P, V] fp32) for proposals predicting positions start+1..start+P.
+        DraftBlock(hidden [P, D], base_logits [P, V'] fp32 over the drafter's vocabulary ``vocab`` (all V ids
+        when it has none)) for proposals predicting positions start+1..start+P.
     Raises:
         ValueError: the context does not end right before the anchor.
     """
@@ -152,12 +173,12 @@ def draft_block(
     dev = target.device
     block = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=dev)
     block[0, 0] = anchor
-    x = target.embed_tokens(block).to(drafter.fc.weight.dtype)
+    x = target.embed(block).to(drafter.fc.weight.dtype)  # raw lookup, as z-lab (no module scale)
     q_pos = torch.arange(start, start + cfg.block_size, device=dev)[None]
     ctx_pos = torch.arange(c0, start, device=dev)[None]
     h = drafter(x, q_pos, ctx_feats[None], ctx_pos, cache=dcache)[0, cfg.proposal_offset :]
-    base = drafter.base_logits(h, target.lm_head)  # [P, V] fp32 (-inf outside a draft vocabulary)
-    return DraftBlock(hidden=h, base_logits=base)
+    base, vocab = drafter.draft_logits(h, target.lm_head)  # [P, V'] fp32 over the draft vocabulary (or V)
+    return DraftBlock(hidden=h, base_logits=base, vocab=vocab)
 
 
 @torch.no_grad()
@@ -171,42 +192,58 @@ def speculative_generate(
     max_new_tokens: int,
     temperature: float = 0.0,
     stop_ids: Sequence[int] = (),
-    budget: int | None = None,
+    budget: int | str | None = None,
     generator: torch.Generator | None = None,
     builder_params: dict | None = None,
+    record_trees: bool = False,
+    cost_model: CostModel | None = None,
 ) -> GenerateOutput:
     """Speculative decoding with a block drafter, a correction head and a tree builder; lossless.
 
     Args:
         target: the target (its ``layer_ids`` must equal the drafter's ``target_layer_ids``).
         drafter, head: the block drafter and its correction head (same dtype/device as the target).
-        prompt_ids: prompt token ids (already chat-templated).
+        prompt_ids: prompt token ids (already chat-templated), [T] or [1, T]: a list, an integer tensor (any
+            device) or array; Hugging Face ``input_ids`` work as they are. Several prompts are refused.
         max_new_tokens: exact cap on generated tokens.
         temperature: T >= 0; the target's token at each node is its argmax (T = 0) or a sample (T > 0).
-        stop_ids: generation ends right after the first of these tokens, even mid-block.
-        generator: seeded torch.Generator for T > 0.
+        stop_ids: generation ends right after the first of these tokens, even mid-block (a sequence, a set,
+            one int or None).
+        generator: seeded torch.Generator for T > 0, on the target's device type.
         builder: registered tree-builder name (``chain``, ``pruned`` / ``dartree-pruned``).
-        budget: tree nodes per round B (default: P, the proposals per block).
+        budget: tree nodes per round B (default: P, the proposals per block), or ``"auto"``: per round the
+            builder drafts up to ``cost_model.max_budget`` nodes and the cost model keeps the number that
+            maximises expected tokens per second, 0 meaning a plain AR step (:mod:`dartree.decode.budget`).
+        cost_model: the calibrated :class:`~dartree.decode.budget.CostModel` for ``budget="auto"`` (shared
+            across calls, so its acceptance calibration carries over); None calibrates one on this prompt.
         builder_params: extra keyword arguments for the builder (``k``, ``width``, ``beta``).
+        record_trees: also keep every round's verify tree and accepted path in ``stats.trees`` (for
+            drawing; a few list copies per round).
     Returns:
         Tokens equal to :func:`autoregressive_generate`'s at T = 0 (and distributed as the target's samples
         at T > 0), plus stats.
-    Raises:
-        ValueError: empty prompt, negative max_new_tokens, or target capture layers that differ from the drafter's.
+    Raises (all before the prefill; :mod:`dartree.decode.inputs`):
+        TypeError: an argument of the wrong type (named), e.g. a loaded ``DraftModel`` as the drafter, or an
+            unknown builder parameter.
+        ValueError: empty or batched prompt ([N > 1, T]: one request at a time), an id outside the vocabulary,
+            negative max_new_tokens / budget, negative or non-finite temperature, an out-of-range builder parameter,
+            a drafter / head that does not fit the target, or target capture layers that differ from the drafter's.
         KeyError: unknown builder (lists the available ones).
     """
-    _check_args(prompt_ids, max_new_tokens)
-    if list(target.layer_ids) != list(drafter.cfg.target_layer_ids):
-        raise ValueError(
-            f"target captures layers {target.layer_ids} but the drafter needs {drafter.cfg.target_layer_ids}; "
-            "call target.set_layer_ids(drafter.cfg.target_layer_ids)"
-        )
+    prompt_ids, stop_ids = _check_args(target, prompt_ids, max_new_tokens, temperature, stop_ids, generator)
+    check_speculative_args(target, drafter, head, builder=builder, budget=budget, builder_params=builder_params)
     build = get_builder(builder)
     params = dict(builder_params or {})
-    budget = drafter.cfg.num_proposals if budget is None else int(budget)
+    auto = budget == "auto"
     stops, stats, out = set(int(s) for s in stop_ids), DecodeStats(), []
     if max_new_tokens == 0:
         return GenerateOutput(out, stats)
+    if auto:
+        cm = cost_model if cost_model is not None else calibrate(target, drafter, prompt_ids)
+        budget = cm.max_budget
+        beta = float(params.get("beta", -0.2)) if builder in BETA_BUILDERS else 0.0
+    else:
+        budget = drafter.cfg.num_proposals if budget is None else int(budget)
     cache = target.new_cache()
     t0 = time.perf_counter()
     anchor, feats = _prefill(target, prompt_ids, cache, temperature, generator)
@@ -218,9 +255,18 @@ def speculative_generate(
     st = stats.stage_s
     while not done:
         ta = time.perf_counter()
-        block = draft_block(target, drafter, anchor, start, feats, dcache)
-        tb = time.perf_counter()
-        tree = build(block, head, anchor, budget, **params)
+        drafted = not auto or cm.should_draft()
+        if drafted:
+            block = draft_block(target, drafter, anchor, start, feats, dcache)
+            tb = time.perf_counter()
+            tree = build(block, head, anchor, budget, **params)
+            if auto:
+                cm.observe_build(time.perf_counter() - tb)
+                b, expected = cm.choose(tree, beta)
+                tree = prune_to(tree, b, beta)
+        else:  # a plain AR step: the root alone is verified; its features wait for the next draft
+            tb = time.perf_counter()
+            tree, expected = Tree.empty(), 1.0
         tc = time.perf_counter()
         inputs = compile_tree(tree, anchor, start, dtype=target.dtype, device=target.device)
         tc2 = time.perf_counter()
@@ -229,8 +275,18 @@ def speculative_generate(
         n, done = _commit(out, ver.tokens + [ver.bonus_id], max_new_tokens, stops)
         stats.accept_lengths.append(n)
         stats.tree_nodes.append(tree.size)
+        stats.budgets.append(tree.size if auto else budget)
+        if auto:
+            cm.record(tree.size, expected - 1.0, ver.accepted.numel() - 1)
+        stats.depth_nodes.append(torch.bincount(tree.depth.cpu(), minlength=1).tolist()[1:])
+        stats.accepted_depths.append(ver.accepted.numel() - 1)
+        if record_trees:
+            stats.trees.append({"root": int(anchor), "tokens": tree.tokens.tolist(), "parents": tree.parents.tolist(),
+                                "depth": tree.depth.tolist(), "accepted": ver.accepted.tolist(),
+                                "bonus": int(ver.bonus_id)})
         start += ver.accepted.numel()
-        anchor, feats = ver.bonus_id, ver.features
+        anchor = ver.bonus_id
+        feats = ver.features if drafted else torch.cat([feats, ver.features])
         te = time.perf_counter()
         st["draft"] += tb - ta
         st["tree_build"] += tc - tb

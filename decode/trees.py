@@ -1,7 +1,10 @@
 """Draft-tree builders behind one signature, registered by name.
 
 ``build(block, head, root_id, budget, **params) -> Tree`` where ``block`` holds the drafter's hidden states
-H [P, D] and base logits U [P, V] for the P proposals of one round. Builders never touch the target.
+H [P, D] and base logits U [P, V] for the P proposals of one round. Builders never touch the target. Every
+builder first checks its arguments (:func:`dartree.decode.inputs.check_build_args`): a block whose shapes do
+not fit, a root id outside [0, V) or a non-integer budget raises TypeError / ValueError naming it; a budget of
+0 gives the empty tree and a negative one is a ValueError.
 
 Node numbering: the root (the anchor / bonus token, already committed) is node 0 and is not stored; tree
 nodes are 1..M in topological order (every parent index < its child's). ``Tree.parents[i]`` is the parent of
@@ -20,6 +23,7 @@ from typing import Callable
 
 import torch
 
+from dartree.decode.inputs import check_build_args
 from dartree.kernels.candidates import topk_candidates
 from dartree.kernels.frontier import frontier_topk
 from dartree.models.heads import CorrectionHead
@@ -27,10 +31,20 @@ from dartree.models.heads import CorrectionHead
 
 @dataclass
 class DraftBlock:
-    """Drafter output for one round: hidden [P, D] (any float dtype) and base logits [P, V] fp32."""
+    """Drafter output for one round: hidden [P, D] (any float dtype) and base logits [P, V] fp32.
+
+    With a reduced draft vocabulary, ``vocab`` [V'] holds its token ids in ascending order and ``base_logits``
+    is [P, V'] over those ids only (column j scores token ``vocab[j]``; every other token is out of the
+    draft, i.e. -inf); builders map candidate columns to token ids through :func:`block_candidates`.
+    """
 
     hidden: torch.Tensor
     base_logits: torch.Tensor
+    vocab: torch.Tensor | None = None
+
+    def first(self, m: int) -> "DraftBlock":
+        """The first ``m`` proposals (a shorter block; same vocabulary)."""
+        return DraftBlock(self.hidden[:m], self.base_logits[:m], self.vocab)
 
 
 @dataclass
@@ -75,6 +89,21 @@ def candidates(base_logits: torch.Tensor, k: int, backend: str = "auto") -> tupl
     """
     ids, vals, _ = topk_candidates(base_logits, k, backend=backend)
     return ids, vals
+
+
+def block_candidates(block: DraftBlock, k: int, backend: str = "auto", logits: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`candidates` of a block as token ids: per depth the top-K of ``logits`` (default the block's base
+    logits) with column indices mapped through ``block.vocab`` when the block has a draft vocabulary (ascending
+    ids, so ties still go to the lower token id).
+
+    Returns:
+        (ids [P, K] int64 token ids, values [P, K] fp32).
+    Raises:
+        ValueError: k < 1.
+    """
+    cols, vals = candidates(block.base_logits if logits is None else logits, k, backend=backend)
+    return (cols if block.vocab is None else block.vocab.to(cols.device)[cols]), vals
 
 
 def _stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -178,12 +207,13 @@ def build_chain(block: DraftBlock, head: CorrectionHead, root_id: int, budget: i
             ignored, so one parameter set serves every builder).
     """
     _check_params("chain", extra)
+    budget = check_build_args(block, root_id, budget, head)
     _check_k(k)
     p = block.base_logits.shape[0]
     m = max(0, min(int(budget), p))
     if m == 0:
         return Tree.empty()
-    return build_supertree(block.__class__(block.hidden[:m], block.base_logits[:m]), head, root_id, k=k,
+    return build_supertree(block.first(m), head, root_id, k=k,
                            quota=lambda d, avail: 1, backend=backend)
 
 
@@ -205,7 +235,7 @@ def build_supertree(
     """
     _check_k(k)
     p_len = block.base_logits.shape[0]
-    ids, vals = candidates(block.base_logits, k, backend=backend)  # [P, K]
+    ids, vals = block_candidates(block, k, backend=backend)  # [P, K]
     kk = ids.shape[1]
     state = head.init_state(torch.tensor([root_id], device=ids.device))
     f_score = torch.zeros(1, device=ids.device)
@@ -281,6 +311,7 @@ def build_dartree_pruned(
         TypeError: an unknown parameter.
     """
     _check_params("dartree-pruned", extra)
+    budget = check_build_args(block, root_id, budget, head)
     _check_k(k)
     if int(width) < 1:
         raise ValueError(f"supertree width W must be >= 1, got {width}")
@@ -304,6 +335,7 @@ def build_dartree_fixed(
             ignored).
     """
     _check_params("dartree-fixed", extra)
+    budget = check_build_args(block, root_id, budget, head)
     _check_k(k)
     budget = int(budget)
     if budget <= 0:
@@ -340,6 +372,7 @@ def build_pctree(
         ValueError: k < 1 or children < 1. TypeError: an unknown parameter.
     """
     _check_params("pctree", extra)
+    budget = check_build_args(block, root_id, budget, head)
     _check_k(k)
     if int(children) < 1:
         raise ValueError(f"PCTree children per parent must be >= 1, got {children}")
@@ -378,13 +411,14 @@ def build_heap_sequential(
     import heapq
 
     _check_params("heap-sequential", extra)
+    budget = check_build_args(block, root_id, budget, head)
     _check_k(k)
     _check_beta(beta)
     budget = int(budget)
     p_len = block.base_logits.shape[0]
     if budget <= 0 or p_len == 0:
         return Tree.empty()
-    ids, vals = candidates(block.base_logits, k, backend=backend)
+    ids, vals = block_candidates(block, k, backend=backend)
     kk = ids.shape[1]
     dev = ids.device
 
@@ -437,12 +471,13 @@ def build_ddtree(block: DraftBlock, head: CorrectionHead, root_id: int, budget: 
     import heapq
 
     _check_params("ddtree", extra)
-    budget = int(budget)
+    budget = check_build_args(block, root_id, budget, head)
     p_len, v = block.base_logits.shape
     if budget <= 0 or p_len == 0:
         return Tree.empty()
     kk = min(budget, v)
-    ids, lp = candidates(torch.log_softmax(block.base_logits.float(), dim=-1), kk, backend=extra.get("backend", "auto"))
+    ids, lp = block_candidates(block, kk, backend=extra.get("backend", "auto"),
+                               logits=torch.log_softmax(block.base_logits.float(), dim=-1))
     lp_l, ids_l = lp.tolist(), ids.tolist()
     counter = 0
     heap = [(-lp_l[0][0], 1, counter, 0, 0, lp_l[0][0])]  # (-logw, depth, order, parent, rank, logw)

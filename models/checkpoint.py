@@ -176,8 +176,10 @@ def build_from_config(config: dict, where) -> tuple[DFlashDrafter, CorrectionHea
     """Instantiate the backbone and head a checkpoint config describes (random weights).
 
     Raises:
-        CheckpointError: a missing or unknown field, an unknown head type or an invalid value (named).
+        CheckpointError: a missing or unknown field, an unknown head type or an invalid value (named, with its
+            allowed range: :func:`check_config_fields`).
     """
+    check_config_fields(config, where)
     try:
         drafter = DFlashDrafter(DrafterConfig(**config["drafter"]))
         hcfg = dict(config["head"])
@@ -189,12 +191,37 @@ def build_from_config(config: dict, where) -> tuple[DFlashDrafter, CorrectionHea
     return drafter, head
 
 
+def check_config_fields(config, where) -> None:
+    """Check the types and ranges of a checkpoint config's ``drafter`` and ``head`` fields when it is loaded
+    (:data:`dartree.models.validate.DRAFTER_FIELDS` / ``HEAD_FIELDS``).
+
+    Raises:
+        CheckpointError: ``config`` is not an object with ``drafter`` and ``head`` objects, or a field has the
+            wrong type or is out of range; one line naming the file, the key (``drafter.block_size``), the
+            value and the allowed range.
+    """
+    from dartree.models.validate import DRAFTER_FIELDS, HEAD_FIELDS, field_problems
+
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{where}: holds a JSON {type(config).__name__}, not an object of config fields")
+    for section in ("drafter", "head"):
+        if not isinstance(config.get(section), dict):
+            raise CheckpointError(f"{where}: missing or invalid entry {section!r} (an object of "
+                                  f"{'DrafterConfig fields' if section == 'drafter' else 'head type and hyper-parameters'})")
+    problems = (field_problems(config["drafter"], DRAFTER_FIELDS, "drafter.")
+                + field_problems(config["head"], HEAD_FIELDS, "head."))
+    if problems:
+        raise CheckpointError(f"{where}: {problems[0]}")
+
+
 def check_target_pairing(config: dict, target) -> None:
     """Check a checkpoint config against a loaded :class:`~dartree.models.target.Target`.
 
     Raises:
-        CheckpointError: vocab, hidden size, layer ids or mask token id do not fit the target (both values named).
+        CheckpointError: vocab, hidden size, layer ids or mask token id do not fit the target (both values named),
+            or a config field is invalid (:func:`check_config_fields`).
     """
+    check_config_fields(config, "checkpoint config")
     want = config.get("target", {})
     d = config["drafter"]
     problems = []
@@ -244,7 +271,12 @@ def load_dartree(
             f"{folder} is not a dartree checkpoint (needs config.json and model.safetensors); "
             "convert a training checkpoint with `python convert/to_dartree.py SRC --out DST`"
         )
-    config = json.loads(cfg_path.read_text())
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{cfg_path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{cfg_path} holds a JSON {type(config).__name__}, not an object of config fields")
     if config.get("format") != FORMAT:
         raise CheckpointError(
             f"{cfg_path} has format {config.get('format')!r}, expected 'dartree'; "

@@ -81,7 +81,11 @@ class DrafterConfig:
         return asdict(self)
 
     def validate(self) -> None:
-        """Raise ValueError naming the first inconsistent field."""
+        """Raise ValueError naming the first inconsistent field (its value and allowed range:
+        :data:`dartree.models.validate.DRAFTER_FIELDS`)."""
+        from dartree.models.validate import DRAFTER_FIELDS, check_fields
+
+        check_fields(asdict(self), DRAFTER_FIELDS)
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.proposal_offset not in (0, 1):
@@ -272,6 +276,31 @@ class DFlashDrafter(nn.Module):
                 nn.init.normal_(m.weight, std=0.02)
         if cfg.draft_vocab_size:
             self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size, dtype=torch.long))
+
+    def draft_logits(self, hidden: torch.Tensor, lm_head: nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Base logits over the drafter's own vocabulary only (the decode hot path).
+
+        With a draft vocabulary of N tokens the logits are computed over those N rows of the target's lm_head,
+        in ascending token-id order (so "lowest index" tie-breaks equal "lowest token id" ones), and nothing of
+        size V is formed; the N-row weight slice is cached per lm_head weight version. Without one this is
+        :meth:`base_logits` over the full vocabulary.
+
+        Args:
+            hidden: [..., D] drafter hidden states.
+            lm_head: the target's output projection, weight [V, D].
+        Returns:
+            (logits [..., N] fp32, vocab [N] int64 ascending token ids), or (logits [..., V] fp32, None).
+        """
+        w = lm_head.weight
+        if not self.cfg.draft_vocab_size:
+            return F.linear(hidden.to(w.dtype), w).float(), None
+        key = (w.data_ptr(), w._version, w.dtype, w.device, self.draft_vocab.data_ptr(), self.draft_vocab._version)
+        cached = getattr(self, "_draft_rows", None)
+        if cached is None or cached[0] != key:
+            vocab = torch.sort(self.draft_vocab).values
+            cached = (key, vocab, w.index_select(0, vocab.to(w.device)).contiguous())
+            self._draft_rows = cached
+        return F.linear(hidden.to(w.dtype), cached[2]).float(), cached[1]
 
     def base_logits(self, hidden: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:
         """Base logits U = lm_head(H) over the full vocabulary, fp32: hidden [..., D] -> [..., V].

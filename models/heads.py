@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dartree.kernels.gru import gru_cell
+from dartree.models.validate import HEAD_FIELDS, check_fields
 
 
 class CorrectionHead(nn.Module):
@@ -189,7 +190,8 @@ class MarkovHead(_ConfidenceMixin, CorrectionHead):
         hidden_size: D, needed only with ``confidence_head``.
         confidence_head, confidence_with_markov: carry DSpark's confidence head (input [h ; W1[x_prev]] or h).
     Raises:
-        ValueError: ``confidence_head`` without ``hidden_size``.
+        ValueError: ``confidence_head`` without ``hidden_size``, or a hyper-parameter of the wrong type or out of
+            range (``rank`` >= 1, ``vocab_size`` >= 1; :data:`dartree.models.validate.HEAD_FIELDS`), named.
     """
 
     type_name = "markov"
@@ -197,6 +199,9 @@ class MarkovHead(_ConfidenceMixin, CorrectionHead):
     def __init__(self, vocab_size: int, rank: int = 256, hidden_size: int | None = None,
                  confidence_head: bool = False, confidence_with_markov: bool = True):
         super().__init__()
+        check_fields({"vocab_size": vocab_size, "rank": rank, "hidden_size": hidden_size,
+                      "confidence_head": confidence_head, "confidence_with_markov": confidence_with_markov},
+                     HEAD_FIELDS, f"{self.type_name} head: ")
         self.vocab_size, self.rank = int(vocab_size), int(rank)
         self.hidden_size = None if hidden_size is None else int(hidden_size)
         self.w1 = nn.Embedding(self.vocab_size, self.rank)
@@ -361,6 +366,7 @@ class GRUHead(CorrectionHead):
         prefix_len: leading proposals that use the base logits only (Domino default 1).
         embed_dim: D_emb, the token-embedding width (default D).
     Raises:
+        ValueError: a hyper-parameter of the wrong type or out of range (sizes >= 1, ``prefix_len`` >= 0), named.
         RuntimeError: (at use) no embeddings bound.
     """
 
@@ -369,6 +375,9 @@ class GRUHead(CorrectionHead):
     def __init__(self, vocab_size: int, hidden_size: int, emb_dim: int = 256, gru_hidden_dim: int = 1024,
                  prefix_len: int = 1, embed_dim: int | None = None):
         super().__init__()
+        check_fields({"vocab_size": vocab_size, "hidden_size": hidden_size, "emb_dim": emb_dim,
+                      "gru_hidden_dim": gru_hidden_dim, "prefix_len": prefix_len, "embed_dim": embed_dim},
+                     HEAD_FIELDS, "gru head: ")
         self.vocab_size, self.hidden_size = int(vocab_size), int(hidden_size)
         self.emb_dim, self.gru_hidden_dim, self.prefix_len = int(emb_dim), int(gru_hidden_dim), int(prefix_len)
         self.embed_dim = self.hidden_size if embed_dim is None else int(embed_dim)

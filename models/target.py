@@ -4,8 +4,11 @@ This is the only module that touches Hugging Face cache internals (see STYLE.md)
 throughout dartree: N rows, T tokens in one forward, L block length, P proposals per block, M tree nodes
 without the root, V vocabulary, D hidden size, K candidates per depth, S head-state width.
 
-The captured feature for target layer id ``l`` is the output of decoder layer ``l``, which is Hugging Face's
-``hidden_states[l + 1]`` (``hidden_states[0]`` is the embedding output); DFlash, ANCHORS.md section 1.
+The captured feature for target layer id ``l`` is Hugging Face's ``hidden_states[l + 1]`` (``hidden_states[0]``
+is the embedding output): the output of decoder layer ``l``, except for the last layer, whose entry is taken after
+the model's final norm, as z-lab and SpecForge train with (``extract_context_feature``; ANCHORS.md section 1).
+Target logits are the model's own output (its ``forward``), so model-specific scaling such as Granite's
+``logits_scaling`` or a final logit softcap is applied exactly as the model defines it.
 """
 
 from __future__ import annotations
@@ -161,6 +164,16 @@ class Target:
         """The target's (frozen) input embedding, shared with the drafter as in DFlash."""
         return self.model.model.embed_tokens
 
+    def embed(self, ids: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        """Drafter noise embeddings: the raw lookup of the target's embedding matrix, times ``scale``.
+
+        z-lab ``dflash_generate`` (``_raw_input_embeddings``) embeds the block this way, times the drafter's
+        ``input_embedding_scale``; an embedding module's own scale (Gemma3 multiplies by sqrt(D), 8x at D = 64) is
+        not applied. ids [...] int64 -> [..., D] in the target's dtype.
+        """
+        x = torch.nn.functional.embedding(ids.to(self.device), self.embed_tokens.weight)
+        return x if scale == 1.0 else x * scale
+
     @property
     def lm_head(self) -> torch.nn.Linear:
         """The target's (frozen) output projection [V, D], shared with the drafter as in DFlash."""
@@ -193,8 +206,11 @@ class Target:
                 f"with {self.num_layers} layers; choose ids of this target's decoder layers"
             )
         self.layer_ids = ids
+        last, final_norm = self.num_layers - 1, getattr(self.model.model, "norm", None)
         for i in sorted(set(ids)):
-            self._hooks.append(self.model.model.layers[i].register_forward_hook(self._make_hook(i)))
+            # hidden_states[n] (after the last layer) is the final-normed output in Hugging Face models
+            module = final_norm if i == last and final_norm is not None else self.model.model.layers[i]
+            self._hooks.append(module.register_forward_hook(self._make_hook(i)))
 
     def _make_hook(self, idx: int):
         def hook(_module, _inputs, output):
@@ -226,21 +242,19 @@ class Target:
             TargetOutput with fp32 logits and concatenated features.
         """
         self._captured = {}
-        out = self.model.model(
+        out = self.model(
             input_ids=input_ids,
             position_ids=position_ids,
             attention_mask=attention_mask,
             past_key_values=cache,
             use_cache=cache is not None,
+            logits_to_keep=0 if logits_slice is None else logits_slice,  # 0: every position
         )
-        hidden = out.last_hidden_state
-        if logits_slice is not None:
-            hidden = hidden[:, logits_slice]
-        logits = self.model.lm_head(hidden).float()
+        logits = out.logits.float()
         if self.layer_ids:
             feats = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         else:
-            feats = hidden.new_zeros(hidden.shape[:2] + (0,))
+            feats = torch.zeros(input_ids.shape[:2] + (0,), dtype=self.dtype, device=self.device)
         self._captured = {}
         return TargetOutput(logits=logits, features=feats)
 

@@ -135,9 +135,9 @@ def make_source(tmp: Path, fmt: str, *, seed: int = 0, dtype=torch.float32, kind
                    num_anchors=512, markov_rank=R, markov_head_type=kind, enable_confidence_head=confidence,
                    confidence_head_with_markov=True)
         t.update(dspark_tensors(seed, kind, confidence, dtype))
-        g = torch.Generator().manual_seed(seed + 300)
-        t.update({"embed_tokens.weight": torch.randn(VOCAB, D, generator=g).to(dtype),
-                  "lm_head.weight": torch.randn(VOCAB, D, generator=g).to(dtype)})
+        tgt = tiny_target(vocab_size=VOCAB)  # DeepSpec's frozen copies are the target's own tensors
+        t.update({"embed_tokens.weight": tgt.embed_tokens.weight.detach().to(dtype).clone(),
+                  "lm_head.weight": tgt.lm_head.weight.detach().to(dtype).clone()})
     return write_source(tmp / name, cfg, t, shards)
 
 

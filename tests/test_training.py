@@ -258,6 +258,10 @@ def test_sigkill_then_resume_logs_the_same_losses(tmp_path):
     assert all(0 < x < y for x, y in zip(tok, tok[1:]))
     for p, q in zip(c_full, c_cut):
         assert abs(p["holdout_chain_tau"] - q["holdout_chain_tau"]) < 1e-3 and 1 <= p["holdout_chain_tau"] <= 9
+    # each point's training loss is the mean of the logged losses since the previous point; curve.png beside it
+    assert [p["train_loss"] for p in c_full] == pytest.approx([sum(full[i:i + 2]) / 2 for i in (0, 2, 4, 6)], abs=1e-4)
+    assert [p["train_loss"] for p in c_cut] == pytest.approx([p["train_loss"] for p in c_full], abs=1e-3)
+    assert (tmp_path / "full" / "curve.png").read_bytes()[:4] == b"\x89PNG"
     # a longer run may resume; a different recipe may not (the saved state would not fit it)
     longer = _train([*common[:1], "train.max_steps=9", "train.save_every_steps=3", f"output_dir={tmp_path / 'cut'}",
                      "resume=true"], cache)

@@ -14,6 +14,7 @@ complete state or the new complete one, never a half-written one.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import shutil
@@ -50,6 +51,60 @@ def init_distributed() -> tuple[int, int]:
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
                                    verbose=False)
     return dist.get_rank(), dist.get_world_size()
+
+
+_RENDEZVOUS = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _deepspeed_state() -> list[tuple[object, str, object]]:
+    """(module, name, value) of DeepSpeed's module-level process-group caches (``deepspeed.utils.groups``: the
+    cloned world group and the data / model / expert parallel groups; ``deepspeed.comm.comm.cdb``), copied; empty
+    without DeepSpeed. A destroyed process group left in these caches breaks the next ``deepspeed.initialize``
+    in the same process ("Group ... is not registered")."""
+    try:
+        import deepspeed.comm.comm as ds_comm
+        import deepspeed.utils.groups as ds_groups
+    except ImportError:
+        return []
+    out = []
+    for mod in (ds_groups, ds_comm):
+        for name, value in vars(mod).items():
+            if not name.startswith("__") and (value is None or type(value) in (dict, list)):
+                out.append((mod, name, copy.copy(value)))
+    return out
+
+
+@contextlib.contextmanager
+def process_group_scope():
+    """Leave the process as it was found: on exit, a process group created inside the block is destroyed (after a
+    barrier when the block ended normally), DeepSpeed's group caches and the rendezvous variables that
+    :func:`init_distributed` filled in are restored, and so is torch's thread count. A group that existed before
+    the block (a launcher's, or a caller's) is left alone. Lets every CLI ``main`` run repeatedly in one process
+    (notebooks, test harnesses).
+    """
+    had_group = dist.is_available() and dist.is_initialized()
+    env = {k: os.environ.get(k) for k in _RENDEZVOUS}
+    state = [] if had_group else _deepspeed_state()
+    threads = torch.get_num_threads()
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        try:
+            if not had_group and dist.is_available() and dist.is_initialized():
+                if ok:
+                    dist.barrier()  # no rank tears its group down while another still writes or gathers
+                dist.destroy_process_group()
+                for mod, name, value in state:
+                    setattr(mod, name, value)
+        finally:
+            for k, v in env.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
+            torch.set_num_threads(threads)
 
 
 def ds_config(zero_stage: int, grad_accum: int, grad_clip: float) -> dict:

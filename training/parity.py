@@ -40,7 +40,7 @@ def inference_metrics(drafter, head, target, data, cfg, *, k: int = 64) -> tuple
     Anchors are drawn as :func:`~dartree.training.train.evaluate_holdout` draws them, so both see the same blocks.
     """
     from dartree.decode.generate import draft_block
-    from dartree.decode.trees import candidates, expand_frontier
+    from dartree.decode.trees import block_candidates, expand_frontier
     from dartree.models.drafter import DraftCache
     from dartree.training.data import sample_anchors
     from dartree.training.train import _seed
@@ -55,7 +55,7 @@ def inference_metrics(drafter, head, target, data, cfg, *, k: int = 64) -> tuple
         anchors = sample_anchors(plen, s, cfg.train.num_anchors, torch.Generator().manual_seed(_seed(1234, i)))
         for a in anchors.tolist():
             block = draft_block(target, drafter, int(tokens[a]), a, feats[:a].float(), DraftCache(1))
-            ids, vals = candidates(block.base_logits, k)
+            ids, vals = block_candidates(block, k)
             state = head.init_state(tokens[a : a + 1])
             run, leading = 1, True
             for j in range(p_len):

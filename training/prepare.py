@@ -15,7 +15,6 @@ import time
 from omegaconf import DictConfig
 
 from dartree.models.drafter import build_target_layer_ids
-from dartree.models.target import load_target
 from dartree.training.recipe import RecipeError, load_recipe
 
 
@@ -25,10 +24,12 @@ def prepare(cfg: DictConfig) -> dict:
     Raises:
         RecipeError: invalid recipe values (for example layer ids outside the target).
     """
-    from dartree.training.train import _dtype, prepare_data
+    from dartree.training.checks import check_against_target
+    from dartree.training.train import _dtype, load_recipe_target, prepare_data
 
     t0 = time.time()
-    target = load_target(cfg.target.path, dtype=_dtype(cfg.target.dtype))
+    target = load_recipe_target(cfg.target.path, _dtype(cfg.target.dtype))
+    check_against_target(cfg, target)
     d = cfg.drafter
     layer_ids = list(d.target_layer_ids) or build_target_layer_ids(target.num_layers, d.num_target_features)
     try:

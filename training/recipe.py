@@ -144,7 +144,8 @@ def load_recipe(args: list[str]) -> DictConfig:
     Returns:
         The merged, resolved, struct-mode config.
     Raises:
-        RecipeError: no recipe given, recipe file not found, or an unknown / ill-typed key (valid keys listed).
+        RecipeError: no recipe given, recipe file not found, an unknown / ill-typed key (valid keys listed), or a
+            value out of its range (``dartree.training.checks.RECIPE_FIELDS``: key, value and range named).
     """
     cli = OmegaConf.from_dotlist(list(args))
     name = cli.get("recipe")
@@ -195,4 +196,7 @@ def load_recipe(args: list[str]) -> DictConfig:
         raise RecipeError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {schema.deepspeed.zero_stage}")
     if schema.data.source not in ("sharegpt", "random"):
         raise RecipeError(f"data.source {schema.data.source!r} is unknown; use 'sharegpt' or 'random'")
+    from dartree.training.checks import check_recipe
+
+    check_recipe(schema)  # every numeric field in range, no combination that trains nothing (one line, named)
     return schema

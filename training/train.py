@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
+from dartree.decode.report import plot_curve_file
 from dartree.models.checkpoint import cast_floats, write_folder_atomically
 from dartree.models.drafter import BlockAttention, DFlashDrafter, DrafterConfig, build_target_layer_ids
 from dartree.models.heads import build_head
@@ -55,6 +56,19 @@ def _dtype(name: str) -> torch.dtype:
     if name not in _DTYPES:
         raise RecipeError(f"unknown dtype {name!r}; use one of {sorted(_DTYPES)}")
     return _DTYPES[name]
+
+
+def load_recipe_target(path: str, dtype: torch.dtype) -> Target:
+    """:func:`~dartree.models.target.load_target` for a recipe's ``target.path``.
+
+    Raises:
+        RecipeError: the target cannot be loaded (missing folder, no config.json, a missing package), named.
+    """
+    try:
+        return load_target(path, dtype=dtype)
+    except (OSError, RuntimeError, ValueError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise RecipeError(f"target.path={path!r} cannot be loaded: {reason}") from None
 
 
 def build_models(cfg: DictConfig, target: Target):
@@ -134,7 +148,7 @@ def prepare_data(cfg: DictConfig, target: Target) -> BlockData:
         code_fraction=cfg.data.code_fraction,
     )
     gen_dtype = _dtype(cfg.target.gen_dtype)
-    gen_target = target if gen_dtype == target.dtype else load_target(cfg.target.path, dtype=gen_dtype)
+    gen_target = target if gen_dtype == target.dtype else load_recipe_target(cfg.target.path, gen_dtype)
     if cfg.data.source == "sharegpt":
         responses = regenerate_responses(gen_target, spec)
     elif cfg.data.source == "random":
@@ -226,8 +240,7 @@ def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: D
     block = torch.full((a, L), dc.mask_token_id, dtype=torch.long)
     block[:, 0] = tokens[anchors]
     q_pos = (anchors[:, None] + torch.arange(L)).reshape(1, -1)
-    embed = target.embed_tokens
-    x = embed(block.reshape(1, -1)).to(torch.float32)
+    x = target.embed(block.reshape(1, -1)).to(torch.float32)  # raw lookup, as z-lab embeds the block
     mask = BlockAttention.from_anchors(anchors, s, L)  # = block_attention_mask, over each block's own keys
     lc = cfg.loss
     bf16 = bool(cfg.train.bf16)
@@ -391,7 +404,11 @@ def run(cfg: DictConfig) -> dict:
         save_resume,
     )
 
+    from dartree.training.checks import check_against_target, check_output_dir, check_recipe
+
     t_start = time.time()
+    check_recipe(cfg)  # also here: a config built or edited in Python after load_recipe
+    check_output_dir(cfg.output_dir)
     rank, world = init_distributed()
     main_rank = rank == 0
     if cfg.train.threads:
@@ -401,7 +418,8 @@ def run(cfg: DictConfig) -> dict:
                           f"processes ({world})")
     torch.manual_seed(cfg.seed)
     out_dir = Path(cfg.output_dir)
-    target = load_target(cfg.target.path, dtype=_dtype(cfg.target.dtype))
+    target = load_recipe_target(cfg.target.path, _dtype(cfg.target.dtype))
+    check_against_target(cfg, target)  # layer ids, mask id, vocabulary sizes: before the data stage
     if cfg.init_from:
         drafter, head = load_init(cfg.init_from, target, cfg)
         if main_rank:
@@ -523,9 +541,11 @@ def run(cfg: DictConfig) -> dict:
 
     def add_point(hold: dict) -> None:
         if hold and (not curve or curve[-1]["step"] != step):
+            since = losses[(curve[-1]["step"] if curve else 0):step]  # training losses since the previous point
             curve.append({"step": step, "train_tokens": seen_tokens, "sequences": step * sps,
                           "distinct_sequences": len(seen), "holdout_chain_tau": round(hold["holdout_chain_tau"], 4),
-                          "holdout_tf_tau": round(hold["holdout_tf_tau"], 4)})
+                          "holdout_tf_tau": round(hold["holdout_tf_tau"], 4),
+                          **({"train_loss": round(sum(since) / len(since), 4)} if since else {})})
 
     def curve_point() -> None:
         engine.eval()
@@ -535,6 +555,7 @@ def run(cfg: DictConfig) -> dict:
         add_point(hold)
         if hold and main_rank:
             _write_json(out_dir / "curve.json", curve)
+            plot_curve_file(curve, out_dir / "curve.png", cfg.recipe)  # a plotting problem only warns
 
     kill_at = int(os.environ.get("DARTREE_KILL_AT_STEP", "0"))  # tests: SIGKILL after this step
     engine.train()
@@ -640,6 +661,8 @@ def run(cfg: DictConfig) -> dict:
                                   "train_acc_per_pos", "train_tf_tau", "holdout_acc_per_pos", "holdout_tf_tau",
                                   "holdout_chain_tau", "steps", "train_tokens", "train_sequences")})):
             _write_json(out_dir / name, payload)
+        if curve:
+            plot_curve_file(curve, out_dir / "curve.png", cfg.recipe)  # a plotting problem only warns
     if wb is not None:
         wb.finish()
     print(
@@ -654,7 +677,9 @@ def run(cfg: DictConfig) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point (``dartree-train``). Returns the exit status (2 for a recipe error)."""
+    """Console entry point (``dartree-train``). Returns the exit status (2 for a recipe error, printed as one
+    line). Callable repeatedly in one process: it leaves no process group, rendezvous variable or thread setting
+    behind (:func:`dartree.training.engine.process_group_scope`)."""
     args = sys.argv[1:] if argv is None else argv
     # the deepspeed launcher passes --local_rank=N (torchrun sets LOCAL_RANK instead)
     args = [a for a in args if not a.startswith("--local_rank") and not a.startswith("--local-rank")]
@@ -668,16 +693,16 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if os.environ.get("RANK", "0") == "0":
         print(OmegaConf.to_yaml(cfg), flush=True)
-    try:
-        run(cfg)
-    except RecipeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    finally:
-        if dist.is_initialized():  # leave the process group cleanly (gloo/shm teardown at exit can abort)
-            if sys.exc_info()[0] is None:
-                dist.barrier()  # no rank tears its group down while another still writes or gathers
-            dist.destroy_process_group()
+    from dartree.training.engine import process_group_scope
+
+    # the scope tears down the process group this call created (gloo/shm teardown at exit can abort) and every
+    # other process-wide setting, so main can run again in the same process
+    with process_group_scope():
+        try:
+            run(cfg)
+        except RecipeError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     return 0
 
 

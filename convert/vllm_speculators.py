@@ -1,0 +1,291 @@
+"""vLLM's ``speculators`` drafter format (the ``speculators`` package 0.9.0, ``dflash`` and ``dspark``): one
+reader/writer pair in the format registry of :mod:`dartree.convert.formats`.
+
+Facts (read from speculators 0.9.0 ``config.py``, ``models/dflash/{config,core}.py``, ``models/dspark/*``,
+``model.py``; ANCHORS.md section 9):
+
+- config.json: ``speculators_model_type`` (``dflash`` | ``dspark``; ``dflash2`` is refused by name),
+  ``architectures`` (``DFlashSpeculator`` | ``DSparkSpeculator``), ``transformer_layer_config`` (a Qwen3 config of
+  the draft layers, verifier vocabulary), ``draft_vocab_size``, ``block_size``, ``aux_hidden_state_layer_ids`` =
+  dartree ``target_layer_ids`` + 1 (speculators indexes Hugging Face ``hidden_states`` directly),
+  ``mask_token_id``, ``target_hidden_size``, ``sliding_window_non_causal``, ``sample_from_anchor`` (true: all B
+  block positions are proposals, dartree ``proposal_offset`` 0; false: positions 1..B-1, offset 1), and
+  ``speculators_config`` {``algorithm``, ``proposal_methods`` [greedy with ``speculative_tokens`` = B or B-1],
+  ``default_proposal_method``, ``verifier`` {``name_or_path``, ``architectures``}}. dspark adds
+  ``markov_rank`` (default 256), ``markov_head_type`` (vanilla | gated | rnn), ``enable_confidence_head``
+  (default true), ``confidence_head_with_markov`` (default true); its ``sample_from_anchor`` defaults to true,
+  dflash's to false. vLLM requires ``speculative_tokens``, ``verifier.name_or_path``, ``transformer_layer_config``,
+  ``aux_hidden_state_layer_ids`` and ``mask_token_id``.
+- tensors: z-lab's layer names (``layers.{i}.self_attn.*``, ``layers.{i}.mlp.*``, ``fc``, ``hidden_norm``,
+  ``norm``), DSpark's ``markov_head.{markov_w1,markov_w2,gate_proj,joint_proj}.*`` and ``confidence_head.proj.*``.
+  ``embed_tokens`` / ``verifier_lm_head`` / ``verifier_norm`` are never saved (reloaded from the verifier); a
+  full-vocabulary ``lm_head`` is not saved either. A reduced vocabulary of N < V tokens is ``lm_head.weight``
+  [N, D] (the verifier's rows), ``d2t`` [N] int64 (target id = i + d2t[i]), ``t2d`` [V] bool and
+  ``markov_head.markov_w2.weight`` [N, R]. dartree's ``backbone.draft_vocab`` expresses exactly this (its base
+  logits use the target's lm_head rows and are -inf elsewhere); rows of dartree's full ``w2`` outside the draft
+  vocabulary never reach a logit and are written as zeros on import.
+
+Sliding-window layers (the speculators trainer's default: every layer ``sliding_attention``, window 2048, causal
+inside the block unless ``sliding_window_non_causal``) are refused by name: dartree drafters attend over the whole
+context and bidirectionally inside the block.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dartree.convert import formats as F
+from dartree.models.checkpoint import CheckpointError, dartree_config, expected_tensors
+
+NAME = "speculators"
+_TYPES = {"dflash": "DFlashSpeculator", "dspark": "DSparkSpeculator"}
+# Field defaults of speculators 0.9.0's config classes (DFlashSpeculatorConfig / DSparkSpeculatorConfig); used only
+# when the package is not importable (tests pin them against the classes).
+DEFAULTS = {
+    "dflash": {"sample_from_anchor": False, "sliding_window_non_causal": False},
+    "dspark": {"sample_from_anchor": True, "sliding_window_non_causal": False, "markov_rank": 256,
+               "markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True},
+}
+_DROPPED = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+
+
+def _validated(config: dict) -> dict:
+    """The config's fields after speculators' own validation and defaults (its pydantic config classes) when the
+    package is importable, else the dict with :data:`DEFAULTS` filled in.
+
+    Raises:
+        CheckpointError: speculators rejects the config (its message quoted).
+    """
+    kind = config.get("speculators_model_type")
+    try:
+        from speculators import SpeculatorModelConfig
+    except ImportError:
+        return {**DEFAULTS.get(kind, {}), **config}
+    try:
+        cfg = SpeculatorModelConfig.from_dict(dict(config))
+    except Exception as exc:  # pydantic ValidationError, ValueError: report speculators' own words
+        raise CheckpointError(f"speculators rejects this config.json: {str(exc).splitlines()[0]}") from None
+    out = dict(cfg.model_dump())
+    out["transformer_layer_config"] = dict(config.get("transformer_layer_config") or {})
+    return out
+
+
+def _head_names(head_type: str) -> dict[str, str]:
+    """dartree head tensor name (without ``head.``) -> speculators name, for the DSpark heads."""
+    return F._HEAD_NAMES["dspark"] if head_type != "identity" else {}
+
+
+def _published(name: str, head_type: str) -> str:
+    if name.startswith("backbone."):
+        return F.published_name(name, "zlab-dflash")
+    return _head_names(head_type)[name[len("head."):]]
+
+
+def detect(config: dict, names: set[str]) -> str | None:
+    """The reason ``config`` is a speculators checkpoint (``speculators_model_type`` present), else None.
+
+    Raises:
+        CheckpointError: a speculators type dartree does not read (``dflash2``, ``eagle3``, ...), named.
+    """
+    kind = config.get("speculators_model_type")
+    if kind is None:
+        return None
+    if kind not in _TYPES:
+        what = "DFlash 2 (grouped dynamic convolutions, candidate selector)" if kind == "dflash2" else repr(kind)
+        raise CheckpointError(f"detected a vLLM speculators checkpoint of type {kind!r}; dartree reads speculators "
+                              f"dflash and dspark only, not {what}")
+    return f"speculators_model_type={kind!r}"
+
+
+def read(config: dict, given: dict, where, target=None) -> tuple[dict, dict]:
+    """Reader: a speculators dflash / dspark checkpoint -> (dartree config, tensors by dartree name).
+
+    Args:
+        config: config.json. given: published name -> tensor. where: for messages. target: optional
+            :class:`~dartree.models.target.Target`; when given, a reduced ``lm_head`` must equal its rows.
+    Raises:
+        CheckpointError: another type, sliding-window layers, an inconsistent ``d2t`` / ``t2d``, a missing,
+            unexpected or mis-shaped tensor (named), or (with ``target``) a drafter copy that differs from it.
+    """
+    cfg_path = f"{where}/config.json"
+    if detect(config, set()) is None:
+        raise CheckpointError(f"{cfg_path}: no speculators_model_type; not a speculators checkpoint")
+    v = _validated(config)
+    kind = v["speculators_model_type"]
+    tl = dict(v.get("transformer_layer_config") or {})
+    if tl.get("model_type", "qwen3") != "qwen3":
+        raise CheckpointError(f"{cfg_path}: transformer_layer_config.model_type {tl['model_type']!r} is not "
+                              "supported; dartree drafters are Qwen3 layers")
+    if any(t != "full_attention" for t in F.effective_layer_types(tl)):
+        raise CheckpointError(
+            f"{cfg_path}: transformer_layer_config has sliding_attention layers (window "
+            f"{tl.get('sliding_window')}, sliding_window_non_causal={v.get('sliding_window_non_causal')}; the "
+            "speculators trainer's default), which dartree does not support: its drafters attend over the whole "
+            "context and bidirectionally inside the block; retrain with full_attention layers")
+    aux = v.get("aux_hidden_state_layer_ids")
+    if not aux or any(int(a) < 1 for a in aux):
+        raise CheckpointError(f"{cfg_path}: aux_hidden_state_layer_ids {aux!r} must name decoder-layer outputs "
+                              "(>= 1; 0 is the embedding output, which dartree does not capture)")
+    if v.get("mask_token_id") is None:
+        raise CheckpointError(f"{cfg_path}: mask_token_id is null; vLLM requires it: write the MASK id the drafter "
+                              "was trained with into config.json")
+    vocab = int(tl["vocab_size"])
+    n_draft = int(v.get("draft_vocab_size") or vocab)
+    pseudo = {**tl, "block_size": int(v["block_size"]),
+              "dflash_config": {"mask_token_id": int(v["mask_token_id"]), "target_layer_ids": [int(a) - 1 for a in aux]}}
+    parsed = F.parse_config(pseudo, "zlab-dflash", cfg_path, target=target)
+    drafter = dict(parsed.drafter, proposal_offset=0 if v.get("sample_from_anchor") else 1)
+    if n_draft != vocab:
+        drafter["draft_vocab_size"] = n_draft
+    head = {"type": "identity"}
+    if kind == "dspark" and int(v.get("markov_rank") or 0) > 0:
+        spark = {"markov_rank": v["markov_rank"], "markov_head_type": v.get("markov_head_type", "vanilla"),
+                 "enable_confidence_head": bool(v.get("enable_confidence_head")),
+                 "confidence_head_with_markov": bool(v.get("confidence_head_with_markov"))}
+        head = F._dspark_head({"dflash_config": spark}, cfg_path, "specforge-dspark", vocab, drafter["hidden_size"])
+    elif kind == "dspark" and v.get("enable_confidence_head"):
+        raise CheckpointError(f"{cfg_path}: a confidence head without a Markov head (markov_rank 0) is not supported "
+                              "by dartree")
+    ident = {"name": (v.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") or "(unknown; speculators source)",
+             "vocab_size": vocab, "hidden_size": drafter["hidden_size"], "num_layers": None}
+    out = dartree_config(drafter, head, ident, {"source_format": NAME, "source": str(where),
+                                                "speculators_model_type": kind})
+    want = expected_tensors(out, cfg_path)
+    given = dict(given)
+    tensors, dropped = {}, []
+    ids = None
+    if n_draft != vocab:
+        for name, shape, dtype in (("d2t", (n_draft,), torch.int64), ("t2d", (vocab,), torch.bool)):
+            if name not in given:
+                raise CheckpointError(f"{where}: missing tensor {name!r} (expected shape {list(shape)}): "
+                                      f"draft_vocab_size {n_draft} < vocab {vocab} needs the vocabulary mapping")
+            if tuple(given[name].shape) != shape:
+                raise CheckpointError(f"{where}: tensor {name!r} has shape {list(given[name].shape)}, expected {list(shape)}")
+        ids = torch.arange(n_draft) + given.pop("d2t").long()
+        t2d = given.pop("t2d").bool()
+        if (ids.unique().numel() != n_draft or int(ids.min()) < 0 or int(ids.max()) >= vocab
+                or int(t2d.sum()) != n_draft or not bool(t2d[ids].all())):
+            raise CheckpointError(f"{where}: d2t and t2d do not describe one set of {n_draft} distinct target ids "
+                                  f"in [0, {vocab}) (t2d marks {int(t2d.sum())}); the mapping is corrupt")
+        tensors["backbone.draft_vocab"] = ids
+        lm = given.pop("lm_head.weight", None)
+        if lm is None:
+            raise CheckpointError(f"{where}: missing tensor 'lm_head.weight' (expected shape "
+                                  f"[{n_draft}, {drafter['hidden_size']}]): a reduced vocabulary stores its lm_head rows")
+        F.check_copy_of_target("lm_head.weight", lm, target, where, rows=ids)
+        dropped.append("lm_head.weight")
+    for name in _DROPPED + (("lm_head.weight",) if n_draft == vocab else ()):
+        if name in given:
+            t = given.pop(name)
+            if name != "verifier_norm.weight":
+                F.check_copy_of_target(name.removeprefix("verifier_"), t, target, where)
+            dropped.append(name)
+    for name, shape in want.items():
+        if name == "backbone.draft_vocab":
+            continue
+        pub = _published(name, head["type"])
+        if pub not in given:
+            raise CheckpointError(f"{where}: missing tensor {pub!r} (expected shape {list(shape)})")
+        t = given.pop(pub)
+        if name == "head.w2.weight" and ids is not None:
+            if tuple(t.shape) != (n_draft, shape[1]):
+                raise CheckpointError(f"{where}: tensor {pub!r} has shape {list(t.shape)}, expected [{n_draft}, {shape[1]}]")
+            full = torch.zeros(shape, dtype=t.dtype)
+            full[ids] = t
+            t = full
+        elif tuple(t.shape) != tuple(shape):
+            raise CheckpointError(f"{where}: tensor {pub!r} has shape {list(t.shape)}, expected {list(shape)}")
+        tensors[name] = t
+    if given:
+        extra = sorted(given)
+        raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all)")
+    if dropped:
+        out["provenance"]["dropped"] = sorted(dropped)
+    return out, tensors
+
+
+def write(config: dict, tensors: dict, target=None) -> tuple[dict, dict]:
+    """Writer: a dartree checkpoint -> (speculators config.json dict, tensors by speculators name).
+
+    ``identity`` heads become ``dflash``, ``markov`` / ``gated_markov`` / ``rnn`` become ``dspark``;
+    ``sample_from_anchor`` = (proposal_offset == 0); the verifier is ``target`` when given (its folder, so
+    speculators' ``from_pretrained`` reloads the embedding, heads and norm from it), else the recorded target name.
+    The config is built and validated through speculators' own config classes when the package is importable.
+
+    Raises:
+        CheckpointError: a head speculators has no form for (``gru``), q/k norm off, or a reduced draft
+            vocabulary without ``target`` (its lm_head rows must be written).
+    """
+    d, head, ident = config["drafter"], config["head"], config.get("target", {})
+    htype = head.get("type")
+    if htype not in ("identity", "markov", "gated_markov", "rnn"):
+        raise CheckpointError(f"head type {htype!r} cannot be exported as speculators (it carries dflash: identity, "
+                              "dspark: markov / gated_markov / rnn); choose --to specforge-domino")
+    if not d.get("qk_norm", False):
+        raise CheckpointError("the drafter has qk_norm=false but speculators drafters are Qwen3 layers with "
+                              "q_norm/k_norm; only drafters trained with drafter.qk_norm=true export")
+    kind = "dflash" if htype == "identity" else "dspark"
+    vocab = int(ident.get("vocab_size") or head.get("vocab_size"))
+    n_draft = int(d.get("draft_vocab_size") or 0) or vocab
+    sfa = d["proposal_offset"] == 0
+    block = int(d["block_size"])
+    tcfg = getattr(target, "config", None)
+    verifier = str(getattr(tcfg, "_name_or_path", "") or getattr(target, "name", "") or ident.get("name") or "")
+    archs = list(getattr(tcfg, "architectures", None) or [])
+    tl = {"model_type": "qwen3", "vocab_size": vocab, "hidden_size": d["hidden_size"],
+          "intermediate_size": d["intermediate_size"], "num_hidden_layers": d["num_layers"],
+          "num_attention_heads": d["num_heads"], "num_key_value_heads": d["num_kv_heads"], "head_dim": d["head_dim"],
+          "rms_norm_eps": d["rms_norm_eps"], "rope_theta": d["rope_theta"], "attention_bias": False,
+          "hidden_act": "silu", "tie_word_embeddings": False, "use_sliding_window": False,
+          "layer_types": ["full_attention"] * d["num_layers"]}
+    out = {
+        "speculators_model_type": kind, "architectures": [_TYPES[kind]], "transformer_layer_config": tl,
+        "draft_vocab_size": n_draft, "block_size": block,
+        "aux_hidden_state_layer_ids": [int(i) + 1 for i in d["target_layer_ids"]],
+        "mask_token_id": int(d["mask_token_id"]), "target_hidden_size": d["hidden_size"],
+        "sliding_window_non_causal": False, "sample_from_anchor": sfa,
+        "speculators_config": {"algorithm": kind,
+                               "proposal_methods": [{"proposal_type": "greedy",
+                                                     "speculative_tokens": block if sfa else block - 1}],
+                               "default_proposal_method": "greedy",
+                               "verifier": {"name_or_path": verifier, "architectures": archs}},
+    }
+    if kind == "dspark":
+        out.update(markov_rank=int(head["rank"]), markov_head_type=F._DSPARK_HEADS[htype],
+                   enable_confidence_head=bool(head.get("confidence_head", False)),
+                   confidence_head_with_markov=bool(head.get("confidence_with_markov", True)))
+    try:
+        from speculators import SpeculatorModelConfig
+    except ImportError:
+        SpeculatorModelConfig = None
+    if SpeculatorModelConfig is not None:
+        import json
+
+        try:
+            out = json.loads(SpeculatorModelConfig.from_dict(out).to_json_string(use_diff=True))
+        except Exception as exc:  # pydantic ValidationError: speculators' own words
+            raise CheckpointError(f"speculators rejects the exported config: {str(exc).splitlines()[0]}") from None
+    mapped = {}
+    ids = None
+    if n_draft != vocab:
+        if target is None:
+            raise CheckpointError(f"the drafter drafts over a reduced vocabulary of {n_draft} tokens; speculators "
+                                  "stores that vocabulary's lm_head rows, so pass --target with the target's folder")
+        ids, _ = torch.sort(tensors["backbone.draft_vocab"].long())
+        mapped["d2t"] = (ids - torch.arange(n_draft)).to(torch.int64)
+        t2d = torch.zeros(vocab, dtype=torch.bool)
+        t2d[ids] = True
+        mapped["t2d"] = t2d
+        dtype = tensors["backbone.fc.weight"].dtype
+        mapped["lm_head.weight"] = target.lm_head.weight.detach()[ids.to(target.lm_head.weight.device)].to(dtype).cpu()
+    for name, t in tensors.items():
+        if name == "backbone.draft_vocab":
+            continue
+        pub = _published(name, htype)
+        if name == "head.w2.weight" and ids is not None:
+            t = t[ids]
+        mapped[pub] = t.contiguous()
+    return out, mapped
+
+
+F.register_format(F.FormatPair(name=NAME, detect=detect, read=read, write=write))

@@ -1,0 +1,235 @@
+"""Round-cost benchmark: where one speculative round spends its time, in units of one AR step.
+
+``python decode/bench.py [--tree chain pruned] [--budget 2 4 8 16] [--dtype float32 bfloat16] [--profile]``
+
+For every dtype the target (and drafter) is loaded once and, in that one process:
+
+1. the AR step t_AR (ms per token of plain greedy decoding, prefill excluded) is measured over the prompts;
+2. the verify cost curve t_verify(M) is measured for M+1 = 1, 2, 5, 9, 17, 33, 65 tree tokens (a chain of M
+   draft tokens after the root, on a context of ``--context`` tokens; median of ``--reps`` forwards, the cache
+   rolled back after each), with its ratio to t_AR;
+3. every method x budget decodes the prompts; per round it reports ms per stage (draft, tree_build,
+   tree_compile, verify, commit) and each as a multiple of t_AR, tau, speedup over AR, and the break-even
+   tau = t_round / t_AR (the acceptance length at which the method would match AR).
+
+speedup = tau x t_AR / t_round (PERFORMANCE.md). ``--profile`` adds a torch.profiler table of the ops of one
+method's decoding. Results go to ``--out`` (JSON, written atomically). Run it alone: the figures depend on what
+else the machine runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from dartree.decode.generate import STAGES, autoregressive_generate, speculative_generate
+from dartree.decode.prompts import DATASETS, load_prompts
+from dartree.decode.trees import BUILDERS, Tree
+from dartree.decode.verify import compile_tree
+from dartree.models.target import DEFAULT_TARGET, compact_cache
+
+REPO = Path(__file__).resolve().parents[1]
+VERIFY_SIZES = (1, 2, 5, 9, 17, 33, 65)
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Command-line options (argparse); ``--help`` lists every default."""
+    ap = argparse.ArgumentParser(prog="dartree-bench", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--tree", nargs="+", default=["chain", "pruned"], help="methods (registered tree builders)")
+    ap.add_argument("--budget", type=int, nargs="+", default=[2, 4, 8, 16],
+                    help="budgets B for tree builders (chain runs once, with its full length), or 'auto' via --auto")
+    ap.add_argument("--auto", action="store_true", help="also run every tree method with --budget auto")
+    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=sorted(_DTYPES))
+    ap.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "dspark_b16"))
+    ap.add_argument("--target", default=DEFAULT_TARGET)
+    ap.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
+    ap.add_argument("--limit", type=int, default=1, help="prompts per dataset")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--context", type=int, default=400, help="context tokens for the verify cost curve")
+    ap.add_argument("--reps", type=int, default=5, help="forwards per verify size (median)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    ap.add_argument("--profile", action="store_true", help="torch.profiler table of the first method's decoding")
+    ap.add_argument("--out", default="reports/decode-bench.json")
+    return ap.parse_args(argv)
+
+
+@torch.no_grad()
+def verify_curve(target, context_ids: list[int], sizes=VERIFY_SIZES, reps: int = 5) -> dict[int, float]:
+    """Median seconds of one tree-verify forward of ``T`` = M+1 tokens (a chain of M nodes) after ``context_ids``.
+
+    Args:
+        target: a :class:`dartree.models.target.Target`.
+        context_ids: committed token ids already in the cache (prefilled once here).
+        sizes: token counts T >= 1 (root included).
+        reps: forwards per size; the cache is rolled back to the context after each.
+    Returns:
+        {T: seconds} (median over ``reps`` after one warm-up forward).
+    Raises:
+        ValueError: an empty context or a size < 1.
+    """
+    if not context_ids:
+        raise ValueError("verify_curve needs a non-empty context")
+    if min(sizes) < 1:
+        raise ValueError(f"verify sizes must be >= 1 (root included), got {sorted(sizes)}")
+    cache = target.new_cache()
+    start = len(context_ids) - 1
+    target.forward(torch.tensor([context_ids[:-1]], device=target.device), cache=cache, logits_slice=slice(-1, None))
+    out = {}
+    for t in sizes:
+        m = t - 1
+        tree = Tree(torch.full((m,), int(context_ids[-1]), dtype=torch.long), torch.arange(m, dtype=torch.long),
+                    torch.arange(1, m + 1, dtype=torch.long), torch.zeros(m))
+        inp = compile_tree(tree, int(context_ids[-1]), start, dtype=target.dtype, device=target.device)
+        times = []
+        for r in range(reps + 1):
+            t0 = time.perf_counter()
+            target.forward(inp.input_ids, position_ids=inp.position_ids, attention_mask=inp.attention_mask, cache=cache)
+            dt = time.perf_counter() - t0
+            compact_cache(cache, start, torch.zeros(0, dtype=torch.long))
+            if r:
+                times.append(dt)
+        out[t] = statistics.median(times)
+    return out
+
+
+def round_costs(stats_list, t_ar: float) -> dict:
+    """Per-round stage costs of several decodes of one method.
+
+    Args:
+        stats_list: ``DecodeStats`` of the decodes.
+        t_ar: seconds of one AR step (same process).
+    Returns:
+        dict with ``rounds``, ``tau``, ``<stage>_ms`` and ``<stage>_ar`` per stage, ``round_ms``, ``round_ar``
+        (= the break-even tau), ``tokens_per_s`` and ``predicted_speedup`` = tau x t_AR / t_round.
+    """
+    rounds = sum(s.rounds for s in stats_list)
+    committed = sum(sum(s.accept_lengths) for s in stats_list)
+    out = {"rounds": rounds, "tau": committed / rounds if rounds else float("nan")}
+    total = 0.0
+    for st in STAGES:
+        sec = sum(s.stage_s.get(st, 0.0) for s in stats_list) / max(rounds, 1)
+        total += sec
+        out[f"{st}_ms"] = 1000 * sec
+        out[f"{st}_ar"] = sec / t_ar
+    out["round_ms"] = 1000 * total
+    out["round_ar"] = total / t_ar
+    out["break_even_tau"] = total / t_ar
+    dec_tok = sum(max(s.new_tokens - 1, 0) for s in stats_list)
+    dec_s = sum(s.decode_s for s in stats_list)
+    out["tokens_per_s"] = dec_tok / dec_s if dec_s else float("nan")
+    out["speedup"] = out["tokens_per_s"] * t_ar
+    out["mean_tree_nodes"] = (sum(sum(s.tree_nodes) for s in stats_list) / rounds) if rounds else float("nan")
+    return out
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> int:
+    """Console entry point; returns the exit status (2 on bad arguments)."""
+    args = parse_args(argv)
+    bad = [n for n in args.tree if n not in BUILDERS]
+    if bad:
+        print(f"error: unknown --tree {bad}; available: {sorted(BUILDERS)}", file=sys.stderr)
+        return 2
+    if min(args.budget) < 0 or args.limit < 1 or args.max_new_tokens < 2 or args.context < 2 or args.reps < 1:
+        print("error: --budget >= 0, --limit >= 1, --max-new-tokens >= 2, --context >= 2, --reps >= 1", file=sys.stderr)
+        return 2
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    from dartree.models.checkpoint import CheckpointError, load_dartree
+    from dartree.models.target import load_target
+    from dartree.training.data import chat_prompt_ids
+
+    console = Console(width=140)
+    result = {"environment": {"torch": torch.__version__, "threads": torch.get_num_threads(),
+                              "checkpoint": args.checkpoint, "max_new_tokens": args.max_new_tokens}, "dtypes": {}}
+    for dname in args.dtype:
+        dtype = _DTYPES[dname]
+        target = load_target(args.target, dtype=dtype)
+        try:
+            dm = load_dartree(args.checkpoint, target=target, dtype=dtype)
+        except CheckpointError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        target.set_layer_ids(dm.drafter.cfg.target_layer_ids)
+        tok = target.tokenizer
+        stop = [tok.eos_token_id]
+        prompts = [chat_prompt_ids(tok, p.text) for d in args.datasets for p in load_prompts(d, args.limit, 0)]
+        warm = chat_prompt_ids(tok, "Say hello.")
+        autoregressive_generate(target, warm, max_new_tokens=8, stop_ids=stop)
+        ar = [autoregressive_generate(target, ids, max_new_tokens=args.max_new_tokens, stop_ids=stop) for ids in prompts]
+        t_ar = sum(o.stats.decode_s for o in ar) / max(1, sum(o.stats.new_tokens - 1 for o in ar))
+        # context for the verify curve: a prompt followed by its AR continuation, cut to --context tokens
+        ctx = (prompts[0] + ar[0].tokens + prompts[-1] * 8)[: args.context]
+        curve = verify_curve(target, ctx, reps=args.reps)
+        entry = {"t_ar_ms": 1000 * t_ar, "verify_ms": {t: 1000 * s for t, s in curve.items()},
+                 "verify_ar": {t: s / t_ar for t, s in curve.items()}, "methods": {}}
+        table = Table(title=f"{dname}: verify cost t_verify(M) (context {len(ctx)}); AR step {1000 * t_ar:.1f} ms")
+        table.add_column("M+1 tokens", justify="right")
+        table.add_column("ms", justify="right")
+        table.add_column("x AR step", justify="right")
+        for t, s in curve.items():
+            table.add_row(str(t), f"{1000 * s:.1f}", f"{s / t_ar:.2f}")
+        console.print(table)
+        runs = []
+        for m in args.tree:
+            if m == "chain":
+                runs.append((m, None))
+            else:
+                runs += [(m, b) for b in args.budget]
+                if args.auto:
+                    runs.append((m, "auto"))
+        mt = Table(title=f"{dname}: ms per round by stage (x AR step), tau, speedup, break-even tau")
+        for col in ["method", "B", "tau", "draft", "tree_build", "tree_compile", "verify", "commit", "round",
+                    "break-even tau", "speedup", "nodes"]:
+            mt.add_column(col, justify="right")
+        for m, b in runs:
+            speculative_generate(target, dm.drafter, dm.head, warm, builder=m, max_new_tokens=8, stop_ids=stop, budget=b)
+            outs = []
+            for i, ids in enumerate(prompts):
+                o = speculative_generate(target, dm.drafter, dm.head, ids, builder=m, max_new_tokens=args.max_new_tokens,
+                                         stop_ids=stop, budget=b)
+                if o.tokens != ar[i].tokens and dname == "float32":
+                    console.print(f"[bold red]{m}@{b}: output differs from AR on prompt {i}[/bold red]")
+                outs.append(o.stats)
+            rc = round_costs(outs, t_ar)
+            entry["methods"][f"{m}@{b}" if b is not None else m] = rc
+            mt.add_row(m, str(b if b is not None else dm.drafter.cfg.num_proposals), f"{rc['tau']:.3f}",
+                       *[f"{rc[f'{st}_ms']:.1f} ({rc[f'{st}_ar']:.2f})" for st in STAGES],
+                       f"{rc['round_ms']:.1f} ({rc['round_ar']:.2f})", f"{rc['break_even_tau']:.2f}",
+                       f"{rc['speedup']:.3f}x", f"{rc['mean_tree_nodes']:.1f}")
+        console.print(mt)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            m, b = runs[-1]
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                speculative_generate(target, dm.drafter, dm.head, prompts[0], builder=m, max_new_tokens=64,
+                                     stop_ids=stop, budget=b)
+            text = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+            console.print(f"profile of {m}@{b} (64 tokens):\n{text}")
+            entry["profile_top"] = text
+        result["dtypes"][dname] = entry
+    _atomic_write(Path(args.out), json.dumps(result, indent=1))
+    console.print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Cost-model verification budget (``--budget auto``): choose each round's tree size B for tokens per second.
+
+One speculative round costs t_draft + t_build + t_verify(B + 1) and commits 1 + (accepted drafts) tokens;
+a plain AR step costs t_AR and commits 1. With the tree's own path probabilities as acceptance estimates
+(a node's path score s is a sum of log q~ over its path, so exp(s) estimates the probability that the target
+accepts the whole path; the expected number of accepted drafts of a prefix-closed tree is the sum of exp(s)
+over its nodes), the expected rate of a tree made of the b best nodes is
+
+    rate(b) = (1 + c * sum_{i <= b} exp(s_i)) / t_verify(b + 1)          (draft and build are already paid)
+
+and the round verifies the b* that maximises it (b* = 0 is a plain AR step on the already-drafted round).
+``c`` calibrates the drafter's probabilities online: realised accepted drafts / predicted, over the rounds so
+far (it starts at 1). Before drafting, the round is skipped for a plain AR step (no draft, no tree) when the
+recent drafted rounds promised fewer tokens per second, draft cost included, than AR; a probe round drafts again
+after a run of AR steps that doubles after each probe that did not pay (1, 2, 4 .. 16 steps).
+
+This is the adaptive verification budget that DARTree (arXiv 2608.13524) leaves as future work; it generalises
+DSpark's confidence-scheduled chain length (ANCHORS.md 5b) from a chain to any tree builder. The timings are
+calibrated at start-up with a few forwards (:func:`calibrate`), in the process that decodes.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dartree.decode.trees import Tree
+
+CALIBRATION_SIZES = (1, 2, 3, 5, 9, 17)
+
+
+@dataclass
+class CostModel:
+    """Measured costs of one target/drafter pair and the online acceptance calibration.
+
+    Attributes:
+        t_ar: seconds of one plain AR step (a one-token target forward).
+        t_draft: seconds of one drafter forward with its base logits (draft stage).
+        t_build: seconds of building a tree (a constant per round; measured in the loop, EMA).
+        verify_s: {T: seconds} of a verify forward of T tokens (root included), T ascending, T = 1 first.
+        max_budget: largest tree the policy considers (B_max); the builder drafts at most this many nodes.
+        calib_pred: sum of predicted accepted drafts over verified rounds (for ``c``).
+        calib_real: sum of realised accepted drafts over the same rounds.
+        spec_rate: EMA of the tokens per second a drafted round promised, draft and build included.
+        skip_run: AR steps to take before the next probe; ``skip_left`` of them are left.
+        chosen: histogram {B: rounds} of the budgets chosen (0: AR step), for reports.
+    """
+
+    t_ar: float
+    t_draft: float
+    verify_s: dict
+    max_budget: int = 16
+    t_build: float = 0.0
+    calib_pred: float = 4.0
+    calib_real: float = 4.0
+    spec_rate: float | None = None
+    skip_run: int = 1
+    skip_left: int = 0
+    chosen: dict = field(default_factory=dict)
+
+    def verify_time(self, tokens: int) -> float:
+        """t_verify(T) in seconds for T >= 1 tokens: piecewise-linear in T between measured sizes, linear
+        extrapolation past the largest one."""
+        pts = sorted(self.verify_s.items())
+        if tokens <= pts[0][0]:
+            return pts[0][1]
+        for (t0, s0), (t1, s1) in zip(pts, pts[1:]):
+            if tokens <= t1:
+                return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
+        (t0, s0), (t1, s1) = pts[-2], pts[-1]
+        return s1 + (s1 - s0) * (tokens - t1) / (t1 - t0)
+
+    @property
+    def calibration(self) -> float:
+        """c = realised / predicted accepted drafts over the verified rounds (prior: 1, weight 4 rounds)."""
+        return self.calib_real / max(self.calib_pred, 1e-9)
+
+    def should_draft(self) -> bool:
+        """Whether this round drafts (False: a plain AR step). Updates the skip counters."""
+        if self.spec_rate is None or self.spec_rate >= 1.0 / self.t_ar:
+            self.skip_run = 1
+            return True
+        if self.skip_left > 0:
+            self.skip_left -= 1
+            return False
+        # probe: draft once; if it still does not pay, the next run of AR steps is twice as long
+        self.skip_left = self.skip_run
+        self.skip_run = min(2 * self.skip_run, 16)
+        return True
+
+    def choose(self, tree: Tree, beta: float = 0.0) -> tuple[int, float]:
+        """The budget b* of a built tree (nodes kept = the b* best by ``score + beta * depth``).
+
+        Args:
+            tree: the round's tree built with ``max_budget`` nodes; ``tree.score`` [M] path log-probabilities
+                (nats, <= 0, non-increasing along paths).
+            beta: the builder's depth bonus (<= 0) used to rank nodes, as its own top-B does.
+        Returns:
+            (b*, the expected committed tokens of that tree, calibrated).
+        """
+        m = tree.size
+        c = self.calibration
+        if m == 0:
+            return 0, 1.0
+        adj = tree.score.float() + beta * tree.depth.float()
+        order = torch.sort(adj, descending=True, stable=True).indices
+        gain = torch.cumsum(torch.exp(tree.score.float()[order]).clamp(max=1.0), 0) * c
+        best_b, best_rate, best_exp = 0, 1.0 / self.verify_time(1), 1.0
+        for b in range(1, m + 1):
+            exp_tok = 1.0 + float(gain[b - 1])
+            rate = exp_tok / self.verify_time(b + 1)
+            if rate > best_rate:
+                best_b, best_rate, best_exp = b, rate, exp_tok
+        # what this drafted round promised with its draft and build cost included (for should_draft)
+        spec = best_exp / (self.t_draft + self.t_build + self.verify_time(best_b + 1))
+        self.spec_rate = spec if self.spec_rate is None else 0.5 * self.spec_rate + 0.5 * spec
+        return best_b, best_exp
+
+    def record(self, budget: int, predicted_drafts: float, accepted_drafts: int) -> None:
+        """Account one verified round: the budget used, and predicted vs realised accepted drafts."""
+        self.chosen[budget] = self.chosen.get(budget, 0) + 1
+        if budget > 0:
+            self.calib_pred += predicted_drafts
+            self.calib_real += accepted_drafts
+
+    def observe_build(self, seconds: float) -> None:
+        """Fold one measured tree-build time into ``t_build`` (EMA)."""
+        self.t_build = seconds if self.t_build == 0.0 else 0.8 * self.t_build + 0.2 * seconds
+
+    def summary(self) -> dict:
+        """JSON-ready figures: timings (ms), calibration c and the budget histogram."""
+        return {"t_ar_ms": 1000 * self.t_ar, "t_draft_ms": 1000 * self.t_draft, "t_build_ms": 1000 * self.t_build,
+                "verify_ms": {int(t): 1000 * s for t, s in sorted(self.verify_s.items())},
+                "calibration": self.calibration, "max_budget": self.max_budget,
+                "chosen_budgets": {int(b): n for b, n in sorted(self.chosen.items())}}
+
+
+def prune_to(tree: Tree, budget: int, beta: float = 0.0) -> Tree:
+    """The ``budget`` best nodes of ``tree`` by ``score + beta * depth`` (prefix-closed for beta <= 0 since path
+    scores never increase along a path; DARTree Lemma 1), re-indexed topologically."""
+    from dartree.decode.trees import select_top_b
+
+    return select_top_b(tree, budget, beta)
+
+
+@torch.no_grad()
+def calibrate(target, drafter, context_ids, *, max_budget: int = 16, reps: int = 3) -> CostModel:
+    """Measure t_AR, t_verify(T) for T in :data:`CALIBRATION_SIZES` (and ``max_budget + 1``) and t_draft with a
+    few forwards on ``context_ids`` (medians after one warm-up each), in the calling process.
+
+    Args:
+        target: a :class:`dartree.models.target.Target` whose capture layers are the drafter's.
+        drafter: the :class:`dartree.models.drafter.DFlashDrafter`.
+        context_ids: [T0] committed token ids (T0 >= 2), e.g. the first prompt.
+        max_budget: B_max, the largest tree considered.
+        reps: timed repetitions per size.
+    Returns:
+        A fresh :class:`CostModel`.
+    Raises:
+        ValueError: fewer than 2 context tokens, or max_budget < 1.
+    """
+    from dartree.decode.generate import draft_block
+    from dartree.decode.verify import compile_tree
+    from dartree.models.drafter import DraftCache
+    from dartree.models.target import compact_cache
+
+    ids = [int(t) for t in context_ids]
+    if len(ids) < 2:
+        raise ValueError(f"calibrate needs at least 2 context tokens, got {len(ids)}")
+    if max_budget < 1:
+        raise ValueError(f"max_budget must be >= 1, got {max_budget}")
+    cache = target.new_cache()
+    start = len(ids) - 1
+    out = target.forward(torch.tensor([ids[:-1]], device=target.device), cache=cache, logits_slice=slice(-1, None))
+    feats = out.features[0]
+    sizes = sorted(set(CALIBRATION_SIZES) | {max_budget + 1})
+    verify_s = {}
+    for t in sizes:
+        m = t - 1
+        tree = Tree(torch.full((m,), ids[-1], dtype=torch.long), torch.arange(m, dtype=torch.long),
+                    torch.arange(1, m + 1, dtype=torch.long), torch.zeros(m))
+        times = []
+        for r in range(reps + 1):
+            t0 = time.perf_counter()
+            inp = compile_tree(tree, ids[-1], start, dtype=target.dtype, device=target.device)
+            target.forward(inp.input_ids, position_ids=inp.position_ids, attention_mask=inp.attention_mask, cache=cache)
+            dt = time.perf_counter() - t0
+            compact_cache(cache, start, torch.zeros(0, dtype=torch.long))
+            if r:
+                times.append(dt)
+        verify_s[t] = statistics.median(times)
+    times = []
+    for r in range(reps + 1):
+        dcache = DraftCache(len(drafter.layers))
+        # the steady-state draft: context already cached, a few new positions appended
+        draft_block(target, drafter, ids[-1], start - 2, feats[: start - 2], dcache)
+        t0 = time.perf_counter()
+        draft_block(target, drafter, ids[-1], start, feats[start - 2: start], dcache)
+        dt = time.perf_counter() - t0
+        if r:
+            times.append(dt)
+    return CostModel(t_ar=verify_s[1], t_draft=statistics.median(times), verify_s=verify_s,
+                     max_budget=int(max_budget))
+
+
+def expected_rate(model: CostModel, tau: float, budget: int) -> float:
+    """Tokens per second a method with acceptance length ``tau`` and ``budget`` nodes would reach under the
+    model (a planning aid for reports): tau / (t_draft + t_build + t_verify(budget + 1))."""
+    if budget <= 0:
+        return 1.0 / model.t_ar
+    return tau / (model.t_draft + model.t_build + model.verify_time(budget + 1))
+
+

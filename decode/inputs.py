@@ -1,0 +1,263 @@
+"""Argument checks of the public decode API (``autoregressive_generate``, ``speculative_generate``, the tree
+builders), run once where the arguments enter, before any target forward.
+
+Accepted token-id inputs: a 1-D sequence of Python / numpy integers, a 1-D integer tensor or numpy array [T], or
+a batch of one row (``[1, T]`` tensor or array, ``[[...]]`` list), as Hugging Face ``input_ids`` come. A
+batch of several rows is refused (the decoders run one request at a time). Errors are one line naming the
+argument, what was given and the fix: ``TypeError`` for a wrong type, ``ValueError`` for a wrong shape, size or
+range, ``KeyError`` for an unknown builder name.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Sequence
+
+import torch
+
+from dartree.models.validate import is_int, is_real
+
+
+def _describe(x: Any) -> str:
+    """Type and shape of ``x`` for messages, e.g. ``torch.Tensor [2, 5] torch.int64``."""
+    if isinstance(x, torch.Tensor):
+        return f"a torch.Tensor of shape {list(x.shape)} and dtype {x.dtype}"
+    shape = getattr(x, "shape", None)
+    if shape is not None and hasattr(x, "dtype"):
+        return f"a {type(x).__module__}.{type(x).__name__} of shape {list(shape)} and dtype {x.dtype}"
+    return f"a {type(x).__name__}"
+
+
+def _is_row(x: Any) -> bool:
+    """True for a nested row of ids (a list / tuple, or a tensor / array with at least one dimension)."""
+    return isinstance(x, (list, tuple)) or (hasattr(x, "shape") and hasattr(x, "dtype") and len(x.shape) >= 1)
+
+
+def token_ids(value: Any, name: str, vocab_size: int | None = None, *, allow_empty: bool = False,
+              ordered: bool = True) -> list[int]:
+    """Normalise token ids given as a sequence, tensor or array to a list of ints (see the module docstring).
+
+    Args:
+        value: [T] or [1, T] integer ids (list, tuple, torch tensor on any device, numpy array).
+        name: the argument's name, used in messages.
+        vocab_size: V; every id must lie in [0, V) when given.
+        allow_empty: accept T = 0.
+        ordered: refuse unordered collections (a set or dict): a prompt's order matters, a set of stop ids' not.
+    Returns:
+        list of T ints.
+    Raises:
+        TypeError: a string, a float / bool tensor or entry, or another non-integer input.
+        ValueError: a batch of more than one row, more than 2 dimensions, no ids (unless allowed), or an id
+            outside [0, V).
+    """
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"{name} is a {type(value).__name__}; give token ids (tokenize first: "
+                        "tokenizer(text)['input_ids'] or chat_prompt_ids(tokenizer, text))")
+    if hasattr(value, "shape") and hasattr(value, "dtype") and not isinstance(value, torch.Tensor):
+        try:
+            value = torch.as_tensor(value)  # numpy arrays and other array-likes
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"{name} is {_describe(value)}; give integer token ids") from None
+    if isinstance(value, torch.Tensor):
+        if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
+            raise TypeError(f"{name} is {_describe(value)}; token ids must be an integer tensor (e.g. torch.long)")
+        if value.dim() == 2 and value.shape[0] == 1:
+            value = value[0]
+        elif value.dim() != 1:
+            raise ValueError(f"{name} is {_describe(value)}; give one prompt as [T] or [1, T] (batched decoding is "
+                             "not supported: call once per prompt)")
+        ids = value.detach().cpu().tolist()
+    elif isinstance(value, (set, frozenset, dict)) and ordered:
+        raise TypeError(f"{name} is {_describe(value)}, which has no order; give the token ids as a list")
+    elif isinstance(value, Sequence) or hasattr(value, "__iter__"):
+        ids = list(value)
+        if ids and _is_row(ids[0]):
+            if len(ids) != 1:
+                raise ValueError(f"{name} holds {len(ids)} sequences (a batch); give one prompt as a flat list of "
+                                 "token ids (batched decoding is not supported: call once per prompt)")
+            return token_ids(ids[0], name, vocab_size, allow_empty=allow_empty, ordered=ordered)
+        for i, t in enumerate(ids):
+            if isinstance(t, torch.Tensor) and t.dim() == 0 and not t.is_floating_point() and t.dtype != torch.bool:
+                ids[i] = int(t)
+            elif not is_int(t):
+                raise TypeError(f"{name}[{i}] = {t!r} is {_describe(t)}; token ids must be integers")
+        ids = [int(t) for t in ids]
+    else:
+        raise TypeError(f"{name} is {_describe(value)}; give token ids as a list of ints or an integer tensor")
+    if not ids and not allow_empty:
+        raise ValueError(f"{name} is empty; give at least one token id")
+    if vocab_size is not None:
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"{name} holds id {bad[0]} outside the target's vocabulary [0, {vocab_size}) "
+                             f"({len(bad)} such ids); tokenize with the target's own tokenizer")
+    return ids
+
+
+def _embedding_rows(target) -> int:
+    return int(target.embed_tokens.weight.shape[0])
+
+
+def check_generate_args(target, prompt_ids, *, max_new_tokens, temperature, stop_ids, generator) -> tuple[list, list]:
+    """Check the arguments shared by both decoders; returns (prompt ids [T] as ints, stop ids as ints).
+
+    Args:
+        target: a :class:`~dartree.models.target.Target`.
+        prompt_ids: [T] or [1, T] token ids (see :func:`token_ids`).
+        max_new_tokens: integer >= 0.
+        temperature: finite real >= 0.
+        stop_ids: token ids (any sequence / set / tensor, possibly empty), one int, or None (no stop id).
+        generator: None or a ``torch.Generator`` on the target's device type.
+    Raises:
+        TypeError: ``target`` is not a dartree Target (a Hugging Face model must be wrapped), or an argument has
+            the wrong type (named).
+        ValueError: empty / batched prompt, an id outside the vocabulary, negative max_new_tokens, a negative
+            or non-finite temperature, or a generator on another device type.
+    """
+    from dartree.models.target import Target
+
+    if not isinstance(target, Target):
+        raise TypeError(f"target is {_describe(target)}, not a dartree Target; load it with "
+                        "dartree.models.target.load_target(...) or wrap a model: Target(model, tokenizer, layer_ids)")
+    prompt = token_ids(prompt_ids, "prompt_ids", _embedding_rows(target))
+    if not is_int(max_new_tokens):
+        raise TypeError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    if not is_real(temperature):
+        raise TypeError(f"temperature={temperature!r} must be a real number >= 0 (0: greedy)")
+    if not math.isfinite(float(temperature)) or temperature < 0:
+        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0 (0: greedy)")
+    stop_ids = () if stop_ids is None else stop_ids
+    stops = token_ids([stop_ids] if is_int(stop_ids) else stop_ids, "stop_ids", target.vocab_size, allow_empty=True,
+                      ordered=False)
+    if generator is not None:
+        if not isinstance(generator, torch.Generator):
+            raise TypeError(f"generator is {_describe(generator)}; give a torch.Generator (or None)")
+        if generator.device.type != target.device.type:
+            raise ValueError(f"generator is on {generator.device} but the target samples on {target.device}; "
+                             f"create it there: torch.Generator(device={str(target.device)!r}).manual_seed(seed)")
+    return prompt, stops
+
+
+def check_speculative_args(target, drafter, head, *, builder, budget, builder_params) -> None:
+    """Check the arguments only ``speculative_generate`` takes, before the prefill.
+
+    Args:
+        drafter: a :class:`~dartree.models.drafter.DFlashDrafter` fitting ``target``.
+        head: a :class:`~dartree.models.heads.CorrectionHead` fitting both.
+        builder: a registered tree-builder name.
+        budget: None, ``"auto"`` (the cost-model budget) or an integer >= 0.
+        builder_params: None or a dict of the builders' parameters (``k``, ``width``, ``beta``, ``children``,
+            ``backend``) with valid values.
+    Raises:
+        TypeError: a wrong type (for instance a loaded ``DraftModel`` passed as the drafter), or an unknown
+            builder parameter.
+        KeyError: an unknown builder name (lists the registered ones).
+        ValueError: drafter / head / target mismatch (:func:`dartree.models.validate.check_pairing`), target
+            capture layers that differ from the drafter's, a negative budget or an out-of-range parameter.
+    """
+    from dartree.decode.trees import BUILDERS
+    from dartree.models.drafter import DFlashDrafter
+    from dartree.models.heads import CorrectionHead
+    from dartree.models.validate import check_pairing
+
+    if not isinstance(drafter, DFlashDrafter):
+        hint = "; a loaded checkpoint is passed as dm.drafter, dm.head" if hasattr(drafter, "drafter") else ""
+        raise TypeError(f"drafter is {_describe(drafter)}, not a DFlashDrafter{hint}")
+    if not isinstance(head, CorrectionHead):
+        hint = "; a loaded checkpoint is passed as dm.drafter, dm.head" if hasattr(head, "head") else ""
+        raise TypeError(f"head is {_describe(head)}, not a CorrectionHead (IdentityHead() for plain DFlash){hint}")
+    check_pairing(target, drafter, head)
+    if list(target.layer_ids) != list(drafter.cfg.target_layer_ids):
+        raise ValueError(
+            f"target captures layers {target.layer_ids} but the drafter needs {drafter.cfg.target_layer_ids}; "
+            "call target.set_layer_ids(drafter.cfg.target_layer_ids)"
+        )
+    if not isinstance(builder, str):
+        raise TypeError(f"builder is {_describe(builder)}; give a builder name, one of {sorted(BUILDERS)}")
+    if builder not in BUILDERS:
+        raise KeyError(f"unknown tree builder {builder!r}; available: {sorted(BUILDERS)}")
+    if budget is not None and budget != "auto":
+        if not is_int(budget):
+            raise TypeError(f"budget={budget!r} must be an integer >= 0 (tree nodes per round), 'auto' or None")
+        if budget < 0:
+            raise ValueError(f"budget={budget} must be >= 0 (tree nodes per round; None: one per proposal)")
+    check_builder_params(builder_params)
+
+
+def check_builder_params(params) -> None:
+    """Check tree-builder parameters before the first round (the builders check again when called).
+
+    Args:
+        params: None or a dict with some of ``k`` (int >= 1), ``width`` (int >= 1), ``children`` (int >= 1),
+            ``beta`` (finite real <= 0) and ``backend`` (``auto`` / ``torch`` / ``triton``).
+    Raises:
+        TypeError: not a dict, an unknown key, or a value of the wrong type.
+        ValueError: a value out of range.
+    """
+    from dartree.decode.trees import COMMON_PARAMS
+
+    if params is None:
+        return
+    if not isinstance(params, dict):
+        raise TypeError(f"builder_params is {_describe(params)}; give a dict such as {{'k': 64, 'width': 12}}")
+    unknown = sorted(set(params) - COMMON_PARAMS)
+    if unknown:
+        raise TypeError(f"builder_params has unknown key(s) {unknown}; known: {sorted(COMMON_PARAMS)}")
+    for key in ("k", "width", "children"):
+        if key in params:
+            val = params[key]
+            if not is_int(val):
+                raise TypeError(f"builder_params[{key!r}]={val!r} must be an integer >= 1")
+            if val < 1:
+                raise ValueError(f"builder_params[{key!r}]={val} must be >= 1")
+    if "beta" in params:
+        beta = params["beta"]
+        if not is_real(beta):
+            raise TypeError(f"builder_params['beta']={beta!r} must be a real number <= 0")
+        if not math.isfinite(float(beta)) or beta > 0:
+            raise ValueError(f"builder_params['beta']={beta!r} must be a finite number <= 0 (beta > 0 breaks "
+                             "DARTree's prefix closure)")
+    if "backend" in params and params["backend"] not in ("auto", "torch", "triton"):
+        raise ValueError(f"builder_params['backend']={params['backend']!r}: use 'auto', 'torch' or 'triton'")
+
+
+def check_build_args(block, root_id: int, budget: int, head=None) -> int:
+    """Check a tree builder's positional arguments; returns the budget as an int.
+
+    Args:
+        block: a DraftBlock with ``hidden`` [P, D] float and ``base_logits`` [P, V] float (same P, V >= 1).
+        root_id: the root token, an integer in [0, V).
+        budget: an integer >= 0 (nodes to keep).
+        head: the correction head, if any: its ``vocab_size`` (when it has one) must be >= V and its
+            ``hidden_size`` D.
+    Raises:
+        TypeError: block without ``hidden`` / ``base_logits`` tensors, or a non-integer root_id / budget.
+        ValueError: shapes that do not fit ([P, D] and [P, V]), a head of another vocabulary or width, a root id
+            outside [0, V) or a negative budget.
+    """
+    hid, base = getattr(block, "hidden", None), getattr(block, "base_logits", None)
+    if not isinstance(hid, torch.Tensor) or not isinstance(base, torch.Tensor):
+        raise TypeError(f"block is {_describe(block)}; give a DraftBlock(hidden [P, D], base_logits [P, V])")
+    if base.dim() != 2 or hid.dim() != 2 or hid.shape[0] != base.shape[0] or base.shape[1] < 1:
+        raise ValueError(f"block.hidden {list(hid.shape)} and block.base_logits {list(base.shape)} must be [P, D] "
+                         "and [P, V] with the same P and V >= 1")
+    if not base.is_floating_point() or not hid.is_floating_point():
+        raise TypeError(f"block tensors must be floating point, got hidden {hid.dtype} and base_logits {base.dtype}")
+    hv, hd = getattr(head, "vocab_size", None), getattr(head, "hidden_size", None)
+    if hv is not None and hv < base.shape[1]:
+        raise ValueError(f"head vocab_size {hv} < block.base_logits vocabulary {base.shape[1]}: candidate ids would "
+                         "fall outside the head's tables; use the head trained with this drafter and target")
+    if hd is not None and hd != hid.shape[1]:
+        raise ValueError(f"head hidden_size {hd} != block.hidden width {hid.shape[1]}")
+    if not is_int(root_id):
+        raise TypeError(f"root_id={root_id!r} must be an integer token id")
+    if not 0 <= root_id < base.shape[1]:
+        raise ValueError(f"root_id={root_id} is outside the vocabulary [0, {base.shape[1]})")
+    if not is_int(budget):
+        raise TypeError(f"budget={budget!r} must be an integer >= 0")
+    if budget < 0:
+        raise ValueError(f"budget={budget} must be >= 0 (tree nodes to keep)")
+    return int(budget)
+

@@ -1,0 +1,350 @@
+"""Figures of evaluation reports, redrawn or overlaid; learning-curve pictures.
+
+``dartree-report DIR`` (or ``python decode/report.py DIR``) redraws the figures of one eval report (the
+``report.json`` that ``decode/eval.py`` wrote in DIR) and refreshes the figure section of its ``report.md``.
+``dartree-report DIR DIR ... --out OUT`` overlays several reports (different checkpoints, targets, dtypes or
+runs) in one side-by-side ``OUT/report.md``: tau / speedup tables with a column pair per run, and every figure
+with one line or bar per (run, method), methods named ``RUN/METHOD``.
+``dartree-report --curves RUN_OR_CKPT ... --out curves.png`` draws learning curves (``curve.json`` of a training
+run, ``learning_curve.json`` of a checkpoint folder, or the JSON files themselves) in one picture.
+
+Plotting never costs a report: every figure is drawn on its own, a failure becomes a warning, and the tables
+are written before any figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Callable, Sequence
+
+FIGURES_MARKER = "<!-- dartree-report figures: everything below is redrawn by dartree-report -->"
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def _safe_name(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_" else "_" for c in name.replace("@", "_at_"))
+
+
+def annotate_trees(rounds: list[dict], decode: Callable[[int], str]) -> list[dict]:
+    """Add token texts to recorded verify rounds (``DecodeStats.trees``) so they can be drawn without a tokenizer.
+
+    Args:
+        rounds: per-round dicts with ``root``, ``tokens``, ``bonus`` (token ids).
+        decode: token id -> its text (e.g. ``lambda i: tok.decode([i])``); called once per distinct id.
+    Returns:
+        new dicts with ``root_text``, ``texts`` (one per tree token) and ``bonus_text`` added.
+    """
+    seen: dict[int, str] = {}
+
+    def text(i: int) -> str:
+        if i not in seen:
+            seen[i] = decode(int(i))
+        return seen[i]
+
+    return [{**r, "root_text": text(r["root"]), "texts": [text(t) for t in r["tokens"]], "bonus_text": text(r["bonus"])}
+            for r in rounds]
+
+
+def render_figures(report: dict, out_dir: str | Path, draw_round: int | None = None) -> tuple[list[dict], list[str]]:
+    """Draw every figure of ``report`` as PNGs in ``out_dir``, each on its own (one failing never stops another).
+
+    Figures: ``acceptance.png`` (Pr(L >= t)), ``sweep.png`` (budget sweeps only), ``stages.png``, ``tree_shape.png``
+    and ``tree_<method>.png`` per method whose verify trees were recorded.
+    Args:
+        report: an eval report (``report.json`` contents; see ``dartree.decode.plots``).
+        out_dir: folder for the PNGs (created).
+        draw_round: 1-based round of the recorded prompt to draw for every method (None: per method, the round
+            with the longest accepted path).
+    Returns:
+        (figures written, as dicts with ``title``, ``file`` (name in ``out_dir``), ``caption``; warnings, one line
+        each: a figure that failed, or a requested round that a method does not have).
+    """
+    out_dir = Path(out_dir)
+    written: list[dict] = []
+    notes: list[str] = []
+    try:
+        from dartree.decode import plots
+    except Exception as exc:  # matplotlib / networkx missing or broken: tables only
+        return [], [f"WARNING: no figures: cannot import the plotting libraries ({type(exc).__name__}: {exc})"]
+
+    def attempt(file: str, title: str, make: Callable, caption: Callable[[], str] = lambda: "") -> None:
+        try:
+            fig = make()
+            if fig is None:
+                return
+            plots.save_figure(fig, out_dir / file)
+            written.append({"title": title, "file": file, "caption": caption()})
+        except Exception as exc:  # a broken figure is a warning; the report stands
+            notes.append(f"WARNING: figure {file} failed: {type(exc).__name__}: {exc}")
+
+    ms = plots.tree_methods(report)
+    if not ms:  # AR alone: nothing to draw
+        return written, notes
+
+    def acc_caption() -> str:
+        parts = [f"{m} {report['methods'][m]['tau']:.3f}" for m in ms]
+        return "L = tokens a round commits (accepted drafts + bonus); tau = Σ_t Pr(L ≥ t): " + ", ".join(parts) + "."
+
+    def stage_caption() -> str:
+        ar = ", ".join(f"{m} {v:.1f} ms" for m, v in plots.ar_step_ms(report).items())
+        tot = ", ".join(f"{m} {sum(report['methods'][m].get(f'{s}_ms_per_round', 0.0) for s in plots.STAGES):.1f} ms"
+                        for m in ms)
+        return f"per verify round: {tot}; one AR step: {ar}."
+
+    attempt("acceptance.png", "Acceptance length distribution Pr(L ≥ t)", lambda: plots.fig_acceptance(report),
+            acc_caption)
+    def sweep_caption() -> str:
+        return "; ".join(f"{b}: " + ", ".join(f"B={n} tau {t:.3f} {sp:.3f}x" for n, t, sp in v)
+                         for b, v in plots.sweep_points(report).items()) + "."
+
+    attempt("sweep.png", "tau and speedup against the budget B", lambda: plots.fig_sweep(report), sweep_caption)
+    attempt("stages.png", "Time per round by stage", lambda: plots.fig_stages(report), stage_caption)
+    attempt("tree_shape.png", "Tree shape: nodes and acceptance per depth", lambda: plots.fig_tree_shape(report),
+            lambda: "left: mean nodes at each depth over all rounds; right: of the rounds that reached depth d - 1 "
+                    "and drafted a node at depth d, the fraction that accepted one.")
+    for m, rec in report.get("trees", {}).items():
+        rounds = rec.get("rounds") or []
+        if not rounds:
+            continue
+        if draw_round is None:
+            i = plots.default_round(rounds)
+        elif 1 <= draw_round <= len(rounds):
+            i = draw_round - 1
+        else:
+            notes.append(f"WARNING: {m} has {len(rounds)} recorded rounds; --draw-round {draw_round} skipped for it")
+            continue
+        r = rounds[i]
+        a = len(r["accepted"]) - 1
+        where = f"{rec.get('dataset', '?')}:{rec.get('id', '?')}"
+        title = f"{m}: round {i + 1} of {len(rounds)} ({where}); {len(r['tokens'])} nodes, accepted depth {a} + bonus"
+        attempt(f"tree_{_safe_name(m)}.png", f"Verify tree: {m}", lambda r=r, title=title: plots.fig_tree(r, title),
+                lambda title=title: title + ("" if draw_round else " (the round with the longest accepted path)") + ".")
+    return written, notes
+
+
+def figures_markdown(written: Sequence[dict]) -> str:
+    """The ``report.md`` figure section (starts with :data:`FIGURES_MARKER`) embedding the written PNGs."""
+    md = [FIGURES_MARKER, "", "## Figures", ""]
+    for f in written:
+        md += [f"### {f['title']}", "", f"![{f['title']}]({f['file']})", ""]
+        if f.get("caption"):
+            md += [f["caption"], ""]
+    return "\n".join(md)
+
+
+def attach_figures(md_path: str | Path, written: Sequence[dict]) -> None:
+    """Replace (or append) the figure section of ``md_path`` with ``written``'s; the tables above it are kept.
+    A missing file gets the section alone."""
+    md_path = Path(md_path)
+    head = md_path.read_text() if md_path.exists() else ""
+    head = head.split(FIGURES_MARKER)[0].rstrip("\n")
+    _atomic_write(md_path, (head + "\n\n" if head else "") + figures_markdown(written))
+
+
+def write_figures(report: dict, out_dir: str | Path, draw_round: int | None = None) -> list[str]:
+    """Draw the figures of ``report`` into ``out_dir`` and embed them in ``out_dir/report.md``; never raises for a
+    plotting problem (call it after report.json and the tables are written).
+
+    Returns:
+        the warnings, one line each (the caller prints them).
+    """
+    try:
+        written, notes = render_figures(report, out_dir, draw_round)
+        attach_figures(Path(out_dir) / "report.md", written)
+    except Exception as exc:  # the report was written before; a figure problem must not lose it
+        notes = [f"WARNING: figures not written: {type(exc).__name__}: {exc}"]
+    return notes
+
+
+def load_report(path: str | Path) -> dict:
+    """Read ``path/report.json`` (or ``path`` itself when it is a file).
+
+    Raises:
+        FileNotFoundError: no report there.
+        ValueError: not a JSON eval report (no ``methods``).
+    """
+    path = Path(path)
+    f = path / "report.json" if path.is_dir() else path
+    if not f.is_file():
+        raise FileNotFoundError(f"{path} holds no report.json (write one with decode/eval.py --out {path})")
+    rep = json.loads(f.read_text())
+    if not isinstance(rep, dict) or "methods" not in rep:
+        raise ValueError(f"{f} is not an eval report (no 'methods')")
+    return rep
+
+
+def run_labels(paths: Sequence[str | Path]) -> list[str]:
+    """Short distinct labels for several report folders: the shortest tail of their paths that tells them apart
+    (``reports/dflash``, ``reports/dspark`` -> ``dflash``, ``dspark``)."""
+    parts = [Path(p).resolve().parts for p in paths]
+    for k in range(1, max(len(p) for p in parts) + 1):
+        labels = ["/".join(p[-k:]) for p in parts]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [f"run{i}" for i in range(len(paths))]
+
+
+def merge_reports(reports: dict[str, dict]) -> dict:
+    """One report holding several: every method ``m`` of run ``label`` becomes ``label/m`` (in methods, datasets,
+    per_prompt and trees); ``environment`` keeps each run's under ``runs`` and the largest ``proposals``.
+
+    Raises:
+        ValueError: a label containing ``/`` (it would be ambiguous in method names) or no report.
+    """
+    if not reports:
+        raise ValueError("no reports to merge")
+    out: dict = {"methods": {}, "datasets": {}, "per_prompt": {}, "trees": {},
+                 "environment": {"runs": {}, "proposals": 0}}
+    for label, rep in reports.items():
+        if "/" in label:
+            raise ValueError(f"run label {label!r} contains '/'; pass --labels without '/'")
+        for m, row in rep["methods"].items():
+            out["methods"][f"{label}/{m}"] = row
+        for d, rows in rep.get("datasets", {}).items():
+            for m, row in rows.items():
+                out["datasets"].setdefault(d, {})[f"{label}/{m}"] = row
+        for m, rows in rep.get("per_prompt", {}).items():
+            out["per_prompt"][f"{label}/{m}"] = rows
+        for m, rec in rep.get("trees", {}).items():
+            out["trees"][f"{label}/{m}"] = rec
+        env = rep.get("environment", {})
+        out["environment"]["runs"][label] = env
+        out["environment"]["proposals"] = max(out["environment"]["proposals"], int(env.get("proposals") or 0))
+    return out
+
+
+def comparison_markdown(reports: dict[str, dict]) -> str:
+    """Side-by-side tables of several reports: what each run was, then per scope (all prompts, each data set) a
+    row per method with tau and speedup columns for every run (``-`` where a run lacks the method)."""
+    labels = list(reports)
+    md = ["# dartree eval comparison", "", "| run | target | checkpoint | dtype | budget | prompts | max_new_tokens |",
+          "|---|---|---|---|---|---|---|"]
+    for lab, rep in reports.items():
+        e = rep.get("environment", {})
+        md.append(f"| {lab} | {e.get('target', '?')} | {e.get('checkpoint', '?')} | {e.get('dtype', '?')} | "
+                  f"{e.get('budget', '?')} | {e.get('prompts_done', '?')} | {e.get('max_new_tokens', '?')} |")
+    scopes = [("all prompts", None)] + [(d, d) for d in dict.fromkeys(d for r in reports.values() for d in r.get("datasets", {}))]
+    for title, d in scopes:
+        tables = {lab: (rep["methods"] if d is None else rep.get("datasets", {}).get(d, {})) for lab, rep in reports.items()}
+        methods = list(dict.fromkeys(m for t in tables.values() for m in t))
+        md += ["", f"## {title}", "", "| method | " + " | ".join(f"{lab} tau | {lab} speedup" for lab in labels) + " |",
+               "|---|" + "---|---|" * len(labels)]
+        for m in methods:
+            cells = []
+            for lab in labels:
+                r = tables[lab].get(m)
+                cells += ["-", "-"] if r is None else [f"{r['tau']:.3f}", f"{r['speedup']:.3f}x"]
+            md.append(f"| {m} | " + " | ".join(cells) + " |")
+    return "\n".join(md) + "\n"
+
+
+def load_curve(path: str | Path) -> list[dict]:
+    """Learning-curve points from a training run folder (``curve.json``), a checkpoint folder
+    (``learning_curve.json``) or a JSON file.
+
+    Raises:
+        FileNotFoundError: none of those exists.
+    """
+    path = Path(path)
+    for f in ([path] if path.is_file() else [path / "curve.json", path / "learning_curve.json"]):
+        if f.is_file():
+            return json.loads(f.read_text())
+    raise FileNotFoundError(f"{path} holds no curve.json or learning_curve.json")
+
+
+def plot_curve_file(curve: list[dict], png: str | Path, label: str = "run") -> Path | None:
+    """Write the learning-curve picture of one run (held-out tau and training loss against tokens seen) to
+    ``png``; for training: a plotting problem is printed as a warning and returns None, never raises."""
+    try:
+        from dartree.decode import plots
+
+        return plots.save_figure(plots.fig_curves({label: curve}), png)
+    except Exception as exc:  # never fail training over a picture
+        print(f"WARNING: learning-curve picture {png} not written: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return None
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="dartree-report", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("dirs", nargs="*", help="eval report folders (each with report.json)")
+    ap.add_argument("--out", default=None,
+                    help="output: folder for several reports (default reports/compare), folder for one report "
+                         "(default: the report's own), or the PNG file for --curves (default curves.png)")
+    ap.add_argument("--labels", nargs="+", default=None, help="run names (default: the folders' distinct tails)")
+    ap.add_argument("--draw-round", type=int, default=None,
+                    help="1-based round of the recorded prompt to draw as a verify tree (default: per method the "
+                         "round with the longest accepted path)")
+    ap.add_argument("--curves", nargs="+", default=None, metavar="PATH",
+                    help="learning curves to draw in one picture: training run folders (curve.json), checkpoint "
+                         "folders (learning_curve.json) or JSON files")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """Console entry point (``dartree-report``): 0 on success, 1 when a figure failed, 2 for bad arguments."""
+    args = parse_args(argv)
+    if args.curves and args.dirs:
+        print("error: give report folders or --curves, not both", file=sys.stderr)
+        return 2
+    if not args.curves and not args.dirs:
+        print("error: give at least one report folder (or --curves PATH ...)", file=sys.stderr)
+        return 2
+    sources = args.curves or args.dirs
+    labels = args.labels or run_labels(sources)
+    if len(labels) != len(sources):
+        print(f"error: {len(labels)} --labels for {len(sources)} inputs", file=sys.stderr)
+        return 2
+    if args.draw_round is not None and args.draw_round < 1:
+        print(f"error: --draw-round is 1-based, got {args.draw_round}", file=sys.stderr)
+        return 2
+    if args.curves:
+        try:
+            curves = {lab: load_curve(p) for lab, p in zip(labels, args.curves)}
+            from dartree.decode import plots
+
+            png = plots.save_figure(plots.fig_curves(curves), args.out or "curves.png")
+        except (FileNotFoundError, ValueError, json.JSONDecodeError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        print(f"wrote {png}")
+        return 0
+    try:
+        reports = {lab: load_report(d) for lab, d in zip(labels, args.dirs)}
+    except (FileNotFoundError, ValueError, json.JSONDecodeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if len(reports) == 1:
+        report, out = next(iter(reports.values())), Path(args.out or args.dirs[0])
+        out.mkdir(parents=True, exist_ok=True)
+        src_md = Path(args.dirs[0]) / "report.md"
+        if out.resolve() != Path(args.dirs[0]).resolve() and src_md.exists():
+            _atomic_write(out / "report.md", src_md.read_text())
+    else:
+        try:
+            report = merge_reports(reports)
+        except ValueError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        out = Path(args.out or "reports/compare")
+        out.mkdir(parents=True, exist_ok=True)
+        _atomic_write(out / "report.json", json.dumps(report, indent=1))
+        _atomic_write(out / "report.md", comparison_markdown(reports))
+    notes = write_figures(report, out, args.draw_round)
+    for n in notes:
+        print(n, file=sys.stderr)
+    print(f"wrote {out / 'report.md'} and its figures")
+    return 1 if any("failed" in n or "not written" in n or "no figures" in n for n in notes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""Cost-model budget (``budget="auto"``) and the reduced-vocabulary draft path (decode/budget.py, trees.py).
+
+Lossless at T = 0 whatever budgets the model picks (TESTING.md B); the policy's choice is the argmax of its
+stated objective; a reduced draft vocabulary gives the same trees as the full-vocabulary -inf form.
+"""
+
+import math
+
+import pytest
+import torch
+
+from conftest import VOCAB, make_drafter, make_head
+from dartree.decode.budget import CostModel, calibrate
+from dartree.decode.generate import autoregressive_generate, speculative_generate
+from dartree.decode.trees import BUILDERS, DraftBlock, Tree, get_builder
+
+STOP = 1
+
+
+def _model(t_draft=0.1, verify=None):
+    return CostModel(t_ar=1.0, t_draft=t_draft, verify_s=verify or {1: 1.0, 2: 1.02, 5: 1.1, 9: 1.2, 17: 1.5},
+                     max_budget=16)
+
+
+@pytest.mark.parametrize("builder", ["chain", "pruned", "fixed", "ddtree", "pctree"])
+@pytest.mark.parametrize("head_name", ["identity", "markov", "gru"])
+def test_auto_budget_is_lossless(target, prompts, builder, head_name):
+    drafter = make_drafter()
+    head = make_head(head_name, target)
+    cm = _model()
+    for p in prompts[:4]:
+        want = autoregressive_generate(target, p, max_new_tokens=30, stop_ids=[STOP]).tokens
+        got = speculative_generate(target, drafter, head, p, builder=builder, budget="auto", cost_model=cm,
+                                   max_new_tokens=30, stop_ids=[STOP], builder_params={"k": 8})
+        assert got.tokens == want
+        st = got.stats
+        assert len(st.budgets) == st.rounds and all(0 <= b <= 16 for b in st.budgets)
+        assert st.budgets == st.tree_nodes
+    assert sum(cm.chosen.values()) > 0
+
+
+def test_auto_budget_falls_back_to_ar_steps_when_drafting_never_pays(target, prompts):
+    # a draft that costs 50 AR steps: after the first drafted round every round is an AR step except
+    # probes after 1, 2, 4, 8, 16 AR steps; output still equals AR
+    drafter, head = make_drafter(), make_head("markov")
+    cm = _model(t_draft=50.0)
+    p = prompts[0]
+    want = autoregressive_generate(target, p, max_new_tokens=40, stop_ids=()).tokens
+    got = speculative_generate(target, drafter, head, p, builder="pruned", budget="auto", cost_model=cm,
+                               max_new_tokens=40, stop_ids=())
+    assert got.tokens == want
+    drafted = [i for i, b in enumerate(got.stats.budgets) if b > 0 or i == 0]
+    assert got.stats.budgets.count(0) >= 30  # nearly every round a plain AR step
+    # drafting rounds (a probe can still choose 0 nodes) are rare: at most the first round and the probes
+    assert len(drafted) <= 7
+
+
+def test_choose_maximises_expected_tokens_per_second():
+    cm = _model()
+    # a chain of 6 nodes with acceptance probabilities 0.9, 0.8, 0.5, 0.2, 0.05, 0.01 along the path
+    probs = [0.9, 0.8, 0.5, 0.2, 0.05, 0.01]
+    score = torch.tensor([math.log(p) for p in probs])
+    tree = Tree(torch.arange(10, 16), torch.arange(6), torch.arange(1, 7), score)
+    b, expected = cm.choose(tree)
+    rates = [(1 + sum(probs[:k])) / cm.verify_time(k + 1) for k in range(7)]
+    assert b == max(range(7), key=lambda k: rates[k])
+    assert expected == pytest.approx(1 + sum(probs[:b]))
+    # a sharper verify cost curve makes a shorter tree optimal
+    steep = _model(verify={1: 1.0, 2: 1.5, 5: 3.0, 17: 9.0})
+    b2, _ = steep.choose(tree)
+    assert b2 < b
+    # the calibration factor scales the predicted gain
+    cm.record(3, predicted_drafts=10.0, accepted_drafts=0)
+    assert cm.calibration == pytest.approx(4.0 / 14.0)
+
+
+def test_verify_time_interpolates_and_extrapolates():
+    cm = _model(verify={1: 1.0, 5: 2.0, 9: 4.0})
+    assert cm.verify_time(1) == 1.0 and cm.verify_time(3) == pytest.approx(1.5)
+    assert cm.verify_time(7) == pytest.approx(3.0) and cm.verify_time(13) == pytest.approx(6.0)
+
+
+def test_should_draft_probe_schedule():
+    cm = _model()
+    assert cm.should_draft()  # no estimate yet
+    cm.spec_rate = 0.5  # promised half of AR's 1 token/s
+    seq = [cm.should_draft() for _ in range(20)]
+    # probe, 1 AR step, probe, 2 AR steps, probe, 4 AR steps, probe, 8 AR steps, ...
+    assert seq[:12] == [True, False, True, False, False, True, False, False, False, False, True, False]
+    cm.spec_rate = 2.0
+    assert cm.should_draft() and cm.skip_run == 1
+
+
+def test_calibrate_measures_every_size(target, prompts):
+    drafter = make_drafter()
+    cm = calibrate(target, drafter, prompts[0] * 3, max_budget=6, reps=1)
+    assert sorted(cm.verify_s) == [1, 2, 3, 5, 7, 9, 17]
+    assert cm.t_ar == cm.verify_s[1] and cm.t_draft > 0 and cm.max_budget == 6
+    with pytest.raises(ValueError, match="at least 2 context tokens"):
+        calibrate(target, drafter, [5])
+
+
+@pytest.mark.parametrize("builder", sorted(set(BUILDERS) - {"dartree-pruned", "dartree-fixed"}))
+def test_draft_vocabulary_block_builds_the_same_tree_as_the_full_minus_inf_form(builder):
+    g = torch.Generator().manual_seed(3)
+    p, d = 6, 32
+    vocab = torch.tensor(sorted(torch.randperm(VOCAB, generator=g)[:40].tolist()))
+    sub = torch.randn(p, vocab.numel(), generator=g)
+    sub[:, 5] = sub[:, 9]  # a tie: the lower token id must win in both forms
+    full = torch.full((p, VOCAB), float("-inf")).index_copy_(1, vocab, sub)
+    hidden = torch.randn(p, d, generator=g)
+    head = make_head("markov")
+    build = get_builder(builder)
+    a = build(DraftBlock(hidden, full), head, 7, 12, k=8)
+    b = build(DraftBlock(hidden, sub, vocab), head, 7, 12, k=8)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents)
+    assert torch.allclose(a.score, b.score, atol=1e-6)
+
+
+def test_drafter_draft_logits_equal_base_logits_restricted(target):
+    drafter = make_drafter()
+    drafter.cfg.draft_vocab_size = 20
+    drafter.register_buffer("draft_vocab", torch.randperm(VOCAB, generator=torch.Generator().manual_seed(0))[:20])
+    h = torch.randn(5, 32)
+    sub, vocab = drafter.draft_logits(h, target.lm_head)
+    full = drafter.base_logits(h, target.lm_head)
+    assert torch.equal(vocab, torch.sort(drafter.draft_vocab).values)
+    torch.testing.assert_close(sub, full[:, vocab])
+    assert bool(torch.isinf(full).sum() == 5 * (VOCAB - 20))

@@ -1,0 +1,567 @@
+"""Inputs are checked where they enter, as kinds (issue 14): the Python decode API and the tree builders, recipe
+and checkpoint-config ranges, values that depend on the target, re-entrant CLI mains, nothing lost on refusal."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import LAYERS, VOCAB, make_drafter, make_head, make_markov
+from dartree.decode.generate import autoregressive_generate, speculative_generate
+from dartree.decode.inputs import check_builder_params, token_ids
+from dartree.decode.trees import BUILDERS, DraftBlock
+from dartree.models.checkpoint import CheckpointError, load_dartree, save_dartree
+from dartree.models.heads import IdentityHead, build_head
+from dartree.models.validate import DRAFTER_FIELDS, HEAD_FIELDS, Range, folder_problem
+from dartree.training.checks import RECIPE_FIELDS, check_against_target
+from dartree.training.recipe import RecipeError, load_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPT = [5, 17, 33, 2, 60]
+SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+def _ar(target, prompt, n=6, **kw):
+    return autoregressive_generate(target, prompt, max_new_tokens=n, **kw).tokens
+
+
+# ---- 1. the Python decode API -------------------------------------------------------------------------------
+
+
+def test_hugging_face_input_ids_and_one_prompt_forms_give_the_list_result(target, drafter):
+    """The issue's instance: a [1, T] tensor (HF ``input_ids``) failed with "only integer tensors of a single
+    element can be converted to an index"; every single-prompt form now decodes exactly like the list."""
+    want = _ar(target, PROMPT)
+    forms = [torch.tensor([PROMPT]), torch.tensor(PROMPT), torch.tensor([PROMPT], dtype=torch.int32),
+             np.array([PROMPT]), np.array(PROMPT, dtype=np.int16), [PROMPT], tuple(PROMPT),
+             [np.int64(t) for t in PROMPT], [torch.tensor(t) for t in PROMPT]]
+    for form in forms:
+        assert _ar(target, form) == want, type(form)
+        got = speculative_generate(target, drafter, make_markov(), form, builder="pruned", max_new_tokens=6)
+        assert got.tokens == want, type(form)
+
+
+@pytest.mark.parametrize("batch, shape", [(torch.tensor([PROMPT, PROMPT]), "[2, 5]"),
+                                          (np.array([PROMPT] * 3), "[3, 5]"),
+                                          (torch.tensor([[PROMPT]]), "[1, 1, 5]")])
+def test_a_batched_tensor_is_one_named_value_error(target, drafter, batch, shape):
+    for call in (lambda: _ar(target, batch),
+                 lambda: speculative_generate(target, drafter, make_markov(), batch, max_new_tokens=4)):
+        with pytest.raises(ValueError, match=r"prompt_ids is a .*shape \[" + shape[1:-1] + r"\].*not supported"):
+            call()
+
+
+def test_a_list_of_two_prompts_is_refused_before_the_target_runs(target, drafter):
+    """The issue's instance: two prompts failed inside the target's attention with a size mismatch."""
+    calls = []
+    orig = target.forward
+    target.forward = lambda *a, **k: calls.append(1) or orig(*a, **k)
+    try:
+        for fn in (lambda p: _ar(target, p), lambda p: speculative_generate(target, drafter, IdentityHead(), p,
+                                                                               max_new_tokens=4)):
+            with pytest.raises(ValueError, match="prompt_ids holds 2 sequences"):
+                fn([[5, 6, 7], [8, 9]])
+    finally:
+        del target.forward
+    assert calls == []
+
+
+@pytest.mark.parametrize("kwargs, exc, pattern", [
+    ({"prompt_ids": "hello"}, TypeError, "prompt_ids is a str; give token ids"),
+    ({"prompt_ids": torch.tensor([5.0, 6.0])}, TypeError, "prompt_ids is a torch.Tensor .*float32.*integer tensor"),
+    ({"prompt_ids": torch.tensor([True, False])}, TypeError, "torch.bool"),
+    ({"prompt_ids": [5, 2.5]}, TypeError, r"prompt_ids\[1\] = 2.5"),
+    ({"prompt_ids": {5, 6}}, TypeError, "no order"),
+    ({"prompt_ids": []}, ValueError, "prompt_ids is empty"),
+    ({"prompt_ids": torch.zeros(1, 0, dtype=torch.long)}, ValueError, "prompt_ids is empty"),
+    ({"prompt_ids": [5, VOCAB]}, ValueError, rf"id {VOCAB} outside the target's vocabulary \[0, {VOCAB}\)"),
+    ({"prompt_ids": [-1, 5]}, ValueError, "id -1 outside"),
+    ({"max_new_tokens": 2.0}, TypeError, "max_new_tokens=2.0 must be an integer"),
+    ({"max_new_tokens": -1}, ValueError, "max_new_tokens=-1 must be >= 0"),
+    ({"max_new_tokens": True}, TypeError, "max_new_tokens=True"),
+    ({"temperature": float("nan")}, ValueError, "temperature=nan must be a finite number"),
+    ({"temperature": -0.5}, ValueError, "temperature=-0.5"),
+    ({"temperature": "0.7"}, TypeError, "temperature='0.7'"),
+    ({"stop_ids": [1, VOCAB + 3]}, ValueError, f"stop_ids holds id {VOCAB + 3}"),
+    ({"stop_ids": "1"}, TypeError, "stop_ids is a str"),
+    ({"generator": 0}, TypeError, "generator is a int; give a torch.Generator"),
+])
+def test_bad_arguments_are_named_errors_in_both_decoders(target, drafter, kwargs, exc, pattern):
+    args = {"prompt_ids": PROMPT, "max_new_tokens": 3, **kwargs}
+    prompt = args.pop("prompt_ids")
+    with pytest.raises(exc, match=pattern):
+        autoregressive_generate(target, prompt, **args)
+    with pytest.raises(exc, match=pattern):
+        speculative_generate(target, drafter, make_markov(), prompt, builder="chain", **args)
+
+
+def test_stop_ids_as_one_int_a_set_a_tensor_or_none_mean_what_they_say(target):
+    ref = _ar(target, PROMPT, n=12)
+    stop = ref[4]
+    want = ref[: ref.index(stop) + 1]
+    for form in (stop, {stop}, torch.tensor([stop]), [np.int32(stop)]):
+        assert _ar(target, PROMPT, n=12, stop_ids=form) == want
+    assert _ar(target, PROMPT, n=12, stop_ids=None) == ref
+
+
+@pytest.mark.parametrize("case, exc, pattern", [
+    ("draft_model", TypeError, "drafter is a DraftModel, not a DFlashDrafter; a loaded checkpoint is passed as dm"),
+    ("hf_model", TypeError, "target is a Qwen3ForCausalLM, not a dartree Target"),
+    ("head_none", TypeError, "head is a NoneType, not a CorrectionHead"),
+    ("wide_drafter", ValueError, "drafter hidden_size 64 != target hidden_size 32"),
+    ("mask_id", ValueError, f"drafter mask_token_id 500 is not a token id of the target .*0..{VOCAB - 1}"),
+    ("head_vocab", ValueError, f"head vocab_size 50 != target vocabulary {VOCAB}"),
+    ("gru_unbound", ValueError, "gru head has no token embeddings: call head.bind_embeddings"),
+    ("budget", ValueError, "budget=-1 must be >= 0"),
+    ("budget_float", TypeError, "budget=2.5 must be an integer"),
+    ("builder_type", TypeError, "builder is a list; give a builder name"),
+    ("param_key", TypeError, r"builder_params has unknown key\(s\) \['depth'\]"),
+    ("param_k", ValueError, r"builder_params\['k'\]=0 must be >= 1"),
+    ("param_beta", ValueError, r"builder_params\['beta'\]=0.5 must be a finite number <= 0"),
+])
+def test_modules_that_do_not_fit_are_refused_before_the_prefill(target, drafter, case, exc, pattern):
+    from dartree.models.checkpoint import DraftModel
+    from dartree.models.drafter import DFlashDrafter, DrafterConfig
+
+    d, h, kw = drafter, make_markov(), {}
+    tgt = target
+    if case == "draft_model":
+        d = DraftModel(drafter, h, {})
+    elif case == "hf_model":
+        tgt = target.model
+    elif case == "head_none":
+        h = None
+    elif case == "wide_drafter":
+        cfg = DrafterConfig(**{**drafter.cfg.to_dict(), "hidden_size": 64})
+        d = DFlashDrafter(cfg)
+    elif case == "mask_id":
+        d = DFlashDrafter(DrafterConfig(**{**drafter.cfg.to_dict(), "mask_token_id": 500}))
+    elif case == "head_vocab":
+        h = build_head("markov", vocab_size=50, rank=4)
+    elif case == "gru_unbound":
+        h = build_head("gru", vocab_size=VOCAB, hidden_size=32, emb_dim=8, gru_hidden_dim=16)
+    elif case == "budget":
+        kw["budget"] = -1
+    elif case == "budget_float":
+        kw["budget"] = 2.5
+    elif case == "builder_type":
+        kw["builder"] = ["chain"]
+    elif case == "param_key":
+        kw["builder_params"] = {"depth": 3}
+    elif case == "param_k":
+        kw["builder_params"] = {"k": 0}
+    elif case == "param_beta":
+        kw["builder_params"] = {"beta": 0.5}
+    # max_new_tokens=1: the prefill alone would finish the request, so a check made only inside the loop
+    # (the old behaviour for builder parameters) would never run
+    with pytest.raises(exc, match=pattern):
+        speculative_generate(tgt, d, h, PROMPT, max_new_tokens=1, **kw)
+
+
+@SETTINGS
+@given(prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1, max_size=6),
+       form=st.sampled_from(["list", "tensor", "row", "numpy", "nested"]),
+       builder=st.sampled_from(["chain", "pruned", "fixed", "pctree", "ddtree"]),
+       budget=st.integers(0, 9), n=st.integers(0, 5))
+def test_property_any_prompt_form_decodes_like_the_list_and_equals_greedy(target, drafter, prompt, form, builder,
+                                                                         budget, n):
+    given_ids = {"list": prompt, "tensor": torch.tensor(prompt), "row": torch.tensor([prompt]),
+                 "numpy": np.array(prompt), "nested": [prompt]}[form]
+    want = _ar(target, prompt, n=n)
+    assert len(want) == n
+    assert _ar(target, given_ids, n=n) == want
+    got = speculative_generate(target, drafter, make_markov(), given_ids, builder=builder, budget=budget,
+                               max_new_tokens=n)
+    assert got.tokens == want
+
+
+_junk = st.one_of(st.text(max_size=4), st.floats(), st.none(), st.booleans(),
+                  st.lists(st.floats(allow_nan=True), min_size=1, max_size=3),
+                  st.lists(st.lists(st.integers(-5, 200), min_size=1, max_size=3), min_size=2, max_size=3),
+                  st.lists(st.integers(-(2**70), 2**70), min_size=1, max_size=4).filter(
+                      lambda ids: any(not 0 <= i < VOCAB for i in ids)),
+                  st.dictionaries(st.integers(0, 5), st.integers(0, 5), max_size=2))
+
+
+@settings(max_examples=200, deadline=None)
+@given(value=_junk)
+def test_property_bad_token_ids_raise_only_named_type_or_value_errors(value):
+    try:
+        out = token_ids(value, "prompt_ids", VOCAB)
+    except (TypeError, ValueError) as exc:
+        msg = str(exc)
+        assert msg.startswith("prompt_ids") and "\n" not in msg
+    else:  # only a valid single prompt may pass, and then exactly as given
+        assert out and all(0 <= t < VOCAB for t in out)
+
+
+def _check_tree(tree, budget, p_len, v):
+    m = tree.size
+    assert m <= budget
+    parents, depth, tokens = tree.parents.tolist(), tree.depth.tolist(), tree.tokens.tolist()
+    for i in range(m):
+        assert 0 <= parents[i] <= i  # topological: a parent precedes its child (node i+1)
+        assert depth[i] == (1 if parents[i] == 0 else depth[parents[i] - 1] + 1)
+        assert 1 <= depth[i] <= p_len and 0 <= tokens[i] < v
+    paths = set()
+    for i in range(m):  # siblings never repeat a token: every node is a distinct token path
+        path, j = [], i + 1
+        while j:
+            path.append(tokens[j - 1])
+            j = parents[j - 1]
+        paths.add(tuple(path))
+    assert len(paths) == m
+
+
+@settings(max_examples=60, deadline=None)
+@given(p_len=st.integers(1, 5), v=st.integers(1, 12), budget=st.integers(0, 20), k=st.integers(1, 8),
+       width=st.integers(1, 6), children=st.integers(1, 4), builder=st.sampled_from(sorted(BUILDERS)),
+       head_type=st.sampled_from(["identity", "markov", "gated_markov", "rnn"]), seed=st.integers(0, 2**16),
+       tied=st.booleans())
+def test_property_tree_builders_respect_budget_order_and_determinism(p_len, v, budget, k, width, children,
+                                                                    builder, head_type, seed, tied):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.zeros(p_len, v) if tied else torch.randn(p_len, v, generator=g) * 3
+    block = DraftBlock(torch.randn(p_len, 16, generator=g), logits)
+    torch.manual_seed(seed)
+    head = IdentityHead() if head_type == "identity" else build_head(head_type, vocab_size=v, rank=4, hidden_size=16)
+    root = seed % v
+    kw = {"k": k, "width": width, "children": children, "beta": -0.2}
+    t1 = BUILDERS[builder](block, head, root, budget, **kw)
+    _check_tree(t1, budget, p_len, v)
+    t2 = BUILDERS[builder](block, head, root, budget, **kw)
+    assert all(torch.equal(a, b) for a, b in ((t1.tokens, t2.tokens), (t1.parents, t2.parents), (t1.depth, t2.depth)))
+    if budget >= 1:
+        assert t1.size >= 1  # any positive budget drafts at least the first depth
+
+
+_OK = DraftBlock(torch.randn(3, 8), torch.randn(3, 10))
+
+
+@pytest.mark.parametrize("args, exc, pattern", [
+    ((_OK, 10, 4), ValueError, r"root_id=10 is outside the vocabulary \[0, 10\)"),
+    ((_OK, 1, -2), ValueError, "budget=-2 must be >= 0"),
+    ((_OK, 1, 2.5), TypeError, "budget=2.5 must be an integer"),
+    ((_OK, 1.0, 4), TypeError, "root_id=1.0 must be an integer"),
+    ((DraftBlock(torch.randn(3, 8), torch.randn(10)), 1, 4), ValueError, r"block.base_logits \[10\] must be"),
+    ((DraftBlock(torch.randn(2, 8), torch.randn(3, 10)), 1, 4), ValueError,
+     r"block.hidden \[2, 8\] and block.base_logits \[3, 10\]"),
+    ((DraftBlock(torch.randn(3, 8), torch.randint(0, 9, (3, 10))), 1, 4), TypeError, "must be floating point"),
+    (((torch.randn(3, 10),), 1, 4), TypeError, "give a DraftBlock"),
+])
+@pytest.mark.parametrize("builder", ["chain", "pruned", "fixed", "pctree", "heap-sequential", "ddtree"])
+def test_tree_builders_name_bad_arguments(builder, args, exc, pattern):
+    with pytest.raises(exc, match=pattern):
+        BUILDERS[builder](args[0], make_markov() if builder != "ddtree" else IdentityHead(), *args[1:])
+
+
+def test_builder_params_checks():
+    check_builder_params(None)
+    check_builder_params({"k": 4, "width": 2, "beta": 0.0, "children": 1, "backend": "torch"})
+    for params, exc in (({"width": 0}, ValueError), ({"k": 1.5}, TypeError), ({"beta": float("-inf")}, ValueError),
+                        ({"backend": "cuda"}, ValueError), ([("k", 4)], TypeError)):
+        with pytest.raises(exc):
+            check_builder_params(params)
+
+
+# ---- 2. config values out of range ----------------------------------------------------------------------------
+
+
+def _one_error_line(text: str) -> str:
+    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in text, text
+    return lines[0]
+
+
+def test_negative_rank_exits_2_with_one_named_line_and_writes_nothing(tmp_path):
+    """The issue's instance: ``recipe=tiny_dspark head.rank=-1`` ended in a "negative dimension" traceback."""
+    out = tmp_path / "run"
+    env = {**os.environ, "DARTREE_CACHE": str(tmp_path / "cache"), "HF_HUB_OFFLINE": "1"}
+    r = subprocess.run([sys.executable, "training/train.py", "recipe=tiny_dspark", "head.rank=-1", f"output_dir={out}"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2
+    line = _one_error_line(r.stderr)
+    assert line == ("error: head.rank=-1 is out of range: must be an integer >= 1 (DSpark Markov rank R, also "
+                    "Domino's emb_dim when that is null; a drafter without a Markov head is head.type=identity with "
+                    "loss.type=dflash)")
+    assert not out.exists() and not (tmp_path / "cache").exists()
+
+
+@pytest.mark.parametrize("conf", ["true", "false"])
+def test_rank_zero_is_refused_up_front_with_or_without_a_confidence_head(conf):
+    """The issue's instance: rank 0 trained, but its export did not re-import."""
+    with pytest.raises(RecipeError, match=r"^head.rank=0 is out of range: must be an integer >= 1"):
+        load_recipe(["recipe=tiny_dspark", "head.rank=0", f"head.confidence_head={conf}"])
+    with pytest.raises(ValueError, match="markov head: rank=0 is out of range"):
+        build_head("markov", vocab_size=VOCAB, rank=0)  # the Python API refuses it too
+
+
+def _bad_values(rule):
+    """Values just outside a Range, plus the wrong types."""
+    out = []
+    if rule.lo is not None:
+        out.append(rule.lo if rule.lo_open else rule.lo - 1)
+    if rule.hi is not None:
+        out.append(rule.hi if rule.hi_open else rule.hi + 1)
+    if not rule.integer:
+        out += [float("nan"), float("inf")]
+    else:
+        out.append(1.5)
+    return out
+
+
+@pytest.mark.parametrize("key", [k for k, r in RECIPE_FIELDS.items() if isinstance(r, Range)])
+def test_every_numeric_recipe_field_is_range_checked_at_load(key):
+    rule = RECIPE_FIELDS[key]
+    for bad in _bad_values(rule):
+        with pytest.raises(RecipeError) as info:
+            load_recipe(["recipe=tiny_dspark", f"{key}={bad}"])
+        msg = str(info.value)
+        assert "\n" not in msg and key in msg and str(bad) in msg, msg
+        if "could not be converted" not in msg and key != "deepspeed.zero_stage":  # omegaconf's / older messages
+            assert msg.startswith(f"{key}=") and rule.describe() in msg, msg
+
+
+@pytest.mark.parametrize("override, pattern", [
+    ("head.prefix_len=8", "head.prefix_len=8 leaves no proposal to correct"),
+    ("data.holdout=12", "data.holdout=12 must be < data.num_prompts=12"),
+    ("train.max_steps=0", None),  # fine: epochs decide
+    ("drafter.target_layer_ids=[1,-2]", r"drafter.target_layer_ids=\[1, -2\] holds -2"),
+    ("drafter.target_layer_ids=[a]", "holds 'a'"),
+    ("wandb.mode=live", r"wandb.mode='live' is not allowed: use one of \['online', 'offline', 'disabled'\]"),
+    ("target.dtype=int8", "target.dtype='int8' is not allowed"),
+])
+def test_inconsistent_recipe_combinations_are_named(override, pattern):
+    recipe = "tiny_domino" if override.startswith("head.prefix_len") else "tiny_dspark"
+    if pattern is None:
+        assert load_recipe([f"recipe={recipe}", override]).train.max_steps == 0
+        return
+    with pytest.raises(RecipeError, match=pattern):
+        load_recipe([f"recipe={recipe}", override])
+
+
+def test_combinations_that_would_train_nothing_are_refused():
+    with pytest.raises(RecipeError, match="^train.epochs=0 and train.max_steps=0: give the run a length"):
+        load_recipe(["recipe=tiny_dspark", "train.epochs=0", "train.max_steps=0"])
+    with pytest.raises(RecipeError, match="^loss.ce_weight=0 and loss.l1_weight=0"):
+        load_recipe(["recipe=tiny_dspark", "loss.ce_weight=0", "loss.l1_weight=0"])
+    assert load_recipe(["recipe=tiny_dspark", "loss.ce_weight=0"]).loss.l1_weight == 0.9
+
+
+@pytest.fixture
+def saved(tmp_path, target):
+    return save_dartree(tmp_path / "ckpt", make_drafter(), make_markov(), target.identity(), dtype=torch.float32)
+
+
+@pytest.mark.parametrize("section, table", [("drafter", DRAFTER_FIELDS), ("head", HEAD_FIELDS)])
+def test_every_checkpoint_config_field_is_range_checked_at_load(saved, section, table):
+    config = json.loads((saved / "config.json").read_text())
+    for key, rule in table.items():
+        bads = _bad_values(rule) if isinstance(rule, Range) else (["yes"] if "Flag" in type(rule).__name__ else [[-1]])
+        for bad in bads:
+            edited = json.loads(json.dumps(config))
+            edited[section][key] = bad
+            (saved / "config.json").write_text(json.dumps(edited))
+            with pytest.raises(CheckpointError) as info:
+                load_dartree(saved)
+            assert f"config.json: {section}.{key}={bad!r}" in str(info.value) and "\n" not in str(info.value)
+    (saved / "config.json").write_text(json.dumps(config))
+    assert load_dartree(saved).head.rank == 8
+
+
+def test_checkpoint_config_that_is_not_json_or_not_an_object_is_named(saved):
+    from dartree.convert.from_dartree import main as export_main
+
+    (saved / "config.json").write_text("{oops")
+    with pytest.raises(CheckpointError, match="config.json is not valid JSON"):
+        load_dartree(saved)
+    (saved / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointError, match="holds a JSON list"):
+        load_dartree(saved)
+    assert export_main([str(saved), "--to", "specforge-dspark", "--out", str(saved.parent / "x")]) == 2
+    assert not (saved.parent / "x").exists()
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    (["drafter.mask_token_id=500"], r"drafter.mask_token_id=500 is not a token id of target .*: must be in \[0, 95\]"),
+    (["drafter.target_layer_ids=[0,7]"], r"drafter.target_layer_ids=\[0, 7\] holds \[7\]: target .* has 4 layers"),
+    (["drafter.draft_vocab_size=1000"], r"drafter.draft_vocab_size=1000 exceeds the target's vocabulary: .*\[0, 96\]"),
+    (["drafter.init_from_target=true", "drafter.num_layers=5"], "drafter.num_layers=5 with drafter.init_from_target"),
+    (["drafter.init_from_target=true", "drafter.intermediate_size=48"], "drafter.intermediate_size=48 differs"),
+])
+def test_values_that_depend_on_the_target_are_checked_before_any_step(tmp_path, monkeypatch, capsys, overrides,
+                                                                       pattern):
+    from dartree.models.target import tiny_target
+    from dartree.training.train import main
+
+    cfg = load_recipe(["recipe=tiny_dspark", *overrides])
+    with pytest.raises(RecipeError, match=pattern):
+        check_against_target(cfg, tiny_target(vocab_size=VOCAB))
+    monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
+    out = tmp_path / "run"
+    assert main(["recipe=tiny_dspark", *overrides, f"output_dir={out}"]) == 2
+    assert re.search(pattern, _one_error_line(capsys.readouterr().err))
+    assert not out.exists() and not (tmp_path / "cache" / "data").exists()  # refused before the data stage
+
+
+def test_every_configuration_the_trainer_accepts_exports_and_reimports_or_is_refused(tmp_path, target):
+    """For every head type x proposal offset x q/k norm x confidence options that load_recipe accepts, the built
+    drafter saves, re-imports, and each published export either re-imports with identical tensors and config
+    or is refused with a named reason; rank 0 (the issue's case) is refused at load."""
+    import itertools
+
+    from safetensors.torch import load_file
+
+    from dartree.convert.formats import EXPORT_FORMATS
+    from dartree.convert.from_dartree import export
+    from dartree.convert.to_dartree import convert
+    from dartree.training.train import build_models
+
+    exported = refused = 0
+    grid = [("tiny_dspark", h) for h in ("markov", "gated_markov", "rnn")] + [("tiny_domino", "gru"),
+                                                                              ("tiny_dflash", "identity")]
+    for i, ((recipe, head), off, qk, conf) in enumerate(itertools.product(grid, (0, 1), ("true", "false"),
+                                                                          ("true", "false"))):
+        if conf == "true" and recipe != "tiny_dspark":
+            continue
+        ov = [f"recipe={recipe}", f"head.type={head}", f"drafter.proposal_offset={off}", f"drafter.qk_norm={qk}",
+              f"head.confidence_head={conf}", "head.rank=1"]
+        if head == "gru":
+            ov += ["head.emb_dim=1", f"head.prefix_len={off}"]
+        cfg = load_recipe(ov)
+        check_against_target(cfg, target)
+        drafter, hd = build_models(cfg, target)
+        src = save_dartree(tmp_path / f"s{i}", drafter, hd, target.identity(), dtype=torch.float32)
+        ref = load_dartree(src, target=target)
+        for fmt in EXPORT_FORMATS:
+            try:
+                pub = export(src, tmp_path / f"e{i}-{fmt}", to=fmt)
+            except CheckpointError as exc:
+                assert "\n" not in str(exc) and str(exc)
+                refused += 1
+                continue
+            back_dir = convert(pub, tmp_path / f"b{i}-{fmt}")
+            back = load_dartree(back_dir, target=target)
+            a, b = load_file(str(src / "model.safetensors")), load_file(str(back_dir / "model.safetensors"))
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), (ov, fmt)
+            assert back.config["drafter"] == ref.config["drafter"] and back.config["head"] == ref.config["head"]
+            exported += 1
+    assert exported >= 20 and refused >= 20  # both branches are exercised, not skipped
+
+
+# ---- 3. re-entrancy -------------------------------------------------------------------------------------------
+
+_TWICE = r"""
+import os, sys, torch, torch.distributed as dist
+from dartree.training.train import main
+out = sys.argv[1]
+env0 = None
+codes = []
+for i, extra in enumerate([[], [], ["head.rank=-1"], ["drafter.mask_token_id=999"], ["train.max_steps=2"]]):
+    codes.append(main(["recipe=tiny_dspark", f"output_dir={out}/r{i}", "train.threads=1", *extra]))
+    if i == 0:
+        env0 = dict(os.environ)
+    assert not dist.is_initialized(), i
+    assert torch.get_num_threads() == int(sys.argv[2]), (i, torch.get_num_threads())
+    assert "MASTER_PORT" not in os.environ and "WORLD_SIZE" not in os.environ
+    assert dict(os.environ) == env0, sorted(set(os.environ.items()) ^ set(env0.items()))
+print("codes", codes)
+"""
+
+
+def test_train_main_runs_repeatedly_in_one_process_leaving_no_global_state(tmp_path):
+    """The issue's instance: the second call failed with "Group ... is not registered"."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR",
+                                                              "LOCAL_RANK")}
+    env.update(DARTREE_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    env["OMP_NUM_THREADS"] = "2"
+    r = subprocess.run([sys.executable, "-c", _TWICE, str(tmp_path), "2"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "codes [0, 0, 2, 2, 0]" in r.stdout
+    s0, s1 = (json.loads((tmp_path / f"r{i}" / "summary.json").read_text()) for i in (0, 1))
+    assert s0["losses"] == s1["losses"]  # the second run is the same run, not a broken or shifted one
+    assert not (tmp_path / "r2").exists() and not (tmp_path / "r3").exists()
+    assert len(json.loads((tmp_path / "r4" / "summary.json").read_text())["losses"]) == 2
+
+
+def test_convert_export_and_eval_mains_run_repeatedly(tmp_path, saved):
+    from dartree.convert.from_dartree import main as export_main
+    from dartree.convert.to_dartree import main as convert_main
+    from dartree.decode.eval import main as eval_main
+
+    threads = torch.get_num_threads()
+    for i in range(2):
+        assert convert_main([str(saved), "--out", str(tmp_path / f"c{i}")]) == 0
+        assert export_main([str(tmp_path / f"c{i}"), "--to", "specforge-dspark", "--out", str(tmp_path / f"e{i}")]) == 0
+        assert eval_main(["--threads", "1", "--tree", "bogus"]) == 2  # refused after the thread count was set
+        assert torch.get_num_threads() == threads
+    a, b = (load_dartree(tmp_path / f"c{i}") for i in range(2))
+    assert all(torch.equal(x, y) for x, y in zip(a.drafter.state_dict().values(), b.drafter.state_dict().values()))
+    e0, e1 = (json.loads((tmp_path / f"e{i}" / "config.json").read_text()) for i in range(2))
+    assert e0 == e1 and e0["dflash_config"]["markov_rank"] == 8
+
+
+# ---- 4. nothing lost on failure -------------------------------------------------------------------------------
+
+
+def _snapshot(folder: Path) -> dict:
+    return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_refused_runs_leave_earlier_results_untouched(tmp_path, saved, capsys, monkeypatch):
+    from dartree.convert.to_dartree import main as convert_main
+    from dartree.decode.eval import main as eval_main
+    from dartree.training.train import main as train_main
+
+    monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
+    run = tmp_path / "run"
+    (run / "checkpoint").mkdir(parents=True)
+    (run / "summary.json").write_text('{"steps": 3}')
+    (run / "checkpoint" / "config.json").write_text('{"format": "dartree-train"}')
+    report = tmp_path / "report"
+    report.mkdir()
+    (report / "report.json").write_text('{"methods": {}}')
+    before = {f: _snapshot(f) for f in (run, report, saved)}
+    # a refused training run into an existing run folder, with bad values of each kind
+    for extra in (["head.rank=-1"], ["drafter.mask_token_id=999"], ["resume=true", "train.lr=-1"],
+                  ["target.path=/nonexistent"]):
+        assert train_main(["recipe=tiny_dspark", f"output_dir={run}", *extra]) == 2
+    # a refused conversion onto an existing dartree checkpoint (its source is not a checkpoint)
+    assert convert_main([str(tmp_path / "report"), "--out", str(saved)]) == 2
+    assert not (tmp_path / "cache").exists()  # refused before the data stage: no cache either
+    monkeypatch.delenv("DARTREE_CACHE")  # the eval below loads the default target from the user's cache
+    # a refused eval into an existing report folder
+    assert eval_main(["--out", str(report), "--temperature", "nan"]) == 2
+    assert eval_main(["--out", str(report), "--checkpoint", str(tmp_path / "missing"), "--limit", "1"]) == 2
+    for folder, snap in before.items():
+        assert _snapshot(folder) == snap, folder
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "report", "run"]  # no half-written folder
+    err = capsys.readouterr().err
+    assert err.count("error: ") == 7 and "Traceback" not in err
+
+
+def test_an_output_folder_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys):
+    from dartree.decode.eval import main as eval_main
+    from dartree.training.train import main as train_main
+
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    assert folder_problem(afile) == "is an existing file, not a folder"
+    assert folder_problem(afile / "sub") == f"cannot be created: {afile} is a file"
+    assert folder_problem(tmp_path / "new" / "deeper") is None and not (tmp_path / "new").exists()
+    assert train_main(["recipe=tiny_dspark", f"output_dir={afile}"]) == 2
+    assert eval_main(["--out", str(afile / "rep")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: output_dir='{afile}' is an existing file, not a folder; choose another output_dir",
+                   f"error: --out '{afile / 'rep'}' cannot be created: {afile} is a file; give a writable folder for "
+                   "report.json and report.md"]
+    assert afile.read_text() == "keep me"

@@ -1,0 +1,181 @@
+"""Checks of a recipe where it enters: field ranges and combinations when it is loaded, values that depend on the
+target right after the target is loaded (before the data stage and any training step), and the output folder.
+
+Every refusal is a :class:`~dartree.training.recipe.RecipeError` whose one-line message names the key, the
+value and the allowed range (``dartree-train`` prints it and exits with status 2). Every configuration that
+passes builds a drafter and head that save, convert (``convert/to_dartree.py``) and export
+(``convert/from_dartree.py``, where the published layout can express it) and re-import; a test walks the
+combinations.
+"""
+
+from __future__ import annotations
+
+import os
+
+from omegaconf import DictConfig, OmegaConf
+
+from dartree.models.validate import Choice, Flag, IdList, Range, field_problems
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+# Allowed values of every numeric (and enumerated) recipe field; keys as in dartree.training.recipe.Recipe.
+RECIPE_FIELDS = {
+    "seed": Range(0, 2**63 - 1),
+    "target.dtype": Choice(DTYPES),
+    "target.gen_dtype": Choice(DTYPES),
+    "drafter.num_layers": Range(1),
+    "drafter.intermediate_size": Range(1, optional=True, note="null: the target's"),
+    "drafter.target_layer_ids": IdList(0, allow_empty=True,
+                                       note="empty: the DFlash rule picks num_target_features ids"),
+    "drafter.num_target_features": Range(1),
+    "drafter.init_from_target": Flag(),
+    "drafter.qk_norm": Flag(),
+    "drafter.block_size": Range(2, note="the anchor plus at least one proposal"),
+    "drafter.proposal_offset": Range(0, 1, note="0: DSpark/Domino, P = L; 1: z-lab DFlash, P = L - 1"),
+    "drafter.mask_token_id": Range(0, optional=True, note="null: the tokenizer's unk id, else 0"),
+    "drafter.draft_vocab_size": Range(0, note="0: the full vocabulary"),
+    "head.rank": Range(1, note="DSpark Markov rank R, also Domino's emb_dim when that is null; a drafter "
+                               "without a Markov head is head.type=identity with loss.type=dflash"),
+    "head.emb_dim": Range(1, optional=True, note="null: head.rank"),
+    "head.gru_hidden_dim": Range(1, optional=True, note="null: 4 x emb_dim"),
+    "head.prefix_len": Range(0),
+    "head.confidence_head": Flag(),
+    "head.confidence_with_markov": Flag(),
+    "loss.gamma": Range(0, integer=False, lo_open=True, note="decay exp(-k/gamma) over the proposals"),
+    "loss.ce_weight": Range(0, integer=False),
+    "loss.l1_weight": Range(0, integer=False),
+    "loss.conf_weight": Range(0, integer=False),
+    "loss.lambda_base_start": Range(0, 1, integer=False),
+    "loss.lambda_decay_ratio": Range(0, integer=False, lo_open=True),
+    "data.num_prompts": Range(1),
+    "data.max_prompt_tokens": Range(1),
+    "data.max_new_tokens": Range(1),
+    "data.seed": Range(0, 2**63 - 1),
+    "data.gen_batch_size": Range(1),
+    "data.code_fraction": Range(0, 1, integer=False),
+    "data.holdout": Range(0),
+    "data.random_prompt_len": Range(1),
+    "train.epochs": Range(0, integer=False, note="0 needs train.max_steps > 0"),
+    "train.max_steps": Range(0, note="0: train.epochs decide"),
+    "train.max_minutes": Range(0, integer=False, note="0: no cap"),
+    "train.seqs_per_step": Range(1),
+    "train.num_anchors": Range(1),
+    "train.lr": Range(0, integer=False, lo_open=True),
+    "train.warmup_ratio": Range(0, 1, integer=False),
+    "train.weight_decay": Range(0, integer=False),
+    "train.grad_clip": Range(0, integer=False, note="0: no clipping"),
+    "train.bf16": Flag(),
+    "train.fused_loss": Flag(),
+    "train.threads": Range(0, note="0: torch's default"),
+    "train.save_every_minutes": Range(0, integer=False, note="0: off"),
+    "train.save_every_steps": Range(0, note="0: off"),
+    "train.eval_every_steps": Range(0, note="0: only at the end"),
+    "deepspeed.zero_stage": Range(0, 3),
+    "wandb.enabled": Flag(),
+    "wandb.mode": Choice(("online", "offline", "disabled")),
+    "resume": Flag(),
+    "freeze_backbone": Flag(),
+}
+
+
+def recipe_problems(cfg: DictConfig) -> list[str]:
+    """Every out-of-range field and inconsistent combination of a merged recipe, one line each (empty: fine).
+
+    Args:
+        cfg: the recipe as :func:`dartree.training.recipe.load_recipe` merges it (or any DictConfig of that schema).
+    """
+    values = OmegaConf.to_container(cfg, resolve=True)
+    out = field_problems(values, RECIPE_FIELDS)
+    if out:
+        return out
+    d, h, lo, da, tr = cfg.drafter, cfg.head, cfg.loss, cfg.data, cfg.train
+    proposals = d.block_size - d.proposal_offset
+    if h.type == "gru" and h.prefix_len >= proposals:
+        out.append(f"head.prefix_len={h.prefix_len} leaves no proposal to correct (block {d.block_size}, "
+                   f"{proposals} proposals): must be < {proposals}")
+    if lo.type == "dspark" and lo.ce_weight == 0 and lo.l1_weight == 0:
+        out.append("loss.ce_weight=0 and loss.l1_weight=0: the DSpark loss would not train the drafter or its "
+                   "Markov head; give either a positive weight")
+    if tr.epochs == 0 and tr.max_steps == 0:
+        out.append("train.epochs=0 and train.max_steps=0: give the run a length (train.epochs > 0 or "
+                   "train.max_steps > 0)")
+    if da.holdout >= da.num_prompts:
+        out.append(f"data.holdout={da.holdout} must be < data.num_prompts={da.num_prompts} (at least one training "
+                   "prompt)")
+    return out
+
+
+def check_recipe(cfg: DictConfig) -> None:
+    """Refuse a recipe with an out-of-range field or an inconsistent combination (:func:`recipe_problems`).
+
+    Raises:
+        RecipeError: the first problem, one line naming the key, the value and the allowed range.
+    """
+    from dartree.training.recipe import RecipeError
+
+    problems = recipe_problems(cfg)
+    if problems:
+        raise RecipeError(problems[0])
+
+
+def check_against_target(cfg: DictConfig, target) -> list[int]:
+    """Check the recipe values that depend on the target, before the data stage and any training step.
+
+    Args:
+        cfg: the merged recipe. target: the loaded :class:`~dartree.models.target.Target` (V vocabulary rows,
+            n layers).
+    Returns:
+        The target layer ids the drafter will read (the recipe's, or the DFlash rule's).
+    Raises:
+        RecipeError: layer ids outside [0, n) (given or from the DFlash rule), a mask token id >= the target's
+            embedding rows, a draft vocabulary larger than V, more drafter layers than the target has when
+            ``drafter.init_from_target`` copies them, or a drafter width that differs from the copied layers'.
+    """
+    from dartree.models.drafter import build_target_layer_ids
+    from dartree.training.recipe import RecipeError
+
+    d = cfg.drafter
+    n, v = target.num_layers, target.vocab_size
+    rows = int(target.embed_tokens.weight.shape[0])
+    ids = list(d.target_layer_ids)
+    if ids:
+        bad = [i for i in ids if not 0 <= i < n]
+        if bad:
+            raise RecipeError(f"drafter.target_layer_ids={ids} holds {bad}: target {target.name!r} has {n} layers, "
+                              f"ids must be in [0, {n - 1}]")
+    elif not cfg.init_from:
+        ids = build_target_layer_ids(n, d.num_target_features)
+        if any(not 0 <= i < n for i in ids):
+            raise RecipeError(f"drafter.num_target_features={d.num_target_features} gives layer ids {ids} on the "
+                              f"target's {n} layers; give drafter.target_layer_ids explicitly (ids in [0, {n - 1}])")
+    if d.mask_token_id is not None and d.mask_token_id >= rows:
+        raise RecipeError(f"drafter.mask_token_id={d.mask_token_id} is not a token id of target {target.name!r}: "
+                          f"must be in [0, {rows - 1}]")
+    if d.draft_vocab_size > v:
+        raise RecipeError(f"drafter.draft_vocab_size={d.draft_vocab_size} exceeds the target's vocabulary: must be in "
+                          f"[0, {v}] (0: the full vocabulary)")
+    if d.init_from_target and not cfg.init_from:
+        if d.num_layers > n:
+            raise RecipeError(f"drafter.num_layers={d.num_layers} with drafter.init_from_target=true copies more "
+                              f"layers than target {target.name!r} has ({n}): must be <= {n}, or set "
+                              "drafter.init_from_target=false")
+        width = getattr(target.config, "intermediate_size", None)
+        if d.intermediate_size is not None and width is not None and d.intermediate_size != width:
+            raise RecipeError(f"drafter.intermediate_size={d.intermediate_size} differs from the copied target layers' "
+                              f"{width}: leave it null, or set drafter.init_from_target=false")
+    return ids
+
+
+def check_output_dir(path: str | os.PathLike) -> None:
+    """Refuse an output folder that cannot be written, before anything is computed or written.
+
+    Raises:
+        RecipeError: ``path`` is an existing file, or cannot be created or written (tried and undone:
+            :func:`dartree.models.validate.folder_problem`).
+    """
+    from dartree.models.validate import folder_problem
+    from dartree.training.recipe import RecipeError
+
+    why = folder_problem(path)
+    if why is not None:
+        raise RecipeError(f"output_dir={str(path)!r} {why}; choose another output_dir")
