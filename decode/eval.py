@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dartree.decode.generate import GenerateOutput, autoregressive_generate, speculative_generate
+from dartree.decode.peers import PEERS, load_zlab_drafter, run_peer
 from dartree.decode.prompts import DATASETS, Prompt, load_prompts
 from dartree.decode.report import annotate_trees, write_figures
 from dartree.decode.trees import BUILDERS
@@ -40,6 +41,23 @@ DEFAULT_CHECKPOINT = REPO / "checkpoints" / "dspark_b16"
 # verify costs ~1.8 AR steps in fp32 here, a 65-token one ~4; verify cost grows fast
 # with tree size on a CPU; GPUs prefer 64+).
 DEFAULT_CPU_BUDGET = 8
+
+
+def budget_arg(text: str) -> int | str:
+    """argparse type of ``--budget``: ``auto`` (the cost-model budget, :mod:`dartree.decode.budget`) or an int >= 0.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (names the accepted values).
+    """
+    if text == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor an integer >= 0") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0 (tree nodes per round) or 'auto'")
+    return value
 METHOD_ALIASES = {"dartree-pruned": "pruned", "dartree-fixed": "fixed"}
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -53,14 +71,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS), help="prompt sets")
     ap.add_argument("--limit", type=int, default=20, help="prompts per dataset")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
-    ap.add_argument("--budget", type=int, nargs="+", default=None,
-                    help=f"tree nodes per round B (default {DEFAULT_CPU_BUDGET}); several values run a budget sweep, "
+    ap.add_argument("--budget", type=budget_arg, nargs="+", default=["auto"],
+                    help="tree nodes per round B, or auto: per round the cost model (calibrated at start-up) keeps the "
+                         "tree size that maximises expected tokens per second, 0 = a plain AR step, and chain is "
+                         f"shortened the same way (the fixed CPU choice was {DEFAULT_CPU_BUDGET}); several values run a budget sweep, "
                          "reported as METHOD@B<n> for every tree builder other than chain")
     ap.add_argument("--width", type=int, default=12, help="supertree width W per depth (pruned)")
     ap.add_argument("--candidates", type=int, default=64, help="candidate count K per depth")
     ap.add_argument("--beta", type=float, default=-0.2, help="depth bonus beta (pruned, heap-sequential; <= 0)")
     ap.add_argument("--children", type=int, default=4, help="children per kept parent k (pctree)")
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (output must equal AR's)")
+    ap.add_argument("--acceptance", default="match", choices=["match", "rejection"],
+                    help="T > 0 rule: exact target-sample matching of deterministic drafts (every tree), or sampled "
+                         "chain drafts + speculative rejection sampling (--tree chain only)")
     ap.add_argument("--seed", type=int, default=0, help="prompt choice and sampling seed")
     ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="dartree checkpoint folder")
     ap.add_argument("--target", default=DEFAULT_TARGET, help="'smollm2' or a local Hugging Face folder")
@@ -72,6 +95,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--draw-round", type=int, default=None,
                     help="1-based verify round of the first prompt to draw as a tree per method (default: the "
                          "round with the longest accepted path)")
+    ap.add_argument("--peers", nargs="*", default=[], choices=list(PEERS),
+                    help="other decoders as extra rows on the same prompts and target, greedy only "
+                         "(dartree.decode.peers): transformers generate, transformers prompt-lookup decoding, "
+                         "z-lab dflash_generate on this checkpoint exported to z-lab's layout")
     return ap.parse_args(argv)
 
 
@@ -136,6 +163,12 @@ def _agg(rows: list[dict], ar_rows: list[dict]) -> dict:
         for st in rows[0]["stage_s"]:
             out[f"{st}_ms_per_round"] = 1000 * sum(r["stage_s"][st] for r in rows) / max(rounds, 1)
         out["mean_tree_nodes"] = sum(sum(r["tree_nodes"]) for r in rows) / max(rounds, 1)
+    if rows and "budgets" in rows[0]:  # verification budget per round (with --budget auto: the cost model's choice)
+        hist: dict[int, int] = {}
+        for r in rows:
+            for b in r["budgets"]:
+                hist[int(b)] = hist.get(int(b), 0) + 1
+        out["budget_histogram"] = {b: hist[b] for b in sorted(hist)}
     mism = [r for r in rows if r.get("mismatch")]
     out["mismatches"] = len(mism)
     out["lossless"] = (len(mism) == 0) if rows and rows[0].get("mismatch") is not None else None
@@ -149,9 +182,10 @@ def report_warnings(report: dict, tau_floor: float = 1.05) -> list[str]:
     for m, r in report["methods"].items():
         if m == "ar":
             continue
-        if r["tau"] < tau_floor and r.get("mean_tree_nodes", 1.0) == 0:
+        peer = r.get("peer", False)  # a peer's tau is its own business (hf-generate: 1 by construction)
+        if not peer and r["tau"] < tau_floor and r.get("mean_tree_nodes", 1.0) == 0:
             out.append(f"WARNING: {m} drafted no tree nodes (budget 0), so tau is 1: raise --budget")
-        elif r["tau"] < tau_floor:
+        elif not peer and r["tau"] < tau_floor:
             out.append(f"WARNING: {m} tau = {r['tau']:.3f} is about 1: the drafter contributes nothing "
                        "(untrained, mismatched to the target, or the wrong checkpoint)")
         if r["lossless"] is False:
@@ -195,10 +229,12 @@ def _eval_main(argv=None) -> int:
         (args.max_new_tokens < 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
         (not math.isfinite(args.temperature) or args.temperature < 0,
          f"--temperature must be a finite number >= 0, got {args.temperature}"),
+        (args.acceptance == "rejection" and (set(args.tree) != {"chain"} or not args.temperature > 0),
+         f"--acceptance rejection needs --tree chain and --temperature > 0, got --tree {' '.join(args.tree)} "
+         f"--temperature {args.temperature}"),
         (not 0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}"),
         (out_problem(args.out) is not None, out_problem(args.out)),
         (args.draw_round is not None and args.draw_round < 1, f"--draw-round is 1-based, got {args.draw_round}"),
-        (bool(args.budget) and min(args.budget) < 0, f"--budget must be >= 0, got {args.budget}"),
     ) if bad]
     if problems:
         print("error: " + "; ".join(problems), file=sys.stderr)
@@ -211,13 +247,13 @@ def _eval_main(argv=None) -> int:
         print(f"error: {exc.args[0]}", file=sys.stderr)
         return 2
     dtype = _DTYPES[args.dtype]
-    budgets = [DEFAULT_CPU_BUDGET] if not args.budget else list(args.budget)
+    budgets = list(args.budget)
     budget = budgets[0] if len(budgets) == 1 else budgets
     # one run per (method, budget); chain drafts one node per proposal and ignores the budget
     runs: dict[str, tuple[str, int | None]] = {}
     for m in methods:
         if m == "chain" or len(budgets) == 1:
-            runs[m] = (m, None if m == "chain" else budgets[0])
+            runs[m] = (m, "auto" if budgets == ["auto"] else (None if m == "chain" else budgets[0]))
         else:
             for b in budgets:
                 runs[f"{m}@B{b}"] = (m, b)
@@ -263,12 +299,44 @@ def _eval_main(argv=None) -> int:
         return speculative_generate(
             target, dm.drafter, dm.head, ids, builder=builder, max_new_tokens=max_new,
             temperature=args.temperature, stop_ids=stop_ids, budget=b, generator=gen, builder_params=params,
-            record_trees=record,
+            record_trees=record, cost_model=cost_models.get(method), acceptance=args.acceptance,
         )
+
+    cost_models: dict = {}
+    if any(b == "auto" for _, b in runs.values()):
+        from dataclasses import replace
+
+        from dartree.decode.budget import calibrate
+
+        tc0 = time.time()
+        cal = calibrate(target, dm.drafter, chat_prompt_ids(tok, prompts[0].text) if prompts else [1, 2, 3],
+                        max_budget=dm.drafter.cfg.num_proposals)
+        cost_models = {m: replace(cal, chosen={}) for m, (_, b) in runs.items() if b == "auto"}
+        console.print(f"cost model calibrated in {time.time() - tc0:.1f}s: AR step {1000 * cal.t_ar:.1f} ms, draft "
+                      f"{1000 * cal.t_draft:.1f} ms, verify " + ", ".join(f"{t}: {1000 * v:.1f}" for t, v in
+                                                                         sorted(cal.verify_s.items())) + " ms")
+    peers, peers_skipped, zlab = [], {}, None  # peers that run; {peer: why not}; z-lab's drafter
+    for name in dict.fromkeys(args.peers):
+        if args.temperature != 0:
+            peers_skipped[name] = f"peers run greedy only; --temperature is {args.temperature}"
+            continue
+        if name == "zlab-dflash":
+            zlab, why = load_zlab_drafter(args.checkpoint, target)
+            if why is not None:
+                peers_skipped[name] = why
+                continue
+        peers.append(name)
+    for name, why in peers_skipped.items():
+        console.print(f"[bold yellow]peer {name} skipped: {why}[/bold yellow]")
+
+    def run_peer_on(name: str, ids: list, max_new: int):
+        return run_peer(name, target, ids, max_new_tokens=max_new, stop_ids=stop_ids, zlab_drafter=zlab)
 
     warm_ids = chat_prompt_ids(tok, "Say hello.")
     for m in ["ar", *methods]:
         run(m, warm_ids, 0, 16)
+    for name in peers:
+        run_peer_on(name, warm_ids, 16)
 
     out = Path(args.out)
 
@@ -284,7 +352,9 @@ def _eval_main(argv=None) -> int:
                 "python": platform.python_version(), "platform": platform.platform(), "threads": torch.get_num_threads(),
                 "target": target.name, "checkpoint": str(args.checkpoint) if methods else None,
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
+                "acceptance": args.acceptance,
                 "budget": budget, "builder_params": params,
+                "cost_models": {m: cm.summary() for m, cm in cost_models.items()},
                 "proposals": dm.drafter.cfg.num_proposals if dm is not None else None,
                 "prompts": [{"dataset": p.dataset, "id": p.id, "text": p.text[:120]} for p in prompts[:done]],
                 "prompts_done": done, "prompts_planned": len(prompts),
@@ -292,11 +362,16 @@ def _eval_main(argv=None) -> int:
         }
         ar_all = rows["ar"]
         report["methods"]["ar"] = _agg(ar_all, ar_all)
-        for m in methods:
+        for m in [*methods, *peers]:
             report["methods"][m] = _agg(rows[m], ar_all)
         for d in args.datasets:
             ar_d = [r for r in ar_all if r["dataset"] == d]
-            report["datasets"][d] = {m: _agg([r for r in rows[m] if r["dataset"] == d], ar_d) for m in ["ar", *methods]}
+            report["datasets"][d] = {m: _agg([r for r in rows[m] if r["dataset"] == d], ar_d)
+                                     for m in ["ar", *methods, *peers]}
+        for m in peers:  # dartree.decode.peers rows: tau = committed tokens per target forward, prefill excluded
+            for agg in [report["methods"][m]] + [report["datasets"][d][m] for d in args.datasets]:
+                agg["peer"] = True
+        report["peers_skipped"] = peers_skipped
         report["per_prompt"] = rows
         report["trees"] = trees  # every verify tree of the first prompt, per method, for drawing
 
@@ -323,12 +398,24 @@ def _eval_main(argv=None) -> int:
             md.append("")
             if show:
                 console.print(table)
+        if peers_skipped:
+            md += ["## peers skipped", ""] + [f"- {m}: {why}" for m, why in peers_skipped.items()] + [""]
+        hists = {m: r["budget_histogram"] for m, r in report["methods"].items() if r.get("budget_histogram")
+                 and runs.get(m, (None, None))[1] == "auto"}
+        if hists:
+            md += ["## budgets chosen by the cost model (--budget auto; rounds per budget, 0 = plain AR step)", ""]
+            for m, h in hists.items():
+                line = f"{m}: " + ", ".join(f"B={b}: {n}" for b, n in h.items())
+                md.append(f"- {line}")
+                if show:
+                    console.print(f"budgets chosen, {line}")
+            md.append("")
         out.mkdir(parents=True, exist_ok=True)
         _atomic_write(out / "report.json", json.dumps(report, indent=1))
         _atomic_write(out / "report.md", "\n".join(md) + "\n")
         return report
 
-    rows: dict[str, list[dict]] = {m: [] for m in ["ar", *methods]}
+    rows: dict[str, list[dict]] = {m: [] for m in ["ar", *methods, *peers]}
     trees: dict[str, dict] = {}
     for pi, p in enumerate(prompts):
         ids = chat_prompt_ids(tok, p.text)
@@ -342,7 +429,7 @@ def _eval_main(argv=None) -> int:
             o = run(m, ids, seed, args.max_new_tokens, record=pi == 0)
             row = {**base, "new_tokens": o.stats.new_tokens, "decode_s": o.stats.decode_s,
                    "accept_lengths": o.stats.accept_lengths, "stage_s": o.stats.stage_s,
-                   "tree_nodes": o.stats.tree_nodes, "depth_nodes": o.stats.depth_nodes,
+                   "tree_nodes": o.stats.tree_nodes, "budgets": o.stats.budgets, "depth_nodes": o.stats.depth_nodes,
                    "accepted_depths": o.stats.accepted_depths, "mismatch": None}
             if pi == 0:
                 trees[m] = {**base, "rounds": annotate_trees(o.stats.trees, lambda i: tok.decode([i]))}
@@ -354,6 +441,16 @@ def _eval_main(argv=None) -> int:
                     row["margin_at_divergence"] = _margin_at(target, ids, ar.tokens, idx)
             rows[m].append(row)
             line.append(f"{m} tau {o.stats.tau:.2f}" + (" MISMATCH" if row["mismatch"] else ""))
+        for m in peers:
+            o = run_peer_on(m, ids, args.max_new_tokens)
+            row = {**base, "new_tokens": len(o.tokens), "decode_s": o.decode_s, "prefill_s": o.prefill_s,
+                   "accept_lengths": o.accept_lengths, "mismatch": o.tokens != ar.tokens}
+            if row["mismatch"]:
+                idx = _first_divergence(o.tokens, ar.tokens)
+                row["first_divergence"] = idx
+                row["margin_at_divergence"] = _margin_at(target, ids, ar.tokens, idx)
+            rows[m].append(row)
+            line.append(f"{m} tau {o.tau:.2f}" + (" MISMATCH" if row["mismatch"] else ""))
         console.print(", ".join(line))
         write_report(pi + 1, show=False)
 

@@ -16,6 +16,7 @@ from typing import Sequence
 import torch
 
 from dartree.decode.inputs import check_generate_args, check_speculative_args
+from dartree.decode.sampling import check_acceptance, rejection_verify, sample_chain
 from dartree.decode.budget import CostModel, calibrate, prune_to
 from dartree.decode.trees import DraftBlock, Tree, get_builder
 from dartree.decode.verify import compile_tree, target_tokens, verify
@@ -197,6 +198,7 @@ def speculative_generate(
     builder_params: dict | None = None,
     record_trees: bool = False,
     cost_model: CostModel | None = None,
+    acceptance: str = "match",
 ) -> GenerateOutput:
     """Speculative decoding with a block drafter, a correction head and a tree builder; lossless.
 
@@ -219,6 +221,9 @@ def speculative_generate(
         builder_params: extra keyword arguments for the builder (``k``, ``width``, ``beta``).
         record_trees: also keep every round's verify tree and accepted path in ``stats.trees`` (for
             drawing; a few list copies per round).
+        acceptance: ``"match"`` (default): deterministic drafts, exact target-sample matching (every builder);
+            ``"rejection"`` (builder ``chain``, T > 0): sampled drafts and standard speculative sampling
+            (Leviathan et al. 2023, Algorithm 1; :mod:`dartree.decode.sampling`), also lossless.
     Returns:
         Tokens equal to :func:`autoregressive_generate`'s at T = 0 (and distributed as the target's samples
         at T > 0), plus stats.
@@ -232,6 +237,7 @@ def speculative_generate(
     """
     prompt_ids, stop_ids = _check_args(target, prompt_ids, max_new_tokens, temperature, stop_ids, generator)
     check_speculative_args(target, drafter, head, builder=builder, budget=budget, builder_params=builder_params)
+    rejection = check_acceptance(acceptance, builder, temperature) == "rejection"
     build = get_builder(builder)
     params = dict(builder_params or {})
     auto = budget == "auto"
@@ -259,7 +265,12 @@ def speculative_generate(
         if drafted:
             block = draft_block(target, drafter, anchor, start, feats, dcache)
             tb = time.perf_counter()
-            tree = build(block, head, anchor, budget, **params)
+            if rejection:  # sampled chain: its q rows travel with the tree to the rejection verify
+                sampled = sample_chain(block, head, anchor, budget, temperature=temperature, generator=generator,
+                                       **params)
+                tree = sampled.tree
+            else:
+                tree = build(block, head, anchor, budget, **params)
             if auto:
                 cm.observe_build(time.perf_counter() - tb)
                 b, expected = cm.choose(tree, beta)
@@ -270,7 +281,11 @@ def speculative_generate(
         tc = time.perf_counter()
         inputs = compile_tree(tree, anchor, start, dtype=target.dtype, device=target.device)
         tc2 = time.perf_counter()
-        ver = verify(target, tree, anchor, start, cache, temperature, generator, inputs=inputs)
+        if rejection and tree.size:
+            ver = rejection_verify(target, sampled.first(tree.size), anchor, start, cache, temperature, generator,
+                                   inputs=inputs)
+        else:
+            ver = verify(target, tree, anchor, start, cache, temperature, generator, inputs=inputs)
         td = time.perf_counter()
         n, done = _commit(out, ver.tokens + [ver.bonus_id], max_new_tokens, stops)
         stats.accept_lengths.append(n)

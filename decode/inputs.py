@@ -19,7 +19,8 @@ from dartree.models.validate import is_int, is_real
 
 
 def _describe(x: Any) -> str:
-    """Type and shape of ``x`` for messages, e.g. ``torch.Tensor [2, 5] torch.int64``."""
+    """Type (and shape, dtype) of ``x`` for messages, e.g. ``a torch.Tensor of shape [2, 5] and dtype
+    torch.int64``."""
     if isinstance(x, torch.Tensor):
         return f"a torch.Tensor of shape {list(x.shape)} and dtype {x.dtype}"
     shape = getattr(x, "shape", None)
@@ -245,16 +246,22 @@ def check_build_args(block, root_id: int, budget: int, head=None) -> int:
                          "and [P, V] with the same P and V >= 1")
     if not base.is_floating_point() or not hid.is_floating_point():
         raise TypeError(f"block tensors must be floating point, got hidden {hid.dtype} and base_logits {base.dtype}")
+    vocab = getattr(block, "vocab", None)  # a reduced draft vocabulary: base_logits columns are these token ids
+    if vocab is not None and (not isinstance(vocab, torch.Tensor) or vocab.dim() != 1 or vocab.numel() != base.shape[1]):
+        raise ValueError(f"block.vocab must be [V'] token ids, one per base_logits column ({base.shape[1]}), got "
+                         f"{_describe(vocab)}")
+    n_vocab = base.shape[1] if vocab is None else int(vocab[-1]) + 1  # ascending ids: the last is the largest
     hv, hd = getattr(head, "vocab_size", None), getattr(head, "hidden_size", None)
-    if hv is not None and hv < base.shape[1]:
-        raise ValueError(f"head vocab_size {hv} < block.base_logits vocabulary {base.shape[1]}: candidate ids would "
+    if hv is not None and hv < n_vocab:
+        raise ValueError(f"head vocab_size {hv} < block.base_logits vocabulary {n_vocab}: candidate ids would "
                          "fall outside the head's tables; use the head trained with this drafter and target")
     if hd is not None and hd != hid.shape[1]:
         raise ValueError(f"head hidden_size {hd} != block.hidden width {hid.shape[1]}")
     if not is_int(root_id):
         raise TypeError(f"root_id={root_id!r} must be an integer token id")
-    if not 0 <= root_id < base.shape[1]:
-        raise ValueError(f"root_id={root_id} is outside the vocabulary [0, {base.shape[1]})")
+    upper = hv if hv is not None else (n_vocab if vocab is None else None)  # a draft vocabulary does not bound it
+    if root_id < 0 or (upper is not None and root_id >= upper):
+        raise ValueError(f"root_id={root_id} is outside the vocabulary [0, {upper})")
     if not is_int(budget):
         raise TypeError(f"budget={budget!r} must be an integer >= 0")
     if budget < 0:

@@ -73,7 +73,10 @@ def load_prompts(dataset: str, limit: int, seed: int = 0) -> list[Prompt]:
     Raises:
         KeyError: unknown dataset (lists the known ones).
         RuntimeError: the package holding it is missing.
+        ValueError: ``limit`` is not an integer >= 0 (a negative one would silently drop prompts from the end).
     """
+    if isinstance(limit, bool) or not isinstance(limit, int) or limit < 0:
+        raise ValueError(f"limit={limit!r} must be an integer >= 0 (prompts to return)")
     if dataset == "humaneval":
         items = _humaneval()
     elif dataset == "mtbench":

@@ -220,7 +220,7 @@ def build_chain(block: DraftBlock, head: CorrectionHead, root_id: int, budget: i
 @torch.no_grad()
 def build_supertree(
     block: DraftBlock, head: CorrectionHead, root_id: int, *, k: int, quota: Callable[[int, int], int],
-    backend: str = "auto",
+    backend: str = "auto", prune: tuple[int, float] | None = None,
 ) -> Tree:
     """DARTree depth-wise batched expansion (DARTree ``build_dartree_supertree``, ANCHORS.md 5e).
 
@@ -230,6 +230,11 @@ def build_supertree(
     their states are advanced in one batched call. Candidate selection and frontier scoring run through
     ``dartree.kernels`` (``backend``).
 
+    Args:
+        prune: (B, beta) when the caller keeps only the top-B nodes by ``score + beta * depth`` (beta <= 0):
+            expansion stops at the first depth after which no deeper node can enter that top-B, i.e. once B
+            nodes already score at least max(frontier score) + beta * (next depth) (path scores never increase
+            along a path, and ties go to the shallower node), so the top-B of the returned tree is unchanged.
     Returns:
         The supertree, depth-major (so topologically ordered), scores = path log q~ (nats).
     """
@@ -242,6 +247,7 @@ def build_supertree(
     f_index = torch.zeros(1, dtype=torch.long, device=ids.device)  # node index of frontier entries (root = 0)
     toks, pars, deps, scs = [], [], [], []
     next_index = 1
+    adj_sorted = None  # prune: the best B adjusted scores so far, descending
     for d in range(p_len):
         n_f = f_score.numel()
         q = quota(d, n_f * kk)
@@ -259,6 +265,14 @@ def build_supertree(
         next_index += par_row.numel()
         parent_state = None if state is None else state[par_row]
         state = head.advance(parent_state, new_tok, hid.expand(par_row.numel(), -1))
+        if prune is not None and d + 1 < p_len:
+            b_keep, beta = prune
+            adj = path.float() + beta * (d + 1)
+            adj_sorted = adj if adj_sorted is None else torch.cat([adj_sorted, adj])
+            if adj_sorted.numel() > b_keep:
+                adj_sorted = torch.topk(adj_sorted, b_keep).values
+            if adj_sorted.numel() >= b_keep and float(adj_sorted.min()) >= float(path.max()) + beta * (d + 2):
+                break
     if not toks:
         return Tree.empty()
     return Tree(torch.cat(toks), torch.cat(pars), torch.cat(deps), torch.cat(scs).float())
@@ -318,7 +332,8 @@ def build_dartree_pruned(
     _check_beta(beta)
     if budget <= 0:
         return Tree.empty()
-    sup = build_supertree(block, head, root_id, k=k, quota=lambda d, avail: min(int(width), avail), backend=backend)
+    sup = build_supertree(block, head, root_id, k=k, quota=lambda d, avail: min(int(width), avail), backend=backend,
+                          prune=(int(budget), float(beta)))
     return select_top_b(sup, int(budget), float(beta))
 
 

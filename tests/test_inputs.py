@@ -396,6 +396,7 @@ def test_checkpoint_config_that_is_not_json_or_not_an_object_is_named(saved):
     (["drafter.draft_vocab_size=1000"], r"drafter.draft_vocab_size=1000 exceeds the target's vocabulary: .*\[0, 96\]"),
     (["drafter.init_from_target=true", "drafter.num_layers=5"], "drafter.num_layers=5 with drafter.init_from_target"),
     (["drafter.init_from_target=true", "drafter.intermediate_size=48"], "drafter.intermediate_size=48 differs"),
+    (["data.source=sharegpt"], "data.source=sharegpt needs a target with a tokenizer"),
 ])
 def test_values_that_depend_on_the_target_are_checked_before_any_step(tmp_path, monkeypatch, capsys, overrides,
                                                                        pattern):
@@ -565,3 +566,11 @@ def test_an_output_folder_that_cannot_be_written_is_refused_before_any_work(tmp_
                    f"error: --out '{afile / 'rep'}' cannot be created: {afile} is a file; give a writable folder for "
                    "report.json and report.md"]
     assert afile.read_text() == "keep me"
+
+
+def test_load_prompts_refuses_a_negative_limit():
+    from dartree.decode.prompts import load_prompts
+
+    with pytest.raises(ValueError, match=r"limit=-1 must be an integer >= 0"):
+        load_prompts("mtbench", -1)  # items[:-1] used to drop the last prompt silently
+    assert len(load_prompts("mtbench", 3)) == 3

@@ -60,7 +60,7 @@ RECIPE_FIELDS = {
     "train.max_minutes": Range(0, integer=False, note="0: no cap"),
     "train.seqs_per_step": Range(1),
     "train.num_anchors": Range(1),
-    "train.lr": Range(0, integer=False, lo_open=True),
+    "train.lr": Range(0, integer=False, note="0 keeps the weights as initialised"),
     "train.warmup_ratio": Range(0, 1, integer=False),
     "train.weight_decay": Range(0, integer=False),
     "train.grad_clip": Range(0, integer=False, note="0: no clipping"),
@@ -128,7 +128,7 @@ def check_against_target(cfg: DictConfig, target) -> list[int]:
         The target layer ids the drafter will read (the recipe's, or the DFlash rule's).
     Raises:
         RecipeError: layer ids outside [0, n) (given or from the DFlash rule), a mask token id >= the target's
-            embedding rows, a draft vocabulary larger than V, more drafter layers than the target has when
+            embedding rows, ShareGPT prompts for a target without a tokenizer, a draft vocabulary larger than V, more drafter layers than the target has when
             ``drafter.init_from_target`` copies them, or a drafter width that differs from the copied layers'.
     """
     from dartree.models.drafter import build_target_layer_ids
@@ -151,6 +151,9 @@ def check_against_target(cfg: DictConfig, target) -> list[int]:
     if d.mask_token_id is not None and d.mask_token_id >= rows:
         raise RecipeError(f"drafter.mask_token_id={d.mask_token_id} is not a token id of target {target.name!r}: "
                           f"must be in [0, {rows - 1}]")
+    if cfg.data.source == "sharegpt" and target.tokenizer is None:
+        raise RecipeError(f"data.source=sharegpt needs a target with a tokenizer (to chat-template the prompts); "
+                          f"target {target.name!r} has none: use data.source=random")
     if d.draft_vocab_size > v:
         raise RecipeError(f"drafter.draft_vocab_size={d.draft_vocab_size} exceeds the target's vocabulary: must be in "
                           f"[0, {v}] (0: the full vocabulary)")

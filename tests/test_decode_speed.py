@@ -1,7 +1,9 @@
-"""Cost-model budget (``budget="auto"``) and the reduced-vocabulary draft path (decode/budget.py, trees.py).
+"""The decode speed paths stay exact: the cost-model budget (``budget="auto"``, decode/budget.py), the
+reduced-vocabulary draft path and the pruned builder's early stop (decode/trees.py).
 
 Lossless at T = 0 whatever budgets the model picks (TESTING.md B); the policy's choice is the argmax of its
-stated objective; a reduced draft vocabulary gives the same trees as the full-vocabulary -inf form.
+stated objective; a reduced draft vocabulary gives the same trees as the full-vocabulary -inf form; stopping
+the supertree early gives the same top-B tree as expanding every depth.
 """
 
 import math
@@ -12,7 +14,7 @@ import torch
 from conftest import VOCAB, make_drafter, make_head
 from dartree.decode.budget import CostModel, calibrate
 from dartree.decode.generate import autoregressive_generate, speculative_generate
-from dartree.decode.trees import BUILDERS, DraftBlock, Tree, get_builder
+from dartree.decode.trees import BUILDERS, DraftBlock, Tree, build_supertree, get_builder, select_top_b
 
 STOP = 1
 
@@ -127,3 +129,21 @@ def test_drafter_draft_logits_equal_base_logits_restricted(target):
     assert torch.equal(vocab, torch.sort(drafter.draft_vocab).values)
     torch.testing.assert_close(sub, full[:, vocab])
     assert bool(torch.isinf(full).sum() == 5 * (VOCAB - 20))
+
+
+@pytest.mark.parametrize("head_name", ["identity", "markov", "gru"])
+@pytest.mark.parametrize("budget,beta,width", [(1, -0.2, 4), (4, -0.2, 4), (8, 0.0, 6), (12, -1.0, 3), (40, -0.2, 4)])
+def test_pruned_early_stop_gives_the_full_supertree_top_b(target, head_name, budget, beta, width):
+    head = make_head(head_name, target)
+    for seed in range(4):
+        g = torch.Generator().manual_seed(seed)
+        scale = [0.5, 2.0, 6.0, 0.0][seed]  # flat to peaked base logits (scale 0: all ties)
+        block = DraftBlock(torch.randn(8, 32, generator=g), torch.randn(8, VOCAB, generator=g) * scale)
+        quota = lambda d, avail: min(width, avail)  # noqa: E731
+        full = select_top_b(build_supertree(block, head, 3, k=8, quota=quota), budget, beta)
+        early_sup = build_supertree(block, head, 3, k=8, quota=quota, prune=(budget, beta))
+        early = select_top_b(early_sup, budget, beta)
+        assert torch.equal(full.tokens, early.tokens) and torch.equal(full.parents, early.parents)
+        assert torch.equal(full.depth, early.depth)
+        built = get_builder("pruned")(block, head, 3, budget, k=8, width=width, beta=beta)
+        assert torch.equal(built.tokens, full.tokens) and torch.equal(built.parents, full.parents)
