@@ -11,7 +11,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export WANDB_MODE := offline
 
-.PHONY: setup run test eval-full train clean
+.PHONY: setup run test eval-full train clean gpu-check
 
 .venv/bin/python:
 	python3 -m venv .venv
@@ -34,6 +34,11 @@ run: setup
 # The full default evaluation quoted in checkpoints/README.md (20 prompts per data set; ~30 min on 2 CPU cores).
 eval-full: setup
 	$(PY) decode/eval.py --tree chain pruned --limit 20 --max-new-tokens 256 --out reports/full
+
+# On a CUDA machine (<= 8 min): Triton kernels vs torch twins, tree-build ms (pruned vs heap-sequential), a bf16 eval
+# of every builder; exits non-zero on a kernel mismatch. Without CUDA it runs the small --dry check.
+gpu-check: $(VENV_DEP)
+	$(PY) decode/gpu_check.py --out reports/gpu_check.json
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -48,8 +48,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--tree", nargs="+", default=["chain", "pruned"], help="methods (registered tree builders)")
     ap.add_argument("--budget", type=int, nargs="+", default=[2, 4, 8, 16],
-                    help="budgets B for tree builders (chain runs once, with its full length), or 'auto' via --auto")
-    ap.add_argument("--auto", action="store_true", help="also run every tree method with --budget auto")
+                    help="budgets B for tree builders (chain runs once, with its full length)")
+    ap.add_argument("--auto", action="store_true", help="also run every method with budget auto (cost model)")
     ap.add_argument("--dtype", nargs="+", default=["float32"], choices=sorted(_DTYPES))
     ap.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "dspark_b16"))
     ap.add_argument("--target", default=DEFAULT_TARGET)
@@ -190,7 +190,7 @@ def main(argv=None) -> int:
         runs = []
         for m in args.tree:
             if m == "chain":
-                runs.append((m, None))
+                runs += [(m, None)] + ([(m, "auto")] if args.auto else [])
             else:
                 runs += [(m, b) for b in args.budget]
                 if args.auto:
@@ -200,15 +200,25 @@ def main(argv=None) -> int:
                     "break-even tau", "speedup", "nodes"]:
             mt.add_column(col, justify="right")
         for m, b in runs:
-            speculative_generate(target, dm.drafter, dm.head, warm, builder=m, max_new_tokens=8, stop_ids=stop, budget=b)
+            cm = None
+            if b == "auto":
+                from dartree.decode.budget import calibrate
+
+                cm = calibrate(target, dm.drafter, prompts[0], max_budget=dm.drafter.cfg.num_proposals)
+            speculative_generate(target, dm.drafter, dm.head, warm, builder=m, max_new_tokens=8, stop_ids=stop, budget=b,
+                                 cost_model=cm)
             outs = []
             for i, ids in enumerate(prompts):
                 o = speculative_generate(target, dm.drafter, dm.head, ids, builder=m, max_new_tokens=args.max_new_tokens,
-                                         stop_ids=stop, budget=b)
+                                         stop_ids=stop, budget=b, cost_model=cm)
                 if o.tokens != ar[i].tokens and dname == "float32":
                     console.print(f"[bold red]{m}@{b}: output differs from AR on prompt {i}[/bold red]")
                 outs.append(o.stats)
             rc = round_costs(outs, t_ar)
+            if cm is not None:
+                rc["cost_model"] = cm.summary()
+                console.print(f"{m}@auto: budgets chosen {rc['cost_model']['chosen_budgets']}, calibration "
+                              f"c = {cm.calibration:.2f}")
             entry["methods"][f"{m}@{b}" if b is not None else m] = rc
             mt.add_row(m, str(b if b is not None else dm.drafter.cfg.num_proposals), f"{rc['tau']:.3f}",
                        *[f"{rc[f'{st}_ms']:.1f} ({rc[f'{st}_ar']:.2f})" for st in STAGES],

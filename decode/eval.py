@@ -43,6 +43,36 @@ DEFAULT_CHECKPOINT = REPO / "checkpoints" / "dspark_b16"
 DEFAULT_CPU_BUDGET = 8
 
 
+def choose_dtype(requested: str, device: str = "cpu") -> tuple[str, str]:
+    """The dtype a run uses, and why (printed and recorded in the report).
+
+    ``auto`` takes bfloat16 only where bf16 matrix arithmetic is native (CUDA, or a CPU whose oneDNN build
+    supports bf16: AVX512-BF16 / AMX); elsewhere bf16 is emulated, and on such a CPU a bf16 verify forward of 9+
+    tokens measured 1.5-4x slower than fp32 (PERFORMANCE.md), so float32, the exact mode (every output equal
+    to AR's), is also the faster one.
+
+    Args:
+        requested: ``auto`` or a key of the dtype table (``float32``, ``bfloat16``, ``float16``).
+        device: ``cpu`` or ``cuda``.
+    Returns:
+        (dtype name, reason).
+    """
+    if requested != "auto":
+        exact = " (the exact mode: every T=0 output must equal AR's)" if requested == "float32" else (
+            " (near-ties may flip between a verify forward and an AR step: divergences are reported with the "
+            "target's top-2 margin)")
+        return requested, f"--dtype {requested} requested{exact}"
+    if device.startswith("cuda"):
+        return "bfloat16", "auto: CUDA has native bf16 matrix arithmetic"
+    native = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    cap = torch.backends.cpu.get_cpu_capability()
+    if native:
+        return "bfloat16", f"auto: this CPU ({cap}) has native bf16 matrix arithmetic (oneDNN bf16)"
+    return "float32", (f"auto: this CPU ({cap}) has no native bf16 matrix arithmetic (oneDNN bf16 unsupported), where "
+                       "bf16 multi-token verify forwards are slower than fp32; float32 is both the exact mode "
+                       "(every output equal to AR's) and the faster one here")
+
+
 def budget_arg(text: str) -> int | str:
     """argparse type of ``--budget``: ``auto`` (the cost-model budget, :mod:`dartree.decode.budget`) or an int >= 0.
 
@@ -87,7 +117,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0, help="prompt choice and sampling seed")
     ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="dartree checkpoint folder")
     ap.add_argument("--target", default=DEFAULT_TARGET, help="'smollm2' or a local Hugging Face folder")
-    ap.add_argument("--dtype", default="float32", choices=sorted(_DTYPES), help="target and drafter dtype")
+    ap.add_argument("--dtype", default="auto", choices=["auto", *sorted(_DTYPES)],
+                    help="target and drafter dtype; auto: bfloat16 where the hardware has native bf16 matrix "
+                         "arithmetic (CUDA, or a CPU with oneDNN bf16), else float32 (the exact mode); the run prints "
+                         "which and why")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     ap.add_argument("--out", default="reports/latest", help="folder for report.json and report.md")
     ap.add_argument("--no-plots", action="store_true",
@@ -246,7 +279,9 @@ def _eval_main(argv=None) -> int:
     except KeyError as exc:
         print(f"error: {exc.args[0]}", file=sys.stderr)
         return 2
+    args.dtype, dtype_reason = choose_dtype(args.dtype)
     dtype = _DTYPES[args.dtype]
+    console.print(f"mode: {args.dtype}; {dtype_reason}")
     budgets = list(args.budget)
     budget = budgets[0] if len(budgets) == 1 else budgets
     # one run per (method, budget); chain drafts one node per proposal and ignores the budget
@@ -347,7 +382,7 @@ def _eval_main(argv=None) -> int:
             "methods": {},
             "datasets": {},
             "environment": {
-                "device": str(target.device), "dtype": args.dtype, "attn_implementation": target.config._attn_implementation,
+                "device": str(target.device), "dtype": args.dtype, "dtype_reason": dtype_reason, "attn_implementation": target.config._attn_implementation,
                 "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                 "python": platform.python_version(), "platform": platform.platform(), "threads": torch.get_num_threads(),
                 "target": target.name, "checkpoint": str(args.checkpoint) if methods else None,

@@ -232,7 +232,8 @@ def speculative_generate(
             unknown builder parameter.
         ValueError: empty or batched prompt ([N > 1, T]: one request at a time), an id outside the vocabulary,
             negative max_new_tokens / budget, negative or non-finite temperature, an out-of-range builder parameter,
-            a drafter / head that does not fit the target, or target capture layers that differ from the drafter's.
+            a drafter / head that does not fit the target, or target capture layers that differ from the drafter's;
+            an unknown ``acceptance``, or ``"rejection"`` with a builder other than ``chain`` or with T = 0.
         KeyError: unknown builder (lists the available ones).
     """
     prompt_ids, stop_ids = _check_args(target, prompt_ids, max_new_tokens, temperature, stop_ids, generator)

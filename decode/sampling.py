@@ -70,7 +70,8 @@ class SampledChain:
 
     Attributes:
         tree: the chain as a Tree of M nodes (node d+1 at depth d+1 under node d); ``score`` [M] fp32 is the
-            path log-probability sum_{j<=d} log q_j(x_j) in nats (non-increasing along the chain).
+            surrogate sum_{j<=d} log max_x q_j(x) in nats (non-increasing along the chain): the greedy chain's own
+            path score, which ``budget="auto"`` reads as the acceptance estimate (not the random log q_j(x_j)).
         cand: [M, K] int64 candidate token ids per depth (distinct within a row).
         q: [M, K] fp32 draft probabilities over ``cand`` (rows sum to 1; the distribution x_d was sampled from).
     """
@@ -156,14 +157,17 @@ def sample_chain(block: DraftBlock, head: CorrectionHead, root_id: int, budget: 
     if not temperature > 0:
         raise ValueError(f"sampled drafts need temperature > 0, got {temperature}")
     m = max(0, min(int(budget), block.base_logits.shape[0]))
+    if m == 0:
+        dev = block.base_logits.device
+        return SampledChain(Tree.empty(), torch.zeros((0, 1), dtype=torch.long, device=dev),
+                            torch.zeros((0, 1), device=dev))
     ids, vals = block_candidates(block.first(m), k, backend=backend)  # [M, K]
     dev = ids.device
     toks, q = sample_chain_tokens(head, ids, vals, block.hidden[:m], torch.tensor([root_id], device=dev),
                                   temperature, generator)
     toks, q = toks[0], q[0]
-    qx = q.gather(1, (ids == toks[:, None]).long().argmax(1, keepdim=True)).squeeze(1)  # q_d(x_d) [M]
     tree = Tree(toks, torch.arange(m, dtype=torch.long, device=dev), torch.arange(1, m + 1, device=dev),
-                torch.cumsum(torch.log(qx), 0).float())
+                torch.cumsum(torch.log(q.max(dim=-1).values), 0).float())
     return SampledChain(tree, ids, q)
 
 

@@ -247,7 +247,8 @@ _OK = DraftBlock(torch.randn(3, 8), torch.randn(3, 10))
 
 
 @pytest.mark.parametrize("args, exc, pattern", [
-    ((_OK, 10, 4), ValueError, r"root_id=10 is outside the vocabulary \[0, 10\)"),
+    ((_OK, 500, 4), ValueError, r"root_id=500 is outside the vocabulary \[0, (10|96)\)"),
+    ((_OK, -1, 4), ValueError, r"root_id=-1 is outside the vocabulary"),
     ((_OK, 1, -2), ValueError, "budget=-2 must be >= 0"),
     ((_OK, 1, 2.5), TypeError, "budget=2.5 must be an integer"),
     ((_OK, 1.0, 4), TypeError, "root_id=1.0 must be an integer"),

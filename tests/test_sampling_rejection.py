@@ -160,3 +160,42 @@ def test_eval_cli_refuses_rejection_without_chain_and_temperature(argv, capsys):
 
     assert main(argv + ["--acceptance", "rejection", "--limit", "1"]) == 2
     assert "--acceptance rejection needs --tree chain" in capsys.readouterr().err
+
+
+def test_sample_chain_shapes_budget_zero_and_draft_vocabulary():
+    from dartree.decode.sampling import sample_chain
+
+    g = torch.Generator().manual_seed(0)
+    vocab = torch.tensor([2, 5, 7, 11, 13])
+    block = DraftBlock(hidden=torch.zeros(4, 8), base_logits=torch.randn(4, 5, generator=g), vocab=vocab)
+    head = make_markov()
+    assert sample_chain(block, head, 3, 0, temperature=1.0, generator=g).tree.size == 0
+    ch = sample_chain(block, head, 3, 3, temperature=0.7, generator=g, k=2, width=9)
+    assert ch.tree.size == 3 and ch.cand.shape == ch.q.shape == (3, 2)
+    assert ch.tree.parents.tolist() == [0, 1, 2] and ch.tree.depth.tolist() == [1, 2, 3]
+    assert all(int(t) in row.tolist() for t, row in zip(ch.tree.tokens, ch.cand))  # drafted from its candidates
+    assert set(ch.cand.reshape(-1).tolist()) <= set(vocab.tolist())
+    torch.testing.assert_close(ch.q.sum(-1), torch.ones(3))
+    with pytest.raises(ValueError, match="temperature"):
+        sample_chain(block, head, 3, 3, temperature=0.0, generator=g)
+
+
+def test_sample_chain_runs_every_head(head):
+    # every head behind g(C, H, r), stateful ones advanced along the sampled tokens; a seed fixes the chain
+    from dartree.decode.sampling import sample_chain
+
+    g = torch.Generator().manual_seed(4)
+    block = DraftBlock(hidden=torch.randn(4, 32, generator=g), base_logits=torch.randn(4, 96, generator=g) * 2)
+    chains = [sample_chain(block, head, 5, 4, temperature=0.9, generator=torch.Generator().manual_seed(1), k=8)
+              for _ in range(2)]
+    assert torch.equal(chains[0].tree.tokens, chains[1].tree.tokens) and chains[0].tree.size == 4
+    torch.testing.assert_close(chains[0].q.sum(-1), torch.ones(4))
+    assert bool((chains[0].cand == chains[0].tree.tokens[:, None]).any(-1).all())
+    # q is softmax(g / T) of the head unrolled along the sampled tokens (the state follows the draft)
+    ch, st = chains[0], head.init_state(torch.tensor([5]))
+    with torch.no_grad():
+        for d in range(4):
+            c, h = ch.cand[d][None], block.hidden[d][None]
+            want = torch.softmax(head.score(c, h, st, block.base_logits[d][c]).float() / 0.9, -1)[0]
+            torch.testing.assert_close(ch.q[d], want)
+            st = head.advance(st, ch.tree.tokens[d][None], h)

@@ -128,8 +128,9 @@ def check_against_target(cfg: DictConfig, target) -> list[int]:
         The target layer ids the drafter will read (the recipe's, or the DFlash rule's).
     Raises:
         RecipeError: layer ids outside [0, n) (given or from the DFlash rule), a mask token id >= the target's
-            embedding rows, ShareGPT prompts for a target without a tokenizer, a draft vocabulary larger than V, more drafter layers than the target has when
-            ``drafter.init_from_target`` copies them, or a drafter width that differs from the copied layers'.
+            embedding rows, ShareGPT prompts for a target without a tokenizer, a draft vocabulary larger than V,
+            more drafter layers than the target has when ``drafter.init_from_target`` copies them, or a drafter
+            width that differs from the copied layers'.
     """
     from dartree.models.drafter import build_target_layer_ids
     from dartree.training.recipe import RecipeError

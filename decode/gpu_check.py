@@ -1,0 +1,351 @@
+"""GPU acceptance check: kernels vs their torch twins, tree-build timing, a bf16 eval; one JSON report.
+
+Usage (``make gpu-check``)::
+
+    python decode/gpu_check.py [--out reports/gpu_check.json] [--time-limit 480] [--dry]
+
+On CUDA (about 8 minutes at most, ``--time-limit`` seconds; later sections are marked ``skipped`` past it):
+
+1. ``kernels``: every Triton kernel in ``dartree.kernels`` against its plain-torch ``*_ref`` twin over the shape
+   table of tests/test_kernels.py (ids, picks and masks exactly equal; floats within per-dtype tolerances).
+2. ``tree_build``: milliseconds per build of ``pruned`` (W = B) vs ``heap-sequential`` at B = 64, 128, 256 on a
+   real draft block of the default drafter, median of repeated builds with ``torch.cuda.synchronize()`` around
+   each; also whether both give the same node set (DARTree Lemma 1; reported, not a failure: float ties may flip).
+3. ``eval``: the default target in bf16 with the default drafter, every registered builder at B = 16 and 64,
+   greedy, a few fixed prompts: tau, ms per output token, per-stage ms per round, and the AR mismatch count
+   (bf16 near-ties may flip tokens, so reported, not a failure).
+
+Without CUDA (or with ``--dry``) the same sections run small: Triton under ``TRITON_INTERPRET=1`` on tiny shapes,
+tree builds at B = 8, 16 and a fp32 eval on the tiny random target, where every speculative output must equal
+AR's exactly (a mismatch is a failure). Exit status: 0 when every check passed, 1 on any kernel mismatch, dry
+AR mismatch or a section that raised, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SIZES = [1, 7, 63, 64, 65]  # tests/test_kernels.py: one row, odd, around a power of two
+DRY_SIZES = [1, 7]
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+PROMPTS = ["Explain why the sky is blue in two sentences.", "Write a Python function that reverses a string.",
+           "A farmer has 12 cows and buys 7 more. Each cow gives 3 litres of milk. How much milk per day?"]
+
+
+def _sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _row(kernel: str, shape: dict, dtype, ok: bool, err: float = 0.0, note: str = "") -> dict:
+    return {"kernel": kernel, "shape": shape, "dtype": str(dtype).replace("torch.", ""), "ok": bool(ok),
+            "max_abs_err": float(err), **({"note": note} if note else {})}
+
+
+def _err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float().cpu() - b.float().cpu()).abs().max()) if a.numel() else 0.0
+
+
+def check_kernels(dev: torch.device, dry: bool) -> list[dict]:
+    """Every Triton kernel vs its torch twin over the shape table (tests/test_kernels.py).
+
+    Args:
+        dev: where the Triton kernel runs (cuda, or cpu under ``TRITON_INTERPRET=1``).
+        dry: use the small table (interpreter cost grows with the number of programs).
+    Returns:
+        One row per (kernel, shape, dtype): ``ok`` (ids / picks / masks exactly equal, floats within
+        :data:`TOL`) and the largest absolute float error.
+    """
+    from dartree.kernels.candidates import topk_candidates, topk_candidates_ref
+    from dartree.kernels.frontier import frontier_topk, frontier_topk_ref
+    from dartree.kernels.gru import gru_cell, gru_cell_ref
+    from dartree.kernels.tree_compile import tree_attention, tree_attention_ref
+
+    sizes = DRY_SIZES if dry else SIZES
+    low = [torch.float32, torch.float16] if dry else [torch.float32, torch.float16, torch.bfloat16]
+    rows = []
+    for m in sizes:  # candidates: M rows over an odd vocabulary spanning two blocks, with exact ties
+        x = torch.randn(m, 1100, generator=_gen(m))
+        x[:, ::7] = x[:, :1]
+        ids, vals, lse = topk_candidates(x.to(dev), 9, backend="triton")
+        rids, rvals, rlse = topk_candidates_ref(x, 9)
+        e = _err(lse, rlse)
+        rows.append(_row("candidates", {"rows": m, "V": 1100, "K": 9}, torch.float32,
+                         torch.equal(ids.cpu(), rids) and torch.equal(vals.cpu(), rvals) and e <= 1e-5, e))
+    for k in sizes:
+        for dt in low:
+            x = (torch.randn(3, 97, generator=_gen(k)) * 4).to(dt)
+            ids, vals, lse = topk_candidates(x.to(dev), k, backend="triton")
+            rids, rvals, rlse = topk_candidates_ref(x, k)
+            e = _err(lse, rlse)
+            rows.append(_row("candidates", {"rows": 3, "V": 97, "K": k}, dt,
+                             torch.equal(ids.cpu(), rids) and torch.equal(vals.cpu(), rvals) and e <= 1e-5, e))
+    for f in sizes:  # frontier: F parents x K candidates, rank R of the head's low-rank form (0: identity)
+        for r in ([0, 5] if dry else [0, 5, 64]):
+            g = _gen(100 * f + r)
+            k = 64 if f != 7 else 33
+            base, s = torch.randn(k, generator=g) * 3, -torch.rand(f, generator=g) * 4
+            act = torch.randn(f, r, generator=g) if r else None
+            w = torch.randn(k, r, generator=g) * 0.3 if r else None
+            q = {1: 1, 7: 12, 63: 64, 64: 4, 65: 30}[f]
+            mv = (lambda t: None if t is None else t.to(dev))
+            pick, path = frontier_topk(base.to(dev), s.to(dev), q, mv(act), mv(w), backend="triton")
+            rpick, rpath = frontier_topk_ref(base, s, q, act, w)
+            e = _err(path, rpath)
+            rows.append(_row("frontier", {"F": f, "K": k, "R": r, "quota": q}, torch.float32,
+                             torch.equal(pick.cpu(), rpick) and e <= 1e-5 * (1 + float(rpath.abs().max())), e))
+    for n in sizes:  # GRU cell: N rows, hidden G
+        g_dim = {1: 5, 7: 64, 63: 17, 64: 33, 65: 65}[n]
+        for dt in (torch.float32, torch.float16):
+            gen = _gen(n)
+            gi = torch.randn(n, 3 * g_dim, generator=gen).to(dt)
+            h = torch.randn(n, g_dim, generator=gen).to(dt)
+            w = (torch.randn(3 * g_dim, g_dim, generator=gen) / g_dim**0.5).to(dt)
+            got = gru_cell(gi.to(dev), h.to(dev), w.to(dev), backend="triton")
+            ref = gru_cell_ref(gi, h, w)
+            e = _err(got, ref)
+            rows.append(_row("gru", {"N": n, "G": g_dim}, dt, e <= 1e-4 * (1 + float(ref.abs().max())), e))
+    for m in [0] + sizes:  # tree compile: random, chain and star trees
+        g = _gen(m)
+        rnd = torch.tensor([int(torch.randint(0, i + 1, (1,), generator=g)) for i in range(m)], dtype=torch.long)
+        for dt in low:
+            ok = True
+            for parents in (rnd, torch.arange(m), torch.zeros(m, dtype=torch.long)):
+                got = tree_attention(parents.to(dev), 11, dt, backend="triton")
+                ref = tree_attention_ref(parents, 11, dt)
+                ok = ok and all(a.dtype == b.dtype and torch.equal(a.cpu(), b) for a, b in zip(got, ref))
+            rows.append(_row("tree_compile", {"M": m, "start": 11}, dt, ok))
+    return rows
+
+
+def _median_ms(fn, dev: torch.device, reps: int) -> float:
+    fn()  # warm-up (Triton compile, allocator)
+    out = []
+    for _ in range(reps):
+        _sync(dev)
+        t0 = time.perf_counter()
+        fn()
+        _sync(dev)
+        out.append(1000 * (time.perf_counter() - t0))
+    return statistics.median(out)
+
+
+def time_tree_builds(block, head, root_id: int, budgets: list[int], dev: torch.device, reps: int) -> list[dict]:
+    """Milliseconds per tree build, ``pruned`` (W = B, K = 64) vs ``heap-sequential`` (K = 64), per budget B.
+
+    Args:
+        block: a DraftBlock on ``dev``; head: its correction head; root_id: the anchor token.
+        budgets: the B values. reps: timed builds per point (median, after one warm-up, synchronised).
+    Returns:
+        Rows {budget, pruned_ms, heap_sequential_ms, speedup, same_nodes}; ``same_nodes`` compares the two node
+        sets as (depth, token, parent token path) sets (equal in exact arithmetic, DARTree Lemma 1).
+    """
+    from dartree.decode.trees import get_builder
+
+    def paths(tree):
+        out, toks, par = set(), tree.tokens.tolist(), tree.parents.tolist()
+        for i in range(len(toks)):
+            p, j = [], i + 1
+            while j:
+                p.append(toks[j - 1])
+                j = par[j - 1]
+            out.add(tuple(reversed(p)))
+        return out
+
+    pruned, heap = get_builder("pruned"), get_builder("heap-sequential")
+    rows = []
+    for b in budgets:
+        fp = lambda: pruned(block, head, root_id, b, k=64, width=b)  # noqa: E731
+        fh = lambda: heap(block, head, root_id, b, k=64)  # noqa: E731
+        tp, th = _median_ms(fp, dev, reps), _median_ms(fh, dev, reps)
+        rows.append({"budget": b, "pruned_ms": tp, "heap_sequential_ms": th, "speedup": th / tp if tp else None,
+                     "same_nodes": paths(fp()) == paths(fh())})
+    return rows
+
+
+def run_eval(target, drafter, head, prompts: list[list[int]], budgets: list[int], max_new_tokens: int,
+             deadline: float) -> list[dict]:
+    """Greedy eval of every registered builder (one name per builder function) at each budget vs AR.
+
+    Args:
+        target, drafter, head: models on one device; prompts: chat-templated token id lists.
+        budgets: tree budgets B; max_new_tokens: per prompt; deadline: ``time.time()`` after which the
+            remaining runs are skipped.
+    Returns:
+        Rows {method, budget, tau, ms_per_token, stage_ms_per_round, mismatches, skipped}; the first row is
+        ``ar`` (ms per token of plain decoding).
+    """
+    from dartree.decode.generate import autoregressive_generate, speculative_generate
+    from dartree.decode.trees import BUILDERS
+
+    dev = target.device
+    names, seen = [], set()
+    for name, fn in BUILDERS.items():  # aliases share a function: run each builder once
+        if id(fn) not in seen:
+            seen.add(id(fn))
+            names.append(name)
+    autoregressive_generate(target, prompts[0], max_new_tokens=4)  # warm-up
+    ar, ar_s, ar_n = [], 0.0, 0
+    for p in prompts:
+        _sync(dev)
+        o = autoregressive_generate(target, p, max_new_tokens=max_new_tokens)
+        _sync(dev)
+        ar.append(o.tokens)
+        ar_s, ar_n = ar_s + o.stats.decode_s, ar_n + max(o.stats.new_tokens - 1, 1)
+    rows = [{"method": "ar", "budget": 0, "ms_per_token": 1000 * ar_s / ar_n}]
+    for b in budgets:
+        for name in names:
+            row = {"method": name, "budget": b}
+            if time.time() > deadline:
+                rows.append({**row, "skipped": "time limit"})
+                continue
+            speculative_generate(target, drafter, head, prompts[0], builder=name, budget=b, max_new_tokens=4)
+            lens, dec, n_tok, mism = [], 0.0, 0, 0
+            stages: dict[str, float] = {}
+            for p, ref in zip(prompts, ar):
+                _sync(dev)
+                o = speculative_generate(target, drafter, head, p, builder=name, budget=b,
+                                         max_new_tokens=max_new_tokens)
+                _sync(dev)
+                lens += o.stats.accept_lengths
+                dec, n_tok = dec + o.stats.decode_s, n_tok + max(o.stats.new_tokens - 1, 1)
+                mism += int(o.tokens != ref)
+                for k, v in o.stats.stage_s.items():
+                    stages[k] = stages.get(k, 0.0) + v
+            rounds = max(len(lens), 1)
+            rows.append({**row, "tau": sum(lens) / rounds, "ms_per_token": 1000 * dec / n_tok,
+                         "stage_ms_per_round": {k: 1000 * v / rounds for k, v in stages.items()},
+                         "mismatches": mism})
+    return rows
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default="reports/gpu_check.json", help="JSON report path")
+    ap.add_argument("--time-limit", type=float, default=480.0, help="seconds; later sections are skipped past it")
+    ap.add_argument("--dry", action="store_true", help="tiny CPU run (Triton interpreter, tiny target)")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    """Run the check and write the JSON report; returns the exit status (0 ok, 1 a failure, 2 bad arguments)."""
+    args = parse_args(argv)
+    if not args.time_limit > 0:
+        print(f"error: --time-limit must be > 0, got {args.time_limit}", file=sys.stderr)
+        return 2
+    cuda = torch.cuda.is_available()
+    dry = args.dry or not cuda
+    if dry and not cuda and not args.dry:
+        print("no CUDA device: running the --dry check", file=sys.stderr)
+    if dry:
+        os.environ["TRITON_INTERPRET"] = "1"  # before the lazily imported kernel modules define their kernels
+    t_start = time.time()
+    deadline = t_start + args.time_limit
+    dev = torch.device("cpu" if dry else "cuda")
+    report: dict = {"mode": "dry" if dry else "cuda", "device": torch.cuda.get_device_name(0) if not dry else "cpu",
+                    "torch": torch.__version__, "python": platform.python_version(), "failures": [],
+                    "kernels": [], "tree_build": [], "eval": []}
+    try:
+        import triton
+
+        report["triton"] = triton.__version__
+    except ImportError:
+        report["triton"] = None
+
+    def section(name: str, fn) -> None:
+        if time.time() > deadline:
+            report[name] = {"skipped": "time limit"}
+            return
+        t0 = time.time()
+        try:
+            report[name] = fn()
+        except Exception as exc:  # a section that raises is a failure, reported with its traceback tail
+            report[name] = {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-2000:]}
+            report["failures"].append(f"{name}: {type(exc).__name__}: {exc}")
+        report.setdefault("section_s", {})[name] = time.time() - t0
+
+    section("kernels", lambda: check_kernels(dev, dry))
+    if isinstance(report["kernels"], list):
+        report["failures"] += [f"kernels: {r['kernel']} {r['shape']} {r['dtype']} mismatch (max err "
+                               f"{r['max_abs_err']:.3g})" for r in report["kernels"] if not r["ok"]]
+
+    models: dict = {}
+
+    def load() -> dict:
+        from dartree.decode.generate import draft_block
+        from dartree.models.drafter import DraftCache
+
+        if dry:
+            from dartree.models.drafter import DFlashDrafter, DrafterConfig
+            from dartree.models.heads import MarkovHead
+            from dartree.models.target import tiny_target
+
+            target = tiny_target(vocab_size=96, layer_ids=[1, 2])  # the test suite's tiny shapes, random weights
+            torch.manual_seed(0)
+            drafter = DFlashDrafter(DrafterConfig(
+                hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+                target_layer_ids=[1, 2], mask_token_id=0, block_size=8)).eval()
+            head = MarkovHead(96, 8).eval()
+            torch.nn.init.normal_(head.w2.weight, std=0.5)
+            g = _gen(7)
+            prompts = [torch.randint(2, 96, (6 + i,), generator=g).tolist() for i in range(2)]
+        else:
+            from dartree.models.checkpoint import load_dartree
+            from dartree.models.target import load_target
+            from dartree.training.data import chat_prompt_ids
+
+            target = load_target("smollm2", dtype=torch.bfloat16)
+            target.model.to(dev)
+            dm = load_dartree(REPO / "checkpoints" / "dspark_b16", target=target, dtype=torch.bfloat16, device=dev)
+            target.set_layer_ids(dm.drafter.cfg.target_layer_ids)
+            drafter, head = dm.drafter, dm.head
+            prompts = [chat_prompt_ids(target.tokenizer, t) for t in PROMPTS]
+        cache = target.new_cache()
+        ids = torch.tensor([prompts[0]], device=target.device)
+        feats = target.forward(ids, cache=cache).features[0]
+        block = draft_block(target, drafter, prompts[0][-1], len(prompts[0]) - 1, feats[:-1],
+                            DraftCache(len(drafter.layers)))
+        models.update(target=target, drafter=drafter, head=head, prompts=prompts, block=block,
+                      root=prompts[0][-1])
+        return {"target": getattr(target, "name", "tiny"), "dtype": str(target.dtype).replace("torch.", ""),
+                "drafter_block_size": drafter.cfg.block_size, "head": type(head).__name__}
+
+    section("models", load)
+    if models:
+        section("tree_build", lambda: time_tree_builds(models["block"], models["head"], models["root"],
+                                                       [8, 16] if dry else [64, 128, 256], dev, 2 if dry else 10))
+        section("eval", lambda: run_eval(models["target"], models["drafter"], models["head"], models["prompts"],
+                                         [4] if dry else [16, 64], 8 if dry else 64, deadline))
+        if dry and isinstance(report["eval"], list):
+            report["failures"] += [f"eval: {r['method']} B={r['budget']} differs from AR on {r['mismatches']} "
+                                   "prompt(s) in fp32" for r in report["eval"] if r.get("mismatches")]
+    report["elapsed_s"] = time.time() - t_start
+    report["ok"] = not report["failures"]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2, default=str))
+    print(f"gpu_check ({report['mode']}): {'ok' if report['ok'] else 'FAILED'} in {report['elapsed_s']:.0f}s; "
+          f"{sum(r['ok'] for r in report['kernels']) if isinstance(report['kernels'], list) else 0} kernel checks "
+          f"passed; report {out}")
+    for f in report["failures"]:
+        print("  " + f, file=sys.stderr)
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
