@@ -280,7 +280,7 @@ def speculative_generate(
             tb = time.perf_counter()
             tree, expected = Tree.empty(), 1.0
         tc = time.perf_counter()
-        inputs = compile_tree(tree, anchor, start, dtype=target.dtype, device=target.device)
+        inputs = compile_tree(tree, anchor, start, dtype=target.dtype, device=target.device) if tree.size else None
         tc2 = time.perf_counter()
         if rejection and tree.size:
             ver = rejection_verify(target, sampled.first(tree.size), anchor, start, cache, temperature, generator,

@@ -157,8 +157,14 @@ def verify(
     """
     if cache_length(cache) != start:
         raise ValueError(f"target cache holds {cache_length(cache)} positions but the root is at {start}")
-    inp = inputs if inputs is not None else compile_tree(tree, root_id, start, dtype=target.dtype, device=target.device)
-    out = target.forward(inp.input_ids, position_ids=inp.position_ids, attention_mask=inp.attention_mask, cache=cache)
+    if tree.size == 0:  # the root alone (a plain AR step): it sees the whole prefix, so no mask is needed
+        ids = torch.tensor([[int(root_id)]], dtype=torch.long, device=target.device)
+        out = target.forward(ids, position_ids=torch.tensor([[start]], device=target.device), cache=cache)
+    else:
+        inp = inputs if inputs is not None else compile_tree(tree, root_id, start, dtype=target.dtype,
+                                                            device=target.device)
+        out = target.forward(inp.input_ids, position_ids=inp.position_ids, attention_mask=inp.attention_mask,
+                             cache=cache)
     post = target_tokens(out.logits[0], temperature, generator).tolist()
     path = walk(tree, post)
     acc = torch.tensor(path, dtype=torch.long)
