@@ -263,7 +263,10 @@ def load_dartree(
     Raises:
         CheckpointError: missing files, wrong format, unreadable/truncated safetensors, missing/unexpected/
             mis-shaped tensors (named), or a target mismatch.
+        TypeError: ``dtype`` is not a floating ``torch.dtype`` (e.g. the string ``"bfloat16"``).
     """
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(f"dtype={dtype!r} must be a floating torch.dtype such as torch.float32 or torch.bfloat16")
     folder = Path(folder)
     cfg_path, w_path = folder / "config.json", folder / "model.safetensors"
     if not cfg_path.exists() or not w_path.exists():

@@ -26,7 +26,9 @@ from dartree.training.recipe import RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 33, 2, 60]
-SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+# derandomize: the same examples on every run (TESTING.md: fixed seeds); widen max_examples locally to search more
+SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
+                    suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def _ar(target, prompt, n=6, **kw):
@@ -191,7 +193,7 @@ _junk = st.one_of(st.text(max_size=4), st.floats(), st.none(), st.booleans(),
                   st.dictionaries(st.integers(0, 5), st.integers(0, 5), max_size=2))
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, derandomize=True)
 @given(value=_junk)
 def test_property_bad_token_ids_raise_only_named_type_or_value_errors(value):
     try:
@@ -221,7 +223,7 @@ def _check_tree(tree, budget, p_len, v):
     assert len(paths) == m
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, derandomize=True)
 @given(p_len=st.integers(1, 5), v=st.integers(1, 12), budget=st.integers(0, 20), k=st.integers(1, 8),
        width=st.integers(1, 6), children=st.integers(1, 4), builder=st.sampled_from(sorted(BUILDERS)),
        head_type=st.sampled_from(["identity", "markov", "gated_markov", "rnn"]), seed=st.integers(0, 2**16),
@@ -376,6 +378,12 @@ def test_every_checkpoint_config_field_is_range_checked_at_load(saved, section, 
             assert f"config.json: {section}.{key}={bad!r}" in str(info.value) and "\n" not in str(info.value)
     (saved / "config.json").write_text(json.dumps(config))
     assert load_dartree(saved).head.rank == 8
+
+
+def test_load_dartree_names_a_dtype_given_as_a_string(saved):
+    with pytest.raises(TypeError, match="dtype='bfloat16' must be a floating torch.dtype"):
+        load_dartree(saved, dtype="bfloat16")
+    assert load_dartree(saved, dtype=torch.bfloat16).drafter.fc.weight.dtype == torch.bfloat16
 
 
 def test_checkpoint_config_that_is_not_json_or_not_an_object_is_named(saved):
