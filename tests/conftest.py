@@ -5,6 +5,10 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "offline")
+# One torch thread per test process: the models here are tiny, and two OpenMP threads per process spin against
+# each other (and against the 2-process training tests) on a 2-core machine: a tiny speculative_generate took
+# 21 s with 2 threads under load and 0.6 s with 1 (measured).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest
 import torch
