@@ -21,7 +21,7 @@ def _prompts(n=13, seed=3):
 def _greedy(target, prompts, stop):
     out = []
     for p in prompts:
-        toks = autoregressive_generate(target, p, max_new_tokens=MAX_NEW, stop_ids=[stop]).tokens
+        toks = autoregressive_generate(target, p, max_new_tokens=MAX_NEW, stop_ids=[stop] if stop >= 0 else []).tokens
         out.append(list(toks))
     return out
 

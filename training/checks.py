@@ -11,6 +11,7 @@ combinations.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -180,6 +181,12 @@ def check_output_dir(path: str | os.PathLike) -> None:
     from dartree.models.validate import folder_problem
     from dartree.training.recipe import RecipeError
 
+    if int(os.environ.get("RANK", "0") or 0) != 0:
+        # only rank 0 tries to create the folder: ranks trying at once race on mkdir / rmdir ("File exists");
+        # rank 0 refuses the run for all of them
+        if Path(path).expanduser().is_file():
+            raise RecipeError(f"output_dir={str(path)!r} is an existing file, not a folder; choose another output_dir")
+        return
     why = folder_problem(path)
     if why is not None:
         raise RecipeError(f"output_dir={str(path)!r} {why}; choose another output_dir")
