@@ -33,6 +33,7 @@ import re
 from dataclasses import dataclass
 
 from dartree.models.checkpoint import FORMAT, CheckpointError
+from dartree.models.validate import Flag, Range
 
 SOURCE_FORMATS = ("zlab-dflash", "specforge-domino", "specforge-dspark", "deepspec-dspark")
 EXPORT_FORMATS = ("zlab-dflash", "specforge-domino", "specforge-dspark")
@@ -98,6 +99,37 @@ def strip_legacy(tensors: dict, where) -> dict:
     return out
 
 
+_INT1, _INT0 = Range(1), Range(0)  # rules of :func:`field` for sizes / counts and for ids / ranks
+_POSITIVE, _REAL0 = Range(0, integer=False, lo_open=True), Range(0, integer=False)
+
+
+def field(value, key: str, where, rule=_INT1):
+    """The value of published config field ``key``, checked and typed: every number or flag a published reader
+    takes from a config.json goes through here (never a bare ``int(cfg[...])``, which fails with a traceback
+    on ``"abc"`` and reads the string ``"false"`` as true).
+
+    Args:
+        value: the field's value as read from JSON. key: its name for the message (``hidden_size``).
+        where: the file, for the message. rule: a :class:`~dartree.models.validate.Range` (default: an integer
+            >= 1) or :class:`~dartree.models.validate.Flag`.
+    Returns:
+        ``int`` (integer ranges), ``float`` (real ranges) or ``bool`` (flags).
+    Raises:
+        CheckpointError: one line naming the file, the field, the value and the allowed range.
+    """
+    problem = rule.problem(key, value)
+    if problem:
+        raise CheckpointError(f"{where}: {problem}; correct {key} in that file or re-export the drafter")
+    if isinstance(rule, Flag):
+        return bool(value)
+    return int(value) if rule.integer else float(value)
+
+
+def _flag(value, key: str, where) -> bool:
+    """A published flag: true / false, or null (false, as ``bool(None)`` always read it)."""
+    return False if value is None else field(value, key, where, Flag())
+
+
 def _get(config: dict, key: str, *, where, fmt: str, nested: bool = True, default=..., expected: str = ""):
     """Field ``key`` from ``dflash_config`` (when ``nested``) or the top level; error listing the layout if absent."""
     dc = config.get("dflash_config") or {}
@@ -133,30 +165,30 @@ def _rope_theta(config: dict, where, fmt: str) -> float:
         if rp.get("rope_type", "default") != "default":
             raise CheckpointError(f"{where}: rope_parameters.rope_type {rp['rope_type']!r} is not supported "
                                   "(dartree drafters use plain RoPE); only 'default' converts")
-        return float(rp["rope_theta"])
+        return field(rp["rope_theta"], "rope_parameters.rope_theta", where, _POSITIVE)
     if "rope_theta" in config:
         rs = config.get("rope_scaling")
         if rs and (rs.get("rope_type") or rs.get("type")) not in (None, "default"):
             raise CheckpointError(f"{where}: rope_scaling {rs!r} is not supported (dartree drafters use plain "
                                   "RoPE); only null or type 'default' converts")
-        return float(config["rope_theta"])
+        return field(config["rope_theta"], "rope_theta", where, _POSITIVE)
     raise CheckpointError(f"{where}: unknown config layout for {fmt}: no rope_theta at the top level "
                           f"(transformers 4) nor rope_parameters.rope_theta (transformers 5); expected {_EXPECTED[fmt]}")
 
 
-def effective_layer_types(config: dict) -> list[str]:
+def effective_layer_types(config: dict, where="config.json") -> list[str]:
     """Per-layer attention types exactly as transformers' Qwen3Config (and so z-lab / SpecForge) resolve them.
 
     ``layer_types`` when given; else every layer is ``full_attention`` unless ``use_sliding_window`` is true and
     ``sliding_window`` (default 4096) is set, in which case layers ``i >= max_window_layers`` (default 28) are
     ``sliding_attention`` (transformers ``Qwen3Config.__post_init__``). Returns one entry per
-    ``num_hidden_layers``.
+    ``num_hidden_layers``. ``where`` names the file in the error on a non-integer count (:func:`field`).
     """
     if config.get("layer_types"):
         return list(config["layer_types"])
-    n = int(config.get("num_hidden_layers") or 0)
+    n = field(config.get("num_hidden_layers") or 0, "num_hidden_layers", where, _INT0)
     window = config.get("sliding_window", 4096) if config.get("use_sliding_window") else None
-    first = 28 if config.get("max_window_layers") is None else int(config["max_window_layers"])
+    first = 28 if config.get("max_window_layers") is None else field(config["max_window_layers"], "max_window_layers", where, _INT0)
     return ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)]
 
 
@@ -165,7 +197,7 @@ def _check_supported(config: dict, where) -> None:
     dc = config.get("dflash_config") or {}
     if config.get("attention_bias"):
         raise CheckpointError(f"{where}: attention_bias=true is not supported (dartree layers have no q/k/v/o bias)")
-    bad_types = sorted(set(effective_layer_types(config)) - {"full_attention"})
+    bad_types = sorted(set(effective_layer_types(config, where)) - {"full_attention"})
     if bad_types:
         how = ("layer_types" if config.get("layer_types") else
                f"use_sliding_window=true with max_window_layers={config.get('max_window_layers', 28)} (transformers "
@@ -179,7 +211,7 @@ def _check_supported(config: dict, where) -> None:
                               "dartree drafters attend over the whole context (full_attention only)")
     for key, ok in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0)):
         val = dc.get(key, config.get(key, ok))
-        if val is not None and float(val) != ok:
+        if val is not None and field(val, key, where, _REAL0) != ok:
             raise CheckpointError(f"{where}: {key}={val} is not supported; dartree converts only {ok}")
     if dc.get("final_logit_softcapping", config.get("final_logit_softcapping")):
         raise CheckpointError(f"{where}: final_logit_softcapping is not supported by dartree")
@@ -218,8 +250,9 @@ def _mask_token_id(config: dict, where, fmt: str, nested: bool, target) -> int:
     if "mask_token_id" in (config.get("dflash_config") or {}) or "mask_token_id" in config:
         val = _get(config, "mask_token_id", where=where, fmt=fmt, nested=nested)
         if val is not None:
-            return int(val)
-    resolved = resolve_mask_token_id(getattr(target, "tokenizer", None), int(config.get("vocab_size") or 0))
+            return field(val, "mask_token_id", where, _INT0)
+    vocab = field(config.get("vocab_size") or 0, "vocab_size", where, _INT0)
+    resolved = resolve_mask_token_id(getattr(target, "tokenizer", None), vocab)
     if resolved is None:
         place = "dflash_config.mask_token_id" if nested else "mask_token_id"
         raise CheckpointError(
@@ -234,30 +267,31 @@ def _backbone(config: dict, where, fmt: str, *, proposal_offset: int, target=Non
     _check_supported(config, where)
     nested = fmt != "deepspec-dspark"
     try:
-        d = int(config["hidden_size"])
-        heads = int(config["num_attention_heads"])
+        d = field(config["hidden_size"], "hidden_size", where)
+        heads = field(config["num_attention_heads"], "num_attention_heads", where)
         out = {
             "hidden_size": d,
-            "intermediate_size": int(config["intermediate_size"]),
-            "num_layers": int(config["num_hidden_layers"]),
+            "intermediate_size": field(config["intermediate_size"], "intermediate_size", where),
+            "num_layers": field(config["num_hidden_layers"], "num_hidden_layers", where),
             "num_heads": heads,
-            "num_kv_heads": int(config.get("num_key_value_heads") or heads),
-            "head_dim": int(config.get("head_dim") or d // heads),
-            "rms_norm_eps": float(config.get("rms_norm_eps", 1e-6)),
+            "num_kv_heads": field(config.get("num_key_value_heads") or heads, "num_key_value_heads", where),
+            "head_dim": field(config.get("head_dim") or d // heads, "head_dim", where),
+            "rms_norm_eps": field(config.get("rms_norm_eps", 1e-6), "rms_norm_eps", where, _POSITIVE),
             "qk_norm": True,  # Qwen3 layers always carry q_norm / k_norm
         }
-        int(config["vocab_size"])
+        field(config["vocab_size"], "vocab_size", where)
     except KeyError as exc:
         raise CheckpointError(f"{where}: unknown config layout for {fmt}: no {exc.args[0]}; "
                               f"expected {_EXPECTED[fmt]}") from None
     ids = _get(config, "target_layer_ids", where=where, fmt=fmt, nested=nested)
-    if not isinstance(ids, list) or any(int(i) < 0 for i in ids):
+    if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
         raise CheckpointError(f"{where}: target_layer_ids {ids!r} must be a list of layer indices >= 0 "
                               "(DeepSpec's -1, the embedding output, is not supported by dartree)")
     out.update(
-        target_layer_ids=[int(i) for i in ids],
+        target_layer_ids=list(ids),
         mask_token_id=_mask_token_id(config, where, fmt, nested, target),
-        block_size=int(_get(config, "block_size", where=where, fmt=fmt, nested=nested)),
+        block_size=field(_get(config, "block_size", where=where, fmt=fmt, nested=nested), "block_size", where,
+                         Range(2)),
         proposal_offset=proposal_offset,
         rope_theta=_rope_theta(config, where, fmt),
     )
@@ -270,15 +304,19 @@ def _dspark_head(config: dict, where, fmt: str, vocab: int, hidden: int) -> dict
         # SpecForge DSparkDraftModel._init_draft_head / build_markov_head: a missing markov_rank is 0 (no Markov
         # head); the confidence head exists when enable_confidence_head, which defaults to
         # confidence_head_alpha > 0; confidence_head_with_markov defaults to false.
-        alpha = float(_get(config, "confidence_head_alpha", where=where, fmt=fmt, default=0.0) or 0.0)
-        rank = int(_get(config, "markov_rank", where=where, fmt=fmt, default=0) or 0)
-        conf = bool(_get(config, "enable_confidence_head", where=where, fmt=fmt, default=alpha > 0.0))
-        with_markov = bool(_get(config, "confidence_head_with_markov", where=where, fmt=fmt, default=False))
+        alpha = field(_get(config, "confidence_head_alpha", where=where, fmt=fmt, default=0.0) or 0.0,
+                      "confidence_head_alpha", where, _REAL0)
+        rank = field(_get(config, "markov_rank", where=where, fmt=fmt, default=0) or 0, "markov_rank", where, _INT0)
+        conf = _flag(_get(config, "enable_confidence_head", where=where, fmt=fmt, default=alpha > 0.0),
+                     "enable_confidence_head", where)
+        with_markov = _flag(_get(config, "confidence_head_with_markov", where=where, fmt=fmt, default=False),
+                            "confidence_head_with_markov", where)
     else:
-        rank = int(_get(config, "markov_rank", where=where, fmt=fmt, nested=nested))
-        conf = bool(_get(config, "enable_confidence_head", where=where, fmt=fmt, nested=nested, default=False))
-        with_markov = bool(_get(config, "confidence_head_with_markov", where=where, fmt=fmt, nested=nested,
-                                default=True))
+        rank = field(_get(config, "markov_rank", where=where, fmt=fmt, nested=nested), "markov_rank", where, _INT0)
+        conf = _flag(_get(config, "enable_confidence_head", where=where, fmt=fmt, nested=nested, default=False),
+                     "enable_confidence_head", where)
+        with_markov = _flag(_get(config, "confidence_head_with_markov", where=where, fmt=fmt, nested=nested,
+                                 default=True), "confidence_head_with_markov", where)
     if rank < 0:
         raise CheckpointError(f"{where}: markov_rank must be >= 0, got {rank}")
     if conf and with_markov and rank == 0:
@@ -326,20 +364,21 @@ def parse_config(config: dict, fmt: str, where, target=None) -> Parsed:
         drafter = _backbone(config, where, fmt, proposal_offset=1, target=target)
         head = {"type": "identity"}
     elif fmt == "specforge-domino":
-        shift = bool(_get(config, "shift_label", where=where, fmt=fmt, default=False))
+        shift = _flag(_get(config, "shift_label", where=where, fmt=fmt, default=False), "shift_label", where)
         drafter = _backbone(config, where, fmt, proposal_offset=0 if shift else 1, target=target)
         head = {
             "type": "gru",
-            "vocab_size": int(config["vocab_size"]),
+            "vocab_size": field(config["vocab_size"], "vocab_size", where),
             "hidden_size": drafter["hidden_size"],
-            "emb_dim": int(_get(config, "emb_dim", where=where, fmt=fmt)),
-            "gru_hidden_dim": int(_get(config, "gru_hidden_dim", where=where, fmt=fmt)),
-            "prefix_len": int(_get(config, "pure_draft_prefix_len", where=where, fmt=fmt, default=0)),
+            "emb_dim": field(_get(config, "emb_dim", where=where, fmt=fmt), "emb_dim", where),
+            "gru_hidden_dim": field(_get(config, "gru_hidden_dim", where=where, fmt=fmt), "gru_hidden_dim", where),
+            "prefix_len": field(_get(config, "pure_draft_prefix_len", where=where, fmt=fmt, default=0),
+                                "pure_draft_prefix_len", where, _INT0),
         }
     else:
         drafter = _backbone(config, where, fmt, proposal_offset=0, target=target)
-        head = _dspark_head(config, where, fmt, int(config["vocab_size"]), drafter["hidden_size"])
-    vocab, d = int(config["vocab_size"]), drafter["hidden_size"]
+        head = _dspark_head(config, where, fmt, field(config["vocab_size"], "vocab_size", where), drafter["hidden_size"])
+    vocab, d = field(config["vocab_size"], "vocab_size", where), drafter["hidden_size"]
     dropped = {"embed_tokens.weight": (vocab, d), "lm_head.weight": (vocab, d)} if fmt == "deepspec-dspark" else {}
     target = {"name": config.get("_name_or_path") or f"(unknown; {fmt} source)", "vocab_size": vocab,
               "hidden_size": d, "num_layers": config.get("num_target_layers")}

@@ -53,14 +53,17 @@ def export(src: str | Path, out: str | Path, *, to: str, target=None) -> Path:
         target: optional :class:`~dartree.models.target.Target`; layouts of the format registry use it (speculators:
             the verifier path, and the lm_head rows of a reduced draft vocabulary).
     Raises:
-        CheckpointError: ``src`` is not a valid dartree checkpoint (strict load), ``to`` is unknown, or the
-            drafter / head cannot be expressed in ``to`` (the message says why and what would fit).
+        CheckpointError: ``src`` is not a valid dartree checkpoint (strict load), ``to`` is unknown, the drafter
+            does not fit ``target`` (both values named), or the drafter / head cannot be expressed in ``to`` (the
+            message says why and what would fit).
     """
     src, out = Path(src), Path(out)
     if to not in EXPORT_FORMATS:
         raise CheckpointError(f"--to {to!r} is not one of {list(EXPORT_FORMATS)}")
     _ensure_exportable_destination(out)
-    config = load_dartree(src).config  # strict: format, version, names, shapes
+    # strict: format, version, names, shapes; with a target, the pairing too (vocab, hidden size, layer ids, mask
+    # id: check_target_pairing, as to_dartree.py --target and load_dartree(target=...) do), for every layout
+    config = load_dartree(src, target=target).config
     if to in FORMAT_PAIRS:  # a reader/writer pair of the format registry
         try:
             tensors = load_file(str(src / "model.safetensors"))

@@ -49,12 +49,12 @@ DEFAULTS = {
 _DROPPED = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 
 
-def _validated(config: dict) -> dict:
+def _validated(config: dict, where="config.json") -> dict:
     """The config's fields after speculators' own validation and defaults (its pydantic config classes) when the
     package is importable, else the dict with :data:`DEFAULTS` filled in.
 
     Raises:
-        CheckpointError: speculators rejects the config (its message quoted).
+        CheckpointError: speculators rejects the config (``where`` and its message quoted, on one line).
     """
     kind = config.get("speculators_model_type")
     try:
@@ -64,7 +64,9 @@ def _validated(config: dict) -> dict:
     try:
         cfg = SpeculatorModelConfig.from_dict(dict(config))
     except Exception as exc:  # pydantic ValidationError, ValueError: report speculators' own words
-        raise CheckpointError(f"speculators rejects this config.json: {str(exc).splitlines()[0]}") from None
+        said = " ".join(str(exc).split()) or type(exc).__name__
+        raise CheckpointError(f"{where}: speculators rejects it: {said}; correct that field or re-export the "
+                              "drafter") from None
     out = dict(cfg.model_dump())
     out["transformer_layer_config"] = dict(config.get("transformer_layer_config") or {})
     return out
@@ -110,38 +112,40 @@ def read(config: dict, given: dict, where, target=None) -> tuple[dict, dict]:
     cfg_path = f"{where}/config.json"
     if detect(config, set()) is None:
         raise CheckpointError(f"{cfg_path}: no speculators_model_type; not a speculators checkpoint")
-    v = _validated(config)
+    v = _validated(config, cfg_path)
     kind = v["speculators_model_type"]
     tl = dict(v.get("transformer_layer_config") or {})
     if tl.get("model_type", "qwen3") != "qwen3":
         raise CheckpointError(f"{cfg_path}: transformer_layer_config.model_type {tl['model_type']!r} is not "
                               "supported; dartree drafters are Qwen3 layers")
-    if any(t != "full_attention" for t in F.effective_layer_types(tl)):
+    if any(t != "full_attention" for t in F.effective_layer_types(tl, cfg_path)):
         raise CheckpointError(
             f"{cfg_path}: transformer_layer_config has sliding_attention layers (window "
             f"{tl.get('sliding_window')}, sliding_window_non_causal={v.get('sliding_window_non_causal')}; the "
             "speculators trainer's default), which dartree does not support: its drafters attend over the whole "
             "context and bidirectionally inside the block; retrain with full_attention layers")
     aux = v.get("aux_hidden_state_layer_ids")
-    if not aux or any(int(a) < 1 for a in aux):
+    if not isinstance(aux, list) or not aux or any(isinstance(a, bool) or not isinstance(a, int) or a < 1 for a in aux):
         raise CheckpointError(f"{cfg_path}: aux_hidden_state_layer_ids {aux!r} must name decoder-layer outputs "
                               "(>= 1; 0 is the embedding output, which dartree does not capture)")
     if v.get("mask_token_id") is None:
         raise CheckpointError(f"{cfg_path}: mask_token_id is null; vLLM requires it: write the MASK id the drafter "
                               "was trained with into config.json")
-    vocab = int(tl["vocab_size"])
-    n_draft = int(v.get("draft_vocab_size") or vocab)
-    pseudo = {**tl, "block_size": int(v["block_size"]),
-              "dflash_config": {"mask_token_id": int(v["mask_token_id"]), "target_layer_ids": [int(a) - 1 for a in aux]}}
+    vocab = F.field(tl.get("vocab_size"), "transformer_layer_config.vocab_size", cfg_path)
+    n_draft = F.field(v.get("draft_vocab_size") or vocab, "draft_vocab_size", cfg_path)
+    pseudo = {**tl, "block_size": F.field(v.get("block_size"), "block_size", cfg_path, F.Range(2)),
+              "dflash_config": {"mask_token_id": F.field(v["mask_token_id"], "mask_token_id", cfg_path, F._INT0),
+                                "target_layer_ids": [a - 1 for a in aux]}}
     parsed = F.parse_config(pseudo, "zlab-dflash", cfg_path, target=target)
     drafter = dict(parsed.drafter, proposal_offset=0 if v.get("sample_from_anchor") else 1)
     if n_draft != vocab:
         drafter["draft_vocab_size"] = n_draft
     head = {"type": "identity"}
-    if kind == "dspark" and int(v.get("markov_rank") or 0) > 0:
+    if kind == "dspark" and F.field(v.get("markov_rank") or 0, "markov_rank", cfg_path, F._INT0) > 0:
         spark = {"markov_rank": v["markov_rank"], "markov_head_type": v.get("markov_head_type", "vanilla"),
-                 "enable_confidence_head": bool(v.get("enable_confidence_head")),
-                 "confidence_head_with_markov": bool(v.get("confidence_head_with_markov"))}
+                 "enable_confidence_head": F._flag(v.get("enable_confidence_head"), "enable_confidence_head", cfg_path),
+                 "confidence_head_with_markov": F._flag(v.get("confidence_head_with_markov"),
+                                                        "confidence_head_with_markov", cfg_path)}
         head = F._dspark_head({"dflash_config": spark}, cfg_path, "specforge-dspark", vocab, drafter["hidden_size"])
     elif kind == "dspark" and v.get("enable_confidence_head"):
         raise CheckpointError(f"{cfg_path}: a confidence head without a Markov head (markov_rank 0) is not supported "

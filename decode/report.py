@@ -30,6 +30,14 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _read_json(f: Path, fix: str):
+    """``f`` parsed as JSON; a truncated, corrupt or non-JSON file is one ValueError naming ``f`` and ``fix``."""
+    try:
+        return json.loads(f.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{f} is not valid JSON ({exc}): {fix}") from None
+
+
 def _safe_name(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name.replace("@", "_at_"))
 
@@ -170,13 +178,13 @@ def load_report(path: str | Path) -> dict:
 
     Raises:
         FileNotFoundError: no report there.
-        ValueError: not a JSON eval report (no ``methods``).
+        ValueError: not valid JSON (the file and the fix named), or not an eval report (no ``methods``).
     """
     path = Path(path)
     f = path / "report.json" if path.is_dir() else path
     if not f.is_file():
         raise FileNotFoundError(f"{path} holds no report.json (write one with decode/eval.py --out {path})")
-    rep = json.loads(f.read_text())
+    rep = _read_json(f, "re-run decode/eval.py or point at a complete report")
     if not isinstance(rep, dict) or "methods" not in rep:
         raise ValueError(f"{f} is not an eval report (no 'methods')")
     return rep
@@ -253,11 +261,20 @@ def load_curve(path: str | Path) -> list[dict]:
 
     Raises:
         FileNotFoundError: none of those exists.
+        ValueError: the file is not valid JSON or not a list of curve points (objects with ``train_tokens`` and
+            ``holdout_chain_tau``); the file and the fix named.
     """
     path = Path(path)
+    fix = ("point --curves at a training run folder, a checkpoint folder or a complete curve.json / "
+           "learning_curve.json (training/train.py writes them)")
     for f in ([path] if path.is_file() else [path / "curve.json", path / "learning_curve.json"]):
         if f.is_file():
-            return json.loads(f.read_text())
+            pts = _read_json(f, fix)
+            if not isinstance(pts, list) or not all(isinstance(p, dict) and "train_tokens" in p
+                                                    and "holdout_chain_tau" in p for p in pts):
+                raise ValueError(f"{f} is not a learning curve (a list of points with train_tokens and "
+                                 f"holdout_chain_tau): {fix}")
+            return pts
     raise FileNotFoundError(f"{path} holds no curve.json or learning_curve.json")
 
 
@@ -307,7 +324,15 @@ def main(argv=None) -> int:
     if args.draw_round is not None and args.draw_round < 1:
         print(f"error: --draw-round is 1-based, got {args.draw_round}", file=sys.stderr)
         return 2
+    from dartree.models.validate import folder_problem
+
     if args.curves:
+        png = Path(args.out or "curves.png")
+        problem = "is an existing folder, not a PNG file" if png.is_dir() else folder_problem(png.parent)
+        if problem:
+            where = "" if png.is_dir() else f": its folder {png.parent}"
+            print(f"error: --out '{png}'{where} {problem}; give a PNG path in a writable folder", file=sys.stderr)
+            return 2
         try:
             curves = {lab: load_curve(p) for lab, p in zip(labels, args.curves)}
             from dartree.decode import plots
@@ -318,6 +343,13 @@ def main(argv=None) -> int:
             return 2
         print(f"wrote {png}")
         return 0
+    out = Path(args.out or (args.dirs[0] if len(args.dirs) == 1 else "reports/compare"))
+    problem = folder_problem(out)
+    if problem:
+        what = "--out" if args.out else "output folder (default of --out)"
+        print(f"error: {what} '{out}' {problem}; give a writable folder for report.md and its figures as --out",
+              file=sys.stderr)
+        return 2
     try:
         reports = {lab: load_report(d) for lab, d in zip(labels, args.dirs)}
     except (FileNotFoundError, ValueError, json.JSONDecodeError) as exc:

@@ -583,3 +583,122 @@ def test_load_prompts_refuses_a_negative_limit():
     with pytest.raises(ValueError, match=r"limit=-1 must be an integer >= 0"):
         load_prompts("mtbench", -1)  # items[:-1] used to drop the last prompt silently
     assert len(load_prompts("mtbench", 3)) == 3
+
+
+# ---- 5. a fresh tester's bad inputs (each a kind, checked where it enters) ------------------------------------
+
+
+def _err_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    return err.strip()
+
+
+@pytest.mark.parametrize("fmt, path, bad", [
+    ("specforge-dspark", "hidden_size", "abc"),
+    ("specforge-dspark", "num_attention_heads", 2.5),
+    ("specforge-dspark", "rms_norm_eps", "tiny"),
+    ("specforge-dspark", "rope_theta", None),
+    ("specforge-dspark", "dflash_config.markov_rank", "8"),
+    ("specforge-dspark", "dflash_config.block_size", "eight"),
+    ("specforge-dspark", "dflash_config.mask_token_id", -1),
+    ("specforge-dspark", "dflash_config.enable_confidence_head", "false"),
+    ("specforge-dspark", "num_hidden_layers", "two"),
+    ("speculators", "transformer_layer_config.hidden_size", "abc"),
+    ("speculators", "transformer_layer_config.vocab_size", "abc"),
+])
+def test_published_config_numbers_are_type_checked_naming_file_and_field(tmp_path, saved, capsys, fmt, path, bad):
+    """A published export whose config.json has ``"hidden_size": "abc"`` (or any number / flag of the wrong type
+    or range) is one line naming the file and the field, exit 2, no output folder (was a ValueError traceback)."""
+    from dartree.convert.from_dartree import export
+    from dartree.convert.to_dartree import main as convert_main
+
+    src = export(saved, tmp_path / "pub", to=fmt)
+    cfg = json.loads((src / "config.json").read_text())
+    *parents, key = path.split(".")
+    node = cfg
+    for p in parents:
+        node = node[p]
+    node[key] = bad
+    (src / "config.json").write_text(json.dumps(cfg))
+    assert convert_main([str(src), "--out", str(tmp_path / "back")]) == 2
+    line = _err_line(capsys)
+    assert line.startswith("error: ") and str(src) in line and key in line, line
+    if fmt == "specforge-dspark" or "speculators rejects" not in line:  # else speculators' own validation named it
+        assert f"config.json: {key}={bad!r} " in line and "re-export the drafter" in line, line
+    assert not (tmp_path / "back").exists()
+
+
+def test_export_with_a_target_checks_the_pairing_for_every_format(tmp_path, saved, capsys, monkeypatch):
+    """``from_dartree.py --target`` checks the drafter against the target (as to_dartree.py --target does) for every
+    layout, before anything is written: a drafter built for another target is exit 2 naming both values."""
+    from dartree.convert.formats import EXPORT_FORMATS
+    from dartree.convert.from_dartree import main as export_main
+    from dartree.models import target as target_mod
+
+    real = target_mod.load_target
+    monkeypatch.setattr(target_mod, "load_target", lambda spec, **kw: target_mod.tiny_target(
+        vocab_size=128, hidden_size=48) if spec == "other" else real(spec, **kw))
+    for fmt in EXPORT_FORMATS:
+        out = tmp_path / f"e-{fmt}"
+        assert export_main([str(saved), "--to", fmt, "--target", "other", "--out", str(out)]) == 2
+        line = _err_line(capsys)
+        assert "drafter does not fit target" in line and "vocab_size: checkpoint 96 vs target 128" in line, line
+        assert "hidden_size: checkpoint 32 vs target 48" in line, line
+        assert not out.exists()
+    assert export_main([str(saved), "--to", "specforge-dspark", "--target", "tiny-qwen3",
+                        "--out", str(tmp_path / "ok")]) == 0  # the drafter's own target still exports
+    assert (tmp_path / "ok" / "config.json").exists()
+
+
+def test_report_out_under_a_file_is_refused_up_front(tmp_path, capsys):
+    from dartree.decode.report import main as report_main
+
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "curve.json").write_text(json.dumps([{"train_tokens": 10, "holdout_chain_tau": 1.5}]))
+    reps = []
+    for name in ("r1", "r2"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "report.json").write_text('{"methods": {}}')
+        reps.append(str(tmp_path / name))
+    assert report_main(["--curves", str(run), "--out", str(afile / "x.png")]) == 2
+    assert _err_line(capsys) == (f"error: --out '{afile / 'x.png'}': its folder {afile} is an existing file, not a "
+                                 "folder; give a PNG path in a writable folder")
+    assert report_main([*reps, "--out", str(afile / "x")]) == 2
+    assert _err_line(capsys) == (f"error: --out '{afile / 'x'}' cannot be created: {afile} is a file; give a "
+                                 "writable folder for report.md and its figures as --out")
+    assert report_main([reps[0], "--out", str(afile)]) == 2
+    assert "is an existing file, not a folder" in _err_line(capsys)
+    assert afile.read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["afile", "r1", "r2", "run"]
+
+
+def test_corrupt_report_or_curve_json_names_the_file_and_the_fix(tmp_path, capsys):
+    from dartree.decode.report import main as report_main
+
+    rep = tmp_path / "rep"
+    rep.mkdir()
+    (rep / "report.json").write_text('{"methods": \n')
+    assert report_main([str(rep)]) == 2
+    line = _err_line(capsys)
+    assert line.startswith(f"error: {rep / 'report.json'} is not valid JSON (Expecting value: line 2") , line
+    assert line.endswith("): re-run decode/eval.py or point at a complete report"), line
+    plain = tmp_path / "notes.txt"
+    plain.write_text("not a curve")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "curve.json").write_text('[{"train_tokens": 1,')
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "learning_curve.json").write_bytes(b"\xff\xfe\x00")
+    rep_as_curve = rep / "good.json"
+    rep_as_curve.write_text('{"methods": {}}')
+    for arg, f in ((plain, plain), (run, run / "curve.json"), (ckpt, ckpt / "learning_curve.json"),
+                   (rep_as_curve, rep_as_curve)):
+        assert report_main(["--curves", str(arg), "--out", str(tmp_path / "c.png")]) == 2
+        line = _err_line(capsys)
+        assert line.startswith(f"error: {f} is not ") and "point --curves at" in line, line
+    assert not (tmp_path / "c.png").exists()
