@@ -460,6 +460,15 @@ def _eval_main(argv=None) -> int:
         rows["ar"].append({**base, "new_tokens": ar.stats.new_tokens, "decode_s": ar.stats.decode_s,
                            "accept_lengths": ar.stats.accept_lengths})
         line = [f"[{pi + 1}/{len(prompts)}] {p.dataset}:{p.id} ar {ar.stats.new_tokens} tok"]
+
+        def compare_with_ar(row: dict, tokens: list, ids: list, ref: list = ar.tokens) -> None:
+            """Record in ``row`` whether ``tokens`` differ from AR's and, if so, the first divergence and the
+            target's top-2 logit margin there (a near-tie check)."""
+            row["mismatch"] = tokens != ref
+            if row["mismatch"]:
+                idx = _first_divergence(tokens, ref)
+                row["first_divergence"] = idx
+                row["margin_at_divergence"] = _margin_at(target, ids, ref, idx)
         for m in methods:
             o = run(m, ids, seed, args.max_new_tokens, record=pi == 0)
             row = {**base, "new_tokens": o.stats.new_tokens, "decode_s": o.stats.decode_s,
@@ -469,21 +478,14 @@ def _eval_main(argv=None) -> int:
             if pi == 0:
                 trees[m] = {**base, "rounds": annotate_trees(o.stats.trees, lambda i: tok.decode([i]))}
             if args.temperature == 0:
-                row["mismatch"] = o.tokens != ar.tokens
-                if row["mismatch"]:
-                    idx = _first_divergence(o.tokens, ar.tokens)
-                    row["first_divergence"] = idx
-                    row["margin_at_divergence"] = _margin_at(target, ids, ar.tokens, idx)
+                compare_with_ar(row, o.tokens, ids)
             rows[m].append(row)
             line.append(f"{m} tau {o.stats.tau:.2f}" + (" MISMATCH" if row["mismatch"] else ""))
         for m in peers:
             o = run_peer_on(m, ids, args.max_new_tokens)
             row = {**base, "new_tokens": len(o.tokens), "decode_s": o.decode_s, "prefill_s": o.prefill_s,
-                   "accept_lengths": o.accept_lengths, "mismatch": o.tokens != ar.tokens}
-            if row["mismatch"]:
-                idx = _first_divergence(o.tokens, ar.tokens)
-                row["first_divergence"] = idx
-                row["margin_at_divergence"] = _margin_at(target, ids, ar.tokens, idx)
+                   "accept_lengths": o.accept_lengths}
+            compare_with_ar(row, o.tokens, ids)
             rows[m].append(row)
             line.append(f"{m} tau {o.tau:.2f}" + (" MISMATCH" if row["mismatch"] else ""))
         console.print(", ".join(line))
