@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from dartree.decode.inputs import check_build_args
-from dartree.decode.trees import DraftBlock, Tree, _check_k, _check_params, block_candidates
+from dartree.decode.trees import DraftBlock, Tree, _check_k, _check_params, block_candidates, head_k
 from dartree.decode.verify import TreeInputs, Verification, compile_tree
 from dartree.models.heads import CorrectionHead
 from dartree.models.target import Target, cache_length, compact_cache
@@ -161,7 +161,7 @@ def sample_chain(block: DraftBlock, head: CorrectionHead, root_id: int, budget: 
         dev = block.base_logits.device
         return SampledChain(Tree.empty(), torch.zeros((0, 1), dtype=torch.long, device=dev),
                             torch.zeros((0, 1), device=dev))
-    ids, vals = block_candidates(block.first(m), k, backend=backend)  # [M, K]
+    ids, vals = block_candidates(block.first(m), head_k(k, head), backend=backend)  # [M, K]
     dev = ids.device
     toks, q = sample_chain_tokens(head, ids, vals, block.hidden[:m], torch.tensor([root_id], device=dev),
                                   temperature, generator)

@@ -126,6 +126,13 @@ def _check_k(k: int) -> None:
         raise ValueError(f"candidate count K must be >= 1, got {k}")
 
 
+def head_k(k: int, head: CorrectionHead) -> int:
+    """The candidate count K a builder uses with ``head``: ``k``, capped at ``head.max_candidates`` for a head whose
+    distribution is defined over the top-k of U only (DFlash 2's selector: ``selector_top_k``)."""
+    cap = getattr(head, "max_candidates", None)
+    return int(k) if cap is None else min(int(k), int(cap))
+
+
 def _check_beta(beta: float) -> None:
     if beta > 0:
         raise ValueError(f"depth bonus beta={beta} > 0 breaks DARTree's prefix-closure guarantee; use beta <= 0")
@@ -240,7 +247,7 @@ def build_supertree(
     """
     _check_k(k)
     p_len = block.base_logits.shape[0]
-    ids, vals = block_candidates(block, k, backend=backend)  # [P, K]
+    ids, vals = block_candidates(block, head_k(k, head), backend=backend)  # [P, K]
     kk = ids.shape[1]
     state = head.init_state(torch.tensor([root_id], device=ids.device))
     f_score = torch.zeros(1, device=ids.device)
@@ -433,7 +440,7 @@ def build_heap_sequential(
     p_len = block.base_logits.shape[0]
     if budget <= 0 or p_len == 0:
         return Tree.empty()
-    ids, vals = block_candidates(block, k, backend=backend)
+    ids, vals = block_candidates(block, head_k(k, head), backend=backend)
     kk = ids.shape[1]
     dev = ids.device
 

@@ -55,6 +55,9 @@ class DrafterConfig:
         draft_vocab_size: 0 drafts over the target's full vocabulary; N > 0 restricts the drafter's base logits
             to N token ids (buffer ``draft_vocab``, the most frequent target tokens, EAGLE-3 style) scored with the
             target's own lm_head rows. Verification always uses the full vocabulary, so output is unchanged.
+        conv_kernel_size: 0 for DFlash layers; k >= 1 wraps attention and MLP of every layer in DFlash 2's grouped
+            dynamic causal convolutions of k taps (:class:`GroupedDynamicCausalConv`; z-lab ``conv_kernel_size``).
+        conv_group_size: channels sharing one dynamic tap (z-lab ``conv_group_size``); must divide hidden_size.
     """
 
     hidden_size: int
@@ -71,6 +74,8 @@ class DrafterConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
     draft_vocab_size: int = 0
+    conv_kernel_size: int = 0
+    conv_group_size: int = 16
 
     @property
     def num_proposals(self) -> int:
@@ -96,6 +101,13 @@ class DrafterConfig:
             raise ValueError("target_layer_ids is empty; give the target layers the drafter is conditioned on")
         if self.draft_vocab_size < 0:
             raise ValueError(f"draft_vocab_size must be >= 0 (0 = full vocabulary), got {self.draft_vocab_size}")
+        if self.conv_kernel_size:
+            if self.hidden_size % self.conv_group_size:
+                raise ValueError(f"conv_group_size {self.conv_group_size} does not divide hidden_size "
+                                 f"{self.hidden_size}; choose a divisor (z-lab DFlash 2 uses 16)")
+            if self.conv_kernel_size > self.block_size:
+                raise ValueError(f"conv_kernel_size {self.conv_kernel_size} exceeds block_size {self.block_size}: "
+                                 "a tap cannot reach before the block's anchor")
 
 
 class RMSNorm(nn.Module):
@@ -188,8 +200,76 @@ def block_structured_attention(q, k_blk, v_blk, ctx_k, ctx_v, spec: BlockAttenti
     return (out + ob).reshape(1, h, al, d)
 
 
+def grouped_dynamic_conv(x: torch.Tensor, dyn: torch.Tensor, base: torch.Tensor, block_len: int) -> torch.Tensor:
+    """DFlash 2's grouped dynamic causal convolution inside each block of ``block_len`` positions.
+
+    y[t, c] = sum over o < k with o <= pos(t) of (base[o, c] + dyn[t, o, group(c)]) * x[t - o, c], where pos(t) =
+    t mod block_len is the position inside the block (taps never reach into the previous block or the context)
+    and group(c) = c // (D / G). Source: z-lab/dflash ``dflash/model.py`` (DFlash 2 ``GroupedDynamicCausalConv``),
+    speculators ``models/dflash2`` (its ``grouped_dynamic_conv``); the formula is restated in issue 12.
+
+    Args:
+        x: [N, Q, D] block hidden states (Q = block_len at inference, A*block_len in training rows).
+        dyn: [N, Q, k, G] dynamic taps (G groups of D / G channels).
+        base: [k, D] static taps.
+        block_len: L, the block length.
+    Returns:
+        [N, Q, D] in x's dtype.
+    """
+    n, q, d = x.shape
+    k, g = base.shape[0], dyn.shape[-1]
+    xg = x.view(n, q, g, d // g)
+    pos = torch.arange(q, device=x.device) % block_len
+    out = torch.zeros_like(xg)
+    for o in range(min(k, q)):
+        shifted = xg if o == 0 else F.pad(xg[:, : q - o], (0, 0, 0, 0, o, 0))
+        coef = base[o].to(x.dtype).view(1, 1, g, d // g) + dyn[:, :, o, :, None].to(x.dtype)
+        term = shifted * coef
+        if o:
+            term = term * (pos >= o).to(x.dtype).view(1, q, 1, 1)
+        out = out + term
+    return out.view(n, q, d)
+
+
+class GroupedDynamicCausalConv(nn.Module):
+    """The pair of convolutions DFlash 2 wraps around one sublayer (attention or MLP) of a drafter layer.
+
+    ``prepare(h)`` convolves the sublayer's (normed) input with taps ``base_kernel[0] + dyn_in`` and returns the
+    output-side dynamic taps; ``finish(y, dyn_out)`` convolves the sublayer's output with ``base_kernel[1] +
+    dyn_out``. Both dynamic taps come from one projection of the sublayer input: ``kernel_projection(h)`` viewed
+    as [..., 2, k, G] (input side first). Source: z-lab/dflash ``dflash/model.py`` (DFlash 2).
+
+    Parameters: ``base_kernel`` [2, k, D], ``kernel_projection.weight`` [2*k*G, D] with G = D / group_size.
+    Initialised to the identity (tap 0 = 1, all else 0, projection 0), as the publishers do, so a DFlash 2
+    drafter initialised from a DFlash one computes the same function.
+    """
+
+    def __init__(self, hidden_size: int, kernel_size: int, group_size: int, block_size: int):
+        super().__init__()
+        self.kernel_size, self.groups, self.block_size = kernel_size, hidden_size // group_size, block_size
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel_size, hidden_size))
+        self.kernel_projection = nn.Linear(hidden_size, 2 * kernel_size * self.groups, bias=False)
+        with torch.no_grad():
+            self.base_kernel[:, 0] = 1.0
+            self.kernel_projection.weight.zero_()
+
+    def prepare(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [N, Q, D] -> (convolved input [N, Q, D], output-side dynamic taps [N, Q, k, G])."""
+        dyn = self.kernel_projection(h).view(*h.shape[:-1], 2, self.kernel_size, self.groups)
+        return grouped_dynamic_conv(h, dyn[..., 0, :, :], self.base_kernel[0], self.block_size), dyn[..., 1, :, :]
+
+    def finish(self, y: torch.Tensor, dyn: torch.Tensor) -> torch.Tensor:
+        """y [N, Q, D] sublayer output, dyn [N, Q, k, G] from :meth:`prepare` -> [N, Q, D]."""
+        return grouped_dynamic_conv(y, dyn, self.base_kernel[1], self.block_size)
+
+
 class DrafterLayer(nn.Module):
-    """One pre-norm DFlash layer: block queries attend to [context K/V ; block K/V] without a causal mask."""
+    """One pre-norm DFlash layer: block queries attend to [context K/V ; block K/V] without a causal mask.
+
+    With ``cfg.conv_kernel_size`` > 0 (DFlash 2) the attention and MLP sublayers are each wrapped in a
+    :class:`GroupedDynamicCausalConv` (``attention_conv``, ``mlp_conv``) over the block tokens; the context K/V
+    are not convolved.
+    """
 
     def __init__(self, cfg: DrafterConfig):
         super().__init__()
@@ -207,6 +287,18 @@ class DrafterLayer(nn.Module):
         self.gate_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(d, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, d, bias=False)
+        if cfg.conv_kernel_size:
+            conv = (d, cfg.conv_kernel_size, cfg.conv_group_size, cfg.block_size)
+            self.attention_conv = GroupedDynamicCausalConv(*conv)
+            self.mlp_conv = GroupedDynamicCausalConv(*conv)
+
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        """x + MLP(post_attention_layernorm(x)), convolved on both sides for DFlash 2."""
+        h = self.post_attention_layernorm(x)
+        if not self.cfg.conv_kernel_size:
+            return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        h, dyn = self.mlp_conv.prepare(h)
+        return x + self.mlp_conv.finish(self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h)), dyn)
 
     def _heads(self, x: torch.Tensor, n: int, norm: str | None) -> torch.Tensor:
         b, t, _ = x.shape
@@ -226,28 +318,29 @@ class DrafterLayer(nn.Module):
         :class:`BlockAttention` (training, N = 1)."""
         cfg = self.cfg
         h = self.input_layernorm(x)
+        dyn = None
+        if cfg.conv_kernel_size:
+            h, dyn = self.attention_conv.prepare(h)
         q = _rope(self._heads(self.q_proj(h), cfg.num_heads, "q_norm"), q_pos, cfg.rope_theta)
         k = _rope(self._heads(self.k_proj(h), cfg.num_kv_heads, "k_norm"), q_pos, cfg.rope_theta)
         v = self._heads(self.v_proj(h), cfg.num_kv_heads, None)
         if isinstance(mask, BlockAttention):
             a = block_structured_attention(q, k, v, ctx_k, ctx_v, mask, 1.0 / math.sqrt(cfg.head_dim))
-            b, _, t, _ = a.shape
-            x = x + self.o_proj(a.transpose(1, 2).reshape(b, t, -1))
-            h = self.post_attention_layernorm(x)
-            return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
-        k = torch.cat([ctx_k, k], dim=2)
-        v = torch.cat([ctx_v, v], dim=2)
-        rep = cfg.num_heads // cfg.num_kv_heads
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        if mask is not None:
-            mask = mask.to(q.dtype)
-        a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(cfg.head_dim))
+        else:
+            k = torch.cat([ctx_k, k], dim=2)
+            v = torch.cat([ctx_v, v], dim=2)
+            rep = cfg.num_heads // cfg.num_kv_heads
+            if rep > 1:
+                k = k.repeat_interleave(rep, dim=1)
+                v = v.repeat_interleave(rep, dim=1)
+            if mask is not None:
+                mask = mask.to(q.dtype)
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=1.0 / math.sqrt(cfg.head_dim))
         b, _, t, _ = a.shape
-        x = x + self.o_proj(a.transpose(1, 2).reshape(b, t, -1))
-        h = self.post_attention_layernorm(x)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        a = self.o_proj(a.transpose(1, 2).reshape(b, t, -1))
+        if dyn is not None:
+            a = self.attention_conv.finish(a, dyn)
+        return self._mlp(x + a)
 
 
 class DFlashDrafter(nn.Module):
@@ -256,6 +349,7 @@ class DFlashDrafter(nn.Module):
     Parameters (dartree names): ``fc.weight`` [D, nL*D], ``hidden_norm.weight`` [D], ``norm.weight`` [D],
     ``layers.{i}.{q,k,v,o}_proj.weight``, ``layers.{i}.{q,k}_norm.weight`` (qk_norm only),
     ``layers.{i}.{gate,up,down}_proj.weight``, ``layers.{i}.{input,post_attention}_layernorm.weight``,
+    DFlash 2's ``layers.{i}.{attention,mlp}_conv.{base_kernel, kernel_projection.weight}`` (conv_kernel_size > 0),
     and ``draft_vocab`` [N] int64 when ``cfg.draft_vocab_size`` = N > 0.
 
     Raises:
@@ -271,8 +365,9 @@ class DFlashDrafter(nn.Module):
         self.hidden_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.layers = nn.ModuleList(DrafterLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        convs = {id(m.kernel_projection) for m in self.modules() if isinstance(m, GroupedDynamicCausalConv)}
         for m in self.modules():
-            if isinstance(m, nn.Linear):
+            if isinstance(m, nn.Linear) and id(m) not in convs:  # DFlash 2 convolutions start as the identity
                 nn.init.normal_(m.weight, std=0.02)
         if cfg.draft_vocab_size:
             self.register_buffer("draft_vocab", torch.arange(cfg.draft_vocab_size, dtype=torch.long))

@@ -200,6 +200,8 @@ DRAFTER_FIELDS = {
     "rms_norm_eps": Range(0, integer=False, lo_open=True),
     "rope_theta": Range(0, integer=False, lo_open=True),
     "draft_vocab_size": Range(0, note="0: the full vocabulary"),
+    "conv_kernel_size": Range(0, note="0: DFlash layers; k >= 1: DFlash 2 convolutions of k taps"),
+    "conv_group_size": Range(1, note="channels per dynamic tap; must divide hidden_size"),
 }
 
 # Correction-head hyper-parameters (checkpoint config ``head`` besides ``type``; dartree.models.heads).
@@ -213,6 +215,7 @@ HEAD_FIELDS = {
     "embed_dim": Range(1, optional=True, note="width of the target's token embeddings"),
     "confidence_head": Flag(),
     "confidence_with_markov": Flag(),
+    "top_k": Range(1, note="DFlash 2 selector: candidates reranked per position (selector_top_k)"),
 }
 
 

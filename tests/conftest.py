@@ -59,17 +59,22 @@ def make_head(name: str, target=None, seed: int = 0, scale: float = 0.5):
     params = {"vocab_size": VOCAB, "hidden_size": 32}
     if name == "gru":
         params.update(emb_dim=8, gru_hidden_dim=16, prefix_len=1)
+    elif name == "selector":
+        params.update(rank=8, top_k=6)
     else:
         params["rank"] = 8
     head = build_head(name, **params)
     out = head.fc2 if name == "gru" else head.w2
     torch.nn.init.normal_(out.weight, std=scale)
+    if name == "selector":  # all three factors of the selector's bilinear term, so its correction acts
+        for w in (head.w1.weight, head.proj.weight):
+            torch.nn.init.normal_(w, std=scale * 2)
     if name == "gru":
         head.bind_embeddings(target.embed_tokens.weight)
     return head.eval()
 
 
-@pytest.fixture(params=["identity", "markov", "gated_markov", "rnn", "gru"])
+@pytest.fixture(params=["identity", "markov", "gated_markov", "rnn", "gru", "selector"])
 def head(request, target):
     """Every head type behind g(C, H, r)."""
     return make_head(request.param, target)

@@ -14,7 +14,8 @@ def _make(name: str, seed: int = 0):
     torch.manual_seed(seed)
     params = {"identity": {}, "markov": {"rank": 4}, "gated_markov": {"rank": 4, "hidden_size": D},
               "rnn": {"rank": 4, "hidden_size": D},
-              "gru": {"hidden_size": D, "emb_dim": 6, "gru_hidden_dim": 5, "prefix_len": 1}}[name]
+              "gru": {"hidden_size": D, "emb_dim": 6, "gru_hidden_dim": 5, "prefix_len": 1},
+              "selector": {"rank": 4, "hidden_size": D, "top_k": 7}}[name]
     head = build_head(name, vocab_size=V, **params)
     for p in head.parameters():
         torch.nn.init.normal_(p, std=0.5)
@@ -23,7 +24,7 @@ def _make(name: str, seed: int = 0):
     return head.eval()
 
 
-@pytest.mark.parametrize("name", ["identity", "markov", "gated_markov", "rnn", "gru"])
+@pytest.mark.parametrize("name", ["identity", "markov", "gated_markov", "rnn", "gru", "selector"])
 def test_unrolled_score_advance_equals_block_logits(name):
     head = _make(name)
     p, n, k = 6, 3, 7
@@ -42,7 +43,7 @@ def test_unrolled_score_advance_equals_block_logits(name):
         assert not torch.allclose(full[:, 1:], base[:, 1:])  # the correction is not a no-op
 
 
-@pytest.mark.parametrize("name", ["identity", "markov", "gated_markov", "rnn", "gru"])
+@pytest.mark.parametrize("name", ["identity", "markov", "gated_markov", "rnn", "gru", "selector"])
 def test_block_states_equal_unrolled_init_state_and_advance(name):
     """The batched teacher-forced states (the Markov family's one lookup) equal init_state/advance unrolled."""
     head = _make(name, seed=2)
@@ -60,7 +61,7 @@ def test_block_states_equal_unrolled_init_state_and_advance(name):
             state = head.advance(state, prev[:, j + 1], hidden[:, j])
 
 
-@pytest.mark.parametrize("name", ["markov", "gated_markov", "rnn", "gru"])
+@pytest.mark.parametrize("name", ["markov", "gated_markov", "rnn", "gru", "selector"])
 def test_score_equals_low_rank_form(name):
     head = _make(name, seed=1)
     n, k = 4, 9
@@ -132,7 +133,7 @@ def test_unknown_head_lists_available():
     assert IdentityHead().init_state(torch.tensor([1])) is None
 
 
-@pytest.mark.parametrize("name", ["identity", "markov", "gated_markov", "rnn", "gru"])
+@pytest.mark.parametrize("name", ["identity", "markov", "gated_markov", "rnn", "gru", "selector"])
 def test_block_logits_on_a_draft_vocabulary_equals_the_restricted_full_result(name, target):
     from conftest import make_head
 
