@@ -22,6 +22,12 @@ Layouts (facts from the public code, ANCHORS.md sections 1, 5a, 5b):
   with top-level ``target_layer_ids``, ``mask_token_id``, ``block_size``, ``num_anchors`` and the DSpark fields;
   tensors as SpecForge DSpark plus frozen copies ``embed_tokens.weight`` and ``lm_head.weight`` [V, D], which
   dartree drops (the target provides them).
+- ``zlab-dflash2`` (z-lab/dflash ``dflash/model.py`` ``DFlash2DraftModel``; reader/writer pair in
+  :mod:`dartree.convert.zlab_dflash2`): the z-lab DFlash layout plus ``layers.{i}.{attention,mlp}_conv.{base_kernel,
+  kernel_projection.weight}`` (dartree ``backbone.layers.{i}.*_conv.*``, same names) and the candidate selector
+  ``candidate_selector.{predecessor,successor}_codebook`` [V, R] (z-lab's own ``save_pretrained`` adds ``.weight``)
+  and ``candidate_selector.hidden_projection.weight`` [R, D] (dartree head ``selector``: ``head.{w1,w2,proj}.weight``);
+  ``dflash_config.{conv_kernel_size, conv_group_size, selector_rank, selector_top_k}``; proposal offset 1.
 
 Both transformers config layouts are read: ``rope_theta`` at the top level (transformers 4) or under
 ``rope_parameters`` (transformers 5). Exports write the transformers-4 layout, as the published configs do.
@@ -51,6 +57,10 @@ _HEAD_NAMES = {
                "gate_proj.weight": "markov_head.gate_proj.weight", "gate_proj.bias": "markov_head.gate_proj.bias",
                "joint_proj.weight": "markov_head.joint_proj.weight", "joint_proj.bias": "markov_head.joint_proj.bias",
                "confidence.weight": "confidence_head.proj.weight", "confidence.bias": "confidence_head.proj.bias"},
+    # DFlash 2 (z-lab DFlash2DraftModel, speculators dflash2); the published spelling has no ``.weight`` on the codebooks
+    "selector": {"w1.weight": "candidate_selector.predecessor_codebook",
+                 "w2.weight": "candidate_selector.successor_codebook",
+                 "proj.weight": "candidate_selector.hidden_projection.weight"},
 }
 
 
@@ -58,8 +68,8 @@ def published_name(name: str, fmt: str) -> str:
     """Map a dartree tensor name (``backbone.*`` / ``head.*``) to its name in the published layout ``fmt``.
 
     ``backbone.layers.{i}.q_proj.weight`` -> ``layers.{i}.self_attn.q_proj.weight``, ``...gate_proj...`` ->
-    ``layers.{i}.mlp.gate_proj...``, other backbone names lose the ``backbone.`` prefix; head names per
-    the module docstring.
+    ``layers.{i}.mlp.gate_proj...``, other backbone names (DFlash 2's ``layers.{i}.{attention,mlp}_conv.*``
+    included) lose the ``backbone.`` prefix; head names per the module docstring (``zlab-dflash2``: the selector's).
     Raises:
         CheckpointError: a head tensor that ``fmt`` has no name for (the head type does not fit the layout).
     """
@@ -75,7 +85,7 @@ def published_name(name: str, fmt: str) -> str:
             return f"layers.{i}.{rest}"
         return name[len("backbone."):]
     local = name[len("head."):]
-    table = _HEAD_NAMES["gru"] if fmt == "specforge-domino" else _HEAD_NAMES["dspark"]
+    table = _HEAD_NAMES[{"specforge-domino": "gru", "zlab-dflash2": "selector"}.get(fmt, "dspark")]
     if fmt == "zlab-dflash" or local not in table:
         raise CheckpointError(f"tensor {name!r} has no counterpart in the {fmt} layout")
     return table[local]
@@ -156,6 +166,8 @@ _EXPECTED = {
                         "confidence_head_with_markov}",
     "deepspec-dspark": f"a Qwen3 config ({_QWEN3}) with top-level block_size, mask_token_id, target_layer_ids, "
                        "markov_rank, markov_head_type, enable_confidence_head",
+    "zlab-dflash2": f"a Qwen3 config ({_QWEN3}) with block_size and dflash_config.{{mask_token_id, target_layer_ids, "
+                    "conv_kernel_size, conv_group_size, selector_rank, selector_top_k}",
 }
 
 
@@ -399,10 +411,6 @@ def detect(config: dict, tensor_names: set[str]) -> tuple[str, str]:
         why = pair.detect(config, names)
         if why:
             return pair.name, why
-    seen = _dflash2_seen(config, names)
-    if seen:
-        raise CheckpointError(f"detected a DFlash 2 drafter (z-lab DFlash2DraftModel: {seen}); dartree does not "
-                              "convert DFlash 2 (grouped dynamic convolutions and the candidate selector) yet")
     dc = config.get("dflash_config")
     dc = dc if isinstance(dc, dict) else {}
     projector = dc.get("projector_type")
@@ -442,6 +450,10 @@ def export_config(config: dict, fmt: str) -> dict:
     if htype not in want_head:
         problems.append(f"head type {htype!r} cannot be exported as {fmt} (it carries {list(want_head)}); "
                         f"choose --to {_fmt_for_head(htype)}")
+    if d.get("conv_kernel_size"):  # DFlash 2 layers: only the zlab-dflash2 / speculators (dflash2) pairs carry them
+        where = "" if htype == "selector" else " (with head type 'selector')"
+        problems.append(f"the drafter has DFlash 2 grouped convolutions (conv_kernel_size {d['conv_kernel_size']}), "
+                        f"which {fmt} layers do not have; only the DFlash 2 layouts carry them{where}")
     if not d.get("qk_norm", False):  # every published layout has Qwen3 layers: report it with the head problem
         problems.append(f"the drafter has qk_norm=false but the published layouts are Qwen3 layers with "
                         "q_norm/k_norm; only drafters trained with drafter.qk_norm=true export")
@@ -504,7 +516,8 @@ def export_config(config: dict, fmt: str) -> dict:
 
 
 def _fmt_for_head(htype) -> str:
-    return {"identity": "zlab-dflash", "gru": "specforge-domino"}.get(htype, "specforge-dspark")
+    return {"identity": "zlab-dflash", "gru": "specforge-domino",
+            "selector": "zlab-dflash2 or --to speculators"}.get(htype, "specforge-dspark")
 
 
 
@@ -574,14 +587,17 @@ FORMAT_PAIRS: dict[str, FormatPair] = {}
 
 
 def register_format(pair: FormatPair) -> FormatPair:
-    """Add a reader/writer pair to the registry under ``pair.name``.
+    """Add a reader/writer pair to the registry under ``pair.name`` and to :data:`EXPORT_FORMATS` (here, not once at
+    the end of this module, so the list is whole whichever pair module is imported first).
 
     Raises:
         ValueError: the name is already taken (by a pair or a built-in layout).
     """
+    global EXPORT_FORMATS
     if pair.name in FORMAT_PAIRS or pair.name in SOURCE_FORMATS or pair.name in (FORMAT, "dartree-train"):
         raise ValueError(f"format {pair.name!r} is already registered")
     FORMAT_PAIRS[pair.name] = pair
+    EXPORT_FORMATS = EXPORT_FORMATS + (pair.name,)
     return pair
 
 
@@ -604,6 +620,6 @@ def _dflash2_seen(config: dict, names: set[str]) -> str | None:
 
 
 from dartree.convert import vllm_speculators as _vllm_speculators  # noqa: E402  (registers "speculators")
+from dartree.convert import zlab_dflash2 as _zlab_dflash2  # noqa: E402  (registers "zlab-dflash2")
 
-EXPORT_FORMATS = EXPORT_FORMATS + tuple(FORMAT_PAIRS)
-del _vllm_speculators
+del _vllm_speculators, _zlab_dflash2

@@ -1,7 +1,7 @@
 """Export a dartree checkpoint back to a published drafter layout, so engines that load those formats can serve it.
 
-``python convert/from_dartree.py SRC --to zlab-dflash|specforge-domino|specforge-dspark|speculators --out DST
-[--target SPEC]``
+``python convert/from_dartree.py SRC --to zlab-dflash|specforge-domino|specforge-dspark|speculators|zlab-dflash2
+--out DST [--target SPEC]``
 
 The head type decides the layout: ``identity`` -> z-lab DFlash, ``gru`` -> SpecForge Domino, ``markov`` /
 ``gated_markov`` / ``rnn`` -> SpecForge DSpark (names and config fields in :mod:`dartree.convert.formats`).
@@ -9,7 +9,9 @@ Tensors are written bit for bit under their published names, so ``to_dartree.py`
 unchanged. A drafter the layout cannot express (q/k norm off, a proposal offset the layout does not use, another
 head type) is refused with the reason. The output folder appears by atomic rename. ``speculators`` (vLLM) is a
 reader/writer pair of the format registry (:mod:`dartree.convert.vllm_speculators`): ``identity`` -> dflash,
-DSpark heads -> dspark, with a reduced draft vocabulary as ``d2t`` / ``t2d`` (needs ``--target``).
+DSpark heads -> dspark, with a reduced draft vocabulary as ``d2t`` / ``t2d`` (needs ``--target``), the DFlash 2
+``selector`` head (with ``drafter.conv_kernel_size`` > 0) -> dflash2. ``zlab-dflash2`` (z-lab ``DFlash2DraftModel``,
+:mod:`dartree.convert.zlab_dflash2`) is another pair: DFlash 2 drafters with proposal offset 1.
 """
 
 from __future__ import annotations

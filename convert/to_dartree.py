@@ -1,13 +1,13 @@
 """Convert a drafter checkpoint into the dartree format.
 
 ``python convert/to_dartree.py SRC [--out DST] [--from auto|dartree|dartree-train|zlab-dflash|specforge-domino|
-specforge-dspark|deepspec-dspark|speculators] [--target SPEC] [--dtype auto|bfloat16|float16|float32]``
+specforge-dspark|deepspec-dspark|speculators|zlab-dflash2] [--target SPEC] [--dtype auto|bfloat16|float16|float32]``
 
 Sources: ``dartree-train`` (written by ``training/train.py``), ``dartree`` (re-validated and re-written) and the
 published layouts of :mod:`dartree.convert.formats` (z-lab DFlash, SpecForge Domino / DSpark, DeepSpec DSpark;
 config.json + safetensors, sharded or not), and the reader/writer pairs of the format registry
-(``formats.FORMAT_PAIRS``: vLLM speculators). ``auto`` detects the layout from config fields and tensor names and
-says what it detected. Every source is validated strictly before anything is written: a missing, unexpected or
+(``formats.FORMAT_PAIRS``: vLLM speculators dflash / dflash2 / dspark, z-lab DFlash 2). ``auto`` detects the layout
+from config fields and tensor names and says what it detected. Every source is validated strictly before anything is written: a missing, unexpected or
 mis-shaped tensor is an error naming it, an unknown config layout lists the expected fields, and with
 ``--target`` the vocab / hidden size / layer ids / mask id are checked against the target. The output folder
 appears by atomic rename, so a failed conversion leaves nothing half-written. Published tensors are passed

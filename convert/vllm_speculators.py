@@ -1,23 +1,33 @@
-"""vLLM's ``speculators`` drafter format (the ``speculators`` package 0.9.0, ``dflash`` and ``dspark``): one
-reader/writer pair in the format registry of :mod:`dartree.convert.formats`.
+"""vLLM's ``speculators`` drafter format (the ``speculators`` package 0.9.0, ``dflash``, ``dflash2`` and ``dspark``):
+one reader/writer pair in the format registry of :mod:`dartree.convert.formats`.
 
-Facts (read from speculators 0.9.0 ``config.py``, ``models/dflash/{config,core}.py``, ``models/dspark/*``,
-``model.py``; ANCHORS.md section 9):
+Facts (read from speculators 0.9.0 ``config.py``, ``models/dflash/{config,core}.py``, ``models/dflash2/*``,
+``models/dspark/*``, ``model.py``; ANCHORS.md section 9):
 
-- config.json: ``speculators_model_type`` (``dflash`` | ``dspark``; ``dflash2`` is refused by name),
-  ``architectures`` (``DFlashSpeculator`` | ``DSparkSpeculator``), ``transformer_layer_config`` (a Qwen3 config of
-  the draft layers, verifier vocabulary), ``draft_vocab_size``, ``block_size``, ``aux_hidden_state_layer_ids`` =
-  dartree ``target_layer_ids`` + 1 (speculators indexes Hugging Face ``hidden_states`` directly),
+- config.json: ``speculators_model_type`` (``dflash`` | ``dflash2`` | ``dspark``; other types are refused by name),
+  ``architectures`` (``DFlashSpeculator`` | ``DFlash2DraftModel`` | ``DSparkSpeculator``),
+  ``transformer_layer_config`` (a Qwen3 config of the draft layers, verifier vocabulary), ``draft_vocab_size``,
+  ``block_size``, ``aux_hidden_state_layer_ids`` = dartree ``target_layer_ids`` + 1 (speculators indexes Hugging
+  Face ``hidden_states`` directly),
   ``mask_token_id``, ``target_hidden_size``, ``sliding_window_non_causal``, ``sample_from_anchor`` (true: all B
   block positions are proposals, dartree ``proposal_offset`` 0; false: positions 1..B-1, offset 1), and
   ``speculators_config`` {``algorithm``, ``proposal_methods`` [greedy with ``speculative_tokens`` = B or B-1],
   ``default_proposal_method``, ``verifier`` {``name_or_path``, ``architectures``}}. dspark adds
   ``markov_rank`` (default 256), ``markov_head_type`` (vanilla | gated | rnn), ``enable_confidence_head``
   (default true), ``confidence_head_with_markov`` (default true); its ``sample_from_anchor`` defaults to true,
-  dflash's to false. vLLM requires ``speculative_tokens``, ``verifier.name_or_path``, ``transformer_layer_config``,
-  ``aux_hidden_state_layer_ids`` and ``mask_token_id``.
+  dflash's to false. dflash2 (DFlash 2, ``DFlash2SpeculatorConfig``) adds ``conv_kernel_size`` (default 2),
+  ``conv_group_size`` (16), ``selector_rank`` (256), ``selector_top_k`` (16), defaults ``sample_from_anchor`` to
+  false and ``sliding_window_non_causal`` to true (which only acts on sliding-window layers, refused below), and
+  requires ``draft_vocab_size`` = the verifier vocabulary (its model class refuses anything else). vLLM requires
+  ``speculative_tokens``, ``verifier.name_or_path``, ``transformer_layer_config``, ``aux_hidden_state_layer_ids``
+  and ``mask_token_id``.
 - tensors: z-lab's layer names (``layers.{i}.self_attn.*``, ``layers.{i}.mlp.*``, ``fc``, ``hidden_norm``,
   ``norm``), DSpark's ``markov_head.{markov_w1,markov_w2,gate_proj,joint_proj}.*`` and ``confidence_head.proj.*``.
+  dflash2's ``layers.{i}.{attention,mlp}_conv.{base_kernel, kernel_projection.weight}`` and
+  ``candidate_selector.{predecessor_codebook, successor_codebook, hidden_projection.weight}`` (plain Parameters,
+  no ``.weight`` on the codebooks; the same tensors as z-lab DFlash 2, :mod:`dartree.convert.zlab_dflash2`: dartree
+  convolutions ``backbone.layers.{i}.*_conv.*`` and head ``selector``; with ``sample_from_anchor`` the selector's
+  first previous token is the anchor, as for the Markov head).
   ``embed_tokens`` / ``verifier_lm_head`` / ``verifier_norm`` are never saved (reloaded from the verifier); a
   full-vocabulary ``lm_head`` is not saved either. A reduced vocabulary of N < V tokens is ``lm_head.weight``
   [N, D] (the verifier's rows), ``d2t`` [N] int64 (target id = i + d2t[i]), ``t2d`` [V] bool and
@@ -38,11 +48,13 @@ from dartree.convert import formats as F
 from dartree.models.checkpoint import CheckpointError, dartree_config, expected_tensors
 
 NAME = "speculators"
-_TYPES = {"dflash": "DFlashSpeculator", "dspark": "DSparkSpeculator"}
-# Field defaults of speculators 0.9.0's config classes (DFlashSpeculatorConfig / DSparkSpeculatorConfig); used only
+_TYPES = {"dflash": "DFlashSpeculator", "dflash2": "DFlash2DraftModel", "dspark": "DSparkSpeculator"}
+# Field defaults of speculators 0.9.0's config classes (DFlash[2]SpeculatorConfig / DSparkSpeculatorConfig); used only
 # when the package is not importable (tests pin them against the classes).
 DEFAULTS = {
     "dflash": {"sample_from_anchor": False, "sliding_window_non_causal": False},
+    "dflash2": {"sample_from_anchor": False, "sliding_window_non_causal": True, "conv_kernel_size": 2,
+                "conv_group_size": 16, "selector_rank": 256, "selector_top_k": 16},
     "dspark": {"sample_from_anchor": True, "sliding_window_non_causal": False, "markov_rank": 256,
                "markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True},
 }
@@ -73,8 +85,11 @@ def _validated(config: dict, where="config.json") -> dict:
 
 
 def _head_names(head_type: str) -> dict[str, str]:
-    """dartree head tensor name (without ``head.``) -> speculators name, for the DSpark heads."""
-    return F._HEAD_NAMES["dspark"] if head_type != "identity" else {}
+    """dartree head tensor name (without ``head.``) -> speculators name, for the DSpark heads and the DFlash 2
+    selector."""
+    if head_type == "identity":
+        return {}
+    return F._HEAD_NAMES["selector" if head_type == "selector" else "dspark"]
 
 
 def _published(name: str, head_type: str) -> str:
@@ -87,27 +102,27 @@ def detect(config: dict, names: set[str]) -> str | None:
     """The reason ``config`` is a speculators checkpoint (``speculators_model_type`` present), else None.
 
     Raises:
-        CheckpointError: a speculators type dartree does not read (``dflash2``, ``eagle3``, ...), named.
+        CheckpointError: a speculators type dartree does not read (``eagle3``, ``mtp``, ...), named.
     """
     kind = config.get("speculators_model_type")
     if kind is None:
         return None
     if kind not in _TYPES:
-        what = "DFlash 2 (grouped dynamic convolutions, candidate selector)" if kind == "dflash2" else repr(kind)
         raise CheckpointError(f"detected a vLLM speculators checkpoint of type {kind!r}; dartree reads speculators "
-                              f"dflash and dspark only, not {what}")
+                              f"{', '.join(sorted(_TYPES))} only (DFlash-family block drafters)")
     return f"speculators_model_type={kind!r}"
 
 
 def read(config: dict, given: dict, where, target=None) -> tuple[dict, dict]:
-    """Reader: a speculators dflash / dspark checkpoint -> (dartree config, tensors by dartree name).
+    """Reader: a speculators dflash / dflash2 / dspark checkpoint -> (dartree config, tensors by dartree name).
 
     Args:
         config: config.json. given: published name -> tensor. where: for messages. target: optional
             :class:`~dartree.models.target.Target`; when given, a reduced ``lm_head`` must equal its rows.
     Raises:
-        CheckpointError: another type, sliding-window layers, an inconsistent ``d2t`` / ``t2d``, a missing,
-            unexpected or mis-shaped tensor (named), or (with ``target``) a drafter copy that differs from it.
+        CheckpointError: another type, sliding-window layers, an inconsistent ``d2t`` / ``t2d``, a dflash2 drafter
+            with a reduced vocabulary or inconsistent convolution / selector fields, a missing, unexpected or
+            mis-shaped tensor (named), or (with ``target``) a drafter copy that differs from it.
     """
     cfg_path = f"{where}/config.json"
     if detect(config, set()) is None:
@@ -139,8 +154,20 @@ def read(config: dict, given: dict, where, target=None) -> tuple[dict, dict]:
     parsed = F.parse_config(pseudo, "zlab-dflash", cfg_path, target=target)
     drafter = dict(parsed.drafter, proposal_offset=0 if v.get("sample_from_anchor") else 1)
     if n_draft != vocab:
+        if kind == "dflash2":
+            raise CheckpointError(f"{cfg_path}: draft_vocab_size {n_draft} differs from the verifier vocabulary {vocab}; "
+                                  "speculators' DFlash2DraftModel refuses that ('DFlash2 currently requires the full "
+                                  "verifier vocabulary'), so the file is inconsistent: set draft_vocab_size to the "
+                                  "verifier's vocab_size")
         drafter["draft_vocab_size"] = n_draft
     head = {"type": "identity"}
+    if kind == "dflash2":
+        from dartree.convert.zlab_dflash2 import conv_fields, selector_head
+
+        drafter.update(conv_fields(v.get("conv_kernel_size"), v.get("conv_group_size"), hidden=drafter["hidden_size"],
+                                   block=drafter["block_size"], where=cfg_path))
+        head = selector_head(v.get("selector_rank"), v.get("selector_top_k"), vocab=vocab,
+                             hidden=drafter["hidden_size"], where=cfg_path)
     if kind == "dspark" and F.field(v.get("markov_rank") or 0, "markov_rank", cfg_path, F._INT0) > 0:
         spark = {"markov_rank": v["markov_rank"], "markov_head_type": v.get("markov_head_type", "vanilla"),
                  "enable_confidence_head": F._flag(v.get("enable_confidence_head"), "enable_confidence_head", cfg_path),
@@ -155,6 +182,10 @@ def read(config: dict, given: dict, where, target=None) -> tuple[dict, dict]:
     out = dartree_config(drafter, head, ident, {"source_format": NAME, "source": str(where),
                                                 "speculators_model_type": kind})
     want = expected_tensors(out, cfg_path)
+    if kind == "dflash2":
+        from dartree.convert.zlab_dflash2 import selector_spelling
+
+        given = selector_spelling(given, where)
     given = dict(given)
     tensors, dropped = {}, []
     ids = None
@@ -211,24 +242,32 @@ def read(config: dict, given: dict, where, target=None) -> tuple[dict, dict]:
 def write(config: dict, tensors: dict, target=None) -> tuple[dict, dict]:
     """Writer: a dartree checkpoint -> (speculators config.json dict, tensors by speculators name).
 
-    ``identity`` heads become ``dflash``, ``markov`` / ``gated_markov`` / ``rnn`` become ``dspark``;
+    ``identity`` heads become ``dflash``, ``markov`` / ``gated_markov`` / ``rnn`` become ``dspark``, ``selector``
+    (with DFlash 2 convolutions) becomes ``dflash2`` (its ``sliding_window_non_causal`` default, true, is written;
+    the layers are full attention, so it acts on nothing);
     ``sample_from_anchor`` = (proposal_offset == 0); the verifier is ``target`` when given (its folder, so
     speculators' ``from_pretrained`` reloads the embedding, heads and norm from it), else the recorded target name.
     The config is built and validated through speculators' own config classes when the package is importable.
 
     Raises:
-        CheckpointError: a head speculators has no form for (``gru``), q/k norm off, or a reduced draft
-            vocabulary without ``target`` (its lm_head rows must be written).
+        CheckpointError: a head speculators has no form for (``gru``), q/k norm off, a reduced draft vocabulary
+            without ``target`` (its lm_head rows must be written), DFlash 2 convolutions without the selector head
+            or the selector head without them, or a DFlash 2 drafter with a reduced vocabulary
+            (:func:`dartree.convert.zlab_dflash2.check_exportable`).
     """
     d, head, ident = config["drafter"], config["head"], config.get("target", {})
     htype = head.get("type")
-    if htype not in ("identity", "markov", "gated_markov", "rnn"):
+    if htype not in ("identity", "markov", "gated_markov", "rnn", "selector"):
         raise CheckpointError(f"head type {htype!r} cannot be exported as speculators (it carries dflash: identity, "
-                              "dspark: markov / gated_markov / rnn); choose --to specforge-domino")
+                              "dspark: markov / gated_markov / rnn, dflash2: selector); choose --to specforge-domino")
+    if htype == "selector" or d.get("conv_kernel_size"):
+        from dartree.convert.zlab_dflash2 import check_exportable
+
+        check_exportable(config, "speculators dflash2")
     if not d.get("qk_norm", False):
         raise CheckpointError("the drafter has qk_norm=false but speculators drafters are Qwen3 layers with "
                               "q_norm/k_norm; only drafters trained with drafter.qk_norm=true export")
-    kind = "dflash" if htype == "identity" else "dspark"
+    kind = {"identity": "dflash", "selector": "dflash2"}.get(htype, "dspark")
     vocab = int(ident.get("vocab_size") or head.get("vocab_size"))
     n_draft = int(d.get("draft_vocab_size") or 0) or vocab
     sfa = d["proposal_offset"] == 0
@@ -247,13 +286,16 @@ def write(config: dict, tensors: dict, target=None) -> tuple[dict, dict]:
         "draft_vocab_size": n_draft, "block_size": block,
         "aux_hidden_state_layer_ids": [int(i) + 1 for i in d["target_layer_ids"]],
         "mask_token_id": int(d["mask_token_id"]), "target_hidden_size": d["hidden_size"],
-        "sliding_window_non_causal": False, "sample_from_anchor": sfa,
+        "sliding_window_non_causal": kind == "dflash2", "sample_from_anchor": sfa,
         "speculators_config": {"algorithm": kind,
                                "proposal_methods": [{"proposal_type": "greedy",
                                                      "speculative_tokens": block if sfa else block - 1}],
                                "default_proposal_method": "greedy",
                                "verifier": {"name_or_path": verifier, "architectures": archs}},
     }
+    if kind == "dflash2":
+        out.update(conv_kernel_size=int(d["conv_kernel_size"]), conv_group_size=int(d["conv_group_size"]),
+                   selector_rank=int(head["rank"]), selector_top_k=int(head["top_k"]))
     if kind == "dspark":
         out.update(markov_rank=int(head["rank"]), markov_head_type=F._DSPARK_HEADS[htype],
                    enable_confidence_head=bool(head.get("confidence_head", False)),
