@@ -57,7 +57,8 @@ def export(src: str | Path, out: str | Path, *, to: str, target=None) -> Path:
     Raises:
         CheckpointError: ``src`` is not a valid dartree checkpoint (strict load), ``to`` is unknown, the drafter
             does not fit ``target`` (both values named), or the drafter / head cannot be expressed in ``to`` (the
-            message says why and what would fit).
+            message says why and what would fit); ``zlab-dflash`` from a checkpoint that records no target layer count
+            (a converted speculators one) without ``target`` (z-lab's loader needs ``num_target_layers``).
     """
     src, out = Path(src), Path(out)
     if to not in EXPORT_FORMATS:
@@ -78,6 +79,13 @@ def export(src: str | Path, out: str | Path, *, to: str, target=None) -> Path:
     if config["drafter"].get("draft_vocab_size"):
         raise CheckpointError(f"{src} drafts over a reduced vocabulary of {config['drafter']['draft_vocab_size']} tokens, "
                               f"which the {to} layout cannot express; retrain with drafter.draft_vocab_size=0 to export")
+    tgt = config.get("target", {})
+    if tgt.get("num_layers") is None and target is not None:  # e.g. converted from speculators, which records none
+        config = dict(config, target=dict(tgt, num_layers=int(target.num_layers)))
+    if to == "zlab-dflash" and config.get("target", {}).get("num_layers") is None:
+        raise CheckpointError(f"{src} records no target layer count (config target.num_layers; a speculators source "
+                              "has none) and z-lab's DFlashDraftModel needs num_target_layers to load: pass --target "
+                              "with the target's folder")
     published = export_config(config, to)
     try:
         tensors = load_file(str(src / "model.safetensors"))

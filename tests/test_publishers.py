@@ -593,6 +593,32 @@ def test_speculators_saved_its_way_converts_and_exports_back(tmp_path, hf_target
         assert (a is None and b is None) or _close(a, b, "reloaded export") <= ATOL
 
 
+@torch.no_grad()
+def test_speculators_dflash_exports_to_zlab_only_with_the_target_layer_count(tmp_path, hf_target, target):
+    """A speculators dflash source records no target layer count; z-lab's DFlashDraftModel needs
+    ``num_target_layers`` to load, so ``--to zlab-dflash`` refuses without ``--target`` and, with it, writes a config
+    z-lab loads strictly, with outputs equal to the source's."""
+    hf, verifier = hf_target
+    pub = _spec_model("dflash", {"sample_from_anchor": False}, 0, verifier, tmp_path / "spec")
+    convert(tmp_path / "spec", tmp_path / "dt")
+    assert json.loads((tmp_path / "dt/config.json").read_text())["target"].get("num_layers") is None
+    with pytest.raises(CheckpointError, match="num_target_layers.*pass --target"):
+        export(tmp_path / "dt", tmp_path / "z", to="zlab-dflash")
+    assert not (tmp_path / "z").exists()
+    back = export(tmp_path / "dt", tmp_path / "z", to="zlab-dflash", target=target)
+    assert json.loads((back / "config.json").read_text())["num_target_layers"] == NT
+    z, info = dflash_model.DFlashDraftModel.from_pretrained(str(back), output_loading_info=True, dtype=torch.float32)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    seq = _sequence(12)
+    out = hf(seq, output_hidden_states=True)
+    feats = torch.cat([out.hidden_states[i + 1] for i in IDS], dim=-1)
+    h_ref = _spec_outputs(pub, hf, seq, 4)[0]
+    noise = torch.nn.functional.embedding(seq[:, 4:4 + B], hf.get_input_embeddings().weight)
+    noise[:, 1:] = hf.get_input_embeddings().weight[MASK]
+    h = z.eval()(target_hidden=feats[:, :4], noise_embedding=noise, position_ids=torch.arange(4 + B)[None])[0]
+    assert _close(h, h_ref, "z-lab load of the speculators-sourced export") <= ATOL
+
+
 @pytest.mark.parametrize("sfa", [False, True], ids=["sample_from_anchor=False", "sample_from_anchor=True"])
 @torch.no_grad()
 def test_speculators_dflash2_converts_and_exports_back(tmp_path, hf_target, target, sfa):
