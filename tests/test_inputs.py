@@ -437,7 +437,8 @@ def test_every_configuration_the_trainer_accepts_exports_and_reimports_or_is_ref
 
     exported = refused = 0
     grid = [("tiny_dspark", h) for h in ("markov", "gated_markov", "rnn")] + [("tiny_domino", "gru"),
-                                                                              ("tiny_dflash", "identity")]
+                                                                              ("tiny_dflash", "identity"),
+                                                                              ("tiny_dflash2", "selector")]
     for i, ((recipe, head), off, qk, conf) in enumerate(itertools.product(grid, (0, 1), ("true", "false"),
                                                                           ("true", "false"))):
         if conf == "true" and recipe != "tiny_dspark":

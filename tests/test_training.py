@@ -272,7 +272,7 @@ def test_sigkill_then_resume_logs_the_same_losses(tmp_path):
 
 
 @pytest.mark.parametrize("recipe,head_type", [("tiny_dflash", "identity"), ("tiny_domino", "gru"),
-                                              ("tiny_dspark", "markov")])
+                                              ("tiny_dspark", "markov"), ("tiny_dflash2", "selector")])
 def test_each_recipe_trains_its_head_and_converts(tmp_path, monkeypatch, recipe, head_type):
     from dartree.convert.to_dartree import convert
     from dartree.models.checkpoint import load_dartree
@@ -281,13 +281,40 @@ def test_each_recipe_trains_its_head_and_converts(tmp_path, monkeypatch, recipe,
     s = run(load_recipe([f"recipe={recipe}", f"output_dir={tmp_path / 'run'}", "train.max_steps=4"]))
     assert len(s["losses"]) == 4 and all(l > 0 for l in s["losses"])
     acc = json.loads((tmp_path / "run" / "acceptance.json").read_text())
-    assert len(acc["train_acc_per_pos"]) == (7 if recipe == "tiny_dflash" else 8)
+    assert len(acc["train_acc_per_pos"]) == (7 if recipe in ("tiny_dflash", "tiny_dflash2") else 8)
     dm = load_dartree(convert(tmp_path / "run" / "checkpoint", tmp_path / "dt"))
     assert dm.head.type_name == head_type
     if recipe == "tiny_dspark":
         assert dm.head.confidence_head  # the confidence head is trained and stored
     if recipe == "tiny_domino":
         assert float(dm.head.fc2.weight.abs().sum()) > 0  # the zero-initialised residual was trained
+    if recipe == "tiny_dflash2":  # the identity-initialised convolutions were trained and stored
+        kp = dm.drafter.layers[0].attention_conv.kernel_projection.weight
+        assert dm.drafter.cfg.conv_kernel_size == 2 and float(kp.abs().sum()) > 0
+
+
+def test_init_from_a_dflash_drafter_adds_identity_convolutions_for_dflash2(tmp_path, monkeypatch):
+    """recipe dflash2 with init_from= a DFlash checkpoint: the backbone gains DFlash 2 convolutions that start as the
+    identity, so before any step the drafter computes exactly the DFlash checkpoint's hidden states."""
+    from dartree.convert.to_dartree import convert
+    from dartree.models.checkpoint import load_dartree
+    from dartree.models.target import tiny_target
+    from dartree.training.train import load_init
+
+    monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
+    run(load_recipe(["recipe=tiny_dflash", f"output_dir={tmp_path / 'dflash'}", "train.max_steps=2"]))
+    src = convert(tmp_path / "dflash" / "checkpoint", tmp_path / "dflash_dt", dtype=torch.float32)
+    target = tiny_target()
+    cfg = load_recipe(["recipe=tiny_dflash2", f"init_from={src}"])
+    drafter, head = load_init(str(src), target, cfg)
+    assert drafter.cfg.conv_kernel_size == 2 and head.type_name == "selector"
+    plain = load_dartree(src).drafter.float()
+    x, ctx = torch.randn(1, 8, drafter.cfg.hidden_size), torch.randn(1, 5, len(drafter.cfg.target_layer_ids) * drafter.cfg.hidden_size)
+    q, c = torch.arange(5, 13)[None], torch.arange(5)[None]
+    with torch.no_grad():
+        torch.testing.assert_close(drafter(x, q, ctx, c), plain(x, q, ctx, c))
+    s = run(load_recipe(["recipe=tiny_dflash2", f"output_dir={tmp_path / 'ft'}", "train.max_steps=3", f"init_from={src}"]))
+    assert len(s["losses"]) == 3
 
 
 def test_domino_lambda_curriculum_and_loss():
@@ -357,6 +384,8 @@ def test_prepare_is_its_own_cached_step(tmp_path, monkeypatch, capsys):
     assert "data ready: 10 training + 2 held-out sequences" in capsys.readouterr().out
     folders = sorted((tmp_path / "data").iterdir())
     assert len(folders) == 1 and (folders[0] / "responses.jsonl").exists()
+    # single-turn data keeps the cache folder it had before the multi-turn / held-out options existed
+    assert folders[0].name == "responses-38efd421c0abc1e6"
     assert len(list(folders[0].glob("features-*.safetensors"))) == 1
     stamp = (folders[0] / "responses.jsonl").stat().st_mtime_ns
     assert prepare_main(["recipe=tiny_dspark"]) == 0  # unchanged input: reused, not rebuilt
@@ -476,13 +505,16 @@ def test_a_draft_vocab_drafter_is_not_exported_to_published_layouts(tmp_path, mo
     assert not (tmp_path / "pub").exists()
 
 
-def test_train_infer_parity_tool_agrees_within_two_points(tmp_path, monkeypatch):
+@pytest.mark.parametrize("data", [[], ["data.max_turns=3", "data.max_seq_tokens=120", "data.holdout_set=fixed"]],
+                         ids=["single-turn", "multi-turn"])
+def test_train_infer_parity_tool_agrees_within_two_points(tmp_path, monkeypatch, data):
     from dartree.training.parity import main as parity_main, parity
 
     monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
-    run(load_recipe(["recipe=tiny_dspark", f"output_dir={tmp_path / 'run'}", "train.max_steps=60", "train.lr=3e-3"]))
+    run(load_recipe(["recipe=tiny_dspark", f"output_dir={tmp_path / 'run'}", "train.max_steps=60", "train.lr=3e-3",
+                     *data]))
     out = parity(tmp_path / "run", split="train")
-    assert out["sequences"] == 10 and len(out["train_path"]) == 8
+    assert out["sequences"] == (12 if data else 10) and len(out["train_path"]) == 8
     assert max(out["train_path"]) > 0.05  # the drafter learned something, so agreement is not 0 == 0
     assert out["max_abs_diff"] <= 0.02
     # the learning curve's chain acceptance (leading correct run per anchor) agrees with the inference path
@@ -583,7 +615,7 @@ def test_fused_loss_refuses_bad_arguments():
         fused_block_loss(h, w_out, labels, valid, gamma=7.0, lam=0.5, target_hidden=kw["target_hidden"])
 
 
-@pytest.mark.parametrize("recipe", ["tiny_dflash", "tiny_domino", "tiny_dspark"])
+@pytest.mark.parametrize("recipe", ["tiny_dflash", "tiny_domino", "tiny_dspark", "tiny_dflash2"])
 def test_sequence_loss_fused_equals_the_reference_path(recipe, target, tmp_path):
     """One training sequence through sequence_loss: train.fused_loss=true and =false give the same loss and
     the same gradients on every drafter and head parameter (fp32 tiny recipes)."""
@@ -619,3 +651,270 @@ def test_sequence_loss_fused_equals_the_reference_path(recipe, target, tmp_path)
     assert g1.keys() == g2.keys() and len(g1) > 3
     for n in g1:
         torch.testing.assert_close(g1[n], g2[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+# ---- SpecForge-parity options: loss mask, batch normalisation, no decay, the lambda schedule ----
+
+def test_label_mask_cumulative_on_a_tiny_block():
+    from dartree.training.losses import label_mask
+
+    # T = 10: positions 2-4 and 7-9 are the target's answers (a user turn at 5-6); blocks of 4 proposals
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 0, 1, 1, 1], dtype=torch.bool)
+    lp = torch.tensor([2, 3, 8])[:, None] + 1 + torch.arange(4)  # labels [3..6], [4..7], [9..12]
+    per_label = label_mask(lp, 10, mask, cumulative=False)
+    cumulative = label_mask(lp, 10, mask)
+    assert per_label.int().tolist() == [[1, 1, 0, 0], [1, 0, 0, 1], [1, 0, 0, 0]]
+    # a masked label drops every later one of its block: label 7 of the second block is supervised but follows 5
+    assert cumulative.int().tolist() == [[1, 1, 0, 0], [1, 0, 0, 0], [1, 0, 0, 0]]
+    assert label_mask(lp, 10).int().tolist() == [[1] * 4, [1] * 4, [1, 0, 0, 0]]  # no mask: in range only
+
+
+def test_label_mask_equals_specforge_dspark_eval_mask():
+    """Our cumulative mask == SpecForge OnlineDSparkModel._build_dspark_labels_and_mask (labels anchor+1..+B)."""
+    from specforge.algorithms.common.dflash_family_model import OnlineDSparkModel
+
+    from dartree.training.losses import label_mask
+
+    g = torch.Generator().manual_seed(0)
+    s, b = 40, 6
+    loss_mask = (torch.rand(s, generator=g) > 0.3).long()
+    ids = torch.randint(0, 50, (s,), generator=g)
+    anchors = torch.tensor([0, 3, 11, 20, 30, 36])
+    sf = OnlineDSparkModel(torch.nn.Linear(2, 2), torch.nn.Linear(4, 50), torch.nn.Embedding(50, 4), 0, block_size=b,
+                           attention_backend="sdpa")
+    _, eval_mask, _ = sf._build_dspark_labels_and_mask(ids[None], loss_mask[None], anchors[None],
+                                                        torch.ones(1, 6, dtype=torch.bool))
+    ours = label_mask(anchors[:, None] + 1 + torch.arange(b), s, loss_mask.bool())
+    assert torch.equal(ours, eval_mask[0]) and 0 < int(ours.sum()) < ours.numel()
+
+
+def test_batch_normalised_loss_is_sum_over_sum_on_two_sequences():
+    """Two sequences of different lengths, gamma None: sequence 1 predicts perfectly at 3 positions (CE ~0),
+    sequence 2 is uniform over V = 4 at 1 position (CE ln 4). Per sequence: (0 + ln 4) / 2; batch (sum of
+    weighted CE over the sum of weights): ln 4 / 4."""
+    from dartree.training.losses import weight_sum
+
+    ln4 = float(torch.log(torch.tensor(4.0)))
+    good = torch.full((1, 3, 4), -40.0)
+    labels1 = torch.tensor([[0, 1, 2]])
+    good[0, torch.arange(3), labels1[0]] = 40.0
+    valid1 = torch.ones(1, 3, dtype=torch.bool)
+    flat = torch.zeros(1, 3, 4)
+    labels2 = torch.tensor([[3, 3, 3]])
+    valid2 = torch.tensor([[True, False, False]])
+    total = weight_sum(valid1, None) + weight_sum(valid2, None)
+    assert total == 4.0
+    per_seq = [dspark_loss(x, y, v, None, gamma=None, ce_weight=1.0, l1_weight=0.0).loss
+               for x, y, v in ((good, labels1, valid1), (flat, labels2, valid2))]
+    pooled = [dspark_loss(x, y, v, None, gamma=None, ce_weight=1.0, l1_weight=0.0, denom=total).loss
+              for x, y, v in ((good, labels1, valid1), (flat, labels2, valid2))]
+    assert float(sum(per_seq)) / 2 == pytest.approx(ln4 / 2, abs=1e-5)
+    assert float(sum(pooled)) == pytest.approx(ln4 / 4, abs=1e-5)
+    # the fused loss and the Domino loss pool the same way (Domino at lam 0 is the CE of the corrected logits)
+    fused = sum(fused_block_loss(x, torch.eye(4), y, v, gamma=None, denom=total).loss  # w_out = I: logits = x
+                for x, y, v in ((good, labels1, valid1), (flat, labels2, valid2)))
+    assert float(fused) == pytest.approx(ln4 / 4, abs=1e-5)
+    dom = sum(domino_loss(x, x, y, v, gamma=None, lam=0.0, denom=total).loss
+              for x, y, v in ((good, labels1, valid1), (flat, labels2, valid2)))
+    assert float(dom) == pytest.approx(ln4 / 4, abs=1e-5)
+
+
+def _specforge_batch(gamma):
+    """Two sequences (lengths 14 and 10, padded to 14) with loss masks, anchors and random drafter outputs, as
+    SpecForge's trainers see them ([bsz, ...] with kept-anchor flags) and as ours does (one sequence at a time)."""
+    g = torch.Generator().manual_seed(11)
+    v, d, r, blk = 23, 8, 3, 4
+    lens = [14, 10]
+    s = max(lens)
+    ids = torch.randint(1, v, (2, s), generator=g)
+    loss_mask = torch.zeros(2, s, dtype=torch.long)
+    loss_mask[0, 3:9] = 1  # answer 1, a one-token user turn at 9, answer 2 at 10-13
+    loss_mask[0, 10:14] = 1
+    loss_mask[1, 2:10] = 1  # single turn; 10-13 are padding
+    anchors = torch.tensor([[3, 7, 10], [2, 5, 0]])  # the block at 7 spans the user turn: labels 8, 9 (masked), 10
+    keep = torch.tensor([[True, True, True], [True, True, False]])
+    hidden = torch.randn(2, 3 * blk, d, generator=g).requires_grad_()
+    w_lm = torch.randn(v, d, generator=g)
+    proj = torch.randn(d, r, generator=g)
+    prev_tab = torch.randn(v, r, generator=g)
+    w_head = torch.randn(v, r, generator=g)
+    conf_vec = torch.randn(d, generator=g)
+    final = torch.randn(2, s, d, generator=g)
+    return dict(v=v, d=d, blk=blk, lens=lens, s=s, ids=ids, loss_mask=loss_mask, anchors=anchors, keep=keep,
+                hidden=hidden, w_lm=w_lm, proj=proj, prev_tab=prev_tab, w_head=w_head, conf_vec=conf_vec,
+                final=final, gamma=gamma)
+
+
+class _StubDraft(torch.nn.Module):
+    """SpecForge's draft-model hooks with a low-rank head we can reproduce: corrected = base + (h P + E[prev]) W^T
+    (DSpark: prev ids; Domino: prev embeddings times Q), confidence = h . c."""
+
+    def __init__(self, c, embed=None):
+        super().__init__()
+        self.c, self.embed = c, embed
+        self.confidence_head = object()
+
+    def apply_logits_head(self, base_logits, *, prev_token_ids=None, prev_token_embeddings=None, hidden_states):
+        a = hidden_states @ self.c["proj"]
+        a = a + (self.c["prev_tab"][prev_token_ids] if prev_token_embeddings is None
+                 else prev_token_embeddings @ self.c["q"])
+        return base_logits + a @ self.c["w_head"].T
+
+    def predict_confidence(self, hidden_states, *, prev_token_ids=None):
+        return hidden_states @ self.c["conf_vec"]
+
+
+def _ours(c, kind, lam=0.0):
+    """Our losses summed over the two sequences, batch-normalised by the weight sum of both (world size 1)."""
+    from dartree.training.losses import label_mask, weight_sum
+
+    off = 1 if kind == "dflash" else 0
+    p = c["blk"] - off
+    rows = []
+    for b in range(2):
+        n = int(c["keep"][b].sum())
+        s = c["lens"][b]
+        tokens, mask = c["ids"][b, :s], c["loss_mask"][b, :s].bool()
+        lp = c["anchors"][b, :n, None] + 1 + torch.arange(p)
+        valid = label_mask(lp, s, mask, cumulative=kind == "dspark")  # SpecForge DFlash / Domino: per label
+        h = c["hidden"][b].view(3, c["blk"], -1)[:n, off:]
+        rows.append((tokens, lp, valid, h))
+    total = sum(weight_sum(vd, c["gamma"]) for _, _, vd, _ in rows)
+    loss = 0.0
+    for tokens, lp, valid, h in rows:
+        s = tokens.numel()
+        labels, prev = tokens[lp.clamp(max=s - 1)], tokens[(lp - 1).clamp(max=s - 1)]
+        base = h @ c["w_lm"].T
+        if kind == "dflash":
+            loss = loss + dspark_loss(base, labels, valid, None, gamma=c["gamma"], ce_weight=1.0, l1_weight=0.0,
+                                      denom=total).loss
+            continue
+        emb = c["embed"](prev) @ c["q"] if kind == "domino" else c["prev_tab"][prev]
+        logits = base + (h @ c["proj"] + emb) @ c["w_head"].T
+        if kind == "domino":
+            loss = loss + domino_loss(logits, base, labels, valid, gamma=c["gamma"], lam=lam, denom=total).loss
+            continue
+        b = 0 if s == c["lens"][0] else 1
+        t_logits = c["final"][b, (lp - 1).clamp(max=s - 1)] @ c["w_lm"].T
+        loss = loss + dspark_loss(logits, labels, valid, t_logits, gamma=c["gamma"], ce_weight=0.1, l1_weight=0.9,
+                                  conf_logits=h @ c["conf_vec"], conf_weight=1.0, denom=total).loss
+    return loss
+
+
+@pytest.mark.parametrize("gamma", [None, 7.0])
+@pytest.mark.parametrize("kind", ["dspark", "domino", "dflash"])
+def test_batch_normalised_losses_equal_specforge(kind, gamma):
+    """loss.normalization=batch with a loss mask == SpecForge 0.2.0's own training forward (OnlineDSparkModel /
+    OnlineDominoModel with shift_label / OnlineDFlashModel) on the same anchors and drafter outputs: labels, loss
+    masks (DSpark cumulative, the others per label), decay (None: none), pooled normalisation; loss and the
+    gradient of the drafter output. Only the drafter forward and the anchor draw are stubbed."""
+    from specforge.algorithms.common import dflash_family_model as sfm
+
+    c = _specforge_batch(gamma)
+    embed = torch.nn.Embedding(c["v"], c["d"])
+    c.update(embed=embed, q=torch.randn(c["d"], c["proj"].shape[1], generator=torch.Generator().manual_seed(2)))
+    lm_head = torch.nn.Linear(c["d"], c["v"], bias=False)
+    lm_head.weight.data = c["w_lm"].clone()
+    common = dict(draft_model=_StubDraft(c), target_lm_head=lm_head, target_embed_tokens=embed, mask_token_id=0,
+                  block_size=c["blk"], attention_backend="sdpa", loss_decay_gamma=gamma, objective_chunk_blocks=0)
+    lam = 0.3
+    if kind == "dspark":
+        sf = sfm.OnlineDSparkModel(**common)
+    elif kind == "domino":
+        sf = sfm.OnlineDominoModel(**common, shift_label=True)
+    else:
+        sf = sfm.OnlineDFlashModel(**common)
+    sf._forward_draft_blocks = lambda input_ids, hidden_states, loss_mask: (c["anchors"], c["keep"], c["hidden"])
+    args = dict(input_ids=c["ids"], hidden_states=None, loss_mask=c["loss_mask"])
+    if kind == "dspark":
+        want = sf(**args, target_last_hidden_states=c["final"])[0]
+    elif kind == "domino":
+        want = sf(**args, lambda_base=lam)[0]
+    else:
+        want = sf(**args)[0]
+    g_want, = torch.autograd.grad(want, c["hidden"])
+    got = _ours(c, kind, lam)
+    g_got, = torch.autograd.grad(got, c["hidden"])
+    assert float(want.detach()) > 0
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-5, atol=1e-6)
+    torch.testing.assert_close(g_got, g_want, rtol=1e-4, atol=1e-6)
+
+
+def test_lambda_schedule_equals_specforge_linear_lambda_base():
+    from specforge.training.strategies.base import linear_lambda_base
+
+    from dartree.training.losses import lambda_schedule
+
+    for total in (1, 7, 10, 333, 3008):
+        for ratio in (0.3, 0.5, 1.0, 2.0):
+            for start in (1.0, 0.6):
+                for step in sorted({0, 1, 2, 3, total // 3, total // 2, total - 1, total, total + 5}):
+                    assert lambda_schedule(step, total, start, ratio) == linear_lambda_base(step, total, start, ratio)
+    # int() rounds the horizon down: total 7, ratio 0.5 -> 3 steps (not 3.5)
+    assert [lambda_schedule(s, 7, 1.0, 0.5) for s in range(5)] == pytest.approx([1.0, 2 / 3, 1 / 3, 0.0, 0.0])
+
+
+def test_new_recipe_fields_are_checked_up_front():
+    cases = {
+        "loss.normalization=mean": "loss.normalization='mean' is not allowed: use one of ['per_sequence', 'batch']",
+        "loss.gamma=0": "loss.gamma=0",
+        "loss.cumulative_mask=maybe": "loss.cumulative_mask",
+        "data.holdout_set=random": "data.holdout_set='random' is not allowed: use one of ['tail', 'fixed']",
+        "data.max_turns=0": "data.max_turns=0 is out of range",
+        "data.max_seq_tokens=1": "data.max_seq_tokens=1 is out of range",
+    }
+    for arg, msg in cases.items():
+        with pytest.raises(RecipeError) as info:
+            load_recipe(["recipe=tiny_dspark", arg])
+        assert msg in str(info.value) and "\n" not in str(info.value), arg
+    with pytest.raises(RecipeError, match="data.max_seq_tokens=20 leaves no room"):
+        load_recipe(["recipe=tiny_dspark", "data.max_turns=2", "data.max_seq_tokens=20"])  # max_new_tokens 24
+    with pytest.raises(RecipeError, match="holds nothing out"):
+        load_recipe(["recipe=tiny_dspark", "data.holdout_set=fixed", "data.holdout=0"])
+    with pytest.raises(RecipeError, match="data.holdout_turns=2 applies to the fixed held-out set only"):
+        load_recipe(["recipe=tiny_dspark", "data.holdout_turns=2"])
+    with pytest.raises(RecipeError, match="data.holdout=12 must be < data.num_prompts=12"):
+        load_recipe(["recipe=tiny_dspark", "data.holdout=12"])
+    cfg = load_recipe(["recipe=tiny_dspark", "data.holdout_set=fixed", "data.holdout=20", "loss.gamma=null",
+                       "loss.normalization=batch", "data.max_turns=3"])  # fixed: held-out sets come on top
+    assert cfg.loss.gamma is None and cfg.loss.normalization == "batch" and cfg.data.max_turns == 3
+    d = load_recipe(["recipe=dspark_b16"])  # the shipped behaviour stays the default
+    assert (d.loss.normalization, d.loss.cumulative_mask, d.data.max_turns, d.data.holdout_set) == (
+        "per_sequence", True, 1, "tail")
+
+
+def test_resume_accepts_a_recipe_saved_before_new_fields_at_their_defaults(tmp_path):
+    from dartree.training.engine import RECIPE_FILE, RESUME_DIR, check_resumable
+
+    from omegaconf import OmegaConf
+
+    now = OmegaConf.to_container(load_recipe(["recipe=tiny_dspark", f"output_dir={tmp_path}"]))
+    old = json.loads(json.dumps(now))
+    del old["loss"]["normalization"], old["data"]["max_turns"]
+    (tmp_path / RESUME_DIR).mkdir()
+    (tmp_path / RESUME_DIR / RECIPE_FILE).write_text(json.dumps(old))
+    check_resumable(tmp_path, now)  # the defaults are what the old run did
+    now["loss"]["normalization"] = "batch"
+    with pytest.raises(ValueError, match="loss.normalization: saved None vs now 'batch'"):
+        check_resumable(tmp_path, now)
+
+
+def test_batch_normalisation_all_reduces_its_denominator_across_processes(tmp_path):
+    """loss.normalization=batch on multi-turn data: two processes (torchrun, gloo), each holding half of every
+    step's sequences, log the same pooled losses and end with the same weights as one process (a rank-local
+    denominator would not); the per-sequence mean logs other losses from the same start."""
+    cache = tmp_path / "cache"
+    common = ["recipe=tiny_dspark", "train.max_steps=3", "train.seqs_per_step=4", "data.max_turns=3",
+              "data.max_seq_tokens=120"]
+    launcher = (sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+                str(_free_port()))
+    _train([*common, "loss.normalization=batch", f"output_dir={tmp_path / 'one'}"], cache)
+    _train([*common, "loss.normalization=batch", f"output_dir={tmp_path / 'two'}"], cache, launcher=launcher)
+    _train([*common, f"output_dir={tmp_path / 'mean'}"], cache)
+    one, two, mean = (json.loads((tmp_path / n / "summary.json").read_text()) for n in ("one", "two", "mean"))
+    assert two["processes"] == 2 and len(one["losses"]) == 3
+    torch.testing.assert_close(torch.tensor(two["losses"]), torch.tensor(one["losses"]), rtol=1e-4, atol=0)
+    a, b = _ckpt(tmp_path / "one"), _ckpt(tmp_path / "two")
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
+    assert max(abs(x - y) for x, y in zip(one["losses"], mean["losses"])) > 1e-4  # the option changes the loss

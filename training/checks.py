@@ -35,6 +35,9 @@ RECIPE_FIELDS = {
     "drafter.proposal_offset": Range(0, 1, note="0: DSpark/Domino, P = L; 1: z-lab DFlash, P = L - 1"),
     "drafter.mask_token_id": Range(0, optional=True, note="null: the tokenizer's unk id, else 0"),
     "drafter.draft_vocab_size": Range(0, note="0: the full vocabulary"),
+    "drafter.conv_kernel_size": Range(0, note="0: DFlash layers; k >= 1: DFlash 2 convolutions, at most block_size"),
+    "drafter.conv_group_size": Range(1, note="must divide the target's hidden size"),
+    "head.top_k": Range(1, note="selector head: candidates of U reranked per position"),
     "head.rank": Range(1, note="DSpark Markov rank R, also Domino's emb_dim when that is null; a drafter "
                                "without a Markov head is head.type=identity with loss.type=dflash"),
     "head.emb_dim": Range(1, optional=True, note="null: head.rank"),
@@ -42,12 +45,17 @@ RECIPE_FIELDS = {
     "head.prefix_len": Range(0),
     "head.confidence_head": Flag(),
     "head.confidence_with_markov": Flag(),
-    "loss.gamma": Range(0, integer=False, lo_open=True, note="decay exp(-k/gamma) over the proposals"),
+    "loss.gamma": Range(0, integer=False, lo_open=True, optional=True,
+                        note="decay exp(-k/gamma) over the proposals; null: no decay, SpecForge's default"),
     "loss.ce_weight": Range(0, integer=False),
     "loss.l1_weight": Range(0, integer=False),
     "loss.conf_weight": Range(0, integer=False),
     "loss.lambda_base_start": Range(0, 1, integer=False),
-    "loss.lambda_decay_ratio": Range(0, integer=False, lo_open=True),
+    "loss.lambda_decay_ratio": Range(0, integer=False, lo_open=True,
+                                     note="domino: lambda reaches 0 after int(ratio x planned steps) steps"),
+    "loss.normalization": Choice(("per_sequence", "batch"),
+                                 note="batch: sum of weighted terms over the step's weight sum, all processes"),
+    "loss.cumulative_mask": Flag(),
     "data.num_prompts": Range(1),
     "data.max_prompt_tokens": Range(1),
     "data.max_new_tokens": Range(1),
@@ -55,6 +63,10 @@ RECIPE_FIELDS = {
     "data.gen_batch_size": Range(1),
     "data.code_fraction": Range(0, 1, integer=False),
     "data.holdout": Range(0),
+    "data.holdout_set": Choice(("tail", "fixed"), note="fixed: held-out conversations independent of num_prompts"),
+    "data.holdout_turns": Range(0, note="0: data.max_turns; turns of each fixed held-out conversation"),
+    "data.max_turns": Range(1, note="1: the first human turn only"),
+    "data.max_seq_tokens": Range(2, note="max_turns > 1: history + max_new_tokens of a regenerated turn"),
     "data.random_prompt_len": Range(1),
     "train.epochs": Range(0, integer=False, note="0 needs train.max_steps > 0"),
     "train.max_steps": Range(0, note="0: train.epochs decide"),
@@ -100,9 +112,17 @@ def recipe_problems(cfg: DictConfig) -> list[str]:
     if tr.epochs == 0 and tr.max_steps == 0:
         out.append("train.epochs=0 and train.max_steps=0: give the run a length (train.epochs > 0 or "
                    "train.max_steps > 0)")
-    if da.holdout >= da.num_prompts:
+    if da.holdout_set == "tail" and da.holdout >= da.num_prompts:
         out.append(f"data.holdout={da.holdout} must be < data.num_prompts={da.num_prompts} (at least one training "
                    "prompt)")
+    if da.holdout_set == "fixed" and da.holdout == 0:
+        out.append("data.holdout_set=fixed with data.holdout=0 holds nothing out: give data.holdout >= 1")
+    if da.holdout_set == "tail" and da.holdout_turns:
+        out.append(f"data.holdout_turns={da.holdout_turns} applies to the fixed held-out set only: set "
+                   "data.holdout_set=fixed, or data.holdout_turns=0")
+    if da.max_turns > 1 and da.max_seq_tokens <= da.max_new_tokens:
+        out.append(f"data.max_seq_tokens={da.max_seq_tokens} leaves no room for a later turn's history: must be > "
+                   f"data.max_new_tokens={da.max_new_tokens}")
     return out
 
 

@@ -11,6 +11,15 @@ Pipeline (each stage cached under ``cache_root()/data/<hash>`` and reused when i
 3. features: one target forward per sequence storing the captured layer outputs [T, nL*D] and the final
    (normed) hidden state [T, D] in bf16, from which training recomputes the target distribution p_t.
 
+Multi-turn data (``data.max_turns`` > 1, :func:`build_dialogue_data`): up to that many human turns of each ShareGPT
+conversation; the target regenerates every assistant turn in order, with its own earlier answers as the history
+(round t regenerates turn t of every conversation still going, so a killed run resumes inside a round). Each row
+then carries ``loss_mask``: 1 on the tokens the target generated, 0 on the chat template and the user turns; the
+loss and the anchors use it (:func:`sample_anchors`, :func:`dartree.training.losses.label_mask`), as SpecForge
+trains on assistant tokens only. A fixed held-out set (``data.holdout_set=fixed``): the conversations first in
+SHA-256 order of their first human turn (:func:`holdout_rank`), regenerated once into their own cache folder and
+never trained on, so held-out curves compare across ``data.num_prompts`` and ``data.seed``.
+
 Dimension letters as in :mod:`dartree.models.target`.
 """
 
@@ -22,11 +31,13 @@ import os
 import random
 import re
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -144,6 +155,212 @@ def chat_prompts(tokenizer, num: int, seed: int, max_prompt_tokens: int, code_fr
     return out
 
 
+# An assistant message's stand-in while a conversation is rendered through the chat template: the text around
+# it is the template's own (turn ends, user turns, generation prompts), cut at it into per-turn segments.
+ASSISTANT_SLOT = "\u2063dartree-assistant-turn\u2063"
+# Seed of the fixed held-out dialogues of the "random" source (tiny test recipes); never a data.seed default.
+HOLDOUT_SEED = 0x5EED_401D
+
+
+def sharegpt_dialogues(max_turns: int, *, min_chars: int = 8, max_chars: int = 2000) -> list[list[str]]:
+    """The human turns of every usable ShareGPT conversation, in file order, for multi-turn regeneration.
+
+    A conversation is usable when it opens with a human turn of ``min_chars``..``max_chars`` characters that no
+    earlier conversation opened with (the first-turn rule of :func:`sharegpt_prompts`). Its later human turns
+    follow while the speakers alternate human / other (the recorded answers are dropped: the target writes its
+    own) and each is ``min_chars``..``max_chars`` long; at most ``max_turns`` are kept. In the packaged file
+    about 11.1k conversations open with a human turn, 7.5k of them with two or more.
+
+    Returns:
+        One list of 1..max_turns user texts per conversation.
+    Raises:
+        ValueError: max_turns < 1. RuntimeError: the package is missing (:func:`iter_sharegpt_conversations`).
+    """
+    if max_turns < 1:
+        raise ValueError(f"data.max_turns must be >= 1 (got {max_turns})")
+    seen, out = set(), []
+    for conv in iter_sharegpt_conversations():
+        turns = conv.get("conversations") or []
+        if not turns or turns[0].get("from") != "human":
+            continue
+        first = (turns[0].get("value") or "").strip()
+        if not (min_chars <= len(first) <= max_chars) or first in seen:
+            continue
+        seen.add(first)
+        texts = [first]
+        for k in range(1, len(turns)):
+            human = turns[k].get("from") == "human"
+            if human != (k % 2 == 0) or len(texts) == max_turns:
+                break
+            if human:
+                text = (turns[k].get("value") or "").strip()
+                if not min_chars <= len(text) <= max_chars:
+                    break
+                texts.append(text)
+        out.append(texts)
+    return out
+
+
+def holdout_rank(text: str) -> str:
+    """Sort key of the fixed held-out set: the SHA-256 hex digest of a conversation's first human turn (UTF-8).
+
+    The held-out conversations are the first ``data.holdout`` usable ones in ascending order of this key, so
+    the set depends on the text alone: not on ``data.seed``, ``data.num_prompts``, ``data.code_fraction`` or the
+    file order, and a larger ``data.holdout`` keeps the smaller set as its prefix.
+    """
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def dialogue_segments(tokenizer, turns: Sequence[str], max_prompt_tokens: int) -> list[list[int]] | None:
+    """Token ids of the template text around the assistant turns of one conversation.
+
+    The conversation (user turns, an :data:`ASSISTANT_SLOT` in place of every assistant answer but the last,
+    the generation prompt at the end) is rendered once through the chat template and cut at the slots:
+    segment 0 is the first prompt (system prompt, first user turn, generation prompt; equal to
+    :func:`chat_prompt_ids` of that turn); segment k >= 1 runs from the end of answer k to the start of answer
+    k + 1 (the turn end, user turn k + 1, the generation prompt). Each is tokenized on its own, which is how the
+    target sees them (:func:`dialogue_tokens`).
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template that copies message content verbatim.
+        turns: the user texts, in order.
+        max_prompt_tokens: segment 0 longer than this makes the conversation unusable (None); a later segment
+            longer than this ends the conversation before its turn.
+    Returns:
+        [segment 0, segment 1, ...] (one per kept turn), or None.
+    Raises:
+        ValueError: the template does not reproduce the slot once per earlier assistant turn.
+    """
+    msgs = []
+    for k, text in enumerate(turns):
+        if k:
+            msgs.append({"role": "assistant", "content": ASSISTANT_SLOT})
+        msgs.append({"role": "user", "content": text})
+    rendered = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    parts = rendered.split(ASSISTANT_SLOT)
+    if len(parts) != len(turns):
+        raise ValueError(f"the chat template rendered {len(parts) - 1} of {len(turns) - 1} assistant turns verbatim; "
+                         "multi-turn regeneration needs a template that copies message content (use data.max_turns=1)")
+    segs = []
+    for part in parts:
+        ids = tokenizer(part, add_special_tokens=False)["input_ids"]
+        if len(ids) > max_prompt_tokens:
+            break
+        segs.append(list(ids))
+    return segs or None
+
+
+def fixed_holdout(pool: Sequence[Sequence[str]], n: int, segment) -> tuple[list[list[list[int]]], list[int]]:
+    """Split the fixed held-out set off a pool of conversations.
+
+    Args:
+        pool: conversations as lists of user texts (:func:`sharegpt_dialogues`).
+        n: held-out conversations wanted (``data.holdout``).
+        segment: turns -> segments or None (:func:`dialogue_segments` bound to a tokenizer); None skips one.
+    Returns:
+        (segments of the first ``n`` usable conversations in :func:`holdout_rank` order of their first turn,
+        the indices of the other conversations of the pool, ascending).
+    Raises:
+        ValueError: fewer than ``n`` usable conversations.
+    """
+    hold, taken = [], set()
+    for i in sorted(range(len(pool)), key=lambda i: holdout_rank(pool[i][0])):
+        if len(hold) == n:
+            break
+        segs = segment(pool[i])
+        if segs is not None:
+            hold.append(segs)
+            taken.add(i)
+    if len(hold) < n:
+        raise ValueError(f"data.holdout={n}: only {len(hold)} usable conversations")
+    return hold, [i for i in range(len(pool)) if i not in taken]
+
+
+def dialogue_tokens(segments: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
+                    stop_id: int) -> tuple[list[int], list[int]]:
+    """One conversation as the target sees it: segment 0, answer 1, segment 1, answer 2, ...
+
+    Args:
+        segments: per-turn template segments (:func:`dialogue_segments`, or random ids for tiny recipes).
+        responses: the target's answers, ``len(segments) - 1`` of them (the result is the prompt of the next
+            turn, ending with its generation prompt) or ``len(segments)`` (a finished conversation).
+        stop_id: the end-of-turn token. An answer that ends with it already closes its turn, so a following
+            segment's leading ``stop_id`` (the template's own turn end) is dropped; an answer cut at
+            ``max_new_tokens`` keeps it (the template closes that turn).
+    Returns:
+        (token ids, loss mask): the mask is 1 on answer tokens (written by the target), 0 on segment tokens.
+    Raises:
+        ValueError: ``len(responses)`` is neither ``len(segments)`` nor one less.
+    """
+    if len(responses) not in (len(segments), len(segments) - 1):
+        raise ValueError(f"dialogue_tokens: {len(responses)} answers for {len(segments)} segments")
+    ids, mask = list(segments[0]), [0] * len(segments[0])
+    for k, resp in enumerate(responses):
+        ids += resp
+        mask += [1] * len(resp)
+        if k + 1 < len(segments):
+            seg = list(segments[k + 1])
+            if resp and resp[-1] == stop_id and seg and seg[0] == stop_id:
+                seg = seg[1:]
+            ids += seg
+            mask += [0] * len(seg)
+    return ids, mask
+
+
+def pick_dialogues(pool: Sequence[Sequence[str]], num: int, seed: int, code_fraction: float,
+                   segment) -> list[list[list[int]]]:
+    """Draw ``num`` conversations from ``pool``, deterministically, and return their segments.
+
+    The pool is shuffled by ``seed`` and walked in that order; ``segment(turns)`` (:func:`dialogue_segments`
+    bound to a tokenizer) gives a conversation's segments or None (first prompt too long: skipped). With
+    ``code_fraction`` > 0, ``round(num * code_fraction)`` of them open with a programming prompt
+    (:func:`looks_like_code`) and the rest do not, shuffled together by ``seed + 1`` (as :func:`sharegpt_prompts`).
+
+    Raises:
+        ValueError: ``code_fraction`` outside [0, 1], or fewer than ``num`` usable conversations (of either kind).
+    """
+    if not 0.0 <= code_fraction <= 1.0:
+        raise ValueError(f"data.code_fraction must be in [0, 1] (got {code_fraction})")
+    order = list(range(len(pool)))
+    random.Random(seed).shuffle(order)
+    n_code = round(num * code_fraction) if code_fraction > 0 else 0
+    want = {True: n_code, False: num - n_code}
+    got: dict[bool, list] = {True: [], False: []}
+    for i in order:
+        kind = bool(code_fraction > 0 and looks_like_code(pool[i][0]))
+        if len(got[kind]) >= want[kind]:
+            continue
+        segs = segment(pool[i])
+        if segs is None:
+            continue
+        got[kind].append(segs)
+        if len(got[True]) + len(got[False]) == num:
+            break
+    if len(got[True]) < want[True] or len(got[False]) < want[False]:
+        raise ValueError(f"asked for {want[True]} code and {want[False]} other ShareGPT conversations but only "
+                         f"{len(got[True])} and {len(got[False])} are usable; lower data.num_prompts or "
+                         "data.code_fraction")
+    out = got[True] + got[False]
+    if code_fraction > 0:
+        random.Random(seed + 1).shuffle(out)
+    return out
+
+
+def random_dialogues(num: int, max_turns: int, length: int, vocab_size: int, seed: int, stop_id: int,
+                     low: int = 2) -> list[list[list[int]]]:
+    """Random-token conversations for tiny test recipes: conversation c has ``1 + c % max_turns`` turns; segment
+    0 is ``length`` random ids, a later segment is ``stop_id`` (the turn end) plus ``length`` random ids, all
+    random ids in [low, vocab_size)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for c in range(num):
+        segs = [torch.randint(low, vocab_size, (length,), generator=g).tolist()]
+        for _ in range(c % max_turns):
+            segs.append([stop_id] + torch.randint(low, vocab_size, (length,), generator=g).tolist())
+        out.append(segs)
+    return out
+
+
 def _hash(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
 
@@ -159,6 +376,9 @@ class DataSpec:
         seed: prompt shuffle seed.
         batch_size: generation slots (rows decoded together; a finished row takes the next prompt).
         code_fraction: about this share of the prompts are programming prompts (:func:`sharegpt_prompts`).
+        max_turns: human turns per conversation (1: the first turn only; > 1: :func:`regenerate_dialogues`).
+        max_seq_tokens: with max_turns > 1, a later turn is regenerated only while its prompt (the history) plus
+            ``max_new_tokens`` fits in this many tokens; the conversation ends at the first turn that does not.
     """
 
     num_prompts: int = 1024
@@ -167,12 +387,63 @@ class DataSpec:
     seed: int = 0
     batch_size: int = 32
     code_fraction: float = 0.0
+    max_turns: int = 1
+    max_seq_tokens: int = 2048
 
 
 def random_prompts(num: int, length: int, vocab_size: int, seed: int, low: int = 2) -> list[list[int]]:
     """Random token prompts (ids in [low, vocab_size)) for tiny test recipes without a tokenizer."""
     g = torch.Generator().manual_seed(seed)
     return torch.randint(low, vocab_size, (num, length), generator=g).tolist()
+
+
+class _PartialLog:
+    """Rows appended to a ``*.partial.jsonl`` file as they finish: buffered, written and fsynced every ~5 s and
+    at :meth:`flush`, so a kill loses at most ~5 s of work. :meth:`read` returns the complete rows of an earlier
+    run and cuts a torn last line (a kill mid-write) off the file before anything is appended."""
+
+    def __init__(self, path: Path, every_s: float = 5.0):
+        self.path, self.every_s = path, every_s
+        self.pending: list[str] = []
+        self.last = time.time()
+
+    def read(self) -> list[dict]:
+        """The complete rows already in the file (none when it does not exist); the file is cut after them."""
+        rows: list[dict] = []
+        if not self.path.exists():
+            return rows
+        good = 0  # byte length of the complete lines
+        with open(self.path, "rb") as fh:
+            for line in fh:
+                if not line.endswith(b"\n"):
+                    break
+                try:
+                    row = json.loads(line)
+                except (json.JSONDecodeError, UnicodeDecodeError):
+                    break
+                if not isinstance(row, dict) or "index" not in row:
+                    break
+                rows.append(row)
+                good += len(line)
+        with open(self.path, "r+b") as fh:
+            fh.truncate(good)
+        return rows
+
+    def add(self, row: dict) -> None:
+        """Queue one row; written when ~5 s have passed since the last write."""
+        self.pending.append(json.dumps(row))
+        if time.time() - self.last > self.every_s:
+            self.flush()
+
+    def flush(self) -> None:
+        """Append the queued rows and fsync."""
+        if self.pending:
+            with open(self.path, "a") as fh:
+                fh.write("\n".join(self.pending) + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            self.pending.clear()
+        self.last = time.time()
 
 
 def regenerate_responses(
@@ -191,12 +462,17 @@ def regenerate_responses(
     matches.
 
     Raises:
-        ValueError: a target without a tokenizer and no ``stop_id``; ``spec.max_new_tokens < 1``.
+        ValueError: a target without a tokenizer and no ``stop_id``; ``spec.max_new_tokens < 1``;
+            ``spec.max_turns > 1`` (multi-turn data is :func:`build_dialogue_data`'s).
     """
     if spec.max_new_tokens < 1:
         raise ValueError(f"data.max_new_tokens must be >= 1 (got {spec.max_new_tokens})")
+    if spec.max_turns != 1:
+        raise ValueError(f"regenerate_responses makes single-turn data; data.max_turns={spec.max_turns} needs "
+                         "build_dialogue_data")
     key = {"target": target.name, "vocab": target.vocab_size, "dtype": str(target.dtype), **spec.__dict__}
-    key.pop("batch_size")
+    for name in ("batch_size", "max_turns", "max_seq_tokens"):  # multi-turn fields: not part of single-turn data
+        key.pop(name)
     if not key["code_fraction"]:
         key.pop("code_fraction")  # data sets made before the option keep their hash
     if prompts is not None:
@@ -216,43 +492,18 @@ def regenerate_responses(
         prompts = chat_prompts(tok, spec.num_prompts, spec.seed, spec.max_prompt_tokens, spec.code_fraction)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     partial = folder / "responses.partial.jsonl"
-    done = set()
-    if partial.exists():
-        good = 0  # byte length of the complete lines; a torn tail from a kill is cut off before appending
-        with open(partial, "rb") as fh:
-            for line in fh:
-                try:
-                    done.add(json.loads(line)["index"])
-                except (json.JSONDecodeError, KeyError, UnicodeDecodeError):
-                    break
-                if not line.endswith(b"\n"):
-                    done.discard(json.loads(line)["index"])
-                    break
-                good += len(line)
-        with open(partial, "r+b") as fh:
-            fh.truncate(good)
+    log = _PartialLog(partial)
+    done = {row["index"] for row in log.read()}
     todo = [i for i in order if i not in done]
-    t0, n_tok, pending_lines, last_flush = time.time(), 0, [], time.time()
-
-    def flush() -> None:
-        if pending_lines:
-            with open(partial, "a") as fh:
-                fh.write("\n".join(pending_lines) + "\n")
-                fh.flush()
-                os.fsync(fh.fileno())
-            pending_lines.clear()
-
+    t0, n_tok = time.time(), 0
     bar = tqdm(total=len(todo), desc="regenerating responses", unit="resp")
     for i, resp in continuous_greedy(target.model, prompts, max_new_tokens=spec.max_new_tokens, stop_id=stop_id,
                                      slots=spec.batch_size, order=todo):
         n_tok += len(resp)
-        pending_lines.append(json.dumps({"index": i, "prompt_ids": list(prompts[i]), "response_ids": resp}))
-        if time.time() - last_flush > 5:  # a kill loses at most ~5 s of responses
-            flush()
-            last_flush = time.time()
+        log.add({"index": i, "prompt_ids": list(prompts[i]), "response_ids": resp})
         bar.update(1)
         bar.set_postfix(tok_s=f"{n_tok / (time.time() - t0):.0f}")
-    flush()
+    log.flush()
     bar.close()
     tmp = folder / "responses.jsonl.tmp"
     with open(partial) as src, open(tmp, "w") as dst:
@@ -264,11 +515,223 @@ def regenerate_responses(
     return final
 
 
+def regenerate_dialogues(target: Target, spec: DataSpec, dialogues: Sequence[Sequence[Sequence[int]]],
+                         folder: Path, *, stop_id: int, key: dict | None = None) -> Path:
+    """Regenerate every assistant turn of ``dialogues`` with the target's greedy answers; returns the path of
+    ``folder/responses.jsonl``.
+
+    Round t regenerates turn t of every conversation that has one and whose turns 0..t-1 were regenerated: the
+    prompt is :func:`dialogue_tokens` of its first t + 1 segments and the target's own t answers; a turn t >= 1
+    whose prompt plus ``spec.max_new_tokens`` exceeds ``spec.max_seq_tokens`` ends the conversation. Each round
+    runs :func:`~dartree.training.regen.continuous_greedy` (``spec.batch_size`` slots, shortest prompt first);
+    answers are appended to ``responses.partial.jsonl`` as ``{"index", "turn", "response_ids"}`` rows as they
+    finish, so a killed run resumes inside the round it stopped in. The final file holds one row per
+    conversation, in index order: ``{"index", "prompt_ids" (segment 0), "response_ids" (everything after it),
+    "loss_mask" (1 on answer tokens, one entry per response id), "turns"}``; it appears by atomic rename and is
+    reused when present.
+
+    Args:
+        target: the generating target (its dtype is the regeneration dtype).
+        spec: generation settings (``max_new_tokens``, ``max_seq_tokens``, ``batch_size``).
+        dialogues: per conversation, its template segments (:func:`dialogue_segments` / :func:`random_dialogues`).
+        folder: the cache folder (named by the caller's hash of everything that defines the data).
+        stop_id: the end-of-turn token. key: written to ``folder/spec.json`` for reference.
+    Raises:
+        ValueError: ``spec.max_new_tokens < 1`` or an empty segment 0.
+    """
+    if spec.max_new_tokens < 1:
+        raise ValueError(f"data.max_new_tokens must be >= 1 (got {spec.max_new_tokens})")
+    if any(not d or not d[0] for d in dialogues):
+        raise ValueError("regenerate_dialogues: every conversation needs a non-empty first segment")
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / "responses.jsonl"
+    if final.exists():
+        return final
+    if key is not None:
+        (folder / "spec.json").write_text(json.dumps(key, indent=1))
+    partial = folder / "responses.partial.jsonl"
+    log = _PartialLog(partial)
+    done = {(int(r["index"]), int(r["turn"])): list(r["response_ids"]) for r in log.read()}
+    n_turns = max((len(d) for d in dialogues), default=0)
+    for t in range(n_turns):
+        prompts = {}
+        for c, segs in enumerate(dialogues):
+            if t >= len(segs) or any((c, u) not in done for u in range(t)):
+                continue
+            ids, _ = dialogue_tokens(segs[: t + 1], [done[(c, u)] for u in range(t)], stop_id)
+            if t > 0 and len(ids) + spec.max_new_tokens > spec.max_seq_tokens:
+                continue
+            prompts[c] = ids
+        todo = sorted((c for c in prompts if (c, t) not in done), key=lambda c: (len(prompts[c]), c))
+        if not todo:
+            continue
+        batch = [prompts[c] for c in todo]
+        t0, n_tok = time.time(), 0
+        bar = tqdm(total=len(todo), desc=f"regenerating turn {t + 1}/{n_turns}", unit="resp")
+        for j, resp in continuous_greedy(target.model, batch, max_new_tokens=spec.max_new_tokens, stop_id=stop_id,
+                                         slots=spec.batch_size, order=list(range(len(batch)))):
+            done[(todo[j], t)] = resp
+            log.add({"index": todo[j], "turn": t, "response_ids": resp})
+            n_tok += len(resp)
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{n_tok / (time.time() - t0):.0f}")
+        log.flush()
+        bar.close()
+    tmp = folder / "responses.jsonl.tmp"
+    with open(tmp, "w") as dst:
+        for c, segs in enumerate(dialogues):
+            answers = []
+            while (c, len(answers)) in done and len(answers) < len(segs):
+                answers.append(done[(c, len(answers))])
+            if not answers:
+                continue
+            ids, mask = dialogue_tokens(segs[: len(answers)], answers, stop_id)
+            p = len(segs[0])
+            dst.write(json.dumps({"index": c, "prompt_ids": ids[:p], "response_ids": ids[p:], "loss_mask": mask[p:],
+                                  "turns": len(answers)}) + "\n")
+    os.replace(tmp, final)
+    partial.unlink(missing_ok=True)
+    return final
+
+
+def build_dialogue_data(target: Target, spec: DataSpec, *, source: str = "sharegpt", holdout: int = 0,
+                        holdout_set: str = "tail", holdout_turns: int = 0, random_prompt_len: int = 12,
+                        stop_id: int | None = None) -> Path:
+    """The data stage for multi-turn data (``spec.max_turns`` > 1) or a fixed held-out set; returns the path of
+    the ``responses.jsonl`` that :class:`BlockData` reads (training rows first, held-out rows last).
+
+    Conversations (``source``): ``"sharegpt"``: :func:`sharegpt_dialogues` rendered by the target's chat
+    template (:func:`dialogue_segments`); ``"random"``: :func:`random_dialogues` with ``random_prompt_len``.
+    Held-out set (``holdout_set``): ``"tail"``: ``spec.num_prompts`` conversations drawn by ``spec.seed``
+    (:func:`pick_dialogues`), the last ``holdout`` of which the trainer holds out (today's rule); ``"fixed"``:
+    the ``holdout`` usable conversations first in :func:`holdout_rank` order (random source: drawn with
+    :data:`HOLDOUT_SEED`), with up to ``holdout_turns`` turns (0: ``spec.max_turns``; pin it to compare data
+    sets of different ``max_turns`` on one held-out set), are regenerated into their own folder
+    ``data/holdout-<hash>``, shared by every data set with the same target and generation settings, and
+    ``spec.num_prompts`` training conversations are drawn from the rest; the two are joined in ``data/dataset-<hash>``. Training conversations are regenerated in
+    ``data/dialogues-<hash>``. Every hash covers the target, its dtype, the generation settings and the token
+    ids of the chosen conversations, so any change of these options makes a new folder; all stages resume
+    (:func:`regenerate_dialogues`).
+
+    Raises:
+        ValueError: an unknown source or holdout_set, a ShareGPT source with a target without a tokenizer, no
+            ``stop_id`` and no tokenizer, too few usable conversations.
+    """
+    if source not in ("sharegpt", "random") or holdout_set not in ("tail", "fixed"):
+        raise ValueError(f"build_dialogue_data: source {source!r} / holdout_set {holdout_set!r} unknown")
+    tok = target.tokenizer
+    if stop_id is None:
+        if tok is None:
+            raise ValueError("build_dialogue_data: a target without a tokenizer needs stop_id")
+        stop_id = int(tok.eos_token_id)
+    base = {"target": target.name, "vocab": target.vocab_size, "dtype": str(target.dtype), "source": source,
+            "max_new_tokens": spec.max_new_tokens, "max_turns": spec.max_turns,
+            "max_seq_tokens": spec.max_seq_tokens, "stop_id": stop_id, "v": 1}
+    hold: list = []
+    hold_turns = holdout_turns or spec.max_turns
+    if source == "sharegpt":
+        if tok is None:
+            raise ValueError("data.source=sharegpt needs a target with a tokenizer (its chat template)")
+        base["max_prompt_tokens"] = spec.max_prompt_tokens
+        pool = sharegpt_dialogues(max(spec.max_turns, hold_turns))
+
+        def segment(turns):
+            return dialogue_segments(tok, turns, spec.max_prompt_tokens)
+
+        if holdout_set == "fixed":
+            hold, keep = fixed_holdout([d[:hold_turns] for d in pool], holdout, segment)
+            pool = [pool[i] for i in keep]
+        pool = [d[: spec.max_turns] for d in pool]
+        train = pick_dialogues(pool, spec.num_prompts, spec.seed, spec.code_fraction, segment)
+    else:
+        base["random_prompt_len"] = random_prompt_len
+        train = random_dialogues(spec.num_prompts, spec.max_turns, random_prompt_len, target.vocab_size, spec.seed,
+                                 stop_id)
+        if holdout_set == "fixed":
+            hold = random_dialogues(holdout, hold_turns, random_prompt_len, target.vocab_size, HOLDOUT_SEED,
+                                    stop_id)
+    root = cache_root() / "data"
+    train_key = {**base, "part": "train", "num_prompts": spec.num_prompts, "seed": spec.seed,
+                 "code_fraction": spec.code_fraction, "dialogues": _hash(train)}
+    if holdout_set == "tail":
+        return regenerate_dialogues(target, spec, train, root / f"dialogues-{_hash(train_key)}", stop_id=stop_id,
+                                    key=train_key)
+    hold_key = {**base, "part": "holdout", "holdout": holdout, "max_turns": hold_turns, "dialogues": _hash(hold)}
+    hold_path = regenerate_dialogues(target, replace(spec, max_turns=hold_turns), hold,
+                                     root / f"holdout-{_hash(hold_key)}", stop_id=stop_id, key=hold_key)
+    train_path = regenerate_dialogues(target, spec, train, root / f"dialogues-{_hash(train_key)}", stop_id=stop_id,
+                                      key=train_key)
+    folder = root / f"dataset-{_hash([train_key, hold_key])}"
+    final = folder / "responses.jsonl"
+    if final.exists():
+        return final
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "spec.json").write_text(json.dumps({"train": train_key, "holdout": hold_key}, indent=1))
+    tmp = folder / "responses.jsonl.tmp"
+    n = 0
+    with open(tmp, "w") as dst:
+        for part in (train_path, hold_path):  # held-out rows last: BlockData holds out the last `holdout` rows
+            with open(part) as src:
+                for line in src:
+                    if line.strip():
+                        dst.write(json.dumps({**json.loads(line), "index": n}) + "\n")
+                        n += 1
+    os.replace(tmp, final)
+    return final
+
+
 def load_responses(path: Path):
-    """Load ``responses.jsonl`` as a ``datasets.Dataset`` with columns index, prompt_ids, response_ids."""
+    """Load ``responses.jsonl`` as a ``datasets.Dataset`` with columns index, prompt_ids, response_ids (and, for
+    :func:`regenerate_dialogues` data, loss_mask and turns)."""
     import datasets
 
     return datasets.Dataset.from_json(str(path), keep_in_memory=True)
+
+
+FEATURE_SAVE_EVERY_S = 30.0  # compute_features: flush and record progress this often (a kill loses at most this)
+_ST_DTYPES = {torch.bfloat16: ("BF16", np.uint16), torch.int64: ("I64", np.int64), torch.float32: ("F32", np.float32)}
+
+
+def _safetensors_memmap(path: Path, specs: dict, metadata: dict, *, create: bool) -> dict:
+    """Writable memory-mapped tensors inside a safetensors file, so a file larger than memory is filled in place.
+
+    Args:
+        path: the file. specs: name -> (torch dtype in bf16 / int64 / fp32, shape), laid out in this order.
+        metadata: the header's ``__metadata__`` (str -> str).
+        create: True writes the header and sizes the file (zero-filled); False maps an existing file that was
+            created with the same specs (a resumed run).
+    Returns:
+        name -> tensor sharing memory with the file (write into it; ``flush`` via the ``"_maps"`` entry's memmaps).
+    Raises:
+        ValueError: ``create=False`` and the file's header differs from ``specs`` (size, names or shapes).
+    """
+    header, off = {}, 0
+    for name, (dtype, shape) in specs.items():
+        n = int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+        header[name] = {"dtype": _ST_DTYPES[dtype][0], "shape": list(shape), "data_offsets": [off, off + n]}
+        off += n
+    header["__metadata__"] = metadata
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    start = 8 + len(raw)
+    if create:
+        with open(path, "wb") as fh:
+            fh.write(len(raw).to_bytes(8, "little"))
+            fh.write(raw)
+            fh.truncate(start + off)
+    else:
+        with open(path, "rb") as fh:
+            have = fh.read(start)
+        if have != len(raw).to_bytes(8, "little") + raw or path.stat().st_size != start + off:
+            raise ValueError(f"{path} does not hold the expected tensors; delete it to start over")
+    out, maps = {}, []
+    for name, (dtype, shape) in specs.items():
+        a, _ = header[name]["data_offsets"]
+        mm = np.memmap(path, dtype=_ST_DTYPES[dtype][1], mode="r+", offset=start + a, shape=tuple(shape))
+        maps.append(mm)
+        out[name] = torch.from_numpy(mm).view(dtype)
+    out["_maps"] = maps
+    return out
 
 
 def compute_features(target: Target, responses: Path, *, max_tokens_per_batch: int = 4096) -> Path:
@@ -277,6 +740,12 @@ def compute_features(target: Target, responses: Path, *, max_tokens_per_batch: i
     The file ``features-<hash>.safetensors`` beside ``responses.jsonl`` holds ``feats`` [T_all, nL*D] bf16,
     ``final`` [T_all, D] bf16 (the final-normed hidden, so p_t = softmax(lm_head(final))) and ``offsets``
     [n+1] int64 into the concatenated token axis. The hash covers the layer ids and the target.
+
+    The file is filled in place through a memory map (:func:`_safetensors_memmap`; a feature file larger than
+    memory is fine: 5.8 KB per token at 5 x 576) in ``features-<hash>.tmp``, with the number of finished batches
+    in ``features-<hash>.progress`` (written every :data:`FEATURE_SAVE_EVERY_S` after a flush), so a killed run
+    resumes at that batch;
+    the final name appears by atomic rename.
     """
     key = {"target": target.name, "layers": target.layer_ids, "responses": str(responses), "v": 1}
     out = responses.parent / f"features-{_hash(key)}.safetensors"
@@ -289,8 +758,6 @@ def compute_features(target: Target, responses: Path, *, max_tokens_per_batch: i
         offsets.append(offsets[-1] + len(s))
     total = offsets[-1]
     nl = len(target.layer_ids)
-    feats = torch.empty((total, nl * target.hidden_size), dtype=torch.bfloat16)
-    final = torch.empty((total, target.hidden_size), dtype=torch.bfloat16)
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     batches, cur = [], []
     for i in order:
@@ -300,10 +767,35 @@ def compute_features(target: Target, responses: Path, *, max_tokens_per_batch: i
         cur.append(i)
     if cur:
         batches.append(cur)
+    tmp, progress = out.with_suffix(".tmp"), out.with_suffix(".progress")
+    specs = {"offsets": (torch.int64, (len(offsets),)), "feats": (torch.bfloat16, (total, nl * target.hidden_size)),
+             "final": (torch.bfloat16, (total, target.hidden_size))}
+    meta = {"layer_ids": json.dumps(target.layer_ids), "target": target.name}
+    done = 0
+    if tmp.exists() and progress.exists():
+        try:
+            mapped = _safetensors_memmap(tmp, specs, meta, create=False)
+            done = int(json.loads(progress.read_text())["batches"])
+        except (ValueError, KeyError, json.JSONDecodeError):
+            done = 0
+    if not done:
+        progress.unlink(missing_ok=True)
+        mapped = _safetensors_memmap(tmp, specs, meta, create=True)
+        mapped["offsets"].copy_(torch.tensor(offsets, dtype=torch.long))
+    feats, final = mapped["feats"], mapped["final"]
+
+    def save_progress(n: int) -> None:
+        for mm in mapped["_maps"]:
+            mm.flush()
+        progress.write_text(json.dumps({"batches": n, "of": len(batches)}))
+
     captured = {}
     hook = target.model.model.norm.register_forward_hook(lambda m, i, o: captured.__setitem__("final", o))
+    last = time.time()
     try:
-        for batch in tqdm(batches, desc="target features", unit="batch"):
+        for b in tqdm(range(done, len(batches)), desc="target features", unit="batch", initial=done,
+                      total=len(batches)):
+            batch = batches[b]
             width = max(len(seqs[i]) for i in batch)
             ids = torch.zeros((len(batch), width), dtype=torch.long)
             mask = torch.zeros((len(batch), width), dtype=torch.long)
@@ -315,42 +807,62 @@ def compute_features(target: Target, responses: Path, *, max_tokens_per_batch: i
                 n = len(seqs[i])
                 feats[offsets[i] : offsets[i] + n] = out_t.features[r, :n].to(torch.bfloat16).cpu()
                 final[offsets[i] : offsets[i] + n] = captured["final"][r, :n].to(torch.bfloat16).cpu()
+            if time.time() - last > FEATURE_SAVE_EVERY_S:
+                save_progress(b + 1)
+                last = time.time()
     finally:
         hook.remove()
-    tmp = out.with_suffix(".tmp")
-    save_file(
-        {"feats": feats, "final": final, "offsets": torch.tensor(offsets, dtype=torch.long)},
-        str(tmp),
-        metadata={"layer_ids": json.dumps(target.layer_ids), "target": target.name},
-    )
+    save_progress(len(batches))
+    del feats, final, mapped
     os.replace(tmp, out)
+    progress.unlink(missing_ok=True)
     return out
 
 
 class BlockData:
     """Sequences with cached target features, and random anchor sampling for DFlash-style block training.
 
+    The features are read from the file per sequence (memory-mapped, ``safetensors.safe_open``), not loaded
+    whole: they take 5.8 KB per token at 5 x 576 bf16 (2.8 GB for 480k tokens), and the page cache is shared by
+    the processes of a data-parallel run.
+
     Args:
         responses: path of ``responses.jsonl``.
         features: path from :func:`compute_features` (must have been computed for the same responses).
         holdout: number of sequences kept out of training (the last ones in index order).
+    Attributes:
+        loss_mask: per sequence, [T] bool: True on the tokens the target generated (every response token of
+            single-turn data; the rows' ``loss_mask`` for multi-turn data), False on the prompt and template.
     Raises:
-        ValueError: the feature file does not match the responses (different token count).
+        ValueError: the feature file does not match the responses (different token count), or a row's
+            ``loss_mask`` does not have one entry per response token.
     """
 
     def __init__(self, responses: Path, features: Path, holdout: int = 0):
         ds = load_responses(responses)
         self.prompt_len = [len(p) for p in ds["prompt_ids"]]
         self.tokens = [torch.tensor(p + r, dtype=torch.long) for p, r in zip(ds["prompt_ids"], ds["response_ids"])]
-        t = load_file(str(features))
+        masks = ds["loss_mask"] if "loss_mask" in ds.column_names else None
+        self.loss_mask: list[torch.Tensor] = []
+        for i, (t, pl) in enumerate(zip(self.tokens, self.prompt_len)):
+            m = torch.zeros(len(t), dtype=torch.bool)
+            if masks is None:
+                m[pl:] = True
+            else:
+                if len(masks[i]) != len(t) - pl:
+                    raise ValueError(f"{responses}: row {i} has {len(masks[i])} loss_mask entries for "
+                                     f"{len(t) - pl} response tokens; delete the folder to rebuild")
+                m[pl:] = torch.tensor(masks[i], dtype=torch.bool)
+            self.loss_mask.append(m)
+        self._features = safe_open(str(features), framework="pt")
         self.features_path = Path(features)
-        self.feats, self.final, self.offsets = t["feats"], t["final"], t["offsets"]
+        self.offsets = self._features.get_tensor("offsets")
         self.lse: torch.Tensor | None = None  # [T_all] target log-sum-exp, set when a draft vocabulary trains
         if int(self.offsets[-1]) != sum(len(x) for x in self.tokens):
             raise ValueError(f"feature file {features} does not match {responses}; delete it to rebuild")
         n = len(self.tokens)
-        # a sequence trains only if it has an anchor: a response position with a label after it
-        usable = [len(t) - 2 >= pl for t, pl in zip(self.tokens, self.prompt_len)]
+        # a sequence trains only if it has an anchor: a supervised position followed by a supervised label
+        usable = [bool((m[:-1] & m[1:]).any()) for m in self.loss_mask]
         self.train_ids = [i for i in range(n - holdout) if usable[i]]
         self.holdout_ids = [i for i in range(n - holdout, n) if usable[i]]
 
@@ -370,23 +882,36 @@ class BlockData:
     def sequence(self, i: int):
         """Return (tokens [T] int64, feats [T, nL*D] bf16, final [T, D] bf16, prompt_len) of sequence i."""
         a, b = int(self.offsets[i]), int(self.offsets[i + 1])
-        return self.tokens[i], self.feats[a:b], self.final[a:b], self.prompt_len[i]
+        feats = self._features.get_slice("feats")[a:b]
+        final = self._features.get_slice("final")[a:b]
+        return self.tokens[i], feats, final, self.prompt_len[i]
+
+    def mask_of(self, i: int) -> torch.Tensor:
+        """Loss mask [T] bool of sequence i (:attr:`loss_mask`)."""
+        return self.loss_mask[i]
 
 
-def sample_anchors(prompt_len: int, seq_len: int, num_anchors: int, generator: torch.Generator) -> torch.Tensor:
-    """Draw sorted anchor positions uniformly without replacement from the response region.
+def sample_anchors(prompt_len: int, seq_len: int, num_anchors: int, generator: torch.Generator,
+                   loss_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Draw sorted anchor positions uniformly without replacement from the supervised region.
 
-    An anchor p is valid when it is a response position with a label after it: ``prompt_len <= p <= T - 2``
-    (at inference the first anchor is the first generated token, whose context is the prompt). SpecForge
-    ``OnlineDFlashModel`` anchor sampling, ANCHORS.md section 2.
+    Without ``loss_mask`` an anchor p is valid when it is a response position with a label after it:
+    ``prompt_len <= p <= T - 2`` (at inference the first anchor is the first generated token, whose context is
+    the prompt). With ``loss_mask`` ([T] bool, True on tokens the target generated) p is valid when p and p + 1
+    are supervised (SpecForge ``OnlineDFlashModel._sample_anchor_positions``, ANCHORS.md section 2); for a mask
+    that is True exactly from ``prompt_len`` on, both rules give the same candidates and the same draw.
 
     Returns:
         [A] int64, A = min(num_anchors, number of valid positions) (may be 0).
     """
-    lo, hi = prompt_len, seq_len - 2
-    if hi < lo:
+    if loss_mask is None:
+        lo, hi = prompt_len, seq_len - 2
+        cand = torch.arange(lo, hi + 1) if hi >= lo else torch.zeros(0, dtype=torch.long)
+    else:
+        m = loss_mask[:seq_len].to(torch.bool)
+        cand = (m[:-1] & m[1:]).nonzero()[:, 0]
+    if cand.numel() == 0:
         return torch.zeros(0, dtype=torch.long)
-    cand = torch.arange(lo, hi + 1)
     k = min(num_anchors, cand.numel())
     pick = torch.randperm(cand.numel(), generator=generator)[:k]
     return cand[pick].sort().values
@@ -397,7 +922,9 @@ def select_draft_vocab(data: "BlockData", n: int, vocab_size: int, always: Seque
 
     EAGLE-3's reduced draft vocabulary applied to DFlash drafters (DESIGN.md "Draft economics"): the drafter
     scores only these N tokens with the target's own lm_head rows; verification keeps the full vocabulary.
-    Ties go to the lower token id; ids in ``always`` (the stop token) are included in any case.
+    Ties go to the lower token id; ids in ``always`` (the stop token) are included in any case. Response tokens
+    are the supervised ones (``data.loss_mask`` where the data has it: the target's answers, not the user turns
+    of multi-turn data), else every token after the prompt.
 
     Returns:
         (ids [N] int64 ascending, fraction of training response tokens they cover).
@@ -409,7 +936,9 @@ def select_draft_vocab(data: "BlockData", n: int, vocab_size: int, always: Seque
     always = sorted({int(a) for a in always if 0 <= int(a) < vocab_size})
     if len(always) > n:
         raise ValueError(f"draft_vocab_size {n} cannot hold the {len(always)} required ids {always}")
-    resp = [data.tokens[i][data.prompt_len[i]:] for i in data.train_ids]
+    masks = getattr(data, "loss_mask", None)
+    resp = [data.tokens[i][masks[i]] if masks is not None else data.tokens[i][data.prompt_len[i]:]
+            for i in data.train_ids]
     counts = torch.bincount(torch.cat(resp), minlength=vocab_size) if resp else torch.zeros(vocab_size, dtype=torch.long)
     order = torch.sort(-counts, stable=True).indices.tolist()
     chosen = list(always)
@@ -436,7 +965,8 @@ def target_lse(target: Target, features: Path, *, chunk: int = 2048) -> torch.Te
     out = features.with_name("lse-" + features.name)
     if out.exists():
         return load_file(str(out))["lse"]
-    final = load_file(str(features))["final"]
+    with safe_open(str(features), framework="pt") as fh:  # the final states only, not the (larger) layer features
+        final = fh.get_tensor("final")
     w = target.lm_head.weight
     lse = torch.empty(final.shape[0], dtype=torch.float32)
     for a in tqdm(range(0, final.shape[0], chunk), desc="target log-sum-exp", unit="chunk"):

@@ -170,7 +170,8 @@ def _flat(d: dict, prefix: str = "") -> dict:
 
 def check_resumable(out_dir: Path, recipe: dict) -> None:
     """Refuse to resume ``out_dir/resume`` under a recipe that differs from the one that wrote it (other than
-    the keys in :data:`RESUMABLE_CHANGES`, e.g. a longer run).
+    the keys in :data:`RESUMABLE_CHANGES`, e.g. a longer run). A key the saved recipe lacks (a field added to the
+    schema since) counts as equal when the current value is the schema default, which keeps the old behaviour.
 
     Raises:
         ValueError: names the differing keys with both values and the two ways out.
@@ -179,6 +180,14 @@ def check_resumable(out_dir: Path, recipe: dict) -> None:
     if not saved_path.exists():
         return
     saved, now = _flat(json.loads(saved_path.read_text())), _flat(recipe)
+    from omegaconf import OmegaConf
+
+    from dartree.training.recipe import Recipe
+
+    defaults = _flat(OmegaConf.to_container(OmegaConf.structured(Recipe)))
+    for k in set(now) - set(saved):
+        if k in defaults and now[k] == defaults[k]:
+            saved[k] = now[k]
     diff = sorted(k for k in set(saved) | set(now) if k not in RESUMABLE_CHANGES and saved.get(k) != now.get(k))
     if diff:
         shown = ", ".join(f"{k}: saved {saved.get(k)!r} vs now {now.get(k)!r}" for k in diff[:4])

@@ -3,13 +3,19 @@
 ``block_attention_mask`` is ANCHORS.md section 2: a query of block n sees context keys strictly before its
 anchor and every key of its own block; blocks are isolated from one another. The three published losses,
 each over the P proposals of every block with position k weighted by ``exp(-k / gamma)`` (k = 0 for the first
-prediction) and normalised by the weight sum:
+prediction; ``gamma=None``: weight 1, SpecForge's default) and normalised by the weight sum of the sequence
+(``per_sequence``) or, given ``denom``, by a denominator shared by the whole step (``batch``: the caller passes
+the step's weight sum over all processes, :func:`weight_sum`, as SpecForge pools its losses):
 
 - ``dflash``: CE of the base logits (DFlash / SpecForge ``OnlineDFlashModel``);
 - ``domino``: ``(1 - lambda) CE(corrected) + lambda CE(base)`` with the base-anchored linear curriculum for
   lambda (Domino, SpecForge ``OnlineDominoModel``, ANCHORS.md 5a);
 - ``dspark``: ``alpha_ce CE + alpha_tv ||p_d - p_t||_1 + alpha_conf BCE(c, 1 - ||p_d - p_t||_1 / 2)``
   (DSpark paper section 3.3, ANCHORS.md 5b), the BCE only when the head has a confidence head.
+
+Which predictions carry a loss is :func:`label_mask`: the label lies inside the sequence and, with a loss mask
+(assistant tokens only, multi-turn data), is a supervised token; DSpark's cumulative form drops every later label of
+a block after the first masked one.
 """
 
 from __future__ import annotations
@@ -72,11 +78,50 @@ def _ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return ce.view(a, p) * (labels >= 0).float()
 
 
-def decay_weights(valid: torch.Tensor, gamma: float) -> torch.Tensor:
+def decay_weights(valid: torch.Tensor, gamma: float | None) -> torch.Tensor:
     """w[a, k] = exp(-k / gamma) where valid, else 0: valid [A, P] bool -> [A, P] fp32 (k = 0 is the first
-    prediction; DFlash's exp(-(k-1)/gamma) over block positions k >= 1 is the same sequence)."""
+    prediction; DFlash's exp(-(k-1)/gamma) over block positions k >= 1 is the same sequence). ``gamma`` None (or
+    <= 0, as SpecForge reads ``loss_decay_gamma``) gives weight 1 to every valid prediction."""
+    if gamma is None or gamma <= 0:
+        return valid.float()
     p = valid.shape[-1]
     return torch.exp(-torch.arange(p, dtype=torch.float32, device=valid.device) / gamma)[None] * valid.float()
+
+
+def weight_sum(valid: torch.Tensor, gamma: float | None) -> float:
+    """A sequence's share of the batch denominator: the sum of :func:`decay_weights` over its valid predictions
+    (valid [A, P] bool; nats-free, a plain count when ``gamma`` is None). SpecForge's ``loss_weights.sum()``
+    (DSpark) / ``weight_mask.sum()`` (DFlash, Domino)."""
+    return float(decay_weights(valid, gamma).sum())
+
+
+def label_mask(label_pos: torch.Tensor, seq_len: int, loss_mask: torch.Tensor | None = None, *,
+               cumulative: bool = True) -> torch.Tensor:
+    """Which block predictions carry a loss (and count in accuracy and chain acceptance).
+
+    Args:
+        label_pos: [A, P] int64 position of each prediction's label in the sequence (anchor + 1 + j).
+        seq_len: T, the sequence length; labels at T or beyond are invalid.
+        loss_mask: [T] bool, True on supervised tokens (the target's own response tokens); None: all are.
+        cumulative: DSpark's rule (SpecForge ``OnlineDSparkModel._build_dspark_labels_and_mask``: the per-label
+            mask's cumulative product along the block): after the first unsupervised label every later label of
+            the block is dropped too, as a chain draft cannot be accepted past it. False: only the unsupervised
+            labels themselves (SpecForge ``OnlineDFlashModel`` / ``OnlineDominoModel``: ``weight_mask *
+            loss_mask[label]``).
+    Returns:
+        [A, P] bool. Without a loss mask both rules agree (labels past T form a suffix of every block).
+    """
+    valid = label_pos < seq_len
+    if loss_mask is not None:
+        valid = valid & loss_mask.to(torch.bool)[label_pos.clamp(max=seq_len - 1)]
+        if cumulative:
+            valid = torch.cumprod(valid.to(torch.int32), dim=-1).to(torch.bool)
+    return valid
+
+
+def _den(w: torch.Tensor, denom: float | None) -> torch.Tensor | float:
+    """The normaliser of a weighted sum: the weights' own sum (per sequence) or the shared batch ``denom``."""
+    return w.sum().clamp_min(1e-8) if denom is None else denom
 
 
 def _accuracy(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor):
@@ -88,26 +133,36 @@ def _accuracy(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor):
 
 
 def lambda_schedule(step: int, total_steps: int, start: float = 1.0, ratio: float = 1.0) -> float:
-    """Domino's base-anchored curriculum: lambda = clamp(start * (1 - step / (ratio * total)), 0, 1)
-    (SpecForge ``OnlineDominoModel``; ANCHORS.md 5a). Raises ValueError for ratio <= 0 or total < 1."""
+    """Domino's base-anchored curriculum, SpecForge ``linear_lambda_base`` (ANCHORS.md 5a, section 9):
+    lambda = clamp(start * (1 - min(step / max(1, int(total * ratio)), 1)), 0, 1), ``step`` counting optimiser
+    steps from 0. The int() rounds the decay horizon down (total 7, ratio 0.5: 0 at step 3); for an integer
+    ``ratio * total`` (ratio 1.0) it is step / (ratio * total) exactly.
+
+    Raises:
+        ValueError: ratio <= 0 or total_steps < 1.
+    """
     if ratio <= 0 or total_steps < 1:
         raise ValueError(f"lambda schedule needs ratio > 0 and total_steps >= 1, got {ratio}, {total_steps}")
-    return float(min(1.0, max(0.0, start * (1.0 - step / (ratio * total_steps)))))
+    progress = min(step / max(1, int(total_steps * ratio)), 1.0)
+    return float(min(1.0, max(0.0, start * (1.0 - progress))))
 
 
 def domino_loss(logits: torch.Tensor, base_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, *,
-                gamma: float, lam: float) -> LossOut:
+                gamma: float | None, lam: float, denom: float | None = None) -> LossOut:
     """Domino loss: (1 - lam) CE(corrected) + lam CE(base), both decay-weighted and normalised by the weight sum.
 
     Args:
         logits: [A, P, V] corrected logits. base_logits: [A, P, V] base logits U. labels [A, P] int64 (< 0: a
         token outside the draft vocabulary, left out of the CE and counted as a miss), valid [A, P] bool.
-        lam: curriculum weight in [0, 1] (:func:`lambda_schedule`).
+        gamma: decay (None: none). lam: curriculum weight in [0, 1] (:func:`lambda_schedule`).
+        denom: None: normalise by this sequence's in-vocabulary weight sum; else divide both weighted CE sums by
+            it (batch normalisation; SpecForge ``OnlineDominoModel``: ``(1 - lambda) final_num / den + lambda
+            base_num / den``).
     Returns:
         LossOut (accuracy from the corrected logits).
     """
     w = decay_weights(valid & (labels >= 0), gamma)
-    wsum = w.sum().clamp_min(1e-8)
+    wsum = _den(w, denom)
     ce = (w * _ce(logits, labels)).sum() / wsum
     base_ce = (w * _ce(base_logits, labels)).sum() / wsum
     acc, cnt, hit = _accuracy(logits, labels, valid)
@@ -121,12 +176,13 @@ def dspark_loss(
     valid: torch.Tensor,
     target_logits: torch.Tensor | None,
     *,
-    gamma: float,
+    gamma: float | None,
     ce_weight: float,
     l1_weight: float,
     conf_logits: torch.Tensor | None = None,
     conf_weight: float = 0.0,
     target_probs: tuple[torch.Tensor, torch.Tensor] | None = None,
+    denom: float | None = None,
 ) -> LossOut:
     """DSpark training loss (DSpark paper section 3.3; DeepSpec ``config/dspark``); with ``ce_weight=1,
     l1_weight=0`` and no confidence it is the DFlash loss.
@@ -139,22 +195,25 @@ def dspark_loss(
         labels: [A, P] int64; < 0 marks a token outside the draft vocabulary (no CE; counted as a miss).
         target_probs: instead of target_logits when the logits cover a draft vocabulary only: (p_t on the same
             columns [A, P, V'], p_t mass outside them [A, P]); the L1 distance adds the outside mass (p_d is 0 there).
-        gamma: decay; position k weighs exp(-k / gamma).
+        gamma: decay; position k weighs exp(-k / gamma) (None: weight 1).
         conf_logits: [A, P] confidence logits c (pre-sigmoid), trained by BCE towards 1 - ||p_d - p_t||_1 / 2
             (detached), weighted like the other terms; needs target_logits.
+        denom: None: each term over this sequence's own weight sum (the CE over in-vocabulary predictions);
+            else every weighted sum over ``denom`` (batch normalisation; SpecForge ``OnlineDSparkModel``:
+            ``(a_ce CE_num + a_l1 L1_num + a_conf BCE_num) / global weight sum``).
     Returns:
         LossOut; ``loss`` = sum_k w_k (ce_weight*CE + l1_weight*L1 + conf_weight*BCE) / sum_k w_k over valid
-        predictions.
+        predictions (or / ``denom``).
     Raises:
         ValueError: conf_logits without target_logits.
     """
     a, p, v = logits.shape
     logp = logits.float().reshape(-1, v).log_softmax(-1)  # one normalisation serves the CE and p_d
     w = decay_weights(valid, gamma)
-    wsum = w.sum().clamp_min(1e-8)
+    wsum = _den(w, denom)
     w_ce = decay_weights(valid & (labels >= 0), gamma)
     nll = -logp.gather(-1, labels.clamp(min=0).reshape(-1, 1)).view(a, p) * (labels >= 0).float()
-    ce_term = (w_ce * nll).sum() / w_ce.sum().clamp_min(1e-8)
+    ce_term = (w_ce * nll).sum() / _den(w_ce, denom)
     l1_term = torch.zeros((), dtype=torch.float32)
     bce_term = torch.zeros((), dtype=torch.float32)
     has_target = target_logits is not None or target_probs is not None
@@ -284,7 +343,7 @@ def fused_block_loss(
     labels: torch.Tensor,
     valid: torch.Tensor,
     *,
-    gamma: float,
+    gamma: float | None,
     factors: tuple[torch.Tensor, torch.Tensor] | None = None,
     target_hidden: torch.Tensor | None = None,
     target_lse: torch.Tensor | None = None,
@@ -294,6 +353,7 @@ def fused_block_loss(
     conf_logits: torch.Tensor | None = None,
     conf_weight: float = 0.0,
     chunk: int | None = None,
+    denom: float | None = None,
 ) -> LossOut:
     """The dflash / dspark / domino losses without materialising the [A, P, V'] logits (Liger-style fused
     linear cross-entropy, extended to DSpark's L1 and Domino's base CE).
@@ -310,7 +370,7 @@ def fused_block_loss(
         hidden: [A, P, D] drafter hidden states (any float dtype; differentiable).
         w_out: [V', D] frozen output rows (the target's lm_head, or the draft vocabulary's rows).
         labels: [A, P] int64 draft-vocabulary indices (< 0: outside it; no CE, a sure miss). valid: [A, P] bool.
-        gamma: decay; prediction k weighs exp(-k / gamma).
+        gamma: decay; prediction k weighs exp(-k / gamma) (None: weight 1).
         factors: (A [A, P, R], W [V', R]) fp32, differentiable; None for no correction.
         target_hidden: [A, P, D] the target's final hidden state before each label (p_t = softmax of its
             logits on these rows), or None (CE only).
@@ -321,6 +381,7 @@ def fused_block_loss(
         conf_logits: [A, P] confidence logits, trained by BCE towards 1 - L1/2 (detached), weight conf_weight.
         chunk: rows per chunk; None: about 2M logits per chunk (256 rows of an 8,192-token draft vocabulary;
             fastest of 16..512 on the 2-core CPU here, where larger matmuls beat cache residency).
+        denom: None: normalise per sequence; else every weighted sum over this shared batch denominator.
     Returns:
         LossOut as :func:`dspark_loss` (``lam`` None) or :func:`domino_loss`.
     Raises:
@@ -342,11 +403,11 @@ def fused_block_loss(
     rows = valid.reshape(-1).nonzero()[:, 0]  # only valid predictions are computed
     zero = torch.zeros(rows.numel(), dtype=torch.float32, device=dev)
     if lam is None:
-        c_ce = (ce_weight * w_ce / w_ce.sum().clamp_min(1e-8)).reshape(-1)[rows]
+        c_ce = (ce_weight * w_ce / _den(w_ce, denom)).reshape(-1)[rows]
         c_base = zero
-        c_l1 = (l1_weight * w / w.sum().clamp_min(1e-8)).reshape(-1)[rows] if target_hidden is not None else zero
+        c_l1 = (l1_weight * w / _den(w, denom)).reshape(-1)[rows] if target_hidden is not None else zero
     else:
-        wn = (w_ce / w_ce.sum().clamp_min(1e-8)).reshape(-1)[rows]
+        wn = (w_ce / _den(w_ce, denom)).reshape(-1)[rows]
         c_ce, c_base, c_l1 = (1 - lam) * wn, lam * wn, zero
     d = hidden.shape[-1]
     h = hidden.reshape(-1, d)[rows]
@@ -367,13 +428,13 @@ def fused_block_loss(
         return out.view(a_n, p)
 
     nll, l1, hit = scatter(nll_r), scatter(l1_r), scatter(hit_r, torch.bool)
-    ce_term = (w_ce * nll).sum() / w_ce.sum().clamp_min(1e-8)
+    ce_term = (w_ce * nll).sum() / _den(w_ce, denom)
     cnt = valid.float().sum(0)
     acc = hit.float().sum(0) / cnt.clamp_min(1)
     if lam is not None:
-        base_ce = (w_ce * scatter(base_r)).sum() / w_ce.sum().clamp_min(1e-8)
+        base_ce = (w_ce * scatter(base_r)).sum() / _den(w_ce, denom)
         return LossOut(loss, ce_term.detach(), torch.zeros(()), acc, cnt, base_ce=base_ce.detach(), hit=hit)
-    wsum = w.sum().clamp_min(1e-8)
+    wsum = _den(w, denom)
     l1_term = (w * l1).sum() / wsum if target_hidden is not None else torch.zeros(())
     bce_term = torch.zeros((), dtype=torch.float32)
     if conf_logits is not None:

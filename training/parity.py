@@ -37,13 +37,14 @@ def inference_metrics(drafter, head, target, data, cfg, *, k: int = 64) -> tuple
     correct proposals, bonus included) through the inference path (``draft_block`` + ``expand_frontier`` over
     the top-k candidates) on ``data.holdout_ids``.
 
-    Anchors are drawn as :func:`~dartree.training.train.evaluate_holdout` draws them, so both see the same blocks.
+    Anchors are drawn as :func:`~dartree.training.train.evaluate_holdout` draws them, so both see the same blocks;
+    a prediction whose label carries no loss (past the end, or not a target-written token of multi-turn data:
+    :func:`~dartree.training.train.block_targets`) is not counted and ends the leading run, as in training.
     """
     from dartree.decode.generate import draft_block
     from dartree.decode.trees import block_candidates, expand_frontier
     from dartree.models.drafter import DraftCache
-    from dartree.training.data import sample_anchors
-    from dartree.training.train import _seed
+    from dartree.training.train import _seed, block_targets
 
     p_len = drafter.cfg.num_proposals
     hits = torch.zeros(p_len)
@@ -52,8 +53,9 @@ def inference_metrics(drafter, head, target, data, cfg, *, k: int = 64) -> tuple
     for i in data.holdout_ids:
         tokens, feats, _, plen = data.sequence(i)
         s = tokens.numel()
-        anchors = sample_anchors(plen, s, cfg.train.num_anchors, torch.Generator().manual_seed(_seed(1234, i)))
-        for a in anchors.tolist():
+        anchors, _, valid = block_targets(tokens, plen, data.mask_of(i), cfg, p_len,
+                                          torch.Generator().manual_seed(_seed(1234, i)))
+        for n, a in enumerate(anchors.tolist()):
             block = draft_block(target, drafter, int(tokens[a]), a, feats[:a].float(), DraftCache(1))
             ids, vals = block_candidates(block, k)
             state = head.init_state(tokens[a : a + 1])
@@ -63,9 +65,12 @@ def inference_metrics(drafter, head, target, data, cfg, *, k: int = 64) -> tuple
                     break
                 _, col, _ = expand_frontier(head, block.hidden[j], state, ids[j], vals[j], torch.zeros(1), 1)
                 label = tokens[a + 1 + j]
-                hit = bool(ids[j, col[0]] == label)
-                hits[j] += float(hit)
-                cnts[j] += 1
+                if bool(valid[n, j]):
+                    hit = bool(ids[j, col[0]] == label)
+                    hits[j] += float(hit)
+                    cnts[j] += 1
+                else:
+                    hit = False
                 leading = leading and hit
                 run += int(leading)
                 state = head.advance(state, label[None], block.hidden[j : j + 1])  # teacher forcing

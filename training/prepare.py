@@ -2,7 +2,8 @@
 
 Runs the data stage of ``training/train.py`` and stops: the target regenerates responses to the recipe's
 prompts (continuous batching, shortest prompt first, progress bar; rows are appended as they finish so an
-interrupted run continues where it stopped), then the target's features are cached. Both are stored under ``$DARTREE_CACHE/data`` (default
+interrupted run continues where it stopped; with ``data.max_turns`` > 1 every assistant turn in order, the
+target's own answers as history), then the target's features are cached. Both are stored under ``$DARTREE_CACHE/data`` (default
 ``~/.cache/dartree/data``) keyed by a hash of (target, prompts, generation settings) and, for features, the
 target layer ids: a changed input rebuilds, an unchanged one is reused, and ``train.py`` finds the cache.
 """
@@ -45,7 +46,8 @@ def prepare(cfg: DictConfig) -> dict:
         "train_sequences": len(data),
         "holdout_sequences": len(data.holdout_ids),
         "train_tokens": data.num_tokens(),
-        "response_tokens": sum(len(data.tokens[i]) - data.prompt_len[i] for i in data.train_ids + data.holdout_ids),
+        # the target's own tokens (multi-turn data: its answers, not the user turns between them)
+        "response_tokens": sum(int(data.loss_mask[i].sum()) for i in data.train_ids + data.holdout_ids),
         "layer_ids": layer_ids,
         "minutes": (time.time() - t0) / 60,
     }

@@ -35,28 +35,36 @@ class DrafterSection:
     proposal_offset: int = 0  # 0: DSpark/Domino convention (P = L)
     mask_token_id: Optional[int] = None  # default: tokenizer unk id, else 0
     draft_vocab_size: int = 0  # 0: full vocabulary; N: the N most frequent response tokens (EAGLE-3 style)
+    conv_kernel_size: int = 0  # 0: DFlash layers; k >= 1: DFlash 2 grouped dynamic causal convolutions of k taps
+    conv_group_size: int = 16  # DFlash 2: channels sharing one dynamic tap
 
 
 @dataclass
 class HeadSection:
-    type: str = "markov"  # identity (DFlash) | gru (Domino) | markov | gated_markov | rnn (DSpark)
+    type: str = "markov"  # identity (DFlash) | gru (Domino) | markov | gated_markov | rnn (DSpark) | selector (DFlash 2)
     rank: int = 64  # DSpark Markov rank R; Domino emb_dim E when emb_dim is unset
     emb_dim: Optional[int] = None  # gru: rank E of the logit residual (default: rank)
     gru_hidden_dim: Optional[int] = None  # gru: GRU state width G (default: 4 x emb_dim)
     prefix_len: int = 1  # gru: Domino pure_draft_prefix_len (leading proposals without correction)
     confidence_head: bool = False  # DSpark heads: train the confidence head (BCE to 1 - TV/2)
     confidence_with_markov: bool = True  # confidence input [h ; W1[x_prev]] (else h only)
+    top_k: int = 16  # selector (DFlash 2): candidates of U reranked per position (selector_top_k)
 
 
 @dataclass
 class LossSection:
     type: str = "dspark"  # dflash (CE) | domino ((1-lambda) CE(final) + lambda CE(base)) | dspark (CE + L1 + BCE)
-    gamma: float = 7.0  # decay exp(-k/gamma) over the proposals (k = 0 first; B=16 default)
+    # | dflash2 (CE(base) + CE(selector-corrected), equal weights)
+    gamma: Optional[float] = 7.0  # decay exp(-k/gamma) over the proposals (k = 0 first; B=16 default); null: none
     ce_weight: float = 0.1  # dspark
     l1_weight: float = 0.9  # dspark: L1 distance to the target distribution
     conf_weight: float = 1.0  # dspark with head.confidence_head: BCE of the confidence head
     lambda_base_start: float = 1.0  # domino: lambda at step 0
-    lambda_decay_ratio: float = 1.0  # domino: lambda reaches 0 after this fraction of the planned steps
+    lambda_decay_ratio: float = 1.0  # domino: lambda reaches 0 after int(ratio * planned steps) steps (SpecForge: 0.5)
+    # per_sequence: each sequence's terms over its own weight sum, then the mean over the step's sequences;
+    # batch: every weighted term of the step over the step's weight sum (all-reduced over processes; SpecForge)
+    normalization: str = "per_sequence"
+    cumulative_mask: bool = True  # a masked label drops every later label of its block (DSpark); false: that label only
 
 
 @dataclass
@@ -69,6 +77,12 @@ class DataSection:
     gen_batch_size: int = 128  # regeneration slots (continuous batching; 128: 630 tok/s, 64: 573 on 256 prompts)
     code_fraction: float = 0.0  # about this share of the ShareGPT prompts are programming prompts
     holdout: int = 32
+    # tail: the last `holdout` of the drawn prompts (depends on num_prompts and seed); fixed: the `holdout`
+    # conversations first in SHA-256 order of their first turn, regenerated once, never trained on
+    holdout_set: str = "tail"
+    holdout_turns: int = 0  # fixed held-out set: turns per held-out conversation (0: max_turns; pin it across max_turns)
+    max_turns: int = 1  # human turns per conversation; each assistant turn regenerated with the target's own history
+    max_seq_tokens: int = 2048  # max_turns > 1: a turn is regenerated only if history + max_new_tokens fit in this
     random_prompt_len: int = 12  # "random" source only
 
 
@@ -184,7 +198,8 @@ def load_recipe(args: list[str]) -> DictConfig:
 
     if schema.head.type not in HEADS:
         raise RecipeError(f"head.type {schema.head.type!r} is unknown; available: {sorted(HEADS)}")
-    allowed = {"dflash": {"identity"}, "domino": {"gru"}, "dspark": {"markov", "gated_markov", "rnn"}}
+    allowed = {"dflash": {"identity"}, "domino": {"gru"}, "dspark": {"markov", "gated_markov", "rnn"},
+               "dflash2": {"selector"}}
     if schema.loss.type not in allowed:
         raise RecipeError(f"loss.type {schema.loss.type!r} is unknown; use one of {sorted(allowed)}")
     if schema.head.type not in allowed[schema.loss.type]:

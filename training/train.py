@@ -32,6 +32,7 @@ from dartree.models.target import Target, load_target
 from dartree.training.data import (
     BlockData,
     DataSpec,
+    build_dialogue_data,
     compute_features,
     random_prompts,
     regenerate_responses,
@@ -43,12 +44,17 @@ from dartree.training.losses import (
     domino_loss,
     dspark_loss,
     fused_block_loss,
+    label_mask,
     lambda_schedule,
     teacher_forced_tau,
+    weight_sum,
 )
 from dartree.training.recipe import RecipeError, load_recipe
 
 TRAIN_FORMAT = "dartree-train"
+# loss.type dflash2: weight of the base (unary) CE beside the selector-corrected CE, (1 - w) CE(U + A W^T) + w CE(U);
+# 0.5 weights them equally, as speculators' DFlash 2 trainer does (selector_loss_alpha 1.0 beside the unary loss).
+DFLASH2_BASE_WEIGHT = 0.5
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -100,6 +106,8 @@ def build_models(cfg: DictConfig, target: Target):
         rms_norm_eps=float(tcfg.rms_norm_eps),
         rope_theta=float(_rope_theta(tcfg)),
         draft_vocab_size=int(d.draft_vocab_size),
+        conv_kernel_size=int(d.conv_kernel_size),
+        conv_group_size=int(d.conv_group_size),
     )
     try:
         drafter = DFlashDrafter(dcfg)
@@ -124,6 +132,8 @@ def _head_params(h: DictConfig, target: Target) -> dict:
             params["hidden_size"] = target.hidden_size
         if h.get("confidence_head", False):
             params.update(confidence_head=True, confidence_with_markov=bool(h.get("confidence_with_markov", True)))
+    elif h.type == "selector":
+        params.update(rank=h.rank, hidden_size=target.hidden_size, top_k=int(h.get("top_k", 16)))
     elif h.type == "gru":
         emb = int(h.get("emb_dim", None) or h.rank)
         params.update(hidden_size=target.hidden_size, emb_dim=emb,
@@ -138,18 +148,40 @@ def _rope_theta(tcfg) -> float:
 
 
 def prepare_data(cfg: DictConfig, target: Target) -> BlockData:
-    """Regenerate responses (cached) and cache features for ``target``'s layer ids; return BlockData."""
+    """Regenerate responses (cached) and cache features for ``target``'s layer ids; return BlockData.
+
+    Single-turn data with the tail held-out set (``data.max_turns=1``, ``data.holdout_set=tail``, the shipped
+    recipes) is :func:`~dartree.training.data.regenerate_responses` (unchanged cache folders); multi-turn data or
+    a fixed held-out set is :func:`~dartree.training.data.build_dialogue_data`.
+
+    Raises:
+        RecipeError: an unknown ``data.source``, or a data problem (too few usable prompts), named.
+    """
+    d = cfg.data
     spec = DataSpec(
-        num_prompts=cfg.data.num_prompts,
-        max_prompt_tokens=cfg.data.max_prompt_tokens,
-        max_new_tokens=cfg.data.max_new_tokens,
-        seed=cfg.data.seed,
-        batch_size=cfg.data.gen_batch_size,
-        code_fraction=cfg.data.code_fraction,
+        num_prompts=d.num_prompts,
+        max_prompt_tokens=d.max_prompt_tokens,
+        max_new_tokens=d.max_new_tokens,
+        seed=d.seed,
+        batch_size=d.gen_batch_size,
+        code_fraction=d.code_fraction,
+        max_turns=int(d.get("max_turns", 1)),
+        max_seq_tokens=int(d.get("max_seq_tokens", 2048)),
     )
+    holdout_set = d.get("holdout_set", "tail")
+    if d.source not in ("sharegpt", "random"):
+        raise RecipeError(f"data.source {d.source!r} is not 'sharegpt' or 'random'")
     gen_dtype = _dtype(cfg.target.gen_dtype)
     gen_target = target if gen_dtype == target.dtype else load_recipe_target(cfg.target.path, gen_dtype)
-    if cfg.data.source == "sharegpt":
+    if spec.max_turns > 1 or holdout_set != "tail":
+        stop = None if d.source == "sharegpt" else int(target.config.eos_token_id)
+        try:
+            responses = build_dialogue_data(gen_target, spec, source=d.source, holdout=d.holdout,
+                                            holdout_set=holdout_set, holdout_turns=int(d.get("holdout_turns", 0)),
+                                            random_prompt_len=d.random_prompt_len, stop_id=stop)
+        except ValueError as exc:
+            raise RecipeError(f"data: {exc}") from None
+    elif cfg.data.source == "sharegpt":
         responses = regenerate_responses(gen_target, spec)
     elif cfg.data.source == "random":
         prompts = random_prompts(spec.num_prompts, cfg.data.random_prompt_len, target.vocab_size, spec.seed)
@@ -159,7 +191,7 @@ def prepare_data(cfg: DictConfig, target: Target) -> BlockData:
         raise RecipeError(f"data.source {cfg.data.source!r} is not 'sharegpt' or 'random'")
     del gen_target
     feats = compute_features(target, responses)
-    return BlockData(responses, feats, holdout=cfg.data.holdout)
+    return BlockData(responses, feats, holdout=d.holdout)
 
 
 def _seed(*parts: int) -> int:
@@ -173,8 +205,8 @@ def _seed(*parts: int) -> int:
 class TrainModule(torch.nn.Module):
     """The trainable drafter backbone and correction head as one module (what the DeepSpeed engine wraps).
 
-    ``forward(target, data, i, cfg, gen, lam)`` is :func:`sequence_loss` for training sequence i, returned as a
-    tuple of tensors (loss, ce, l1, bce, acc_per_pos, count_per_pos), or None: ZeRO-3's backward hooks find
+    ``forward(target, data, i, cfg, gen, lam, denom)`` is :func:`sequence_loss` for training sequence i, returned
+    as a tuple of tensors (loss, ce, l1, bce, acc_per_pos, count_per_pos), or None: ZeRO-3's backward hooks find
     their tensors only in plain containers.
     """
 
@@ -182,8 +214,9 @@ class TrainModule(torch.nn.Module):
         super().__init__()
         self.drafter, self.head = drafter, head
 
-    def forward(self, target: Target, data: BlockData, i: int, cfg: DictConfig, gen: torch.Generator, lam: float = 0.0):
-        out = sequence_loss(self.drafter, self.head, target, data, i, cfg, gen, lam)
+    def forward(self, target: Target, data: BlockData, i: int, cfg: DictConfig, gen: torch.Generator, lam: float = 0.0,
+                denom: float | None = None):
+        out = sequence_loss(self.drafter, self.head, target, data, i, cfg, gen, lam, denom)
         if out is None:
             return None
         return out.loss, out.ce, out.l1, out.bce, out.acc_per_pos, out.count_per_pos
@@ -220,20 +253,56 @@ def _output_rows(target: Target, vocab: torch.Tensor | None,
     return hit[0], hit[1]
 
 
+def block_targets(tokens: torch.Tensor, prompt_len: int, loss_mask: torch.Tensor | None, cfg: DictConfig,
+                  num_proposals: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Anchors and label positions of one training sequence, and which predictions carry a loss.
+
+    Args:
+        tokens: [T] int64. prompt_len: tokens before the first response token. loss_mask: [T] bool (True on the
+            target's own tokens) or None (everything after the prompt). num_proposals: P. gen: the sequence's
+            anchor RNG (seeded per (seed, step, sequence): the same draw wherever it is made).
+    Returns:
+        (anchors [A] int64, label positions [A, P] int64 = anchor + 1 + j, valid [A, P] bool): in range and,
+        with a loss mask, supervised (``loss.cumulative_mask``: DSpark's in-block cumulative rule,
+        :func:`~dartree.training.losses.label_mask`).
+    """
+    s = tokens.numel()
+    anchors = sample_anchors(prompt_len, s, cfg.train.num_anchors, gen, loss_mask=loss_mask)
+    lp = anchors[:, None] + 1 + torch.arange(num_proposals)
+    valid = label_mask(lp, s, loss_mask, cumulative=bool(cfg.loss.get("cumulative_mask", True)))
+    return anchors, lp, valid
+
+
+def sequence_weight(data: BlockData, i: int, cfg: DictConfig, num_proposals: int, gen: torch.Generator) -> float:
+    """Sequence i's share of the batch denominator (``loss.normalization=batch``): the decay weights summed over
+    its valid predictions at the anchors ``gen`` draws (:func:`block_targets`,
+    :func:`~dartree.training.losses.weight_sum`); no forward pass. Give it a generator seeded as the one
+    :func:`sequence_loss` gets for the same sequence and step."""
+    _, _, valid = block_targets(data.tokens[i], data.prompt_len[i], data.mask_of(i), cfg, num_proposals, gen)
+    return weight_sum(valid, cfg.loss.gamma)
+
+
 def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: DictConfig, gen: torch.Generator,
-                  lam: float = 0.0):
+                  lam: float = 0.0, denom: float | None = None):
     """Forward one training sequence with random anchors under the recipe's loss; returns LossOut or None
     when it has no anchor.
 
     Block n = [t[a_n], MASK x (L-1)] at positions a_n + arange(L); proposal j (at block position
     proposal_offset + j) predicts t[a_n + 1 + j]; the head's previous token for proposal j is t[a_n + j].
-    ``lam`` is Domino's curriculum weight on the base CE (loss.type domino).
+    Predictions whose label is past the end or (with the data's loss mask) not a target-written token carry no
+    loss (:func:`block_targets`). ``denom``: None normalises the loss by this sequence's weight sum; else by this
+    shared batch denominator (``loss.normalization=batch``: the step's weight sum over all processes divided by
+    ``train.seqs_per_step``, so that after DeepSpeed's averaging the step's gradient is that of
+    sum(weighted terms) / sum(weights), SpecForge's pooled loss).
+    ``lam`` is Domino's curriculum weight on the base CE (loss.type domino); loss.type dflash2 uses the fixed
+    :data:`DFLASH2_BASE_WEIGHT`.
     """
     tokens, feats, final, plen = data.sequence(i)
     s = tokens.numel()
     dc = drafter.cfg
     L, off, P = dc.block_size, dc.proposal_offset, dc.num_proposals
-    anchors = sample_anchors(plen, s, cfg.train.num_anchors, gen)
+    mask = data.mask_of(i) if hasattr(data, "mask_of") else None
+    anchors, lp, valid = block_targets(tokens, plen, mask, cfg, P, gen)
     a = anchors.numel()
     if a == 0:
         return None
@@ -249,8 +318,6 @@ def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: D
     # [V or N, D] frozen rows (bf16 once, not per call, for the fused loss); token id -> draft index (-1 outside)
     w_out, inv = _output_rows(target, vocab, torch.bfloat16 if fused and bf16 else None)
     feats = feats[None] if bf16 and feats.dtype == torch.bfloat16 else feats[None].float()
-    lp = anchors[:, None] + 1 + torch.arange(P)  # label positions
-    valid = lp < s
     lpc = lp.clamp(max=s - 1)
     labels = tokens[lpc]
     prev = tokens[(lp - 1).clamp(max=s - 1)]
@@ -268,23 +335,26 @@ def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: D
             conf = head.confidence_logits(hidden.float().reshape(-1, d), states.reshape(a * P, -1)).view(a, P)
     t_hidden = final[(lp - 1).clamp(max=s - 1)] if with_target else None
     t_lse = data.lse_of(i)[(lp - 1).clamp(max=s - 1)] if with_target and vocab is not None else None
+    if lc.type == "dflash2":  # base (unary) and selector-corrected CE weighted equally (speculators' alpha = 1)
+        lam = DFLASH2_BASE_WEIGHT
     if fused:
-        if lc.type == "domino":
-            return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, factors=factors, lam=lam)
+        if lc.type in ("domino", "dflash2"):
+            return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, factors=factors, lam=lam,
+                                    denom=denom)
         if lc.type == "dflash":
-            return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma)
+            return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, denom=denom)
         return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, factors=factors,
                                 target_hidden=t_hidden, target_lse=t_lse, ce_weight=lc.ce_weight,
                                 l1_weight=lc.l1_weight, conf_logits=conf,
-                                conf_weight=lc.conf_weight if conf is not None else 0.0)
+                                conf_weight=lc.conf_weight if conf is not None else 0.0, denom=denom)
     # the reference path: materialised [A, P, V'] logits through autograd (train.fused_loss=false)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
         base = F.linear(hidden, w_out)  # [A, P, V] (or [A, P, N] on a draft vocabulary)
         if lc.type == "dflash":
-            return dspark_loss(base, labels, valid, None, gamma=lc.gamma, ce_weight=1.0, l1_weight=0.0)
+            return dspark_loss(base, labels, valid, None, gamma=lc.gamma, ce_weight=1.0, l1_weight=0.0, denom=denom)
         logits = base.float() if factors is None else base.float() + F.linear(factors[0], factors[1])
-        if lc.type == "domino":
-            return domino_loss(logits, base, labels, valid, gamma=lc.gamma, lam=lam)
+        if lc.type in ("domino", "dflash2"):
+            return domino_loss(logits, base, labels, valid, gamma=lc.gamma, lam=lam, denom=denom)
         t_logits = t_probs = None
         if with_target:
             with torch.no_grad():
@@ -296,7 +366,7 @@ def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: D
                     t_probs = (p_sub, (1 - p_sub.sum(-1)).clamp(min=0))
     return dspark_loss(logits, labels, valid, t_logits, gamma=lc.gamma, ce_weight=lc.ce_weight,
                        l1_weight=lc.l1_weight, conf_logits=conf, conf_weight=lc.conf_weight if conf is not None else 0.0,
-                       target_probs=t_probs)
+                       target_probs=t_probs, denom=denom)
 
 
 def save_training_checkpoint(folder: Path, drafter, head, target: Target, cfg: DictConfig, state: dict,
@@ -352,7 +422,9 @@ def evaluate_holdout(drafter, head, target, data: BlockData, cfg: DictConfig) ->
 def load_init(path: str, target: Target, cfg: DictConfig):
     """Drafter and head to fine-tune from ``init_from=PATH`` (a dartree checkpoint, e.g. a converted published
     drafter, or a ``training/train.py`` checkpoint). The backbone architecture comes from the checkpoint; a
-    checkpoint whose head is ``identity`` (a plain DFlash drafter) gets a fresh head of the recipe's type.
+    checkpoint whose head is ``identity`` (a plain DFlash drafter) gets a fresh head of the recipe's type, and a
+    recipe with ``drafter.conv_kernel_size`` > 0 turns a DFlash backbone into a DFlash 2 one whose convolutions
+    start as the identity (the same function as the checkpoint's).
 
     Raises:
         RecipeError: the folder is not a drafter checkpoint, does not fit the target, or holds a different head
@@ -369,11 +441,18 @@ def load_init(path: str, target: Target, cfg: DictConfig):
             raise CheckpointError(f"{cfg_path}: format {fmt!r} is not a dartree or training checkpoint; convert it "
                                   "first: python convert/to_dartree.py SRC --out DST, then init_from=DST")
         check_target_pairing(config, target)
+        dsec = config.get("drafter", {})
+        add_conv = int(cfg.drafter.conv_kernel_size) > 0 and not dsec.get("conv_kernel_size")
+        if add_conv:  # DFlash -> DFlash 2: the convolutions start as the identity, so the function is unchanged
+            config = {**config, "drafter": {**dsec, "conv_kernel_size": int(cfg.drafter.conv_kernel_size),
+                                            "conv_group_size": int(cfg.drafter.conv_group_size)}}
         drafter, head = build_from_config(config, cfg_path)
         from safetensors.torch import load_file
 
         tensors = load_file(str(folder / "model.safetensors"))
         prefix = "backbone." if fmt == "dartree" else "drafter."
+        if add_conv:
+            tensors = {**{prefix + k: v for k, v in drafter.state_dict().items() if "_conv." in k}, **tensors}
         load_strict(drafter, tensors, prefix, folder)
         if head.type_name == cfg.head.type:
             load_strict(head, tensors, "head.", folder)
@@ -564,6 +643,7 @@ def run(cfg: DictConfig) -> dict:
     last_save = time.time()
     bar = tqdm(total=total, initial=step, desc=f"train {cfg.recipe}", unit="step", disable=not main_rank)
     stopped_early = False
+    batch_norm = cfg.loss.get("normalization", "per_sequence") == "batch"
     while step < total:
         lam = 0.0
         if cfg.loss.type == "domino":
@@ -572,9 +652,18 @@ def run(cfg: DictConfig) -> dict:
         seen.update(batch)
         seen_tokens += data.num_tokens(batch)
         mine = batch[rank::world]
+        denom = None
+        if batch_norm:  # SpecForge's pooled loss: this rank's weight sum, all-reduced over the processes
+            wsum = torch.tensor([sum(sequence_weight(data, i, cfg, drafter.cfg.num_proposals,
+                                                     torch.Generator().manual_seed(_seed(cfg.seed, step, i)))
+                                     for i in mine)], dtype=torch.float64)
+            dist.all_reduce(wsum)
+            # DeepSpeed divides each micro-step's loss by the micro-steps per rank and averages the ranks'
+            # gradients: a per-sequence normaliser of (step weight sum) / seqs_per_step leaves sum / sum
+            denom = max(float(wsum), 1e-8) / sps
         sums = torch.zeros(5)  # loss, ce, l1, bce, predictions
         for i in mine:
-            out = engine(target, data, i, cfg, torch.Generator().manual_seed(_seed(cfg.seed, step, i)), lam)
+            out = engine(target, data, i, cfg, torch.Generator().manual_seed(_seed(cfg.seed, step, i)), lam, denom)
             if out is None:  # pragma: no cover - BlockData keeps only sequences with anchors
                 out_loss = sum(p.sum() for p in params) * 0.0
                 engine.backward(out_loss)
