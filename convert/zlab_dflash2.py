@@ -113,20 +113,10 @@ def take_tensors(given: dict, want: dict, rename, where) -> dict:
     Raises:
         CheckpointError: a missing or mis-shaped tensor (its published name and both shapes), or an unexpected one.
     """
-    left = dict(given)
-    out = {}
-    for name, shape in want.items():
-        pub = rename(name)
-        if pub not in left:
-            raise CheckpointError(f"{where}: missing tensor {pub!r} (expected shape {list(shape)})")
-        t = left.pop(pub)
-        if tuple(t.shape) != tuple(shape):
-            raise CheckpointError(f"{where}: tensor {pub!r} has shape {list(t.shape)}, expected {list(shape)}")
-        out[name] = t
-    if left:
-        extra = sorted(left)
-        raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all)")
-    return out
+    from dartree.convert.to_dartree import _check_tensors  # the converters' one strict check (lazy: no import cycle)
+
+    _check_tensors(given, want, where, rename)
+    return {name: given[rename(name)] for name in want}
 
 
 def detect(config: dict, names: set[str]) -> str | None:

@@ -545,11 +545,22 @@ def _spec_outputs(m, hf, seq, p):
     return h, logits, fin, conf
 
 
+def _export_back_to_speculators(tmp_path, target):
+    """Export ``tmp_path/dt`` to speculators and check it holds exactly the tensors speculators saved in
+    ``tmp_path/spec`` (same keys, equal values); returns (export folder, its config.json dict)."""
+    from safetensors.torch import load_file
+
+    back = export(tmp_path / "dt", tmp_path / "back", to="speculators", target=target)
+    orig, got = load_file(str(tmp_path / "spec/model.safetensors")), load_file(str(back / "model.safetensors"))
+    assert sorted(got) == sorted(orig)  # exactly the keys speculators itself saves
+    assert all(torch.equal(got[k].float(), orig[k].float()) for k in orig)
+    return back, json.loads((back / "config.json").read_text())
+
+
 @pytest.mark.parametrize("kind,extra,n_draft", _SPEC, ids=[f"{k}-{'-'.join(f'{a}={b}' for a, b in e.items())}-vocab{n or V}"
                                                            for k, e, n in _SPEC])
 @torch.no_grad()
 def test_speculators_saved_its_way_converts_and_exports_back(tmp_path, hf_target, target, kind, extra, n_draft):
-    from safetensors.torch import load_file
     from speculators import SpeculatorModel, SpeculatorModelConfig
 
     hf, verifier = hf_target
@@ -577,11 +588,7 @@ def test_speculators_saved_its_way_converts_and_exports_back(tmp_path, hf_target
             worst["confidence"] = max(worst.get("confidence", 0.0), _close(conf, conf_ref[off:], "confidence"))
     _note("speculators", variant, **worst)
 
-    back = export(tmp_path / "dt", tmp_path / "back", to="speculators", target=target)
-    orig, got = load_file(str(tmp_path / "spec/model.safetensors")), load_file(str(back / "model.safetensors"))
-    assert sorted(got) == sorted(orig)  # exactly the keys speculators itself saves
-    assert all(torch.equal(got[k].float(), orig[k].float()) for k in orig)
-    cfg = json.loads((back / "config.json").read_text())
+    back, cfg = _export_back_to_speculators(tmp_path, target)
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == (B if off == 0 else B - 1)
     assert cfg["aux_hidden_state_layer_ids"] == [i + 1 for i in IDS] and cfg["mask_token_id"] == MASK
     assert cfg["speculators_config"]["verifier"]["name_or_path"] == str(verifier)
@@ -660,11 +667,7 @@ def test_speculators_dflash2_converts_and_exports_back(tmp_path, hf_target, targ
         worst["corrected"] = max(worst["corrected"], _close(corr.gather(-1, cand), s_ref, "corrected (block_logits)"))
     _note("speculators", variant, **worst)
 
-    back = export(tmp_path / "dt", tmp_path / "back", to="speculators", target=target)
-    orig, got = load_file(str(tmp_path / "spec/model.safetensors")), load_file(str(back / "model.safetensors"))
-    assert sorted(got) == sorted(orig)  # exactly the keys speculators itself saves
-    assert all(torch.equal(got[k].float(), orig[k].float()) for k in orig)
-    cfg = json.loads((back / "config.json").read_text())
+    back, cfg = _export_back_to_speculators(tmp_path, target)
     assert cfg["speculators_model_type"] == "dflash2" and cfg["sample_from_anchor"] == sfa
     assert {k: cfg[k] for k in D2} == D2
     assert cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] == (B if off == 0 else B - 1)
