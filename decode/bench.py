@@ -35,6 +35,7 @@ from dartree.decode.generate import STAGES, autoregressive_generate, speculative
 from dartree.decode.prompts import DATASETS, load_prompts
 from dartree.decode.trees import BUILDERS, Tree
 from dartree.decode.verify import compile_tree
+from dartree.models.packed import LINEAR_BACKENDS, choose_linear, pack_linears
 from dartree.models.target import DEFAULT_TARGET, compact_cache
 
 REPO = Path(__file__).resolve().parents[1]
@@ -51,6 +52,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="budgets B for tree builders (chain runs once, with its full length)")
     ap.add_argument("--auto", action="store_true", help="also run every method with budget auto (cost model)")
     ap.add_argument("--dtype", nargs="+", default=["float32"], choices=sorted(_DTYPES))
+    ap.add_argument("--linear", nargs="+", default=["auto"], choices=list(LINEAR_BACKENDS),
+                    help="linear-layer matmul paths to measure (dartree.models.packed); several give a before/after "
+                         "table per dtype, e.g. --linear aten onednn")
     ap.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "dspark_b16"))
     ap.add_argument("--target", default=DEFAULT_TARGET)
     ap.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
@@ -159,7 +163,16 @@ def main(argv=None) -> int:
     console = Console(width=140)
     result = {"environment": {"torch": torch.__version__, "threads": torch.get_num_threads(),
                               "checkpoint": args.checkpoint, "max_new_tokens": args.max_new_tokens}, "dtypes": {}}
+    combos: dict = {}  # (dtype, backend) -> reason; auto and the backend it picks run once
     for dname in args.dtype:
+        for lin in args.linear:
+            try:
+                backend, why = choose_linear(lin, _DTYPES[dname])
+            except ValueError as exc:
+                print(f"error: {exc}", file=sys.stderr)
+                return 2
+            combos.setdefault((dname, backend), why)
+    for (dname, linear), linear_reason in combos.items():
         dtype = _DTYPES[dname]
         target = load_target(args.target, dtype=dtype)
         try:
@@ -168,6 +181,10 @@ def main(argv=None) -> int:
             print(f"error: {exc}", file=sys.stderr)
             return 2
         target.set_layer_ids(dm.drafter.cfg.target_layer_ids)
+        for module in (target.model, dm.drafter, dm.head):
+            pack_linears(module, linear)
+        console.print(f"{dname}, linear layers {linear}: {linear_reason}")
+        label = dname if len({b for d, b in combos if d == dname}) == 1 else f"{dname}/{linear}"
         tok = target.tokenizer
         stop = [tok.eos_token_id]
         prompts = [chat_prompt_ids(tok, p.text) for d in args.datasets for p in load_prompts(d, args.limit, 0)]
@@ -178,9 +195,9 @@ def main(argv=None) -> int:
         # context for the verify curve: a prompt followed by its AR continuation, cut to --context tokens
         ctx = (prompts[0] + ar[0].tokens + prompts[-1] * 8)[: args.context]
         curve = verify_curve(target, ctx, reps=args.reps)
-        entry = {"t_ar_ms": 1000 * t_ar, "verify_ms": {t: 1000 * s for t, s in curve.items()},
+        entry = {"linear": linear, "linear_reason": linear_reason, "t_ar_ms": 1000 * t_ar, "verify_ms": {t: 1000 * s for t, s in curve.items()},
                  "verify_ar": {t: s / t_ar for t, s in curve.items()}, "methods": {}}
-        table = Table(title=f"{dname}: verify cost t_verify(M) (context {len(ctx)}); AR step {1000 * t_ar:.1f} ms")
+        table = Table(title=f"{label}: verify cost t_verify(M) (context {len(ctx)}); AR step {1000 * t_ar:.1f} ms")
         table.add_column("M+1 tokens", justify="right")
         table.add_column("ms", justify="right")
         table.add_column("x AR step", justify="right")
@@ -195,7 +212,7 @@ def main(argv=None) -> int:
                 runs += [(m, b) for b in args.budget]
                 if args.auto:
                     runs.append((m, "auto"))
-        mt = Table(title=f"{dname}: ms per round by stage (x AR step), tau, speedup, break-even tau")
+        mt = Table(title=f"{label}: ms per round by stage (x AR step), tau, speedup, break-even tau")
         for col in ["method", "B", "tau", "draft", "tree_build", "tree_compile", "verify", "commit", "round",
                     "break-even tau", "speedup", "nodes"]:
             mt.add_column(col, justify="right")
@@ -235,7 +252,7 @@ def main(argv=None) -> int:
             text = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
             console.print(f"profile of {m}@{b} (64 tokens):\n{text}")
             entry["profile_top"] = text
-        result["dtypes"][dname] = entry
+        result["dtypes"][label] = entry
     _atomic_write(Path(args.out), json.dumps(result, indent=1))
     console.print(f"wrote {args.out}")
     return 0

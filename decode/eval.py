@@ -33,6 +33,7 @@ from dartree.decode.prompts import DATASETS, Prompt, load_prompts
 from dartree.decode.report import annotate_trees, write_figures
 from dartree.decode.trees import BUILDERS
 from dartree.models.checkpoint import CheckpointError, load_dartree
+from dartree.models.packed import LINEAR_BACKENDS, choose_linear, pack_linears
 from dartree.models.target import DEFAULT_TARGET, load_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -121,6 +122,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="target and drafter dtype; auto: bfloat16 where the hardware has native bf16 matrix "
                          "arithmetic (CUDA, or a CPU with oneDNN bf16), else float32 (the exact mode); the run prints "
                          "which and why")
+    ap.add_argument("--linear", default="auto", choices=list(LINEAR_BACKENDS),
+                    help="matmul path of the target's and drafter's linear layers: onednn (weights prepacked once, "
+                         "the fast small-M path on CPU), aten (plain F.linear), auto (onednn where it can run); "
+                         "every row of the run, AR and peers included, uses the same one")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     ap.add_argument("--out", default="reports/latest", help="folder for report.json and report.md")
     ap.add_argument("--no-plots", action="store_true",
@@ -306,6 +311,14 @@ def _eval_main(argv=None) -> int:
         return 2
     if dm is not None:
         target.set_layer_ids(dm.drafter.cfg.target_layer_ids)
+    try:
+        linear, linear_reason = choose_linear(args.linear, dtype, target.device)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    for module in (target.model, *((dm.drafter, dm.head) if dm is not None else ())):
+        pack_linears(module, linear)
+    console.print(f"linear layers: {linear}; {linear_reason}")
     tok = target.tokenizer
     if tok is None:
         print("error: the target has no tokenizer; eval needs chat-templated prompts", file=sys.stderr)
@@ -360,6 +373,7 @@ def _eval_main(argv=None) -> int:
             if why is not None:
                 peers_skipped[name] = why
                 continue
+            pack_linears(zlab, linear)  # z-lab's drafter gets the same matmul path as ours
         peers.append(name)
     for name, why in peers_skipped.items():
         console.print(f"[bold yellow]peer {name} skipped: {why}[/bold yellow]")
@@ -382,7 +396,8 @@ def _eval_main(argv=None) -> int:
             "methods": {},
             "datasets": {},
             "environment": {
-                "device": str(target.device), "dtype": args.dtype, "dtype_reason": dtype_reason, "attn_implementation": target.config._attn_implementation,
+                "device": str(target.device), "dtype": args.dtype, "dtype_reason": dtype_reason,
+                "linear": linear, "linear_reason": linear_reason, "attn_implementation": target.config._attn_implementation,
                 "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                 "python": platform.python_version(), "platform": platform.platform(), "threads": torch.get_num_threads(),
                 "target": target.name, "checkpoint": str(args.checkpoint) if methods else None,
@@ -411,7 +426,7 @@ def _eval_main(argv=None) -> int:
         report["trees"] = trees  # every verify tree of the first prompt, per method, for drawing
 
         md = ["# dartree eval report", "",
-              f"target `{target.name}` ({args.dtype}, {report['environment']['device']}), checkpoint `{args.checkpoint}`, "
+              f"target `{target.name}` ({args.dtype}, {linear} linears, {report['environment']['device']}), checkpoint `{args.checkpoint}`, "
               f"T={args.temperature}, max_new_tokens={args.max_new_tokens}, budget B={budget}, "
               f"K={args.candidates}, W={args.width}, beta={args.beta}, children={args.children}, {done} of {len(prompts)} prompts", ""]
         for scope, data in [("all", report["methods"])] + [(d, report["datasets"][d]) for d in args.datasets]:

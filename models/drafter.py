@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dartree.models.packed import is_packed, pack_weight, packed_linear
+
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """DFlash default target layer ids: ``[n//2]`` for one draft layer, else ``round(1 + i*(n-4)/(k-1))``.
@@ -387,14 +389,22 @@ class DFlashDrafter(nn.Module):
             (logits [..., N] fp32, vocab [N] int64 ascending token ids), or (logits [..., V] fp32, None).
         """
         w = lm_head.weight
+        packed = is_packed(lm_head) and not (torch.is_grad_enabled() and (w.requires_grad or hidden.requires_grad))
         if not self.cfg.draft_vocab_size:
+            if packed and hidden.device == w.device:
+                return packed_linear(hidden.to(w.dtype), lm_head._packed_weight()).float(), None
             return F.linear(hidden.to(w.dtype), w).float(), None
         key = (w.data_ptr(), w._version, w.dtype, w.device, self.draft_vocab.data_ptr(), self.draft_vocab._version)
         cached = getattr(self, "_draft_rows", None)
         if cached is None or cached[0] != key:
             vocab = torch.sort(self.draft_vocab).values
-            cached = (key, vocab, w.index_select(0, vocab.to(w.device)).contiguous())
+            cached = (key, vocab, w.index_select(0, vocab.to(w.device)).contiguous(), None)
             self._draft_rows = cached
+        if packed and hidden.device == w.device:  # the N-row slice prepacked like the lm_head it came from
+            if cached[3] is None:
+                cached = cached[:3] + (pack_weight(cached[2]),)
+                self._draft_rows = cached
+            return packed_linear(hidden.to(w.dtype), cached[3]).float(), cached[1]
         return F.linear(hidden.to(w.dtype), cached[2]).float(), cached[1]
 
     def base_logits(self, hidden: torch.Tensor, lm_head: nn.Linear) -> torch.Tensor:

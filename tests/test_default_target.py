@@ -37,3 +37,27 @@ def test_shipped_drafter_is_lossless_on_default_target(real):
             rounds += out.stats.rounds
     # a trained drafter must beat an untrained one (tau exactly 1.0) clearly
     assert committed / rounds > 1.1
+
+
+def test_prepacked_linears_are_lossless_on_default_target(real):
+    """`--linear onednn` (eval's auto on this CPU): every output still equals AR's, AR itself unchanged."""
+    from dartree.models.packed import onednn_linear_supported, pack_linears
+
+    if not onednn_linear_supported()[0]:
+        pytest.skip("this torch build has no oneDNN")
+    target, dm = real
+    stop = [target.tokenizer.eos_token_id]
+    prompts = [chat_prompt_ids(target.tokenizer, p.text) for p in load_prompts("mtbench", 1) + load_prompts("gsm8k", 1)]
+    want = [autoregressive_generate(target, ids, max_new_tokens=40, stop_ids=stop).tokens for ids in prompts]
+    modules = (target.model, dm.drafter, dm.head)
+    try:
+        assert sum(pack_linears(m) for m in modules) > 200
+        for ids, w in zip(prompts, want):
+            assert autoregressive_generate(target, ids, max_new_tokens=40, stop_ids=stop).tokens == w
+            for builder, budget in (("chain", None), ("pruned", 8)):
+                out = speculative_generate(target, dm.drafter, dm.head, ids, builder=builder, budget=budget,
+                                           max_new_tokens=40, stop_ids=stop)
+                assert out.tokens == w, builder
+    finally:
+        for m in modules:
+            pack_linears(m, "aten")

@@ -1,0 +1,161 @@
+"""Prepacked oneDNN linear layers for CPU decoding (the small-M matmuls of verify and draft forwards).
+
+On this project's AVX2 CPU, ``F.linear`` (MKL sgemm) re-reads and re-packs every weight on each call, so a
+verify forward of M tokens costs far more than one of a single token although both read the same weights
+(PERFORMANCE.md). oneDNN's linear with the weight reordered once into its blocked layout
+(``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the path ``torch.compile`` takes on CPU
+with weight freezing) removes the per-call packing. Measured on the default target's 210 decoder linears
+(2 threads, fp32): M=2 65.9 -> 42.9 ms, M=9 114 -> 63 ms, M=17 134 -> 90 ms (``decode/bench.py`` prints the
+whole-forward figures). Each output row is also independent of the other rows in the call (a row computed
+alone equals the same row computed in a batch, bit for bit), so a verify forward and an AR step agree more
+closely than with MKL's gemv/gemm split.
+
+Packing swaps the class of ``nn.Linear`` modules in place to :class:`PackedLinear`: parameters, names,
+``state_dict`` and weight tying are unchanged; the packed copy is a non-persistent attribute that is rebuilt
+when the weight changes (its ``_version``) and bypassed whenever autograd, another device or another dtype is
+involved, so training through a packed module is exactly ``nn.Linear``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+LINEAR_BACKENDS = ("auto", "onednn", "aten")
+
+
+def onednn_linear_supported(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> tuple[bool, str]:
+    """Whether prepacked oneDNN linears can run for this dtype and device, and why not.
+
+    Returns:
+        (supported, reason). fp32 needs a CPU torch build with oneDNN (``torch.backends.mkldnn``); bf16 also
+        needs oneDNN bf16 support of the CPU (AVX512-BF16 / AMX / AVX-NE-CONVERT); CUDA and other devices never.
+    """
+    if torch.device(device).type != "cpu":
+        return False, f"device {device} is not a CPU (oneDNN prepacking is a CPU path)"
+    if not torch.backends.mkldnn.is_available():
+        return False, "this torch build has no oneDNN (torch.backends.mkldnn unavailable)"
+    if dtype == torch.float32:
+        return True, "fp32 oneDNN linear available"
+    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return True, "bf16 oneDNN linear supported by this CPU"
+    return False, f"oneDNN has no native {dtype} linear on this CPU"
+
+
+def choose_linear(requested: str, dtype: torch.dtype, device: str | torch.device = "cpu") -> tuple[str, str]:
+    """The linear backend a decode run uses, and why (printed and recorded in reports).
+
+    Args:
+        requested: ``auto`` (oneDNN where supported, else aten), ``onednn`` or ``aten`` (plain ``F.linear``).
+        dtype: the model dtype.
+        device: the model device.
+    Returns:
+        (backend, reason) with backend ``onednn`` or ``aten``.
+    Raises:
+        ValueError: an unknown backend, or ``onednn`` requested where it cannot run (the message says why and
+            names ``--linear aten`` / ``auto`` as the fix).
+    """
+    if requested not in LINEAR_BACKENDS:
+        raise ValueError(f"linear backend {requested!r} is not one of {', '.join(LINEAR_BACKENDS)}")
+    ok, why = onednn_linear_supported(dtype, device)
+    if requested == "aten":
+        return "aten", "--linear aten requested (F.linear, MKL/BLAS packs the weight on every call)"
+    if requested == "onednn":
+        if not ok:
+            raise ValueError(f"--linear onednn cannot run here: {why}; use --linear aten or auto")
+        return "onednn", "--linear onednn requested (weights prepacked once into oneDNN's layout)"
+    if ok:
+        return "onednn", ("auto: weights prepacked once for oneDNN, so small-M verify and draft matmuls skip the "
+                          "per-call weight packing of F.linear")
+    return "aten", f"auto: {why}; plain F.linear"
+
+
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Reorder a [out, in] weight into oneDNN's blocked layout (an opaque mkldnn tensor, same values).
+
+    Raises:
+        RuntimeError: from oneDNN when the dtype is unsupported on this CPU (check :func:`onednn_linear_supported`).
+    """
+    return torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+
+
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` with W given as :func:`pack_weight` output; x [..., in] -> [..., out] (same dtype)."""
+    return _pointwise()(x, packed, bias, "none", [None], "")
+
+
+# Single-row inputs (an AR step) use F.linear for weights below this many elements: there MKL's gemv already
+# streams the weight once and costs ~45 us less per call than oneDNN's dispatch, measured on the default target
+# (an AR step took ~6% longer with every layer packed). The big lm_head (28M elements) stays packed: 12.9 ms
+# with F.linear, 6.7 ms packed, at one row.
+SINGLE_ROW_PACKED_MIN = 1 << 22
+_LINEAR_POINTWISE = None
+
+
+def _pointwise():
+    global _LINEAR_POINTWISE
+    if _LINEAR_POINTWISE is None:
+        _LINEAR_POINTWISE = torch.ops.mkldnn._linear_pointwise.default
+    return _LINEAR_POINTWISE
+
+
+class PackedLinear(nn.Linear):
+    """An ``nn.Linear`` whose inference forward uses a prepacked oneDNN copy of its weight.
+
+    Created only by :func:`pack_linears` (class swap; nothing about the module's parameters changes). The packed
+    copy is built on first use and rebuilt when ``weight`` is modified in place (``weight._version``), moved or
+    replaced. Falls back to ``F.linear`` when grad is enabled and the weight or input requires grad, when the
+    input's device or dtype differs from the packed weight's, and for single-row inputs with a weight below
+    :data:`SINGLE_ROW_PACKED_MIN` elements (see there).
+    """
+
+    def _packed_weight(self) -> torch.Tensor | None:
+        """The packed copy of ``weight`` (rebuilt when stale), or None when the weight is not on the CPU or its
+        dtype has no oneDNN linear here (float64, or bf16 without native support)."""
+        w = self.weight
+        st = self.__dict__.get("_dartree_packed")
+        if st is None or st[0] is not w or st[1] != w._version or st[2] != w.data_ptr():
+            ok = w.is_cpu and onednn_linear_supported(w.dtype)[0]
+            st = (w, w._version, w.data_ptr(), w.dtype, pack_weight(w) if ok else None)
+            self.__dict__["_dartree_packed"] = st
+        return st[4]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.weight
+        if (x.numel() == x.shape[-1] and w.numel() < SINGLE_ROW_PACKED_MIN) or not x.is_cpu or x.dtype != w.dtype \
+                or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
+            return F.linear(x, w, self.bias)
+        packed = self._packed_weight()
+        if packed is None:
+            return F.linear(x, w, self.bias)
+        return _pointwise()(x, packed, self.bias, "none", [None], "")
+
+
+def pack_linears(module: nn.Module, backend: str = "onednn") -> int:
+    """Switch every ``nn.Linear`` inside ``module`` to :class:`PackedLinear` (``onednn``) or back (``aten``).
+
+    In place; parameters, buffers and ``state_dict`` keys are untouched, so shared weights (a drafter using the
+    target's lm_head) stay shared. Only exact ``nn.Linear`` instances are switched (subclasses keep their own
+    forward). Returns the number of modules switched.
+
+    Raises:
+        ValueError: unknown backend.
+    """
+    if backend not in ("onednn", "aten"):
+        raise ValueError(f"pack_linears backend must be 'onednn' or 'aten', got {backend!r}")
+    n = 0
+    for m in module.modules():
+        if backend == "onednn" and type(m) is nn.Linear:
+            m.__class__ = PackedLinear
+            n += 1
+        elif backend == "aten" and type(m) is PackedLinear:
+            m.__class__ = nn.Linear
+            m.__dict__.pop("_dartree_packed", None)
+            n += 1
+    return n
+
+
+def is_packed(module: nn.Module) -> bool:
+    """True when ``module`` is a :class:`PackedLinear` (used to pack weight slices taken from it the same way)."""
+    return type(module) is PackedLinear

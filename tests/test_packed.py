@@ -1,0 +1,122 @@
+"""Prepacked oneDNN linears (dartree.models.packed): same values as nn.Linear, safe fallbacks, lossless decoding.
+
+TESTING.md classes A (values against the reference op), B (losslessness), E (bad input named).
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import make_drafter, make_head
+from dartree.decode.generate import autoregressive_generate, speculative_generate
+from dartree.models.packed import (SINGLE_ROW_PACKED_MIN, PackedLinear, choose_linear, onednn_linear_supported,
+                                   pack_linears)
+from dartree.models.target import tiny_target
+
+pytestmark = pytest.mark.skipif(not onednn_linear_supported()[0], reason="this torch build has no oneDNN")
+
+
+def _linear(i, o, bias, seed=0):
+    torch.manual_seed(seed)
+    m = torch.nn.Linear(i, o, bias=bias).requires_grad_(False)
+    return m
+
+
+@pytest.mark.parametrize("rows", [2, 5, 17])
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_equals_linear_and_rows_are_independent(rows, bias):
+    lin = _linear(48, 80, bias)
+    x = torch.randn(1, rows, 48)
+    want = lin(x)
+    pack_linears(lin)
+    assert type(lin) is PackedLinear
+    got = lin(x)
+    assert got.shape == want.shape and got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(got, torch.zeros_like(got))
+    # a row computed in a batch equals the same row computed with one other row, bit for bit
+    pair = lin(x[:, :2])
+    assert torch.equal(pair, got[:, :2])
+
+
+def test_single_row_small_weight_is_exactly_f_linear_and_large_weight_is_packed():
+    lin = _linear(64, 32, False)
+    pack_linears(lin)
+    x = torch.randn(1, 1, 64)
+    assert torch.equal(lin(x), F.linear(x, lin.weight))  # the aten path itself, not a close copy
+    assert "_dartree_packed" not in lin.__dict__
+    big_out = SINGLE_ROW_PACKED_MIN // 64 + 1
+    big = _linear(64, big_out, False)
+    want = big(x)
+    pack_linears(big)
+    torch.testing.assert_close(big(x), want, rtol=1e-5, atol=1e-5)
+    assert big.__dict__["_dartree_packed"][4] is not None  # the single-row call went through the packed copy
+
+
+def test_packed_copy_follows_in_place_weight_changes_and_replacement():
+    lin = _linear(16, 24, True)
+    pack_linears(lin)
+    x = torch.randn(3, 16)
+    before = lin(x)
+    with torch.no_grad():
+        lin.weight.mul_(2.0)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(lin(x), before)
+    lin.weight = torch.nn.Parameter(torch.randn(24, 16), requires_grad=False)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    lin.load_state_dict({"weight": torch.ones(24, 16), "bias": torch.zeros(24)})
+    torch.testing.assert_close(lin(x), x.sum(-1, keepdim=True).expand(3, 24), rtol=1e-5, atol=1e-5)
+
+
+def test_training_through_a_packed_module_is_nn_linear():
+    ref = torch.nn.Linear(12, 7)
+    lin = torch.nn.Linear(12, 7)
+    lin.load_state_dict(ref.state_dict())
+    pack_linears(lin)
+    x = torch.randn(4, 12)
+    ref(x).square().sum().backward()
+    lin(x).square().sum().backward()
+    assert torch.equal(lin.weight.grad, ref.weight.grad) and torch.equal(lin.bias.grad, ref.bias.grad)
+    # other dtypes fall back as well
+    assert lin(x.double().float()).dtype == torch.float32
+    with torch.no_grad():
+        assert lin.to(torch.float64)(x.double()).dtype == torch.float64
+
+
+def test_packing_keeps_names_tying_and_unpacks():
+    target = tiny_target(vocab_size=96)
+    keys = list(target.model.state_dict())
+    n = pack_linears(target.model)
+    assert n == sum(1 for m in target.model.modules() if isinstance(m, torch.nn.Linear)) and n > 0
+    assert list(target.model.state_dict()) == keys
+    assert pack_linears(target.model, "aten") == n
+    assert not any(type(m) is PackedLinear for m in target.model.modules())
+    with pytest.raises(ValueError, match="'onednn' or 'aten'"):
+        pack_linears(target.model, "mkl")
+
+
+def test_choose_linear_reasons_and_errors():
+    assert choose_linear("auto", torch.float32)[0] == "onednn"
+    assert choose_linear("aten", torch.float32)[0] == "aten"
+    backend, why = choose_linear("auto", torch.float32, "cuda")
+    assert backend == "aten" and "not a CPU" in why
+    with pytest.raises(ValueError, match="use --linear aten or auto"):
+        choose_linear("onednn", torch.float32, "cuda")
+    with pytest.raises(ValueError, match="not one of"):
+        choose_linear("fast", torch.float32)
+
+
+@pytest.mark.parametrize("head_name", ["markov", "gru", "selector"])
+@pytest.mark.parametrize("builder,budget", [("chain", None), ("pruned", 8), ("heap-sequential", 6)])
+def test_packed_decoding_equals_packed_and_unpacked_ar(prompts, head_name, builder, budget):
+    target = tiny_target(vocab_size=96, layer_ids=[1, 2])
+    drafter = make_drafter()
+    head = make_head(head_name, target)
+    want = [autoregressive_generate(target, p, max_new_tokens=32, stop_ids=[1]).tokens for p in prompts]
+    for module in (target.model, drafter, head):
+        pack_linears(module)
+    for p, w in zip(prompts, want):
+        assert autoregressive_generate(target, p, max_new_tokens=32, stop_ids=[1]).tokens == w
+        got = speculative_generate(target, drafter, head, p, builder=builder, budget=budget, max_new_tokens=32,
+                                   stop_ids=[1], builder_params={"k": 8, "width": 4})
+        assert got.tokens == w
