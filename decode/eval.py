@@ -28,7 +28,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dartree.decode.generate import GenerateOutput, autoregressive_generate, speculative_generate
-from dartree.decode.peers import PEERS, load_zlab_drafter, run_peer
+from dartree.decode.peers import PEERS, load_bf16_twin, load_zlab_drafter, run_peer
 from dartree.decode.prompts import DATASETS, Prompt, load_prompts
 from dartree.decode.report import annotate_trees, write_figures
 from dartree.decode.trees import BUILDERS
@@ -136,6 +136,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--peers", nargs="*", default=[], choices=list(PEERS),
                     help="other decoders as extra rows on the same prompts and target, greedy only "
                          "(dartree.decode.peers): transformers generate, transformers prompt-lookup decoding, "
+                         "dartree's AR loop on a bfloat16 copy of the target (ar-bf16), "
                          "z-lab dflash_generate on this checkpoint exported to z-lab's layout")
     return ap.parse_args(argv)
 
@@ -363,7 +364,7 @@ def _eval_main(argv=None) -> int:
         console.print(f"cost model calibrated in {time.time() - tc0:.1f}s: AR step {1000 * cal.t_ar:.1f} ms, draft "
                       f"{1000 * cal.t_draft:.1f} ms, verify " + ", ".join(f"{t}: {1000 * v:.1f}" for t, v in
                                                                          sorted(cal.verify_s.items())) + " ms")
-    peers, peers_skipped, zlab = [], {}, None  # peers that run; {peer: why not}; z-lab's drafter
+    peers, peers_skipped, zlab, twin = [], {}, None, None  # peers that run; {peer: why not}; z-lab's drafter; bf16 target
     for name in dict.fromkeys(args.peers):
         if args.temperature != 0:
             peers_skipped[name] = f"peers run greedy only; --temperature is {args.temperature}"
@@ -374,12 +375,20 @@ def _eval_main(argv=None) -> int:
                 peers_skipped[name] = why
                 continue
             pack_linears(zlab, linear)  # z-lab's drafter gets the same matmul path as ours
+        if name == "ar-bf16":
+            if dtype == torch.bfloat16:
+                peers_skipped[name] = "the run is bfloat16 already: its AR row is bf16 AR"
+                continue
+            twin = load_bf16_twin(args.target)
+            twin_linear = choose_linear("aten" if args.linear == "aten" else "auto", torch.bfloat16, twin.device)[0]
+            pack_linears(twin.model, twin_linear)
         peers.append(name)
     for name, why in peers_skipped.items():
         console.print(f"[bold yellow]peer {name} skipped: {why}[/bold yellow]")
 
     def run_peer_on(name: str, ids: list, max_new: int):
-        return run_peer(name, target, ids, max_new_tokens=max_new, stop_ids=stop_ids, zlab_drafter=zlab)
+        return run_peer(name, target, ids, max_new_tokens=max_new, stop_ids=stop_ids, zlab_drafter=zlab,
+                        bf16_twin=twin)
 
     warm_ids = chat_prompt_ids(tok, "Say hello.")
     for m in ["ar", *methods]:

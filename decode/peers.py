@@ -3,6 +3,9 @@
 * ``hf-generate``: transformers ``generate``, greedy, on ``Target.model`` (the plain AR loop a user already has).
 * ``hf-prompt-lookup``: transformers prompt-lookup decoding (``generate(prompt_lookup_num_tokens=N)``), the free
   drafter-less speculative method a CPU user tries first.
+* ``ar-bf16``: dartree's own AR loop on a bfloat16 copy of the target, the fastest plain decoding on a CPU whose
+  memory-bound one-token step gains from half the weight bytes even without native bf16 arithmetic (PERFORMANCE.md,
+  "The honest baseline"). Its outputs are compared with the fp32 AR's like every row (near-ties may split).
 * ``zlab-dflash``: z-lab's ``dflash_generate`` (package ``dflash`` 0.1.0) on the drafter exported to z-lab's layout
   by :func:`dartree.convert.from_dartree.export`; a drafter that layout cannot express is skipped with the reason.
 
@@ -31,7 +34,7 @@ import torch
 
 from dartree.models.target import Target
 
-PEERS = ("hf-generate", "hf-prompt-lookup", "zlab-dflash")
+PEERS = ("hf-generate", "hf-prompt-lookup", "ar-bf16", "zlab-dflash")
 PROMPT_LOOKUP_TOKENS = 10  # candidate tokens per lookup (transformers' documented example value)
 PROMPT_LOOKUP_NGRAM = 2  # longest n-gram matched (transformers' default)
 
@@ -186,6 +189,35 @@ def hf_prompt_lookup(target: Target, prompt_ids: Sequence[int], *, max_new_token
                         max_matching_ngram_size=max_ngram)
 
 
+def load_bf16_twin(spec, layer_ids=()) -> Target:
+    """Load the target named by ``spec`` (as :func:`dartree.models.target.load_target` takes it) again in bfloat16,
+    for the ``ar-bf16`` peer. Raises what ``load_target`` raises."""
+    from dartree.models.target import load_target
+
+    return load_target(spec, dtype=torch.bfloat16, layer_ids=layer_ids)
+
+
+@torch.no_grad()
+def ar_bf16(twin: Target, prompt_ids: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int]) -> PeerOutput:
+    """dartree's AR loop (:func:`~dartree.decode.generate.autoregressive_generate`, greedy) on the bf16 ``twin``.
+
+    Args:
+        twin: the target in bfloat16 (:func:`load_bf16_twin`), or None (then the result is skipped).
+        prompt_ids: [T] or [1, T]. max_new_tokens: cap. stop_ids: ids that end generation (inclusive).
+    Returns:
+        PeerOutput with the loop's own clock (prefill excluded, as the AR row) and one token per forward.
+    Raises:
+        ValueError / TypeError: as ``autoregressive_generate``.
+    """
+    if twin is None:
+        return PeerOutput(skipped="no bf16 copy of the target (see load_bf16_twin)")
+    from dartree.decode.generate import autoregressive_generate
+
+    out = autoregressive_generate(twin, prompt_ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    return PeerOutput(tokens=list(out.tokens), decode_s=out.stats.decode_s, prefill_s=out.stats.prefill_s,
+                      accept_lengths=list(out.stats.accept_lengths))
+
+
 def load_zlab_drafter(checkpoint: str | Path, target: Target):
     """Export the dartree checkpoint to z-lab's DFlash layout and load it with z-lab's ``DFlashDraftModel``.
 
@@ -242,7 +274,7 @@ def zlab_dflash(target: Target, drafter, prompt_ids: Sequence[int], *, max_new_t
 
 
 def run_peer(name: str, target: Target, prompt_ids: Sequence[int], *, max_new_tokens: int, stop_ids: Sequence[int],
-             zlab_drafter=None) -> PeerOutput:
+             zlab_drafter=None, bf16_twin: Target | None = None) -> PeerOutput:
     """Run peer ``name`` (one of :data:`PEERS`) on one prompt; arguments as the peer functions.
 
     Raises:
@@ -252,6 +284,8 @@ def run_peer(name: str, target: Target, prompt_ids: Sequence[int], *, max_new_to
         return hf_generate(target, prompt_ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
     if name == "hf-prompt-lookup":
         return hf_prompt_lookup(target, prompt_ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
+    if name == "ar-bf16":
+        return ar_bf16(bf16_twin, prompt_ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
     if name == "zlab-dflash":
         return zlab_dflash(target, zlab_drafter, prompt_ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
     raise KeyError(f"unknown peer {name!r}; available: {', '.join(PEERS)}")

@@ -287,8 +287,8 @@ def fig_stages(report: dict) -> Figure:
     """Stacked bars of milliseconds per round by stage (draft, tree_build, tree_compile, verify, commit) per
     speculative method (one bar container per stage, labelled with it; each bar's ``gid`` is ``STAGE:METHOD``), with a
     horizontal line per AR baseline at its ms per step (``gid`` = the AR method name; in a merged report each
-    run's line spans that run's bars)."""
-    ms = tree_methods(report)
+    run's line spans that run's bars). Rows without stage times (peers such as hf-prompt-lookup) get no bar."""
+    ms = [m for m in tree_methods(report) if any(f"{st}_ms_per_round" in report["methods"][m] for st in STAGES)]
     fig = _new_figure(max(5.0, 1.1 * len(ms) + 3.0), 4.2)
     ax = fig.subplots()
     x = list(range(len(ms)))

@@ -93,15 +93,18 @@ class Range:
 
 @dataclass(frozen=True)
 class Flag:
-    """A boolean field: only ``true`` / ``false`` (a string such as ``"false"`` would read as true)."""
+    """A boolean field: only ``true`` / ``false`` (a string such as ``"false"`` would read as true); with
+    ``auto=True`` also the string ``auto`` (resolved by the code that reads the field)."""
 
     note: str = ""
+    auto: bool = False
 
     def problem(self, key: str, value: Any) -> str | None:
-        """None for a bool, else one line naming ``key`` and the value."""
-        if isinstance(value, bool):
+        """None for a bool (or ``"auto"`` where allowed), else one line naming ``key`` and the value."""
+        if isinstance(value, bool) or (self.auto and value == "auto"):
             return None
-        return f"{key}={value!r} has the wrong type: must be true or false" + (f" ({self.note})" if self.note else "")
+        allowed = "true, false or auto" if self.auto else "true or false"
+        return f"{key}={value!r} has the wrong type: must be {allowed}" + (f" ({self.note})" if self.note else "")
 
 
 @dataclass(frozen=True)

@@ -703,3 +703,22 @@ def test_corrupt_report_or_curve_json_names_the_file_and_the_fix(tmp_path, capsy
         line = _err_line(capsys)
         assert line.startswith(f"error: {f} is not ") and "point --curves at" in line, line
     assert not (tmp_path / "c.png").exists()
+
+
+def test_auto_dtypes_resolve_by_hardware_and_explicit_values_stay(monkeypatch):
+    """recipe dtype fields ``auto``: bf16 only where bf16 arithmetic is native (issue 11's AVX2 finding)."""
+    import dartree.training.recipe as recipe
+
+    for native in (False, True):
+        monkeypatch.setattr(recipe, "native_bf16", lambda native=native: (native, "stub"))
+        cfg = load_recipe(["recipe=dspark_b16"])
+        assert cfg.target.gen_dtype == ("bfloat16" if native else "float32") and cfg.train.bf16 is native
+    monkeypatch.setattr(recipe, "native_bf16", lambda: (False, "stub"))
+    cfg = load_recipe(["recipe=dspark_b16", "target.gen_dtype=bfloat16", "train.bf16=true"])
+    assert cfg.target.gen_dtype == "bfloat16" and cfg.train.bf16 is True
+    assert load_recipe(["recipe=tiny_dspark"]).train.bf16 is False  # the tiny recipes say false, not auto
+    with pytest.raises(RecipeError, match=r"train.bf16='sometimes' has the wrong type: must be true, false or auto"):
+        load_recipe(["recipe=tiny_dspark", "train.bf16=sometimes"])
+    with pytest.raises(RecipeError, match=r"target.gen_dtype='fp8' is not allowed: use one of \[.*'auto'\]"):
+        load_recipe(["recipe=tiny_dspark", "target.gen_dtype=fp8"])
+    assert recipe.native_bf16()[0] == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())

@@ -103,16 +103,33 @@ def test_unexportable_drafter_is_skipped_with_its_reason(tmp_path, target):
         run_peer("vllm", target, [2, 3], max_new_tokens=2, stop_ids=STOP)
 
 
+def test_ar_bf16_peer_is_the_ar_loop_on_a_bf16_copy(target):
+    from dartree.decode.peers import ar_bf16
+
+    twin = tiny_target(vocab_size=VOCAB, dtype=torch.bfloat16)
+    assert twin.dtype == torch.bfloat16
+    for p in _prompts(2):
+        want = autoregressive_generate(twin, p, max_new_tokens=20, stop_ids=STOP)
+        o = run_peer("ar-bf16", target, p, max_new_tokens=20, stop_ids=STOP, bf16_twin=twin)
+        assert o.skipped is None and o.tokens == want.tokens and o.accept_lengths == [1] * (len(o.tokens) - 1)
+        assert o.decode_s > 0 and o.prefill_s > 0
+    assert ar_bf16(None, [2, 3], max_new_tokens=2, stop_ids=STOP).skipped
+
+
 def test_eval_reports_peer_rows(tiny_folder, tmp_path):  # noqa: F811
     from dartree.decode.eval import main
 
     out = tmp_path / "rep"
     argv = ["--target", str(tiny_folder / "target"), "--checkpoint", str(tiny_folder / "ckpt"), "--tree", "chain",
             "--budget", "4", "--datasets", "gsm8k", "--limit", "1", "--max-new-tokens", "12", "--no-plots",
-            "--peers", "hf-generate", "hf-prompt-lookup", "zlab-dflash", "--out", str(out)]
+            "--peers", "hf-generate", "hf-prompt-lookup", "ar-bf16", "zlab-dflash", "--out", str(out)]
     assert main(argv) == 0
     rep = json.loads((out / "report.json").read_text())
-    assert set(rep["methods"]) == {"ar", "chain", "hf-generate", "hf-prompt-lookup"}
+    assert set(rep["methods"]) == {"ar", "chain", "hf-generate", "hf-prompt-lookup", "ar-bf16"}
+    bf = rep["per_prompt"]["ar-bf16"][0]
+    assert rep["methods"]["ar-bf16"]["tau"] == 1.0 and bf["decode_s"] > 0 and bf["mismatch"] in (True, False)
+    if bf["mismatch"]:  # a split from fp32 AR is reported with the fp32 target's top-2 margin there
+        assert bf["first_divergence"] >= 0 and bf["margin_at_divergence"] >= 0
     for m in ("hf-generate", "hf-prompt-lookup"):
         row = rep["methods"][m]
         assert row["peer"] is True and row["lossless"] is True and row["mismatches"] == 0

@@ -120,6 +120,11 @@ def test_stage_figure_stacks_ms_per_round_with_the_ar_step_line():
     # AR step = AR decode seconds / AR rounds = 0.28 s / 12 rounds
     assert _lines(ax)["ar"].get_ydata()[0] == pytest.approx(280 / 12)
     assert [t.get_text() for t in ax.get_xticklabels()] == ["chain", "pruned@B4", "pruned@B8"]
+    # a peer row has no stage times: no (empty) bar for it
+    rep["methods"]["hf-prompt-lookup"] = {"tau": 2.0, "speedup": 1.1, "peer": True}
+    ax = plots.fig_stages(rep).axes[0]
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["chain", "pruned@B4", "pruned@B8"]
+    assert len(ax.containers[0].patches) == 3
 
 
 def test_tree_shape_figure_draws_nodes_and_acceptance_per_depth():

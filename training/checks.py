@@ -23,7 +23,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 RECIPE_FIELDS = {
     "seed": Range(0, 2**63 - 1),
     "target.dtype": Choice(DTYPES),
-    "target.gen_dtype": Choice(DTYPES),
+    "target.gen_dtype": Choice(DTYPES + ("auto",), note="auto: bfloat16 where bf16 arithmetic is native, else float32"),
     "drafter.num_layers": Range(1),
     "drafter.intermediate_size": Range(1, optional=True, note="null: the target's"),
     "drafter.target_layer_ids": IdList(0, allow_empty=True,
@@ -77,7 +77,7 @@ RECIPE_FIELDS = {
     "train.warmup_ratio": Range(0, 1, integer=False),
     "train.weight_decay": Range(0, integer=False),
     "train.grad_clip": Range(0, integer=False, note="0: no clipping"),
-    "train.bf16": Flag(),
+    "train.bf16": Flag(auto=True, note="auto: bf16 autocast where bf16 arithmetic is native, else fp32"),
     "train.fused_loss": Flag(),
     "train.threads": Range(0, note="0: torch's default"),
     "train.save_every_minutes": Range(0, integer=False, note="0: off"),
