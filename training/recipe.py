@@ -229,7 +229,9 @@ def native_bf16() -> tuple[bool, str]:
     slower than fp32 on this project's machine (128x576 @ 576x1536: 83 ms bf16, 11 ms fp32).
     """
     cap = torch.backends.cpu.get_cpu_capability()
-    if torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+    from dartree.models.packed import onednn_linear_supported
+
+    if onednn_linear_supported(torch.bfloat16)[0]:  # the same oneDNN bf16 check the decoders use
         return True, f"this CPU ({cap}) has native bf16 matrix arithmetic"
     return False, f"this CPU ({cap}) has no native bf16 matrix arithmetic (bf16 matmuls run 5-7x slower than fp32)"
 
