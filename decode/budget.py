@@ -9,8 +9,13 @@ over its nodes), the expected rate of a tree made of the b best nodes is
     rate(b) = (1 + c * sum_{i <= b} exp(s_i)) / t_verify(b + 1)          (draft and build are already paid)
 
 and the round verifies the b* that maximises it (b* = 0 is a plain AR step on the already-drafted round).
-``c`` calibrates the drafter's probabilities online: realised accepted drafts / predicted, over the rounds so
-far (it starts at 1). Before drafting, the round is skipped for a plain AR step (no draft, no tree) when the
+``c(p)`` calibrates the drafter's probabilities online, per probability bin: each verified node falls in a bin
+of its predicted p = exp(s); the bin's realised acceptance frequency (nodes on the accepted path / nodes), shrunk
+towards the global ratio c * p (realised / predicted accepted drafts over all rounds, prior 1) with a prior of
+:data:`BIN_PRIOR_NODES` nodes, and made non-decreasing in p (pool-adjacent-violators), maps p to the calibrated
+p^ by linear interpolation between bin means; so rate(b) uses sum_{i <= b} p^_i. A single global scalar
+over-trusts the confident nodes and under-trusts the doubtful ones when the drafter's miscalibration is not
+uniform (a reliability diagram, Guo et al. 2017, "On Calibration of Modern Neural Networks"). Before drafting, the round is skipped for a plain AR step (no draft, no tree) when the
 recent drafted rounds promised fewer tokens per second, draft cost included, than AR; a probe round drafts again
 after a run of AR steps that doubles after each probe that did not pay (1, 2, 4 .. 16 steps).
 
@@ -29,6 +34,24 @@ import torch
 from dartree.decode.trees import Tree
 
 CALIBRATION_SIZES = (1, 2, 3, 5, 9, 17)
+# edges of the predicted-probability bins of the acceptance calibration (last edge above 1 so p = 1 falls inside)
+PROB_BINS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9, 1.0 + 1e-6)
+BIN_PRIOR_NODES = 8.0
+
+
+def _pav(values: list[float], weights: list[float]) -> list[float]:
+    """Weighted isotonic (non-decreasing) regression of ``values`` by pool-adjacent-violators (Ayer et al. 1955)."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for v, w in zip(values, weights):
+        blocks.append([v, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, n2 = blocks.pop()
+            m1, w1, n1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    out: list[float] = []
+    for m, _, n in blocks:
+        out.extend([m] * int(n))
+    return out
 
 
 @dataclass
@@ -41,8 +64,10 @@ class CostModel:
         t_build: seconds of building a tree (a constant per round; measured in the loop, EMA).
         verify_s: {T: seconds} of a verify forward of T tokens (root included), T ascending, T = 1 first.
         max_budget: largest tree the policy considers (B_max); the builder drafts at most this many nodes.
-        calib_pred: sum of predicted accepted drafts over verified rounds (for ``c``).
+        calib_pred: sum of predicted accepted drafts over verified rounds (for the global ``c``).
         calib_real: sum of realised accepted drafts over the same rounds.
+        bin_n, bin_pred, bin_real: per :data:`PROB_BINS` bin, verified nodes, their summed predicted p and how
+            many of them were accepted (for the per-bin calibration ``c(p)``).
         spec_rate: EMA of the tokens per second a drafted round promised, draft and build included.
         skip_run: AR steps to take before the next probe; ``skip_left`` of them are left.
         chosen: histogram {B: rounds} of the budgets chosen (0: AR step), for reports.
@@ -55,6 +80,9 @@ class CostModel:
     t_build: float = 0.0
     calib_pred: float = 4.0
     calib_real: float = 4.0
+    bin_n: list = field(default_factory=lambda: [0.0] * (len(PROB_BINS) - 1))
+    bin_pred: list = field(default_factory=lambda: [0.0] * (len(PROB_BINS) - 1))
+    bin_real: list = field(default_factory=lambda: [0.0] * (len(PROB_BINS) - 1))
     spec_rate: float | None = None
     skip_run: int = 1
     skip_left: int = 0
@@ -76,6 +104,43 @@ class CostModel:
     def calibration(self) -> float:
         """c = realised / predicted accepted drafts over the verified rounds (prior: 1, weight 4 rounds)."""
         return self.calib_real / max(self.calib_pred, 1e-9)
+
+    def fresh(self) -> "CostModel":
+        """A copy with the same timings and nothing learnt yet (calibration, skip state, histogram), for another
+        method that shares this start-up measurement."""
+        return CostModel(t_ar=self.t_ar, t_draft=self.t_draft, verify_s=dict(self.verify_s),
+                         max_budget=self.max_budget, t_build=self.t_build)
+
+    def calibration_curve(self) -> tuple[list[float], list[float]]:
+        """The per-bin calibration map as knots (predicted p, calibrated p^), both non-decreasing, from (0, 0).
+
+        Each bin's knot sits at its mean predicted p (the bin's midpoint before it has nodes); its value is the
+        realised acceptance frequency shrunk towards ``c * p`` with :data:`BIN_PRIOR_NODES` prior nodes, then made
+        non-decreasing over the bins by pool-adjacent-violators and capped at 1. A last knot at p = 1 carries the
+        last bin's ratio.
+        """
+        c, m0 = self.calibration, BIN_PRIOR_NODES
+        xs, fs, ws = [], [], []
+        for k in range(len(PROB_BINS) - 1):
+            mid = 0.5 * (PROB_BINS[k] + min(PROB_BINS[k + 1], 1.0))
+            pbar = (self.bin_pred[k] + mid) / (self.bin_n[k] + 1.0)
+            xs.append(pbar)
+            fs.append((self.bin_real[k] + m0 * c * pbar) / (self.bin_n[k] + m0))
+            ws.append(self.bin_n[k] + m0)
+        fs = [min(f, 1.0) for f in _pav(fs, ws)]
+        # past the last bin's mean: the last bin's ratio, up to p = 1
+        return [0.0] + xs + [1.0], [0.0] + fs + [min(1.0, fs[-1] / xs[-1])]
+
+    def calibrated(self, p: torch.Tensor) -> torch.Tensor:
+        """p^ = c(p): predicted acceptance probabilities [M] (float32, in [0, 1]) mapped through
+        :meth:`calibration_curve` by linear interpolation."""
+        xs, fs = self.calibration_curve()
+        x = torch.tensor(xs, dtype=p.dtype, device=p.device)
+        f = torch.tensor(fs, dtype=p.dtype, device=p.device)
+        i = torch.bucketize(p, x[1:-1])  # knot interval: x[i] <= p < x[i + 1] (i = last: beyond the last knot)
+        x0, x1, f0, f1 = x[i], x[(i + 1).clamp(max=len(xs) - 1)], f[i], f[(i + 1).clamp(max=len(xs) - 1)]
+        t = ((p - x0) / (x1 - x0).clamp(min=1e-9)).clamp(0.0, 1.0)
+        return f0 + t * (f1 - f0)
 
     def should_draft(self) -> bool:
         """Whether this round drafts (False: a plain AR step). Updates the skip counters."""
@@ -101,12 +166,11 @@ class CostModel:
             (b*, the expected committed tokens of that tree, calibrated).
         """
         m = tree.size
-        c = self.calibration
         if m == 0:
             return 0, 1.0
         adj = tree.score.float() + beta * tree.depth.float()
         order = torch.sort(adj, descending=True, stable=True).indices
-        gain = torch.cumsum(torch.exp(tree.score.float()[order]).clamp(max=1.0), 0) * c
+        gain = torch.cumsum(self.calibrated(torch.exp(tree.score.float()[order]).clamp(max=1.0)), 0)
         best_b, best_rate, best_exp = 0, 1.0 / self.verify_time(1), 1.0
         for b in range(1, m + 1):
             exp_tok = 1.0 + float(gain[b - 1])
@@ -118,12 +182,29 @@ class CostModel:
         self.spec_rate = spec if self.spec_rate is None else 0.5 * self.spec_rate + 0.5 * spec
         return best_b, best_exp
 
-    def record(self, budget: int, predicted_drafts: float, accepted_drafts: int) -> None:
-        """Account one verified round: the budget used, and predicted vs realised accepted drafts."""
-        self.chosen[budget] = self.chosen.get(budget, 0) + 1
-        if budget > 0:
-            self.calib_pred += predicted_drafts
-            self.calib_real += accepted_drafts
+    def record(self, tree: Tree, accepted: torch.Tensor) -> None:
+        """Account one verified round: its budget (``tree.size``) in the histogram and, for a drafted round, each
+        node's predicted p = exp(score) against whether it was accepted.
+
+        Args:
+            tree: the verified tree (M nodes; M = 0 for a plain AR step).
+            accepted: [A] int64 accepted node indices, root (0) first, tree node i at index i + 1
+                (:class:`~dartree.decode.verify.Verification`).
+        """
+        m = tree.size
+        self.chosen[m] = self.chosen.get(m, 0) + 1
+        if m == 0:
+            return
+        p = torch.exp(tree.score.detach().float().cpu()).clamp(max=1.0)
+        hit = torch.zeros(m)
+        hit[accepted.cpu()[1:] - 1] = 1.0
+        self.calib_pred += float(p.sum())
+        self.calib_real += float(hit.sum())
+        nb = len(PROB_BINS) - 1
+        k = torch.bucketize(p, torch.tensor(PROB_BINS[1:-1]), right=True)
+        for name, w in (("bin_n", None), ("bin_pred", p), ("bin_real", hit)):
+            add = torch.bincount(k, weights=w, minlength=nb).tolist()
+            setattr(self, name, [a + b for a, b in zip(getattr(self, name), add)])
 
     def observe_build(self, seconds: float) -> None:
         """Fold one measured tree-build time into ``t_build`` (EMA)."""
@@ -134,6 +215,8 @@ class CostModel:
         return {"t_ar_ms": 1000 * self.t_ar, "t_draft_ms": 1000 * self.t_draft, "t_build_ms": 1000 * self.t_build,
                 "verify_ms": {int(t): 1000 * s for t, s in sorted(self.verify_s.items())},
                 "calibration": self.calibration, "max_budget": self.max_budget,
+                "calibration_bins": {"edges": list(PROB_BINS[:-1]) + [1.0], "nodes": [int(n) for n in self.bin_n],
+                                     "predicted": self.bin_pred, "accepted": self.bin_real},
                 "chosen_budgets": {int(b): n for b, n in sorted(self.chosen.items())}}
 
 

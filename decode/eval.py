@@ -353,14 +353,12 @@ def _eval_main(argv=None) -> int:
 
     cost_models: dict = {}
     if any(b == "auto" for _, b in runs.values()):
-        from dataclasses import replace
-
         from dartree.decode.budget import calibrate
 
         tc0 = time.time()
         cal = calibrate(target, dm.drafter, chat_prompt_ids(tok, prompts[0].text) if prompts else [1, 2, 3],
                         max_budget=dm.drafter.cfg.num_proposals)
-        cost_models = {m: replace(cal, chosen={}) for m, (_, b) in runs.items() if b == "auto"}
+        cost_models = {m: cal.fresh() for m, (_, b) in runs.items() if b == "auto"}
         console.print(f"cost model calibrated in {time.time() - tc0:.1f}s: AR step {1000 * cal.t_ar:.1f} ms, draft "
                       f"{1000 * cal.t_draft:.1f} ms, verify " + ", ".join(f"{t}: {1000 * v:.1f}" for t, v in
                                                                          sorted(cal.verify_s.items())) + " ms")

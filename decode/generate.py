@@ -274,11 +274,11 @@ def speculative_generate(
                 tree = build(block, head, anchor, budget, **params)
             if auto:
                 cm.observe_build(time.perf_counter() - tb)
-                b, expected = cm.choose(tree, beta)
+                b, _ = cm.choose(tree, beta)
                 tree = prune_to(tree, b, beta)
         else:  # a plain AR step: the root alone is verified; its features wait for the next draft
             tb = time.perf_counter()
-            tree, expected = Tree.empty(), 1.0
+            tree = Tree.empty()
         tc = time.perf_counter()
         inputs = compile_tree(tree, anchor, start, dtype=target.dtype, device=target.device) if tree.size else None
         tc2 = time.perf_counter()
@@ -293,7 +293,7 @@ def speculative_generate(
         stats.tree_nodes.append(tree.size)
         stats.budgets.append(tree.size if auto else budget)
         if auto:
-            cm.record(tree.size, expected - 1.0, ver.accepted.numel() - 1)
+            cm.record(tree, ver.accepted)
         stats.depth_nodes.append(torch.bincount(tree.depth.cpu(), minlength=1).tolist()[1:])
         stats.accepted_depths.append(ver.accepted.numel() - 1)
         if record_trees:

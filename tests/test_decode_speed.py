@@ -71,9 +71,39 @@ def test_choose_maximises_expected_tokens_per_second():
     steep = _model(verify={1: 1.0, 2: 1.5, 5: 3.0, 17: 9.0})
     b2, _ = steep.choose(tree)
     assert b2 < b
-    # the calibration factor scales the predicted gain
-    cm.record(3, predicted_drafts=10.0, accepted_drafts=0)
-    assert cm.calibration == pytest.approx(4.0 / 14.0)
+    # a round whose nodes were all rejected lowers the global factor c = realised / predicted (prior 4 / 4)
+    cm.record(tree, torch.tensor([0]))
+    assert cm.calibration == pytest.approx(4.0 / (4.0 + sum(probs)))
+    assert cm.chosen == {6: 1}
+
+
+def test_per_bin_calibration_learns_a_non_uniform_reliability_curve():
+    # a drafter over-confident at high p (says 0.95, right half the time) and under-confident at low p
+    # (says 0.05, right a third of the time): one global scalar cannot fit both, the per-bin map does
+    cm = _model()
+    hi, lo = torch.tensor([math.log(0.95)]), torch.tensor([math.log(0.05)])
+    one = lambda s: Tree(torch.tensor([10]), torch.tensor([0]), torch.tensor([1]), s)
+    for i in range(600):
+        cm.record(one(hi), torch.tensor([0, 1]) if i % 2 == 0 else torch.tensor([0]))
+        cm.record(one(lo), torch.tensor([0, 1]) if i % 3 == 0 else torch.tensor([0]))
+    got = cm.calibrated(torch.tensor([0.95, 0.05]))
+    assert got[0].item() == pytest.approx(0.5, abs=0.02) and got[1].item() == pytest.approx(1 / 3, abs=0.03)
+    # the map is non-decreasing in p (pool-adjacent-violators merged the two bins' inversion) and stays in [0, 1]
+    grid = torch.linspace(0, 1, 101)
+    mapped = cm.calibrated(grid)
+    assert torch.all(mapped[1:] >= mapped[:-1] - 1e-7) and mapped.min() >= 0 and mapped.max() <= 1
+    assert sum(cm.bin_n) == 1200 and cm.summary()["calibration_bins"]["nodes"][0] == 0
+
+
+def test_uncalibrated_model_maps_p_to_itself_and_fresh_copies_forget():
+    cm = _model()
+    p = torch.tensor([0.0, 0.01, 0.3, 0.77, 1.0])
+    torch.testing.assert_close(cm.calibrated(p), p, atol=1e-6, rtol=0)
+    cm.record(Tree(torch.tensor([10]), torch.tensor([0]), torch.tensor([1]), torch.tensor([math.log(0.5)])),
+              torch.tensor([0]))
+    other = cm.fresh()
+    assert other.t_ar == cm.t_ar and other.verify_s == cm.verify_s and other.verify_s is not cm.verify_s
+    assert other.chosen == {} and sum(other.bin_n) == 0 and other.calibration == 1.0 and cm.calibration < 1.0
 
 
 def test_verify_time_interpolates_and_extrapolates():
