@@ -33,7 +33,7 @@ from dartree.decode.prompts import DATASETS, Prompt, load_prompts
 from dartree.decode.report import annotate_trees, write_figures
 from dartree.decode.trees import BUILDERS
 from dartree.models.checkpoint import CheckpointError, load_dartree
-from dartree.models.packed import LINEAR_BACKENDS, choose_linear, pack_linears
+from dartree.models.packed import LINEAR_BACKENDS, choose_linear, onednn_linear_supported, pack_linears
 from dartree.models.target import DEFAULT_TARGET, load_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,7 +65,7 @@ def choose_dtype(requested: str, device: str = "cpu") -> tuple[str, str]:
         return requested, f"--dtype {requested} requested{exact}"
     if device.startswith("cuda"):
         return "bfloat16", "auto: CUDA has native bf16 matrix arithmetic"
-    native = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    native = onednn_linear_supported(torch.bfloat16)[0]
     cap = torch.backends.cpu.get_cpu_capability()
     if native:
         return "bfloat16", f"auto: this CPU ({cap}) has native bf16 matrix arithmetic (oneDNN bf16)"
