@@ -30,6 +30,7 @@ def test_auto_budget_is_lossless(target, prompts, builder, head_name):
     drafter = make_drafter()
     head = make_head(head_name, target)
     cm = _model()
+    nodes = accepted = 0
     for p in prompts[:4]:
         want = autoregressive_generate(target, p, max_new_tokens=30, stop_ids=[STOP]).tokens
         got = speculative_generate(target, drafter, head, p, builder=builder, budget="auto", cost_model=cm,
@@ -38,7 +39,10 @@ def test_auto_budget_is_lossless(target, prompts, builder, head_name):
         st = got.stats
         assert len(st.budgets) == st.rounds and all(0 <= b <= 16 for b in st.budgets)
         assert st.budgets == st.tree_nodes
+        nodes, accepted = nodes + sum(st.tree_nodes), accepted + sum(st.accepted_depths)
     assert sum(cm.chosen.values()) > 0
+    # the per-bin calibration saw every verified node once, and every accepted one
+    assert sum(cm.bin_n) == nodes and sum(cm.bin_real) == accepted
 
 
 def test_auto_budget_falls_back_to_ar_steps_when_drafting_never_pays(target, prompts):

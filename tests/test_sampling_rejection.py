@@ -145,6 +145,26 @@ def test_rejection_generate_same_seed_same_output(target, prompts):
     assert max(short.stats.accept_lengths) <= 3 and len(short.tokens) <= 12
 
 
+def test_rejection_with_auto_budget_records_every_verified_node(target, prompts):
+    # budget="auto" at T > 0: the cost model sizes each sampled chain; the calibration counts exactly the
+    # verified nodes and the accepted ones; same seed, same output
+    from dartree.decode.budget import CostModel
+
+    drafter, head = make_drafter(), make_markov()
+    outs, models = [], []
+    for _ in range(2):
+        cm = CostModel(t_ar=1.0, t_draft=0.1, verify_s={1: 1.0, 2: 1.02, 5: 1.1, 9: 1.2, 17: 1.5}, max_budget=8)
+        outs.append(speculative_generate(target, drafter, head, prompts[1], builder="chain", budget="auto",
+                                         cost_model=cm, max_new_tokens=30, temperature=0.8, acceptance="rejection",
+                                         generator=torch.Generator().manual_seed(3)))
+        models.append(cm)
+    assert outs[0].tokens == outs[1].tokens
+    st, cm = outs[0].stats, models[0]
+    assert all(0 <= b <= 8 for b in st.budgets) and sum(cm.chosen.values()) == st.rounds
+    assert sum(cm.bin_n) == sum(st.tree_nodes) > 0
+    assert sum(cm.bin_real) == sum(st.accepted_depths)
+
+
 @pytest.mark.parametrize("builder, temp, rule", [("pruned", 1.0, "rejection"), ("chain", 0.0, "rejection"),
                                                   ("chain", 1.0, "nope")])
 def test_rejection_needs_chain_and_positive_temperature(target, prompts, builder, temp, rule):
