@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dartree.decode.lookup import LookupStats
 from dartree.decode.trees import Tree
 
 CALIBRATION_SIZES = (1, 2, 3, 5, 9, 17)
@@ -66,8 +67,10 @@ class CostModel:
         max_budget: largest tree the policy considers (B_max); the builder drafts at most this many nodes.
         calib_pred: sum of predicted accepted drafts over verified rounds (for the global ``c``).
         calib_real: sum of realised accepted drafts over the same rounds.
-        bin_n, bin_pred, bin_real: per :data:`PROB_BINS` bin, verified nodes, their summed predicted p and how
-            many of them were accepted (for the per-bin calibration ``c(p)``).
+        bin_n, bin_pred, bin_real: per :data:`PROB_BINS` bin, verified drafter nodes, their summed predicted p
+            and how many of them were accepted (for the per-bin calibration ``c(p)``).
+        lookup: acceptance by position of grafted prompt-lookup chains (:mod:`dartree.decode.lookup`); their
+            nodes' scores are already these estimates and skip ``c(p)``.
         spec_rate: EMA of the tokens per second a drafted round promised, draft and build included.
         skip_run: AR steps to take before the next probe; ``skip_left`` of them are left.
         chosen: histogram {B: rounds} of the budgets chosen (0: AR step), for reports.
@@ -83,6 +86,7 @@ class CostModel:
     bin_n: list = field(default_factory=lambda: [0.0] * (len(PROB_BINS) - 1))
     bin_pred: list = field(default_factory=lambda: [0.0] * (len(PROB_BINS) - 1))
     bin_real: list = field(default_factory=lambda: [0.0] * (len(PROB_BINS) - 1))
+    lookup: LookupStats = field(default_factory=LookupStats)
     spec_rate: float | None = None
     skip_run: int = 1
     skip_left: int = 0
@@ -155,13 +159,14 @@ class CostModel:
         self.skip_run = min(2 * self.skip_run, 16)
         return True
 
-    def choose(self, tree: Tree, beta: float = 0.0) -> tuple[int, float]:
+    def choose(self, tree: Tree, beta: float = 0.0, chain_pos: torch.Tensor | None = None) -> tuple[int, float]:
         """The budget b* of a built tree (nodes kept = the b* best by ``score + beta * depth``).
 
         Args:
             tree: the round's tree built with ``max_budget`` nodes; ``tree.score`` [M] path log-probabilities
                 (nats, <= 0, non-increasing along paths).
             beta: the builder's depth bonus (<= 0) used to rank nodes, as its own top-B does.
+            chain_pos: [M] int64 lookup chain position per node (0: a drafter node), or None.
         Returns:
             (b*, the expected committed tokens of that tree, calibrated).
         """
@@ -170,7 +175,11 @@ class CostModel:
             return 0, 1.0
         adj = tree.score.float() + beta * tree.depth.float()
         order = torch.sort(adj, descending=True, stable=True).indices
-        gain = torch.cumsum(self.calibrated(torch.exp(tree.score.float()[order]).clamp(max=1.0)), 0)
+        p = torch.exp(tree.score.float()[order]).clamp(max=1.0)
+        est = self.calibrated(p)
+        if chain_pos is not None:  # lookup nodes: their score is already the learnt estimate
+            est = torch.where(chain_pos[order] > 0, p, est)
+        gain = torch.cumsum(est, 0)
         best_b, best_rate, best_exp = 0, 1.0 / self.verify_time(1), 1.0
         for b in range(1, m + 1):
             exp_tok = 1.0 + float(gain[b - 1])
@@ -182,14 +191,16 @@ class CostModel:
         self.spec_rate = spec if self.spec_rate is None else 0.5 * self.spec_rate + 0.5 * spec
         return best_b, best_exp
 
-    def record(self, tree: Tree, accepted: torch.Tensor) -> None:
+    def record(self, tree: Tree, accepted: torch.Tensor, chain_pos: torch.Tensor | None = None) -> None:
         """Account one verified round: its budget (``tree.size``) in the histogram and, for a drafted round, each
-        node's predicted p = exp(score) against whether it was accepted.
+        drafter node's predicted p = exp(score) against whether it was accepted (lookup chain nodes go to
+        :attr:`lookup` instead).
 
         Args:
             tree: the verified tree (M nodes; M = 0 for a plain AR step).
             accepted: [A] int64 accepted node indices, root (0) first, tree node i at index i + 1
                 (:class:`~dartree.decode.verify.Verification`).
+            chain_pos: [M] int64 lookup chain position per node (0: a drafter node), or None.
         """
         m = tree.size
         self.chosen[m] = self.chosen.get(m, 0) + 1
@@ -198,6 +209,10 @@ class CostModel:
         p = torch.exp(tree.score.detach().float().cpu()).clamp(max=1.0)
         hit = torch.zeros(m)
         hit[accepted.cpu()[1:] - 1] = 1.0
+        if chain_pos is not None:
+            self.lookup.record(chain_pos, accepted)
+            own = chain_pos == 0
+            p, hit = p[own], hit[own]
         self.calib_pred += float(p.sum())
         self.calib_real += float(hit.sum())
         nb = len(PROB_BINS) - 1
@@ -217,15 +232,18 @@ class CostModel:
                 "calibration": self.calibration, "max_budget": self.max_budget,
                 "calibration_bins": {"edges": list(PROB_BINS[:-1]) + [1.0], "nodes": [int(n) for n in self.bin_n],
                                      "predicted": self.bin_pred, "accepted": self.bin_real},
-                "chosen_budgets": {int(b): n for b, n in sorted(self.chosen.items())}}
+                "chosen_budgets": {int(b): n for b, n in sorted(self.chosen.items())},
+                "lookup_acceptance": self.lookup.summary()}
 
 
-def prune_to(tree: Tree, budget: int, beta: float = 0.0) -> Tree:
+def prune_to(tree: Tree, budget: int, beta: float = 0.0, chain_pos: torch.Tensor | None = None):
     """The ``budget`` best nodes of ``tree`` by ``score + beta * depth`` (prefix-closed for beta <= 0 since path
-    scores never increase along a path; DARTree Lemma 1), re-indexed topologically."""
-    from dartree.decode.trees import select_top_b
+    scores never increase along a path; DARTree Lemma 1), re-indexed topologically. With ``chain_pos`` [M]
+    (lookup chain positions, :mod:`dartree.decode.lookup`) returns (tree, the kept nodes' chain positions)."""
+    from dartree.decode.trees import select_top_b_keep
 
-    return select_top_b(tree, budget, beta)
+    pruned, keep = select_top_b_keep(tree, budget, beta)
+    return pruned if chain_pos is None else (pruned, chain_pos[keep])
 
 
 @torch.no_grad()

@@ -90,6 +90,7 @@ def budget_arg(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"{value} must be >= 0 (tree nodes per round) or 'auto'")
     return value
 METHOD_ALIASES = {"dartree-pruned": "pruned", "dartree-fixed": "fixed"}
+LOOKUP_SUFFIX = "+lookup"  # BUILDER+lookup: the builder's tree with a prompt-lookup chain grafted on (decode/lookup.py)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -98,7 +99,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     ap.add_argument("--tree", nargs="+", default=["pruned"],
                     help=f"methods besides the AR baseline: ar, {', '.join(sorted(BUILDERS))}, or all "
-                         "(every builder once; heap-sequential is the slow exact reference)")
+                         "(every builder once; heap-sequential is the slow exact reference); BUILDER+lookup also "
+                         "grafts a prompt-lookup chain onto each round's tree (--lookup tokens)")
+    ap.add_argument("--lookup", type=int, default=10,
+                    help="tokens of the prompt-lookup chain of the +lookup methods (transformers' default, 10)")
+    ap.add_argument("--lookup-ngram", type=int, default=3, help="longest n-gram the +lookup methods match")
     ap.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS), help="prompt sets")
     ap.add_argument("--limit", type=int, default=20, help="prompts per dataset")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
@@ -150,9 +155,11 @@ def resolve_methods(names: list[str]) -> list[str]:
     out: list[str] = []
     for n in names:
         for m in (sorted(set(BUILDERS) - {"dartree-pruned", "dartree-fixed"}) if n == "all" else [n]):
-            m = METHOD_ALIASES.get(m, m)
-            if m != "ar" and m not in BUILDERS:
-                raise KeyError(f"unknown --tree {n!r}; available: ar, all, {', '.join(sorted(BUILDERS))}")
+            base, plus = (m[: -len(LOOKUP_SUFFIX)], LOOKUP_SUFFIX) if m.endswith(LOOKUP_SUFFIX) else (m, "")
+            m = METHOD_ALIASES.get(base, base) + plus
+            if m != "ar" and METHOD_ALIASES.get(base, base) not in BUILDERS:
+                raise KeyError(f"unknown --tree {n!r}; available: ar, all, {', '.join(sorted(BUILDERS))}, each "
+                               f"also as NAME{LOOKUP_SUFFIX}")
             if m not in out:
                 out.append(m)
     return [m for m in out if m != "ar"]
@@ -264,6 +271,8 @@ def _eval_main(argv=None) -> int:
         (args.candidates < 1, f"--candidates must be >= 1, got {args.candidates}"),
         (args.width < 1, f"--width must be >= 1, got {args.width}"),
         (args.children < 1, f"--children must be >= 1, got {args.children}"),
+        (args.lookup < 1, f"--lookup must be >= 1 (tokens of the +lookup methods' chain), got {args.lookup}"),
+        (args.lookup_ngram < 1, f"--lookup-ngram must be >= 1, got {args.lookup_ngram}"),
         (args.limit < 1, f"--limit must be >= 1, got {args.limit}"),
         (args.max_new_tokens < 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
         (not math.isfinite(args.temperature) or args.temperature < 0,
@@ -293,11 +302,12 @@ def _eval_main(argv=None) -> int:
     # one run per (method, budget); chain drafts one node per proposal and ignores the budget
     runs: dict[str, tuple[str, int | None]] = {}
     for m in methods:
-        if m == "chain" or len(budgets) == 1:
-            runs[m] = (m, "auto" if budgets == ["auto"] else (None if m == "chain" else budgets[0]))
+        builder = m.removesuffix(LOOKUP_SUFFIX)
+        if builder == "chain" or len(budgets) == 1:
+            runs[m] = (builder, "auto" if budgets == ["auto"] else (None if builder == "chain" else budgets[0]))
         else:
             for b in budgets:
-                runs[f"{m}@B{b}"] = (m, b)
+                runs[f"{m}@B{b}"] = (builder, b)
     t0 = time.time()
     try:
         target = load_target(args.target, dtype=dtype)
@@ -349,6 +359,7 @@ def _eval_main(argv=None) -> int:
             target, dm.drafter, dm.head, ids, builder=builder, max_new_tokens=max_new,
             temperature=args.temperature, stop_ids=stop_ids, budget=b, generator=gen, builder_params=params,
             record_trees=record, cost_model=cost_models.get(method), acceptance=args.acceptance,
+            lookup=args.lookup if LOOKUP_SUFFIX in method else 0, lookup_ngram=args.lookup_ngram,
         )
 
     cost_models: dict = {}
@@ -409,7 +420,7 @@ def _eval_main(argv=None) -> int:
                 "python": platform.python_version(), "platform": platform.platform(), "threads": torch.get_num_threads(),
                 "target": target.name, "checkpoint": str(args.checkpoint) if methods else None,
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
-                "acceptance": args.acceptance,
+                "acceptance": args.acceptance, "lookup": args.lookup, "lookup_ngram": args.lookup_ngram,
                 "budget": budget, "builder_params": params,
                 "cost_models": {m: cm.summary() for m, cm in cost_models.items()},
                 "proposals": dm.drafter.cfg.num_proposals if dm is not None else None,

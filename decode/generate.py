@@ -18,6 +18,7 @@ import torch
 from dartree.decode.inputs import check_generate_args, check_speculative_args
 from dartree.decode.sampling import check_acceptance, rejection_verify, sample_chain
 from dartree.decode.budget import CostModel, calibrate, prune_to
+from dartree.decode.lookup import LookupStats, graft_chain, lookup_chain
 from dartree.decode.trees import DraftBlock, Tree, get_builder
 from dartree.decode.verify import compile_tree, target_tokens, verify
 from dartree.models.drafter import DFlashDrafter, DraftCache
@@ -199,6 +200,8 @@ def speculative_generate(
     record_trees: bool = False,
     cost_model: CostModel | None = None,
     acceptance: str = "match",
+    lookup: int = 0,
+    lookup_ngram: int = 3,
 ) -> GenerateOutput:
     """Speculative decoding with a block drafter, a correction head and a tree builder; lossless.
 
@@ -224,6 +227,10 @@ def speculative_generate(
         acceptance: ``"match"`` (default): deterministic drafts, exact target-sample matching (every builder);
             ``"rejection"`` (builder ``chain``, T > 0): sampled drafts and standard speculative sampling
             (Leviathan et al. 2023, Algorithm 1; :mod:`dartree.decode.sampling`), also lossless.
+        lookup: > 0 grafts a prompt-lookup chain of up to this many tokens onto every round's tree
+            (:mod:`dartree.decode.lookup`; with a fixed budget the chain's new nodes come on top of it, with
+            ``"auto"`` the cost model sizes the union). 0: off.
+        lookup_ngram: longest n-gram the lookup matches (it tries n = lookup_ngram .. 1).
     Returns:
         Tokens equal to :func:`autoregressive_generate`'s at T = 0 (and distributed as the target's samples
         at T > 0), plus stats.
@@ -239,6 +246,11 @@ def speculative_generate(
     prompt_ids, stop_ids = _check_args(target, prompt_ids, max_new_tokens, temperature, stop_ids, generator)
     check_speculative_args(target, drafter, head, builder=builder, budget=budget, builder_params=builder_params)
     rejection = check_acceptance(acceptance, builder, temperature) == "rejection"
+    if not isinstance(lookup, int) or lookup < 0 or not isinstance(lookup_ngram, int) or lookup_ngram < 1:
+        raise ValueError(f"lookup must be an int >= 0 and lookup_ngram an int >= 1 (got {lookup!r}, {lookup_ngram!r})")
+    if lookup and rejection:
+        raise ValueError("lookup > 0 needs acceptance='match': rejection sampling verifies a sampled chain, and a "
+                         "grafted lookup branch would make it a tree; use lookup=0 with acceptance='rejection'")
     build = get_builder(builder)
     params = dict(builder_params or {})
     auto = budget == "auto"
@@ -258,6 +270,8 @@ def speculative_generate(
     _, done = _commit(out, [anchor], max_new_tokens, stops)
     t1 = time.perf_counter()
     start = len(prompt_ids)
+    prompt_list = [int(t) for t in prompt_ids] if lookup else []
+    lookup_stats, chain_pos = LookupStats(), None
     dcache = DraftCache(len(drafter.layers))
     st = stats.stage_s
     while not done:
@@ -272,13 +286,21 @@ def speculative_generate(
                 tree = sampled.tree
             else:
                 tree = build(block, head, anchor, budget, **params)
+            if lookup:
+                chain = lookup_chain(torch.tensor(prompt_list + out), lookup, lookup_ngram)
+                probs = (cm.lookup if auto else lookup_stats).path_probs(chain.numel())
+                tree, chain_pos = graft_chain(tree, chain, probs)
             if auto:
                 cm.observe_build(time.perf_counter() - tb)
-                b, _ = cm.choose(tree, beta)
-                tree = prune_to(tree, b, beta)
+                if lookup:
+                    b, _ = cm.choose(tree, beta, chain_pos)
+                    tree, chain_pos = prune_to(tree, b, beta, chain_pos)
+                else:
+                    b, _ = cm.choose(tree, beta)
+                    tree = prune_to(tree, b, beta)
         else:  # a plain AR step: the root alone is verified; its features wait for the next draft
             tb = time.perf_counter()
-            tree = Tree.empty()
+            tree, chain_pos = Tree.empty(), torch.zeros(0, dtype=torch.long)
         tc = time.perf_counter()
         inputs = compile_tree(tree, anchor, start, dtype=target.dtype, device=target.device) if tree.size else None
         tc2 = time.perf_counter()
@@ -293,7 +315,9 @@ def speculative_generate(
         stats.tree_nodes.append(tree.size)
         stats.budgets.append(tree.size if auto else budget)
         if auto:
-            cm.record(tree, ver.accepted)
+            cm.record(tree, ver.accepted, chain_pos if lookup else None)
+        elif lookup and drafted:
+            lookup_stats.record(chain_pos, ver.accepted)
         stats.depth_nodes.append(torch.bincount(tree.depth.cpu(), minlength=1).tolist()[1:])
         stats.accepted_depths.append(ver.accepted.numel() - 1)
         if record_trees:

@@ -294,12 +294,18 @@ def select_top_b(tree: Tree, budget: int, beta: float) -> Tree:
     Raises:
         ValueError: beta > 0 (the prefix-closure guarantee does not hold); use beta <= 0.
     """
+    return select_top_b_keep(tree, budget, beta)[0]
+
+
+def select_top_b_keep(tree: Tree, budget: int, beta: float) -> tuple[Tree, torch.Tensor]:
+    """:func:`select_top_b` that also returns the kept original node indices [B'] int64 (ascending), so
+    per-node side data can follow the selection."""
     _check_beta(beta)
     m = tree.size
     if budget >= m:
-        return tree
+        return tree, torch.arange(m)
     if budget <= 0:
-        return Tree.empty()
+        return Tree.empty(), torch.zeros(0, dtype=torch.long)
     adj = tree.score + beta * tree.depth.float()
     keep = _stable_topk(adj, budget).sort().values  # original order is topological
     remap = torch.full((m + 1,), -1, dtype=torch.long)
@@ -308,7 +314,7 @@ def select_top_b(tree: Tree, budget: int, beta: float) -> Tree:
     parents = remap[tree.parents[keep]]
     if bool((parents < 0).any()):  # pragma: no cover - excluded by the lemma above
         raise RuntimeError("select_top_b: kept set is not prefix-closed")
-    return Tree(tree.tokens[keep], parents, tree.depth[keep], tree.score[keep])
+    return Tree(tree.tokens[keep], parents, tree.depth[keep], tree.score[keep]), keep
 
 
 @register_builder("dartree-pruned", "pruned")

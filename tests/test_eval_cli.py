@@ -90,8 +90,30 @@ def test_tree_all_expands_to_every_builder_once():
     got = resolve_methods(["all"])
     assert got == ["chain", "ddtree", "fixed", "heap-sequential", "pctree", "pruned"]
     assert resolve_methods(["dartree-pruned", "pruned", "ar"]) == ["pruned"]
+    assert resolve_methods(["dartree-pruned+lookup", "chain+lookup", "pruned"]) == ["pruned+lookup", "chain+lookup",
+                                                                                    "pruned"]
     with pytest.raises(KeyError, match="available"):
         resolve_methods(["beam"])
+    with pytest.raises(KeyError, match="NAME\\+lookup"):
+        resolve_methods(["beam+lookup"])
+
+
+def test_eval_cli_lookup_rows_side_by_side(tiny_folder, tmp_path):
+    # pruned and pruned+lookup in one run, auto budget: both lossless, the lookup settings and its acceptance
+    # by chain position in the report
+    out = tmp_path / "rep"
+    cmd = [sys.executable, "decode/eval.py", "--target", str(tiny_folder / "target"), "--checkpoint",
+           str(tiny_folder / "ckpt"), "--tree", "pruned", "pruned+lookup", "--datasets", "humaneval", "--limit", "2",
+           "--max-new-tokens", "24", "--lookup", "6", "--out", str(out)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    rep = json.loads((out / "report.json").read_text())
+    assert set(rep["methods"]) == {"ar", "pruned", "pruned+lookup"}
+    assert all(rep["methods"][m]["lossless"] is True for m in ("pruned", "pruned+lookup"))
+    env = rep["environment"]
+    assert env["lookup"] == 6 and env["lookup_ngram"] == 3
+    assert env["cost_models"]["pruned"]["lookup_acceptance"] == {}
+    assert isinstance(env["cost_models"]["pruned+lookup"]["lookup_acceptance"], dict)
 
 
 def test_negative_threads_is_a_one_line_error(capsys):
