@@ -159,7 +159,8 @@ class CostModel:
         self.skip_run = min(2 * self.skip_run, 16)
         return True
 
-    def choose(self, tree: Tree, beta: float = 0.0, chain_pos: torch.Tensor | None = None) -> tuple[int, float]:
+    def choose(self, tree: Tree, beta: float = 0.0, chain_pos: torch.Tensor | None = None,
+               drafted: bool = True) -> tuple[int, float]:
         """The budget b* of a built tree (nodes kept = the b* best by ``score + beta * depth``).
 
         Args:
@@ -167,6 +168,8 @@ class CostModel:
                 (nats, <= 0, non-increasing along paths).
             beta: the builder's depth bonus (<= 0) used to rank nodes, as its own top-B does.
             chain_pos: [M] int64 lookup chain position per node (0: a drafter node), or None.
+            drafted: False for a lookup-only tree of a round that skipped the drafter: it does not count
+                towards the drafted rounds' promised rate (:meth:`should_draft`).
         Returns:
             (b*, the expected committed tokens of that tree, calibrated).
         """
@@ -186,6 +189,8 @@ class CostModel:
             rate = exp_tok / self.verify_time(b + 1)
             if rate > best_rate:
                 best_b, best_rate, best_exp = b, rate, exp_tok
+        if not drafted:
+            return best_b, best_exp
         # what this drafted round promised with its draft and build cost included (for should_draft)
         spec = best_exp / (self.t_draft + self.t_build + self.verify_time(best_b + 1))
         self.spec_rate = spec if self.spec_rate is None else 0.5 * self.spec_rate + 0.5 * spec

@@ -298,9 +298,15 @@ def speculative_generate(
                 else:
                     b, _ = cm.choose(tree, beta)
                     tree = prune_to(tree, b, beta)
-        else:  # a plain AR step: the root alone is verified; its features wait for the next draft
+        else:  # no draft: the root alone (a plain AR step) or a lookup chain; features wait for the next draft
             tb = time.perf_counter()
             tree, chain_pos = Tree.empty(), torch.zeros(0, dtype=torch.long)
+            if lookup:
+                chain = lookup_chain(torch.tensor(prompt_list + out), lookup, lookup_ngram)
+                if chain.numel():
+                    tree, chain_pos = graft_chain(tree, chain, cm.lookup.path_probs(chain.numel()))
+                    b, _ = cm.choose(tree, 0.0, chain_pos, drafted=False)
+                    tree, chain_pos = prune_to(tree, b, 0.0, chain_pos)
         tc = time.perf_counter()
         inputs = compile_tree(tree, anchor, start, dtype=target.dtype, device=target.device) if tree.size else None
         tc2 = time.perf_counter()

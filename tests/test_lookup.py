@@ -98,3 +98,19 @@ def test_lookup_argument_errors(target, prompts):
     with pytest.raises(ValueError, match="acceptance='match'"):
         speculative_generate(target, drafter, head, prompts[0], builder="chain", max_new_tokens=4, lookup=4,
                              temperature=1.0, acceptance="rejection", generator=torch.Generator().manual_seed(0))
+
+
+def test_rounds_that_skip_the_drafter_still_verify_the_lookup_chain(target, prompts):
+    # a draft that costs 50 AR steps: the cost model skips the drafter nearly every round (as in
+    # test_decode_speed), but a lookup chain costs nothing to draft, so those rounds verify it instead of a lone
+    # root; the output still equals AR
+    drafter, head = make_drafter(), make_head("markov", target)
+    p = prompts[0]
+    want = autoregressive_generate(target, p, max_new_tokens=60, stop_ids=()).tokens
+    cm = CostModel(t_ar=1.0, t_draft=50.0, verify_s={1: 1.0, 2: 1.02, 5: 1.1, 9: 1.2, 17: 1.5}, max_budget=16)
+    got = speculative_generate(target, drafter, head, p, builder="pruned", budget="auto", cost_model=cm,
+                               max_new_tokens=60, stop_ids=(), lookup=8)
+    assert got.tokens == want
+    st = got.stats
+    assert sum(b > 0 for b in st.budgets) > 7  # more verified trees than the at most 7 drafted rounds
+    assert sum(st.accepted_depths) > 0 and sum(a for _, a in cm.lookup.summary().values()) > 0
