@@ -72,6 +72,8 @@ class CostModel:
         lookup: acceptance by position of grafted prompt-lookup chains (:mod:`dartree.decode.lookup`); their
             nodes' scores are already these estimates and skip ``c(p)``.
         spec_rate: EMA of the tokens per second a drafted round promised, draft and build included.
+        undrafted_rate: EMA of what rounds without the drafter promised (a lookup chain alone, or a plain AR
+            step when the lookup found nothing); None without lookup, where the alternative is 1 / t_ar.
         skip_run: AR steps to take before the next probe; ``skip_left`` of them are left.
         chosen: histogram {B: rounds} of the budgets chosen (0: AR step), for reports.
     """
@@ -88,6 +90,7 @@ class CostModel:
     bin_real: list = field(default_factory=lambda: [0.0] * (len(PROB_BINS) - 1))
     lookup: LookupStats = field(default_factory=LookupStats)
     spec_rate: float | None = None
+    undrafted_rate: float | None = None
     skip_run: int = 1
     skip_left: int = 0
     chosen: dict = field(default_factory=dict)
@@ -147,8 +150,11 @@ class CostModel:
         return f0 + t * (f1 - f0)
 
     def should_draft(self) -> bool:
-        """Whether this round drafts (False: a plain AR step). Updates the skip counters."""
-        if self.spec_rate is None or self.spec_rate >= 1.0 / self.t_ar:
+        """Whether this round drafts (False: a plain AR step, or a lookup chain alone). Drafting continues while
+        the drafted rounds promise at least the rate of the alternative (1 / t_AR, or the EMA of what the
+        undrafted lookup rounds promised, whichever is higher). Updates the skip counters."""
+        alternative = max(1.0 / self.t_ar, self.undrafted_rate or 0.0)
+        if self.spec_rate is None or self.spec_rate >= alternative:
             self.skip_run = 1
             return True
         if self.skip_left > 0:
@@ -175,6 +181,8 @@ class CostModel:
         """
         m = tree.size
         if m == 0:
+            if not drafted:
+                self._undrafted(1.0 / self.t_ar)
             return 0, 1.0
         adj = tree.score.float() + beta * tree.depth.float()
         order = torch.sort(adj, descending=True, stable=True).indices
@@ -190,13 +198,18 @@ class CostModel:
             if rate > best_rate:
                 best_b, best_rate, best_exp = b, rate, exp_tok
         if not drafted:
+            self._undrafted(best_rate)
             return best_b, best_exp
         # what this drafted round promised with its draft and build cost included (for should_draft)
         spec = best_exp / (self.t_draft + self.t_build + self.verify_time(best_b + 1))
         self.spec_rate = spec if self.spec_rate is None else 0.5 * self.spec_rate + 0.5 * spec
         return best_b, best_exp
 
-    def record(self, tree: Tree, accepted: torch.Tensor, chain_pos: torch.Tensor | None = None) -> None:
+    def _undrafted(self, rate: float) -> None:
+        self.undrafted_rate = rate if self.undrafted_rate is None else 0.8 * self.undrafted_rate + 0.2 * rate
+
+    def record(self, tree: Tree, accepted: torch.Tensor, chain_pos: torch.Tensor | None = None,
+               ngram: int = 0) -> None:
         """Account one verified round: its budget (``tree.size``) in the histogram and, for a drafted round, each
         drafter node's predicted p = exp(score) against whether it was accepted (lookup chain nodes go to
         :attr:`lookup` instead).
@@ -206,6 +219,7 @@ class CostModel:
             accepted: [A] int64 accepted node indices, root (0) first, tree node i at index i + 1
                 (:class:`~dartree.decode.verify.Verification`).
             chain_pos: [M] int64 lookup chain position per node (0: a drafter node), or None.
+            ngram: the matched n-gram size of the round's lookup chain (0: none).
         """
         m = tree.size
         self.chosen[m] = self.chosen.get(m, 0) + 1
@@ -215,7 +229,7 @@ class CostModel:
         hit = torch.zeros(m)
         hit[accepted.cpu()[1:] - 1] = 1.0
         if chain_pos is not None:
-            self.lookup.record(chain_pos, accepted)
+            self.lookup.record(chain_pos, accepted, ngram)
             own = chain_pos == 0
             p, hit = p[own], hit[own]
         self.calib_pred += float(p.sum())

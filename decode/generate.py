@@ -18,7 +18,7 @@ import torch
 from dartree.decode.inputs import check_generate_args, check_speculative_args
 from dartree.decode.sampling import check_acceptance, rejection_verify, sample_chain
 from dartree.decode.budget import CostModel, calibrate, prune_to
-from dartree.decode.lookup import LookupStats, graft_chain, lookup_chain
+from dartree.decode.lookup import LookupStats, graft_chain, lookup_match
 from dartree.decode.trees import DraftBlock, Tree, get_builder
 from dartree.decode.verify import compile_tree, target_tokens, verify
 from dartree.models.drafter import DFlashDrafter, DraftCache
@@ -271,7 +271,7 @@ def speculative_generate(
     t1 = time.perf_counter()
     start = len(prompt_ids)
     prompt_list = [int(t) for t in prompt_ids] if lookup else []
-    lookup_stats, chain_pos = LookupStats(), None
+    lookup_stats, chain_pos, ngram = LookupStats(), None, 0
     dcache = DraftCache(len(drafter.layers))
     st = stats.stage_s
     while not done:
@@ -287,8 +287,8 @@ def speculative_generate(
             else:
                 tree = build(block, head, anchor, budget, **params)
             if lookup:
-                chain = lookup_chain(torch.tensor(prompt_list + out), lookup, lookup_ngram)
-                probs = (cm.lookup if auto else lookup_stats).path_probs(chain.numel())
+                chain, ngram = lookup_match(torch.tensor(prompt_list + out), lookup, lookup_ngram)
+                probs = (cm.lookup if auto else lookup_stats).path_probs(chain.numel(), ngram)
                 tree, chain_pos = graft_chain(tree, chain, probs)
             if auto:
                 cm.observe_build(time.perf_counter() - tb)
@@ -302,11 +302,10 @@ def speculative_generate(
             tb = time.perf_counter()
             tree, chain_pos = Tree.empty(), torch.zeros(0, dtype=torch.long)
             if lookup:
-                chain = lookup_chain(torch.tensor(prompt_list + out), lookup, lookup_ngram)
-                if chain.numel():
-                    tree, chain_pos = graft_chain(tree, chain, cm.lookup.path_probs(chain.numel()))
-                    b, _ = cm.choose(tree, 0.0, chain_pos, drafted=False)
-                    tree, chain_pos = prune_to(tree, b, 0.0, chain_pos)
+                chain, ngram = lookup_match(torch.tensor(prompt_list + out), lookup, lookup_ngram)
+                tree, chain_pos = graft_chain(tree, chain, cm.lookup.path_probs(chain.numel(), ngram))
+                b, _ = cm.choose(tree, 0.0, chain_pos, drafted=False)  # also tracks what undrafted rounds promise
+                tree, chain_pos = prune_to(tree, b, 0.0, chain_pos)
         tc = time.perf_counter()
         inputs = compile_tree(tree, anchor, start, dtype=target.dtype, device=target.device) if tree.size else None
         tc2 = time.perf_counter()
@@ -321,9 +320,9 @@ def speculative_generate(
         stats.tree_nodes.append(tree.size)
         stats.budgets.append(tree.size if auto else budget)
         if auto:
-            cm.record(tree, ver.accepted, chain_pos if lookup else None)
+            cm.record(tree, ver.accepted, chain_pos if lookup else None, ngram)
         elif lookup and drafted:
-            lookup_stats.record(chain_pos, ver.accepted)
+            lookup_stats.record(chain_pos, ver.accepted, ngram)
         stats.depth_nodes.append(torch.bincount(tree.depth.cpu(), minlength=1).tolist()[1:])
         stats.accepted_depths.append(ver.accepted.numel() - 1)
         if record_trees:

@@ -25,6 +25,12 @@ from dartree.decode.trees import Tree
 
 
 def lookup_chain(context: torch.Tensor, num_tokens: int, max_ngram: int = 3, min_ngram: int = 1) -> torch.Tensor:
+    """:func:`lookup_match` without the matched n-gram size: [N] int64 drafted tokens."""
+    return lookup_match(context, num_tokens, max_ngram, min_ngram)[0]
+
+
+def lookup_match(context: torch.Tensor, num_tokens: int, max_ngram: int = 3,
+                 min_ngram: int = 1) -> tuple[torch.Tensor, int]:
     """Prompt-lookup draft: the tokens that followed the most recent earlier occurrence of the context's last n
     tokens, for the largest n in ``max_ngram`` .. ``min_ngram`` that occurs.
 
@@ -33,7 +39,7 @@ def lookup_chain(context: torch.Tensor, num_tokens: int, max_ngram: int = 3, min
         num_tokens: at most this many drafted tokens (>= 0).
         max_ngram, min_ngram: n-gram sizes tried, longest first (1 <= min_ngram <= max_ngram).
     Returns:
-        [N] int64 drafted tokens (N <= num_tokens; empty when no n-gram recurs).
+        ([N] int64 drafted tokens, N <= num_tokens, empty when no n-gram recurs; the matched n, 0 for none).
     Raises:
         ValueError: n-gram sizes out of order or below 1, or num_tokens < 0.
     """
@@ -44,55 +50,70 @@ def lookup_chain(context: torch.Tensor, num_tokens: int, max_ngram: int = 3, min
     t = context.numel()
     empty = context.new_zeros(0)
     if num_tokens == 0:
-        return empty
+        return empty, 0
     for n in range(min(max_ngram, t - 1), min_ngram - 1, -1):
         # windows starting at 0 .. t - n - 1: every occurrence except the suffix itself, each followed by a token
         windows = context[: t - 1].unfold(0, n, 1)
         hits = torch.nonzero((windows == context[t - n:]).all(dim=1)).flatten()
         if hits.numel():
             s = int(hits[-1]) + n
-            return context[s: s + num_tokens].clone()
-    return empty
+            return context[s: s + num_tokens].clone(), n
+    return empty, 0
 
 
 @dataclass
 class LookupStats:
-    """Online acceptance of the lookup chain by position j = 1..L: of the rounds that verified chain node j,
-    how many accepted it (its whole prefix accepted too), with a prior of 0.5**j worth ``prior`` rounds.
+    """Online acceptance of the lookup chain by matched n-gram size n and position j = 1..L: of the rounds that
+    verified chain node j after an n-gram match, how many accepted it (its whole prefix accepted too), with a
+    prior worth ``prior`` rounds: the same position's estimate over all n (itself with a 0.5**j prior), since a
+    longer match is the more reliable one but each n alone sees few rounds at first.
 
     Attributes:
-        verified: {j: rounds that verified chain node j}. accepted: {j: rounds that accepted it}.
+        verified: {(n, j): rounds that verified chain node j after an n-gram match}. accepted: {(n, j): of them
+            accepted}.
     """
 
     prior: float = 2.0
     verified: dict = field(default_factory=dict)
     accepted: dict = field(default_factory=dict)
 
-    def path_probs(self, length: int) -> torch.Tensor:
-        """[length] fp32 estimated path acceptance probabilities of chain positions 1..length (non-increasing)."""
+    def _pooled(self, j: int) -> float:
+        v = sum(c for (_, jj), c in self.verified.items() if jj == j)
+        a = sum(c for (_, jj), c in self.accepted.items() if jj == j)
+        return (a + self.prior * 0.5 ** j) / (v + self.prior)
+
+    def path_probs(self, length: int, ngram: int = 0) -> torch.Tensor:
+        """[length] fp32 estimated path acceptance probabilities of chain positions 1..length after a match of
+        ``ngram`` tokens (0: pooled over every n), non-increasing."""
         out, prev = [], 1.0
         for j in range(1, length + 1):
-            p = (self.accepted.get(j, 0) + self.prior * 0.5 ** j) / (self.verified.get(j, 0) + self.prior)
+            pooled = self._pooled(j)
+            p = pooled if not ngram else ((self.accepted.get((ngram, j), 0) + self.prior * pooled)
+                                         / (self.verified.get((ngram, j), 0) + self.prior))
             prev = min(prev, p)
             out.append(prev)
         return torch.tensor(out, dtype=torch.float32)
 
-    def record(self, chain_pos: torch.Tensor, accepted_nodes: torch.Tensor) -> None:
+    def record(self, chain_pos: torch.Tensor, accepted_nodes: torch.Tensor, ngram: int = 0) -> None:
         """Account one verified round. ``chain_pos`` [M] int64: each verified node's chain position (0: not on
-        the chain); ``accepted_nodes``: the verifier's accepted indices, root (0) first, node i at i + 1."""
+        the chain); ``accepted_nodes``: the verifier's accepted indices, root (0) first, node i at i + 1;
+        ``ngram``: the matched n-gram size of that round's chain."""
         on = torch.nonzero(chain_pos > 0).flatten()
         if not on.numel():
             return
         hit = torch.zeros(chain_pos.numel(), dtype=torch.bool)
         hit[accepted_nodes.cpu()[1:] - 1] = True
         for i in on.tolist():
-            j = int(chain_pos[i])
-            self.verified[j] = self.verified.get(j, 0) + 1
-            self.accepted[j] = self.accepted.get(j, 0) + int(hit[i])
+            key = (int(ngram), int(chain_pos[i]))
+            self.verified[key] = self.verified.get(key, 0) + 1
+            self.accepted[key] = self.accepted.get(key, 0) + int(hit[i])
 
     def summary(self) -> dict:
-        """JSON-ready {position: [verified, accepted]}."""
-        return {int(j): [self.verified[j], self.accepted.get(j, 0)] for j in sorted(self.verified)}
+        """JSON-ready {"n=N": {position: [verified, accepted]}}."""
+        out: dict = {}
+        for (n, j) in sorted(self.verified):
+            out.setdefault(f"n={n}", {})[int(j)] = [self.verified[(n, j)], self.accepted.get((n, j), 0)]
+        return out
 
 
 def graft_chain(tree: Tree, chain: torch.Tensor, chain_probs: torch.Tensor) -> tuple[Tree, torch.Tensor]:

@@ -127,6 +127,25 @@ def test_should_draft_probe_schedule():
     assert cm.should_draft() and cm.skip_run == 1
 
 
+def test_should_draft_weighs_the_drafter_against_lookup_only_rounds():
+    # the drafted rounds promise 1.5 tokens/s, above AR's 1: without lookup the drafter always runs ...
+    cm = _model()
+    cm.spec_rate = 1.5
+    assert all(cm.should_draft() for _ in range(5))
+    # ... but when rounds without the drafter (a lookup chain alone) promise 2, it pays only as a probe
+    empty = Tree.empty()
+    for _ in range(30):
+        cm.choose(empty, drafted=False)  # a round where the lookup found nothing: an AR step, 1 token/s
+    assert cm.undrafted_rate == pytest.approx(1.0)
+    cm.undrafted_rate = 2.0
+    assert [cm.should_draft() for _ in range(6)] == [True, False, True, False, False, True]
+    # a lookup-only tree moves the undrafted rate, never the drafted one
+    chain = Tree(torch.tensor([5, 6]), torch.tensor([0, 1]), torch.tensor([1, 2]), torch.log(torch.tensor([0.9, 0.8])))
+    b, exp_tok = cm.choose(chain, chain_pos=torch.tensor([1, 2]), drafted=False)
+    assert b == 2 and exp_tok == pytest.approx(1 + 0.9 + 0.8) and cm.spec_rate == 1.5
+    assert cm.undrafted_rate == pytest.approx(0.8 * 2.0 + 0.2 * exp_tok / cm.verify_time(3))
+
+
 def test_calibrate_measures_every_size(target, prompts):
     drafter = make_drafter()
     cm = calibrate(target, drafter, prompts[0] * 3, max_budget=6, reps=1)

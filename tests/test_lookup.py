@@ -10,7 +10,7 @@ import torch
 from conftest import make_drafter, make_head
 from dartree.decode.budget import CostModel
 from dartree.decode.generate import autoregressive_generate, speculative_generate
-from dartree.decode.lookup import LookupStats, graft_chain, lookup_chain
+from dartree.decode.lookup import LookupStats, graft_chain, lookup_chain, lookup_match
 from dartree.decode.trees import Tree, select_top_b_keep
 
 STOP = 1
@@ -26,6 +26,7 @@ def test_lookup_chain_takes_the_longest_recent_ngram():
     ctx = t(5, 6, 7, 8, 8, 5, 6, 7, 9, 9, 4, 5, 6, 7)
     assert lookup_chain(ctx, 4).tolist() == [9, 9, 4, 5]
     assert lookup_chain(ctx, 1).tolist() == [9]
+    assert lookup_match(ctx, 2)[1] == 3 and lookup_match(t(3, 2, 1, 3), 5)[1] == 1 and lookup_match(ctx, 0)[1] == 0
     # only a 1-gram matches: 3 was last followed by 2
     assert lookup_chain(t(3, 2, 1, 3), 5).tolist() == [2, 1, 3]
     # nothing recurs, or nothing asked
@@ -68,7 +69,17 @@ def test_lookup_stats_learn_position_acceptance():
         st.record(t(1, 2, 3, 0), t(0, 1, 2))
     got = st.path_probs(3)
     assert got[0] == pytest.approx((10 + 1.0) / 12) and got[2] == pytest.approx((0 + 2 * 0.125) / 12)
-    assert torch.all(got[1:] <= got[:-1]) and st.summary() == {1: [10, 10], 2: [10, 10], 3: [10, 0]}
+    assert torch.all(got[1:] <= got[:-1]) and st.summary() == {"n=0": {1: [10, 10], 2: [10, 10], 3: [10, 0]}}
+    # by matched n-gram size: 3-gram matches always right at position 1, 1-gram matches never; each size
+    # shrinks towards the pooled position estimate
+    st = LookupStats()
+    for _ in range(20):
+        st.record(t(1), t(0, 1), ngram=3)
+        st.record(t(1), t(0), ngram=1)
+    pooled = (20 + 1.0) / 42
+    assert st.path_probs(1, 3)[0] == pytest.approx((20 + 2 * pooled) / 22)
+    assert st.path_probs(1, 1)[0] == pytest.approx((0 + 2 * pooled) / 22)
+    assert st.path_probs(1)[0] == pytest.approx(pooled)
 
 
 @pytest.mark.parametrize("builder", ["chain", "pruned", "ddtree", "pctree", "fixed"])
@@ -86,7 +97,7 @@ def test_lookup_graft_is_lossless_and_accepts_repeats(target, prompts, builder, 
             assert got.tokens == want
             total[lk > 0] += sum(got.stats.accepted_depths)
             if cm is not None and lk:
-                assert sum(v for v, _ in cm.lookup.summary().values()) > 0  # lookup nodes were verified
+                assert sum(cm.lookup.verified.values()) > 0  # lookup nodes were verified
     # a random tiny target's greedy text falls into loops that the lookup predicts: more drafts accepted
     assert total[1] > total[0]
 
@@ -113,4 +124,4 @@ def test_rounds_that_skip_the_drafter_still_verify_the_lookup_chain(target, prom
     assert got.tokens == want
     st = got.stats
     assert sum(b > 0 for b in st.budgets) > 7  # more verified trees than the at most 7 drafted rounds
-    assert sum(st.accepted_depths) > 0 and sum(a for _, a in cm.lookup.summary().values()) > 0
+    assert sum(st.accepted_depths) > 0 and sum(cm.lookup.accepted.values()) > 0
