@@ -27,9 +27,10 @@ setup: $(VENV_DEP)
 	$(PY) -m pip install --no-deps dflash==0.1.0 specforge==0.2.0 speculators==0.9.0 hs-connectors==0.9.0
 	$(PY) -m pip install loguru==0.7.3 pydantic-settings==2.16.3 python-dotenv==1.2.4 openai==3.51.0
 
-# Main job: the shipped reference drafter, chain and DARTree-pruned vs autoregressive decoding, 5 prompts per data set.
+# Main job: the shipped reference drafter, chain, DARTree-pruned and DARTree-pruned with a grafted prompt-lookup chain vs
+# autoregressive decoding, 5 prompts per data set.
 run: setup
-	$(PY) decode/eval.py --tree chain pruned --peers hf-generate hf-prompt-lookup ar-bf16 zlab-dflash --limit 5 --max-new-tokens 256 --out reports/latest
+	$(PY) decode/eval.py --tree chain pruned pruned+lookup --peers hf-generate hf-prompt-lookup ar-bf16 zlab-dflash --limit 5 --max-new-tokens 256 --out reports/latest
 
 # The full default evaluation quoted in checkpoints/README.md (20 prompts per data set; ~30 min on 2 CPU cores).
 eval-full: setup
