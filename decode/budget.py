@@ -209,7 +209,7 @@ class CostModel:
         self.undrafted_rate = rate if self.undrafted_rate is None else 0.8 * self.undrafted_rate + 0.2 * rate
 
     def record(self, tree: Tree, accepted: torch.Tensor, chain_pos: torch.Tensor | None = None,
-               ngram: int = 0, streak: int = 0) -> bool:
+               ngram: int = 0) -> None:
         """Account one verified round: its budget (``tree.size``) in the histogram and, for a drafted round, each
         drafter node's predicted p = exp(score) against whether it was accepted (lookup chain nodes go to
         :attr:`lookup` instead).
@@ -219,20 +219,17 @@ class CostModel:
             accepted: [A] int64 accepted node indices, root (0) first, tree node i at index i + 1
                 (:class:`~dartree.decode.verify.Verification`).
             chain_pos: [M] int64 lookup chain position per node (0: a drafter node), or None.
-            ngram, streak: the context of the round's lookup chain (:class:`~dartree.decode.lookup.LookupStats`).
-        Returns:
-            whether a lookup chain node was accepted.
+            ngram: the matched n-gram size of the round's lookup chain (0: none).
         """
         m = tree.size
         self.chosen[m] = self.chosen.get(m, 0) + 1
         if m == 0:
-            return False
+            return
         p = torch.exp(tree.score.detach().float().cpu()).clamp(max=1.0)
         hit = torch.zeros(m)
         hit[accepted.cpu()[1:] - 1] = 1.0
-        lookup_hit = False
         if chain_pos is not None:
-            lookup_hit = self.lookup.record(chain_pos, accepted, ngram, streak)
+            self.lookup.record(chain_pos, accepted, ngram)
             own = chain_pos == 0
             p, hit = p[own], hit[own]
         self.calib_pred += float(p.sum())
@@ -242,7 +239,6 @@ class CostModel:
         for name, w in (("bin_n", None), ("bin_pred", p), ("bin_real", hit)):
             add = torch.bincount(k, weights=w, minlength=nb).tolist()
             setattr(self, name, [a + b for a, b in zip(getattr(self, name), add)])
-        return lookup_hit
 
     def observe_build(self, seconds: float) -> None:
         """Fold one measured tree-build time into ``t_build`` (EMA)."""

@@ -271,7 +271,7 @@ def speculative_generate(
     t1 = time.perf_counter()
     start = len(prompt_ids)
     prompt_list = [int(t) for t in prompt_ids] if lookup else []
-    lookup_stats, chain_pos, ngram, streak = LookupStats(), None, 0, 0
+    lookup_stats, chain_pos, ngram = LookupStats(), None, 0
     dcache = DraftCache(len(drafter.layers))
     st = stats.stage_s
     while not done:
@@ -288,7 +288,7 @@ def speculative_generate(
                 tree = build(block, head, anchor, budget, **params)
             if lookup:
                 chain, ngram = lookup_match(torch.tensor(prompt_list + out), lookup, lookup_ngram)
-                probs = (cm.lookup if auto else lookup_stats).path_probs(chain.numel(), ngram, streak)
+                probs = (cm.lookup if auto else lookup_stats).path_probs(chain.numel(), ngram)
                 tree, chain_pos = graft_chain(tree, chain, probs)
             if auto:
                 cm.observe_build(time.perf_counter() - tb)
@@ -303,7 +303,7 @@ def speculative_generate(
             tree, chain_pos = Tree.empty(), torch.zeros(0, dtype=torch.long)
             if lookup:
                 chain, ngram = lookup_match(torch.tensor(prompt_list + out), lookup, lookup_ngram)
-                tree, chain_pos = graft_chain(tree, chain, cm.lookup.path_probs(chain.numel(), ngram, streak))
+                tree, chain_pos = graft_chain(tree, chain, cm.lookup.path_probs(chain.numel(), ngram))
                 b, _ = cm.choose(tree, 0.0, chain_pos, drafted=False)  # also tracks what undrafted rounds promise
                 tree, chain_pos = prune_to(tree, b, 0.0, chain_pos)
         tc = time.perf_counter()
@@ -320,11 +320,9 @@ def speculative_generate(
         stats.tree_nodes.append(tree.size)
         stats.budgets.append(tree.size if auto else budget)
         if auto:
-            hit = cm.record(tree, ver.accepted, chain_pos if lookup else None, ngram, streak)
-        elif lookup:
-            hit = lookup_stats.record(chain_pos, ver.accepted, ngram, streak)
-        if lookup:  # rounds in a row whose lookup chain had an accepted node (the context of the next estimate)
-            streak = min(2, streak + 1) if hit else 0
+            cm.record(tree, ver.accepted, chain_pos if lookup else None, ngram)
+        elif lookup and drafted:
+            lookup_stats.record(chain_pos, ver.accepted, ngram)
         stats.depth_nodes.append(torch.bincount(tree.depth.cpu(), minlength=1).tolist()[1:])
         stats.accepted_depths.append(ver.accepted.numel() - 1)
         if record_trees:

@@ -63,15 +63,13 @@ def lookup_match(context: torch.Tensor, num_tokens: int, max_ngram: int = 3,
 
 @dataclass
 class LookupStats:
-    """Online acceptance of the lookup chain by context and position j = 1..L: of the rounds that verified chain
-    node j in a context, how many accepted it (its whole prefix accepted too). The context is the matched n-gram
-    size n (a longer match is the more reliable one) and the streak s = min(2, rounds in a row whose lookup
-    chain had an accepted node) (the lookup is right in runs: code and quoted text repeat for a while). Each
-    context is shrunk towards the position's estimate pooled over all contexts (itself with a 0.5**j prior),
-    with a prior worth ``prior`` rounds, since each context alone sees few rounds at first.
+    """Online acceptance of the lookup chain by matched n-gram size n and position j = 1..L: of the rounds that
+    verified chain node j after an n-gram match, how many accepted it (its whole prefix accepted too), with a
+    prior worth ``prior`` rounds: the same position's estimate over all n (itself with a 0.5**j prior), since a
+    longer match is the more reliable one but each n alone sees few rounds at first.
 
     Attributes:
-        verified: {(n, s, j): rounds that verified chain node j in context (n, s)}. accepted: {(n, s, j): of them
+        verified: {(n, j): rounds that verified chain node j after an n-gram match}. accepted: {(n, j): of them
             accepted}.
     """
 
@@ -80,45 +78,41 @@ class LookupStats:
     accepted: dict = field(default_factory=dict)
 
     def _pooled(self, j: int) -> float:
-        v = sum(c for k, c in self.verified.items() if k[-1] == j)
-        a = sum(c for k, c in self.accepted.items() if k[-1] == j)
+        v = sum(c for (_, jj), c in self.verified.items() if jj == j)
+        a = sum(c for (_, jj), c in self.accepted.items() if jj == j)
         return (a + self.prior * 0.5 ** j) / (v + self.prior)
 
-    def path_probs(self, length: int, ngram: int = 0, streak: int = 0) -> torch.Tensor:
+    def path_probs(self, length: int, ngram: int = 0) -> torch.Tensor:
         """[length] fp32 estimated path acceptance probabilities of chain positions 1..length after a match of
-        ``ngram`` tokens with lookup ``streak`` (ngram 0: pooled over every context), non-increasing."""
+        ``ngram`` tokens (0: pooled over every n), non-increasing."""
         out, prev = [], 1.0
         for j in range(1, length + 1):
             pooled = self._pooled(j)
-            key = (ngram, streak, j)
-            p = pooled if not ngram else ((self.accepted.get(key, 0) + self.prior * pooled)
-                                         / (self.verified.get(key, 0) + self.prior))
+            p = pooled if not ngram else ((self.accepted.get((ngram, j), 0) + self.prior * pooled)
+                                         / (self.verified.get((ngram, j), 0) + self.prior))
             prev = min(prev, p)
             out.append(prev)
         return torch.tensor(out, dtype=torch.float32)
 
-    def record(self, chain_pos: torch.Tensor, accepted_nodes: torch.Tensor, ngram: int = 0,
-               streak: int = 0) -> bool:
+    def record(self, chain_pos: torch.Tensor, accepted_nodes: torch.Tensor, ngram: int = 0) -> None:
         """Account one verified round. ``chain_pos`` [M] int64: each verified node's chain position (0: not on
         the chain); ``accepted_nodes``: the verifier's accepted indices, root (0) first, node i at i + 1;
-        ``ngram``, ``streak``: that round's context. Returns whether a chain node was accepted (for the streak)."""
+        ``ngram``: the matched n-gram size of that round's chain."""
         on = torch.nonzero(chain_pos > 0).flatten()
         if not on.numel():
-            return False
+            return
         hit = torch.zeros(chain_pos.numel(), dtype=torch.bool)
         hit[accepted_nodes.cpu()[1:] - 1] = True
         for i in on.tolist():
-            key = (int(ngram), int(streak), int(chain_pos[i]))
+            key = (int(ngram), int(chain_pos[i]))
             self.verified[key] = self.verified.get(key, 0) + 1
             self.accepted[key] = self.accepted.get(key, 0) + int(hit[i])
-        return bool(hit[on].any())
 
     def summary(self) -> dict:
-        """JSON-ready {"n=N,s=S": {position: [verified, accepted]}}."""
+        """JSON-ready {"n=N": {position: [verified, accepted]}}."""
         out: dict = {}
-        for (n, st, j) in sorted(self.verified):
-            out.setdefault(f"n={n},s={st}", {})[int(j)] = [self.verified[(n, st, j)],
-                                                           self.accepted.get((n, st, j), 0)]
+        for (n, j) in sorted(self.verified):
+            out.setdefault(f"n={n}", {})[int(j)] = [self.verified[(n, j)], self.accepted.get((n, j), 0)]
         return out
 
 
