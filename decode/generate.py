@@ -272,6 +272,12 @@ def speculative_generate(
     start = len(prompt_ids)
     prompt_list = [int(t) for t in prompt_ids] if lookup else []
     lookup_stats, chain_pos, ngram = LookupStats(), None, 0
+
+    def graft_lookup(tree: Tree, stats: LookupStats) -> tuple[Tree, torch.Tensor, int]:
+        """The round's prompt-lookup chain over prompt + committed tokens, grafted onto ``tree``."""
+        chain, n = lookup_match(torch.tensor(prompt_list + out), lookup, lookup_ngram)
+        return (*graft_chain(tree, chain, stats.path_probs(chain.numel(), n)), n)
+
     dcache = DraftCache(len(drafter.layers))
     st = stats.stage_s
     while not done:
@@ -287,9 +293,7 @@ def speculative_generate(
             else:
                 tree = build(block, head, anchor, budget, **params)
             if lookup:
-                chain, ngram = lookup_match(torch.tensor(prompt_list + out), lookup, lookup_ngram)
-                probs = (cm.lookup if auto else lookup_stats).path_probs(chain.numel(), ngram)
-                tree, chain_pos = graft_chain(tree, chain, probs)
+                tree, chain_pos, ngram = graft_lookup(tree, cm.lookup if auto else lookup_stats)
             if auto:
                 cm.observe_build(time.perf_counter() - tb)
                 if lookup:
@@ -302,8 +306,7 @@ def speculative_generate(
             tb = time.perf_counter()
             tree, chain_pos = Tree.empty(), torch.zeros(0, dtype=torch.long)
             if lookup:
-                chain, ngram = lookup_match(torch.tensor(prompt_list + out), lookup, lookup_ngram)
-                tree, chain_pos = graft_chain(tree, chain, cm.lookup.path_probs(chain.numel(), ngram))
+                tree, chain_pos, ngram = graft_lookup(tree, cm.lookup)
                 b, _ = cm.choose(tree, 0.0, chain_pos, drafted=False)  # also tracks what undrafted rounds promise
                 tree, chain_pos = prune_to(tree, b, 0.0, chain_pos)
         tc = time.perf_counter()

@@ -24,11 +24,6 @@ import torch
 from dartree.decode.trees import Tree
 
 
-def lookup_chain(context: torch.Tensor, num_tokens: int, max_ngram: int = 3, min_ngram: int = 1) -> torch.Tensor:
-    """:func:`lookup_match` without the matched n-gram size: [N] int64 drafted tokens."""
-    return lookup_match(context, num_tokens, max_ngram, min_ngram)[0]
-
-
 def lookup_match(context: torch.Tensor, num_tokens: int, max_ngram: int = 3,
                  min_ngram: int = 1) -> tuple[torch.Tensor, int]:
     """Prompt-lookup draft: the tokens that followed the most recent earlier occurrence of the context's last n
