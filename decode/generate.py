@@ -265,7 +265,8 @@ def speculative_generate(
         budget = drafter.cfg.num_proposals if budget is None else int(budget)
     cache = target.new_cache()
     t0 = time.perf_counter()
-    anchor, feats = _prefill(target, prompt_ids, cache, temperature, generator)
+    anchor, prefill_feats = _prefill(target, prompt_ids, cache, temperature, generator)
+    pending = [prefill_feats]  # target features not yet in the drafter's cache (concatenated once, at the next draft)
     stats.prefill_s = time.perf_counter() - t0
     _, done = _commit(out, [anchor], max_new_tokens, stops)
     t1 = time.perf_counter()
@@ -284,7 +285,9 @@ def speculative_generate(
         ta = time.perf_counter()
         drafted = not auto or cm.should_draft()
         if drafted:
+            feats = pending[0] if len(pending) == 1 else torch.cat(pending)
             block = draft_block(target, drafter, anchor, start, feats, dcache)
+            pending.clear()
             tb = time.perf_counter()
             if rejection:  # sampled chain: its q rows travel with the tree to the rejection verify
                 sampled = sample_chain(block, head, anchor, budget, temperature=temperature, generator=generator,
@@ -334,7 +337,7 @@ def speculative_generate(
                                 "bonus": int(ver.bonus_id)})
         start += ver.accepted.numel()
         anchor = ver.bonus_id
-        feats = ver.features if drafted else torch.cat([feats, ver.features])
+        pending.append(ver.features)
         te = time.perf_counter()
         st["draft"] += tb - ta
         st["tree_build"] += tc - tb

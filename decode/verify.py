@@ -168,6 +168,7 @@ def verify(
     post = target_tokens(out.logits[0], temperature, generator).tolist()
     path = walk(tree, post)
     acc = torch.tensor(path, dtype=torch.long)
-    compact_cache(cache, start, acc)
+    if tree.size:  # a root-only forward appended exactly the one entry that stays
+        compact_cache(cache, start, acc)
     tokens = [int(tree.tokens[i - 1]) for i in path[1:]]
     return Verification(acc, tokens, int(post[path[-1]]), out.features[0].index_select(0, acc.to(out.features.device)))

@@ -59,7 +59,19 @@ def topk_candidates(logits: torch.Tensor, k: int, backend: str = "auto"):
         ValueError: bad shape, k < 1 or an unknown backend; RuntimeError: ``backend="triton"`` where it cannot run.
     """
     kk = _check(logits, k)
-    if resolve(backend, logits.device) == "torch" or logits.shape[0] == 0:
+    if logits.shape[0] == 0:
+        return topk_candidates_ref(logits, k)
+    if resolve(backend, logits.device) == "torch":
+        if kk < logits.shape[1]:  # one top-(K+1): the set is the ref's unless the K-th value ties the next
+            x = logits.float()
+            vals, ids = torch.topk(x, kk + 1, dim=-1)
+            if not bool((vals[:, kk - 1] == vals[:, kk]).any()):
+                vals, ids = vals[:, :kk], ids[:, :kk]
+                by_id = torch.sort(ids, dim=-1).indices  # order (value desc, id asc), as the ref
+                ids, vals = ids.gather(-1, by_id), vals.gather(-1, by_id)
+                order = torch.sort(vals, dim=-1, descending=True, stable=True).indices
+                ids, vals = ids.gather(-1, order), vals.gather(-1, order)
+                return ids, vals, torch.logsumexp(vals, dim=-1)
         return topk_candidates_ref(logits, k)
     from dartree.kernels import _candidates_triton
 

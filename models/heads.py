@@ -48,6 +48,10 @@ class CorrectionHead(nn.Module):
 
     type_name = "base"
     max_candidates: int | None = None  # a head defined over the top-k of U only (DFlash 2's selector) caps K
+    # True when a node's state is a function of its own token alone (r = W1[x] or none), so g at depth d depends
+    # only on (H_d, the parent's token): builders then score every (previous candidate, candidate) pair of a round
+    # at once (dartree.decode.trees.pair_log_probs). False for recurrent heads (DSpark RNN, Domino GRU).
+    first_order: bool = False
 
     def hparams(self) -> dict:
         """Hyper-parameters stored as ``head`` in checkpoint configs (besides ``type``)."""
@@ -116,6 +120,7 @@ class IdentityHead(CorrectionHead):
     """No correction: g(C, H, r) = U[C]; plain DFlash drafting. Stateless (r is None)."""
 
     type_name = "identity"
+    first_order = True
 
     def __init__(self, vocab_size: int | None = None):
         super().__init__()
@@ -197,6 +202,7 @@ class MarkovHead(_ConfidenceMixin, CorrectionHead):
     """
 
     type_name = "markov"
+    first_order = True
 
     def __init__(self, vocab_size: int, rank: int = 256, hidden_size: int | None = None,
                  confidence_head: bool = False, confidence_with_markov: bool = True):
@@ -300,6 +306,7 @@ class RNNHead(MarkovHead):
     """
 
     type_name = "rnn"
+    first_order = False  # s_k follows the recurrence over the whole path
 
     def __init__(self, vocab_size: int, rank: int = 256, hidden_size: int | None = None,
                  confidence_head: bool = False, confidence_with_markov: bool = True):
@@ -478,6 +485,7 @@ class SelectorHead(CorrectionHead):
     """
 
     type_name = "selector"
+    first_order = True
 
     def __init__(self, vocab_size: int, rank: int = 256, hidden_size: int | None = None, top_k: int = 16):
         super().__init__()

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import VOCAB, make_drafter, make_head
-from dartree.decode.budget import CostModel, calibrate
+from dartree.decode.budget import MAX_SKIP_RUN, CostModel, calibrate
 from dartree.decode.generate import autoregressive_generate, speculative_generate
 from dartree.decode.trees import BUILDERS, DraftBlock, Tree, build_supertree, get_builder, select_top_b
 
@@ -123,8 +123,14 @@ def test_should_draft_probe_schedule():
     seq = [cm.should_draft() for _ in range(20)]
     # probe, 1 AR step, probe, 2 AR steps, probe, 4 AR steps, probe, 8 AR steps, ...
     assert seq[:12] == [True, False, True, False, False, True, False, False, False, False, True, False]
+    # ... up to MAX_SKIP_RUN; a paying round halves the run instead of forgetting the losing streak
+    cm.spec_rate = 0.5
+    for _ in range(200):
+        cm.should_draft()
+    assert cm.skip_run == MAX_SKIP_RUN == 32
     cm.spec_rate = 2.0
-    assert cm.should_draft() and cm.skip_run == 1
+    assert cm.should_draft() and cm.skip_run == 16
+    assert all(cm.should_draft() for _ in range(4)) and cm.skip_run == 1
 
 
 def test_should_draft_weighs_the_drafter_against_lookup_only_rounds():

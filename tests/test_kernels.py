@@ -190,3 +190,18 @@ def test_builders_give_the_same_tree_on_both_backends(builder):
     for field in ("tokens", "parents", "depth"):
         assert torch.equal(getattr(trees[0], field).cpu(), getattr(trees[1], field).cpu())
     torch.testing.assert_close(trees[0].score.cpu(), trees[1].score.cpu(), atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_topk_candidates_equal_the_ref_with_and_without_boundary_ties():
+    """The CPU path (one top-(K+1), falling back to the ref on a tie at the K-th value) returns the ref's ids,
+    values and log-sum-exp exactly, including tie order (value desc, id asc)."""
+    from dartree.kernels.candidates import topk_candidates, topk_candidates_ref
+
+    g = _gen(11)
+    for logits in (torch.randn(7, 300, generator=g) * 4,  # no ties
+                   torch.randint(0, 6, (7, 300), generator=g).float(),  # ties everywhere, also at the boundary
+                   torch.cat([torch.randn(3, 40, generator=g), torch.full((3, 40), 2.0)], dim=1)):  # tied top block
+        for k in (1, 5, 40, 299, 300):
+            got, want = topk_candidates(logits, k, backend="torch"), topk_candidates_ref(logits, k)
+            for a, b in zip(got, want):
+                assert torch.equal(a, b), k

@@ -244,3 +244,44 @@ def test_edge_cases_budget_k_and_small_vocab(builder):
     assert _prefix_closed(t) and 1 <= t.size <= 64
     again = b(small, IdentityHead(), 1, 64, k=64, width=12)
     assert torch.equal(t.tokens, again.tokens) and torch.equal(t.parents, again.parents)
+
+
+@pytest.mark.parametrize("name", ["identity", "markov", "gated_markov", "selector"])
+@pytest.mark.parametrize("builder,budget", [("chain", 6), ("pruned", 9), ("fixed", 9), ("pctree", 9)])
+def test_pair_tables_give_the_per_depth_frontier_tree(name, builder, budget):
+    """First-order heads take the pair-table path (pair_log_probs); it must build the tree the generic per-depth
+    frontier scoring builds (same nodes, scores equal up to matmul rounding)."""
+    from conftest import VOCAB, make_head
+    from dartree.decode.trees import block_candidates, pair_log_probs
+
+    head = make_head(name, seed=2, scale=1.0)
+    assert head.first_order
+    block = _block(p=6, v=VOCAB, seed=5)
+    fast = get_builder(builder)(block, head, 7, budget, k=16, width=3)
+    head.first_order = False  # the instance falls back to the per-depth frontier scoring
+    slow = get_builder(builder)(block, head, 7, budget, k=16, width=3)
+    assert fast.size == slow.size > 0
+    for f in ("tokens", "parents", "depth"):
+        assert torch.equal(getattr(fast, f), getattr(slow, f)), f
+    torch.testing.assert_close(fast.score, slow.score, atol=1e-5, rtol=1e-5)
+    # the table row of a parent is log_softmax over C_d of g(C_d, H_d, r(parent token)) from head.score itself
+    ids, vals = block_candidates(block, 16)
+    head.first_order = True
+    lq = pair_log_probs(block, head, 7, ids, vals)
+    d, j = 3, 5
+    st = head.advance(None, ids[d - 1, j : j + 1], block.hidden[d - 1 : d])
+    g = head.score(ids[d][None], block.hidden[d][None], st, vals[d][None])
+    torch.testing.assert_close(lq[d, j], torch.log_softmax(g[0], -1), atol=1e-5, rtol=1e-5)
+
+
+def test_pair_tables_refuse_recurrent_heads(target):
+    from conftest import make_head
+    from dartree.decode.trees import block_candidates, pair_log_probs
+
+    for name in ("rnn", "gru"):
+        head = make_head(name, target)
+        assert not head.first_order
+        block = _block(v=target.vocab_size)
+        ids, vals = block_candidates(block, 8)
+        with pytest.raises(ValueError, match="first-order"):
+            pair_log_probs(block, head, 7, ids, vals)
