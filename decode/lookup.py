@@ -58,53 +58,69 @@ def lookup_match(context: torch.Tensor, num_tokens: int, max_ngram: int = 3,
 
 @dataclass
 class LookupStats:
-    """Online acceptance of the lookup chain by matched n-gram size n and position j = 1..L: of the rounds that
-    verified chain node j after an n-gram match, how many accepted it (its whole prefix accepted too), with a
-    prior worth ``prior`` rounds: the same position's estimate over all n (itself with a 0.5**j prior), since a
-    longer match is the more reliable one but each n alone sees few rounds at first.
+    """Online acceptance of the lookup chain, by matched n-gram size n and position j = 1..L, learnt as the
+    probability that node j is accepted given that its parent was (for j = 1, given the round verified it);
+    the path probability of node j is the product down the chain.
+
+    Conditioning on the parent matters: a position-j count only accrues in rounds whose node j - 1 was accepted,
+    so a few early rejections at position 1 do not drag every deeper position's estimate towards zero, which
+    would stop the cost model from ever verifying them again (as it did when path probabilities were counted
+    directly). Each (n, j) estimate is shrunk, with a prior worth ``prior`` rounds, towards the same position
+    over every n, itself shrunk towards ``first_prior`` (j = 1) or ``continue_prior`` (j >= 2): once the
+    target follows a copied span it tends to keep following it (prompt lookup's premise; Saxena 2023).
 
     Attributes:
-        verified: {(n, j): rounds that verified chain node j after an n-gram match}. accepted: {(n, j): of them
-            accepted}.
+        verified: {(n, j): rounds that verified chain node j after an n-gram match, its parent accepted (j >= 2)}.
+        accepted: {(n, j): of them, rounds that accepted node j}.
     """
 
     prior: float = 2.0
+    first_prior: float = 0.5
+    continue_prior: float = 0.7
     verified: dict = field(default_factory=dict)
     accepted: dict = field(default_factory=dict)
 
     def _pooled(self, j: int) -> float:
         v = sum(c for (_, jj), c in self.verified.items() if jj == j)
         a = sum(c for (_, jj), c in self.accepted.items() if jj == j)
-        return (a + self.prior * 0.5 ** j) / (v + self.prior)
+        return (a + self.prior * (self.first_prior if j == 1 else self.continue_prior)) / (v + self.prior)
+
+    def conditional(self, j: int, ngram: int = 0) -> float:
+        """Estimated P(node j accepted | its parent accepted) after an ``ngram``-token match (0: pooled over n)."""
+        pooled = self._pooled(j)
+        if not ngram:
+            return pooled
+        return (self.accepted.get((ngram, j), 0) + self.prior * pooled) / (self.verified.get((ngram, j), 0) + self.prior)
 
     def path_probs(self, length: int, ngram: int = 0) -> torch.Tensor:
         """[length] fp32 estimated path acceptance probabilities of chain positions 1..length after a match of
-        ``ngram`` tokens (0: pooled over every n), non-increasing."""
+        ``ngram`` tokens (0: pooled over every n): the running product of :meth:`conditional`, non-increasing."""
         out, prev = [], 1.0
         for j in range(1, length + 1):
-            pooled = self._pooled(j)
-            p = pooled if not ngram else ((self.accepted.get((ngram, j), 0) + self.prior * pooled)
-                                         / (self.verified.get((ngram, j), 0) + self.prior))
-            prev = min(prev, p)
+            prev *= self.conditional(j, ngram)
             out.append(prev)
         return torch.tensor(out, dtype=torch.float32)
 
     def record(self, chain_pos: torch.Tensor, accepted_nodes: torch.Tensor, ngram: int = 0) -> None:
         """Account one verified round. ``chain_pos`` [M] int64: each verified node's chain position (0: not on
         the chain); ``accepted_nodes``: the verifier's accepted indices, root (0) first, node i at i + 1;
-        ``ngram``: the matched n-gram size of that round's chain."""
+        ``ngram``: the matched n-gram size of that round's chain. Position j >= 2 counts only when node j - 1
+        was accepted."""
         on = torch.nonzero(chain_pos > 0).flatten()
         if not on.numel():
             return
         hit = torch.zeros(chain_pos.numel(), dtype=torch.bool)
         hit[accepted_nodes.cpu()[1:] - 1] = True
-        for i in on.tolist():
-            key = (int(ngram), int(chain_pos[i]))
+        by_pos = {int(chain_pos[i]): bool(hit[i]) for i in on.tolist()}
+        for j, ok in sorted(by_pos.items()):
+            if j > 1 and not by_pos.get(j - 1, False):
+                break  # the parent was rejected: this round says nothing about node j given its parent
+            key = (int(ngram), j)
             self.verified[key] = self.verified.get(key, 0) + 1
-            self.accepted[key] = self.accepted.get(key, 0) + int(hit[i])
+            self.accepted[key] = self.accepted.get(key, 0) + int(ok)
 
     def summary(self) -> dict:
-        """JSON-ready {"n=N": {position: [verified, accepted]}}."""
+        """JSON-ready {"n=N": {position j: [verified, accepted]}} (j >= 2: rounds whose node j - 1 was accepted)."""
         out: dict = {}
         for (n, j) in sorted(self.verified):
             out.setdefault(f"n={n}", {})[int(j)] = [self.verified[(n, j)], self.accepted.get((n, j), 0)]

@@ -65,15 +65,24 @@ def test_graft_merges_shared_prefix_and_keeps_scores_monotone():
     assert same is tree and pos0.tolist() == [0, 0, 0]
 
 
-def test_lookup_stats_learn_position_acceptance():
+def test_lookup_stats_learn_conditional_acceptance():
     st = LookupStats()
-    assert st.path_probs(3).tolist() == pytest.approx([0.5, 0.25, 0.125])
+    assert st.path_probs(3).tolist() == pytest.approx([0.5, 0.35, 0.245])  # priors: 0.5, then 0.7 per step
     # chain of 3 verified 10 times: positions 1, 2 always accepted, position 3 never
     for _ in range(10):
         st.record(t(1, 2, 3, 0), t(0, 1, 2))
     got = st.path_probs(3)
-    assert got[0] == pytest.approx((10 + 1.0) / 12) and got[2] == pytest.approx((0 + 2 * 0.125) / 12)
-    assert torch.all(got[1:] <= got[:-1]) and st.summary() == {"n=0": {1: [10, 10], 2: [10, 10], 3: [10, 0]}}
+    p1, c2, c3 = (10 + 1.0) / 12, (10 + 1.4) / 12, (0 + 1.4) / 12
+    assert got.tolist() == pytest.approx([p1, p1 * c2, p1 * c2 * c3])
+    assert st.summary() == {"n=0": {1: [10, 10], 2: [10, 10], 3: [10, 0]}}
+    # a round that rejects position 1 teaches nothing about position 2 given position 1: only position 1 counts
+    st.record(t(1, 2, 3), t(0))
+    assert st.summary()["n=0"] == {1: [11, 10], 2: [10, 10], 3: [10, 0]}
+    # ... so rejections at position 1 leave the deeper conditionals where the evidence put them
+    fresh = LookupStats()
+    for _ in range(6):
+        fresh.record(t(1, 2), t(0))
+    assert fresh.conditional(2) == pytest.approx(0.7) and fresh.conditional(1) == pytest.approx(1.0 / 8)
     # by matched n-gram size: 3-gram matches always right at position 1, 1-gram matches never; each size
     # shrinks towards the pooled position estimate
     st = LookupStats()
