@@ -52,7 +52,9 @@ def topk_candidates_ref(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
 
 
 def topk_candidates(logits: torch.Tensor, k: int, backend: str = "auto"):
-    """Top-K candidates per row with their log-sum-exp; Triton on CUDA (``auto``), the ref on CPU.
+    """Top-K candidates per row with their log-sum-exp; Triton on CUDA (``auto``); on CPU one ``torch.topk`` of
+    K+1 values, sorted to the ref's order, with the ref itself only when a row's K-th value ties the next (where the
+    lower ids must win); the results equal the ref's exactly (tested).
 
     Same contract as :func:`topk_candidates_ref`.
     Raises:
