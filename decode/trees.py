@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
+import numpy as np
 import torch
 
 from dartree.decode.inputs import check_build_args
@@ -311,10 +312,11 @@ def pair_log_probs(block: DraftBlock, head: CorrectionHead, root_id: int, ids: t
         raise ValueError(f"pair_log_probs needs a first-order head; {type(head).__name__}'s state follows the path")
     p_len, kk = ids.shape
     prev = torch.cat([torch.full((kk, 1), int(root_id), dtype=torch.long, device=ids.device), ids[:-1].t()], dim=1)
-    fac = head.block_factors(prev, block.hidden[None].expand(kk, -1, -1))  # A [K, P, R] (None: identity)
+    # A [K, P, R] and W[C] [P*K, R] in one call (restricting W to the round's candidates: no [V, R] copy)
+    fac = head.block_factors(prev, block.hidden[None].expand(kk, -1, -1), ids.reshape(-1))  # None: identity
     g = vals.float()[:, None, :].expand(p_len, kk, kk)
     if fac is not None:
-        rows = head.out_rows(ids)  # [P, K, R]
+        rows = fac[1].view(p_len, kk, -1)  # [P, K, R]
         g = g + torch.bmm(fac[0].transpose(0, 1), rows.transpose(1, 2))
     return torch.log_softmax(g, dim=-1)
 
@@ -325,8 +327,6 @@ def _expand_first_order(logq: torch.Tensor, ids: torch.Tensor, quota: Callable[[
     selection (global top-``quota`` of parent score + log q~, ties to the earlier parent, then the better-ranked
     candidate) and the same early stop, on NumPy arrays (a few microseconds per depth instead of a dozen torch
     ops)."""
-    import numpy as np
-
     lq = logq.detach().cpu().numpy()
     id_np = ids.detach().cpu().numpy()
     p_len, kk = id_np.shape
