@@ -53,6 +53,30 @@ def test_continuous_greedy_generates_only_the_given_order(target, stop_and_refer
     assert all(row == ref[i] for i, row in got)
 
 
+def test_continuous_greedy_packs_linears_only_while_it_runs(target, stop_and_reference):
+    from dartree.models.packed import is_packed, pack_linears
+
+    prompts, stop, ref = stop_and_reference
+    linears = [m for m in target.model.modules() if isinstance(m, torch.nn.Linear)]
+    gen = continuous_greedy(target.model, prompts, max_new_tokens=MAX_NEW, stop_id=stop, slots=4, linear="onednn")
+    first = next(gen)
+    assert all(is_packed(m) for m in linears)  # inside: every linear runs prepacked weights
+    got = dict([first, *gen])
+    assert not any(is_packed(m) for m in linears)  # restored when the generator ends
+    assert [got[i] for i in range(len(prompts))] == ref
+    aten = dict(continuous_greedy(target.model, prompts, max_new_tokens=MAX_NEW, stop_id=stop, slots=4, linear="aten"))
+    assert aten == got
+    # a caller's own packing is left as it was
+    pack_linears(target.model.lm_head, "onednn")
+    try:
+        list(continuous_greedy(target.model, prompts[:2], max_new_tokens=2, stop_id=stop, slots=2))
+        assert is_packed(target.model.lm_head) and not is_packed(linears[0])
+    finally:
+        pack_linears(target.model, "aten")
+    with pytest.raises(ValueError, match="linear backend"):
+        list(continuous_greedy(target.model, prompts, max_new_tokens=2, stop_id=stop, linear="mkl"))
+
+
 def test_continuous_greedy_rejects_bad_arguments(target):
     with pytest.raises(ValueError, match="max_new_tokens"):
         list(continuous_greedy(target.model, [[3, 4]], max_new_tokens=0, stop_id=1))
