@@ -89,7 +89,7 @@ def candidates(base_logits: torch.Tensor, k: int, backend: str = "auto") -> tupl
     Raises:
         ValueError: k < 1.
     """
-    ids, vals, _ = topk_candidates(base_logits, k, backend=backend)
+    ids, vals, _ = topk_candidates(base_logits, k, backend=backend, with_lse=False)
     return ids, vals
 
 
@@ -105,7 +105,23 @@ def block_candidates(block: DraftBlock, k: int, backend: str = "auto", logits: t
         ValueError: k < 1.
     """
     cols, vals = candidates(block.base_logits if logits is None else logits, k, backend=backend)
-    return (cols if block.vocab is None else block.vocab.to(cols.device)[cols]), vals
+    if block.vocab is None:
+        return cols, vals
+    return torch.index_select(block.vocab.to(cols.device), 0, cols.reshape(-1)).view(cols.shape), vals
+
+
+def _top_q_stable(x: np.ndarray, q: int) -> np.ndarray:
+    """Indices of the q largest entries of a 1-D array, best first, ties to the lower index (as a stable sort of
+    -x, :func:`_stable_topk`): a partition finds the q-th value, only the selected ones are sorted."""
+    n = x.size
+    if q >= n:
+        return np.argsort(-x, kind="stable")
+    if q <= 0:
+        return np.zeros(0, dtype=np.int64)
+    thr = np.partition(x, n - q)[n - q]  # the q-th largest value
+    above = np.flatnonzero(x > thr)
+    pick = np.concatenate([above, np.flatnonzero(x == thr)[: q - above.size]])
+    return pick[np.lexsort((pick, -x[pick]))]
 
 
 def _stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -222,7 +238,11 @@ def build_chain(block: DraftBlock, head: CorrectionHead, root_id: int, budget: i
     m = max(0, min(int(budget), p))
     if m == 0:
         return Tree.empty()
-    return build_supertree(block.first(m), head, root_id, k=k,
+    block = block.first(m)
+    if head.first_order and resolve(backend, block.base_logits.device) == "torch":  # one table, a NumPy walk
+        ids, vals = block_candidates(block, head_k(k, head), backend=backend)
+        return _chain_first_order(block, head, root_id, ids, vals)
+    return build_supertree(block, head, root_id, k=k,
                            quota=lambda d, avail: 1, backend=backend)
 
 
@@ -290,15 +310,14 @@ def build_supertree(
 
 
 @torch.no_grad()
-def pair_log_probs(block: DraftBlock, head: CorrectionHead, root_id: int, ids: torch.Tensor, vals: torch.Tensor
-                   ) -> torch.Tensor:
-    """Normalised corrected log-probabilities of every (parent token, candidate) pair of a round, for a
-    ``first_order`` head (one whose state is a function of the parent's token alone).
+def pair_scores(block: DraftBlock, head: CorrectionHead, root_id: int, ids: torch.Tensor, vals: torch.Tensor
+                ) -> torch.Tensor:
+    """Corrected scores g(C_d, H_d, r(parent token)) of every (parent token, candidate) pair of a round, before
+    normalisation, for a ``first_order`` head (one whose state is a function of the parent's token alone).
 
-    At depth d a parent's token is the root (d = 0) or one of the K candidates of depth d - 1, so
-    log q~(c | parent) = log_softmax_C(g(C_d, H_d, r(parent token)))[c] takes K x K values per depth. They come
-    from the head's teacher-forced low-rank form (``block_factors``) and one batched matmul, which replaces the
-    per-depth frontier scoring (same values up to float rounding of the matmul).
+    At depth d a parent's token is the root (d = 0) or one of the K candidates of depth d - 1, so the scores take
+    K x K values per depth. They come from the head's teacher-forced low-rank form (``block_factors``) and one
+    batched matmul, which replaces the per-depth frontier scoring (same values up to float rounding of the matmul).
     Args:
         block: the round's DraftBlock (hidden [P, D]).
         ids, vals: [P, K] candidate ids and base logits (:func:`block_candidates`).
@@ -309,16 +328,59 @@ def pair_log_probs(block: DraftBlock, head: CorrectionHead, root_id: int, ids: t
         ValueError: the head is not ``first_order``.
     """
     if not head.first_order:
-        raise ValueError(f"pair_log_probs needs a first-order head; {type(head).__name__}'s state follows the path")
+        raise ValueError(f"pair tables need a first-order head; {type(head).__name__}'s state follows the path")
     p_len, kk = ids.shape
     prev = torch.cat([torch.full((kk, 1), int(root_id), dtype=torch.long, device=ids.device), ids[:-1].t()], dim=1)
     # A [K, P, R] and W[C] [P*K, R] in one call (restricting W to the round's candidates: no [V, R] copy)
     fac = head.block_factors(prev, block.hidden[None].expand(kk, -1, -1), ids.reshape(-1))  # None: identity
-    g = vals.float()[:, None, :].expand(p_len, kk, kk)
-    if fac is not None:
-        rows = fac[1].view(p_len, kk, -1)  # [P, K, R]
-        g = g + torch.bmm(fac[0].transpose(0, 1), rows.transpose(1, 2))
-    return torch.log_softmax(g, dim=-1)
+    g = vals.float()[:, None, :]
+    if fac is None:
+        return g.expand(p_len, kk, kk)
+    rows = fac[1].view(p_len, kk, -1)  # [P, K, R]
+    return torch.baddbmm(g, fac[0].transpose(0, 1), rows.transpose(1, 2))
+
+
+def pair_log_probs(block: DraftBlock, head: CorrectionHead, root_id: int, ids: torch.Tensor, vals: torch.Tensor
+                   ) -> torch.Tensor:
+    """Normalised corrected log-probabilities of every (parent token, candidate) pair of a round:
+    log q~(c | parent) = log_softmax over C_d of :func:`pair_scores` (same arguments and errors).
+
+    Returns:
+        [P, K, K] fp32, rows as :func:`pair_scores`.
+    """
+    return torch.log_softmax(pair_scores(block, head, root_id, ids, vals), dim=-1)
+
+
+def _chain_first_order(block: DraftBlock, head: CorrectionHead, root_id: int, ids: torch.Tensor,
+                       vals: torch.Tensor) -> Tree:
+    """:func:`build_chain` for a ``first_order`` head: depth d scores only its parent's row, g = U[C_d] +
+    A(parent) · W[C_d]^T with the factors of one teacher-forced ``head.block_factors`` call (the rows of
+    :func:`pair_scores`), and takes its first argmax (ties to the better-ranked candidate, as the frontier
+    selection); the P chosen rows are normalised together at the end. NumPy, two small ops per depth."""
+    p_len, kk = ids.shape
+    u = vals.detach().float().cpu().numpy()
+    prev = torch.cat([torch.full((kk, 1), int(root_id), dtype=torch.long, device=ids.device), ids[:-1].t()], dim=1)
+    fac = head.block_factors(prev, block.hidden[None].expand(kk, -1, -1), ids.reshape(-1))
+    cols = np.zeros(p_len + 1, dtype=np.int64)  # cols[d] = the parent's row at depth d (root: row 0)
+    if fac is None:  # identity: the base logits alone
+        g = u
+        cols[1:] = g.argmax(axis=1)
+    else:
+        a = fac[0].detach().float().transpose(0, 1).cpu().numpy()  # [P, K, R]: row j = parent ids[d-1, j]
+        w = fac[1].detach().float().reshape(p_len, kk, -1).cpu().numpy()  # [P, K, R]: W[C_d]
+        g = np.empty_like(u)
+        for d in range(p_len):
+            g[d] = u[d] + w[d] @ a[d, cols[d]]
+            cols[d + 1] = g[d].argmax()
+    m = g.max(axis=1, keepdims=True)
+    logq = g - (m + np.log(np.exp(g - m).sum(axis=1, keepdims=True)))
+    depth = np.arange(p_len)
+    scs = np.cumsum(logq[depth, cols[1:]], dtype=np.float32)
+    dev = ids.device
+    return Tree(torch.from_numpy(ids.detach().cpu().numpy()[depth, cols[1:]]).to(dev),
+                torch.arange(p_len, dtype=torch.long, device=dev), torch.arange(1, p_len + 1, dtype=torch.long,
+                                                                                device=dev),
+                torch.from_numpy(scs).to(dev))
 
 
 def _expand_first_order(logq: torch.Tensor, ids: torch.Tensor, quota: Callable[[int, int], int],
@@ -332,8 +394,8 @@ def _expand_first_order(logq: torch.Tensor, ids: torch.Tensor, quota: Callable[[
     p_len, kk = id_np.shape
     f_score = np.zeros(1, dtype=np.float32)
     f_col = np.zeros(1, dtype=np.int64)  # the frontier's row in the next depth's table (root: row 0)
-    f_index = np.zeros(1, dtype=np.int64)
-    toks, pars, deps, scs = [], [], [], []
+    f_start = 0  # node index of the frontier's first entry (frontier entries are numbered consecutively)
+    toks, pars, scs, counts = [], [], [], []
     next_index, adj_kept = 1, np.zeros(0, dtype=np.float32)
     for d in range(p_len):
         n_f = f_score.size
@@ -341,25 +403,26 @@ def _expand_first_order(logq: torch.Tensor, ids: torch.Tensor, quota: Callable[[
         if q <= 0 or n_f == 0:
             break
         path = (f_score[:, None] + lq[d][f_col]).reshape(-1)
-        pick = np.argsort(-path, kind="stable")[:q]
-        par_row, cand_col, f_score = pick // kk, pick % kk, path[pick]
+        # best first; ties to the lower flat index (earlier parent, then better-ranked candidate)
+        pick = np.array([path.argmax()]) if q == 1 else _top_q_stable(path, q)
+        par_row, cand_col = np.divmod(pick, kk)
+        f_score = path[pick]
         toks.append(id_np[d, cand_col])
-        pars.append(f_index[par_row])
-        deps.append(np.full(q, d + 1, dtype=np.int64))
+        pars.append(par_row + f_start)
         scs.append(f_score)
-        f_index = np.arange(next_index, next_index + q, dtype=np.int64)
-        f_col, next_index = cand_col, next_index + q
+        counts.append(q)
+        f_col, f_start, next_index = cand_col, next_index, next_index + q
         if prune is not None and d + 1 < p_len:
             b_keep, beta = prune
-            adj = np.concatenate([adj_kept, f_score + np.float32(beta * (d + 1))])
-            adj_kept = -np.sort(-adj, kind="stable")[:b_keep]
-            if adj_kept.size >= b_keep and float(adj_kept[-1]) >= float(f_score.max()) + beta * (d + 2):
+            adj_kept = np.sort(np.concatenate([adj_kept, f_score + np.float32(beta * (d + 1))]))[-b_keep:]
+            if adj_kept.size >= b_keep and float(adj_kept[0]) >= float(f_score.max()) + beta * (d + 2):
                 break
     if not toks:
         return Tree.empty()
     dev = ids.device
+    deps = np.repeat(np.arange(1, len(counts) + 1, dtype=np.int64), counts)
     return Tree(torch.from_numpy(np.concatenate(toks)).to(dev), torch.from_numpy(np.concatenate(pars)).to(dev),
-                torch.from_numpy(np.concatenate(deps)).to(dev), torch.from_numpy(np.concatenate(scs)).float().to(dev))
+                torch.from_numpy(deps).to(dev), torch.from_numpy(np.concatenate(scs)).float().to(dev))
 
 
 def select_top_b(tree: Tree, budget: int, beta: float) -> Tree:
@@ -384,6 +447,16 @@ def select_top_b_keep(tree: Tree, budget: int, beta: float) -> tuple[Tree, torch
     if budget <= 0:
         return Tree.empty(), torch.zeros(0, dtype=torch.long)
     adj = tree.score + beta * tree.depth.float()
+    if adj.device.type == "cpu":  # the same selection in NumPy (a handful of torch ops cost ~0.4 ms on a small CPU)
+        keep_np = np.sort(_top_q_stable(adj.numpy(), int(budget)))
+        remap_np = np.full(m + 1, -1, dtype=np.int64)
+        remap_np[0] = 0
+        remap_np[keep_np + 1] = np.arange(1, keep_np.size + 1)
+        par_np = remap_np[tree.parents.numpy()[keep_np]]
+        if (par_np < 0).any():  # pragma: no cover - excluded by the lemma above
+            raise RuntimeError("select_top_b: kept set is not prefix-closed")
+        keep = torch.from_numpy(keep_np)
+        return Tree(tree.tokens[keep], torch.from_numpy(par_np), tree.depth[keep], tree.score[keep]), keep
     keep = _stable_topk(adj, budget).sort().values  # original order is topological
     remap = torch.full((m + 1,), -1, dtype=torch.long)
     remap[0] = 0

@@ -10,6 +10,7 @@ all of it). Mask values are 0 (visible) and ``finfo(dtype).min`` (hidden): addit
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from dartree.kernels._backend import resolve
@@ -50,9 +51,26 @@ def tree_attention_ref(parents: torch.Tensor, start: int = 0, dtype: torch.dtype
     return depth_t.to(dev), (depth_t + int(start)).to(dev), mask.to(dev)
 
 
+def _tree_attention_cpu(parents: torch.Tensor, start: int, dtype: torch.dtype):
+    """The ref's arithmetic on NumPy rows (a draft tree has at most a few hundred nodes: one row copy per node
+    instead of a torch op per node); CPU tensors only, equal to :func:`tree_attention_ref` exactly."""
+    par = parents.numpy()
+    m = par.size
+    vis = np.eye(m + 1, dtype=bool)
+    depth = np.zeros(m + 1, dtype=np.int64)
+    for i in range(1, m + 1):
+        p = par[i - 1]
+        vis[i, :i] |= vis[p, :i]
+        depth[i] = depth[p] + 1
+    mask = torch.zeros(m + 1, m + 1, dtype=dtype).masked_fill_(torch.from_numpy(~vis), torch.finfo(dtype).min)
+    depth_t = torch.from_numpy(depth)
+    return depth_t, depth_t + int(start), mask
+
+
 def tree_attention(parents: torch.Tensor, start: int = 0, dtype: torch.dtype = torch.float32,
                    backend: str = "auto"):
-    """Tree compile on the GPU (one Triton program per node walks its ancestors) or the ref on CPU.
+    """Tree compile on the GPU (one Triton program per node walks its ancestors), on CPU the ref's rule on NumPy
+    rows (:func:`_tree_attention_cpu`).
 
     Same contract as :func:`tree_attention_ref`.
     Raises:
@@ -60,6 +78,8 @@ def tree_attention(parents: torch.Tensor, start: int = 0, dtype: torch.dtype = t
     """
     _check(parents)
     if resolve(backend, parents.device) == "torch":
+        if parents.device.type == "cpu":
+            return _tree_attention_cpu(parents.long(), start, dtype)
         return tree_attention_ref(parents, start, dtype)
     from dartree.kernels import _tree_compile_triton
 

@@ -241,7 +241,7 @@ class MarkovHead(_ConfidenceMixin, CorrectionHead):
         return self.w2.weight[cand].float()
 
     def _w2(self, vocab):
-        return self.w2.weight.float() if vocab is None else self.w2.weight[vocab].float()
+        return self.w2.weight.float() if vocab is None else torch.index_select(self.w2.weight, 0, vocab).float()
 
     def block_states(self, prev_ids, hidden):
         return self.w1(prev_ids).float()  # r = W1[x_prev]: one lookup (and one sparse-to-dense gradient)

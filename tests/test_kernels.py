@@ -153,6 +153,19 @@ def test_tree_compile_matches_ref(m, dtype):
             assert a.dtype == b.dtype and torch.equal(a.cpu(), b)
 
 
+@pytest.mark.parametrize("m", [0, 1, 16, 65])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tree_compile_cpu_path_equals_ref(m, dtype):
+    # backend="torch" on CPU runs the NumPy-row version: exactly the ref's tensors (values, dtypes)
+    for parents in (_random_parents(m, m + 1), torch.arange(m), torch.zeros(m, dtype=torch.long)):
+        got = tree_attention(parents, 11, dtype, backend="torch")
+        ref = tree_attention_ref(parents, 11, dtype)
+        for a, b in zip(got, ref):
+            assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    with pytest.raises(ValueError, match="precede"):
+        tree_attention(torch.tensor([0, 2]), backend="torch")
+
+
 def test_tree_compile_ref_meaning():
     # root -> 1 -> 2, root -> 3, 1 -> 4
     depth, pos, mask = tree_attention_ref(torch.tensor([0, 1, 0, 1]), 5)
@@ -192,6 +205,13 @@ def test_builders_give_the_same_tree_on_both_backends(builder):
     torch.testing.assert_close(trees[0].score.cpu(), trees[1].score.cpu(), atol=1e-5, rtol=1e-5)
 
 
+def _inside_tie(x):
+    x[:, 20] = 50.0  # rank 0 and 1 tie; the topk order may put id 20 first, the ref puts id 10 first
+    x[:, 10] = 50.0
+    x[:2, 30] = 49.0
+    return x
+
+
 def test_cpu_topk_candidates_equal_the_ref_with_and_without_boundary_ties():
     """The CPU path (one top-(K+1), falling back to the ref on a tie at the K-th value) returns the ref's ids,
     values and log-sum-exp exactly, including tie order (value desc, id asc)."""
@@ -200,8 +220,11 @@ def test_cpu_topk_candidates_equal_the_ref_with_and_without_boundary_ties():
     g = _gen(11)
     for logits in (torch.randn(7, 300, generator=g) * 4,  # no ties
                    torch.randint(0, 6, (7, 300), generator=g).float(),  # ties everywhere, also at the boundary
-                   torch.cat([torch.randn(3, 40, generator=g), torch.full((3, 40), 2.0)], dim=1)):  # tied top block
+                   torch.cat([torch.randn(3, 40, generator=g), torch.full((3, 40), 2.0)], dim=1),  # tied top block
+                   _inside_tie(torch.randn(4, 300, generator=g))):  # a tie among the top values, none at the K-th
         for k in (1, 5, 40, 299, 300):
             got, want = topk_candidates(logits, k, backend="torch"), topk_candidates_ref(logits, k)
             for a, b in zip(got, want):
                 assert torch.equal(a, b), k
+            ids, vals, lse = topk_candidates(logits, k, backend="torch", with_lse=False)  # selection only
+            assert torch.equal(ids, want[0]) and torch.equal(vals, want[1]) and (lse is None or torch.equal(lse, want[2]))

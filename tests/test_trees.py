@@ -1,5 +1,6 @@
 """Tree builders (TESTING.md class I): determinism, budgets, prefix closure, width, edge cases."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -285,3 +286,31 @@ def test_pair_tables_refuse_recurrent_heads(target):
         ids, vals = block_candidates(block, 8)
         with pytest.raises(ValueError, match="first-order"):
             pair_log_probs(block, head, 7, ids, vals)
+
+
+def test_top_q_stable_equals_a_stable_sort_with_ties():
+    """The partition-based selection of the CPU builders picks and orders exactly as a stable descending sort
+    (ties to the lower index), with and without ties, for every q."""
+    from dartree.decode.trees import _top_q_stable
+
+    rng = np.random.default_rng(0)
+    for t in range(600):
+        n = int(rng.integers(1, 80))
+        x = (rng.integers(0, 4, n) if t % 2 else rng.standard_normal(n)).astype(np.float32)
+        for q in (0, 1, int(rng.integers(1, n + 1)), n, n + 3):
+            assert np.array_equal(_top_q_stable(x, q), np.argsort(-x, kind="stable")[:q]), (t, q)
+
+
+def test_select_top_b_cpu_path_equals_the_torch_rule():
+    """select_top_b_keep's NumPy path (CPU tensors) keeps the nodes the torch rule keeps (stable top-B of
+    score + beta * depth), re-indexed topologically."""
+    from dartree.decode.trees import _stable_topk, select_top_b_keep
+
+    block = _block(p=6, seed=9)
+    sup = get_builder("fixed")(block, make_markov(), 7, 40, k=16)
+    for budget in (1, 5, 17, sup.size - 1):
+        for beta in (0.0, -0.2, -1.0):
+            tree, keep = select_top_b_keep(sup, budget, beta)
+            want = _stable_topk(sup.score + beta * sup.depth.float(), budget).sort().values
+            assert torch.equal(keep, want) and tree.size == budget
+            assert torch.equal(tree.tokens, sup.tokens[want]) and _prefix_closed(tree)
