@@ -377,10 +377,9 @@ def _chain_first_order(block: DraftBlock, head: CorrectionHead, root_id: int, id
     depth = np.arange(p_len)
     scs = np.cumsum(logq[depth, cols[1:]], dtype=np.float32)
     dev = ids.device
-    return Tree(torch.from_numpy(ids.detach().cpu().numpy()[depth, cols[1:]]).to(dev),
-                torch.arange(p_len, dtype=torch.long, device=dev), torch.arange(1, p_len + 1, dtype=torch.long,
-                                                                                device=dev),
-                torch.from_numpy(scs).to(dev))
+    toks = torch.from_numpy(ids.detach().cpu().numpy()[depth, cols[1:]]).to(dev)
+    parents = torch.arange(p_len, dtype=torch.long, device=dev)  # node d + 1's parent is node d (the root: 0)
+    return Tree(toks, parents, parents + 1, torch.from_numpy(scs).to(dev))
 
 
 def _expand_first_order(logq: torch.Tensor, ids: torch.Tensor, quota: Callable[[int, int], int],
