@@ -239,7 +239,7 @@ def build_chain(block: DraftBlock, head: CorrectionHead, root_id: int, budget: i
     if m == 0:
         return Tree.empty()
     block = block.first(m)
-    if head.first_order and resolve(backend, block.base_logits.device) == "torch":  # one table, a NumPy walk
+    if head.first_order and resolve(backend, block.base_logits.device) == "torch":  # one factor call, a NumPy walk
         ids, vals = block_candidates(block, head_k(k, head), backend=backend)
         return _chain_first_order(block, head, root_id, ids, vals)
     return build_supertree(block, head, root_id, k=k,
@@ -309,6 +309,21 @@ def build_supertree(
     return Tree(torch.cat(toks), torch.cat(pars), torch.cat(deps), torch.cat(scs).float())
 
 
+def _pair_factors(block: DraftBlock, head: CorrectionHead, root_id: int, ids: torch.Tensor):
+    """The head's teacher-forced factors for every possible parent of a round: (A [K, P, R], W[C] [P*K, R]) from one
+    ``block_factors`` call, where column d of A is the parent token ``ids[d-1, j]`` in row j (the root at d = 0) and W
+    is restricted to the round's candidates (no [V, R] copy); None for a head that adds nothing (identity).
+
+    Raises:
+        ValueError: the head is not ``first_order``.
+    """
+    if not head.first_order:
+        raise ValueError(f"pair tables need a first-order head; {type(head).__name__}'s state follows the path")
+    kk = ids.shape[1]
+    prev = torch.cat([torch.full((kk, 1), int(root_id), dtype=torch.long, device=ids.device), ids[:-1].t()], dim=1)
+    return head.block_factors(prev, block.hidden[None].expand(kk, -1, -1), ids.reshape(-1))
+
+
 @torch.no_grad()
 def pair_scores(block: DraftBlock, head: CorrectionHead, root_id: int, ids: torch.Tensor, vals: torch.Tensor
                 ) -> torch.Tensor:
@@ -327,12 +342,8 @@ def pair_scores(block: DraftBlock, head: CorrectionHead, root_id: int, ids: torc
     Raises:
         ValueError: the head is not ``first_order``.
     """
-    if not head.first_order:
-        raise ValueError(f"pair tables need a first-order head; {type(head).__name__}'s state follows the path")
     p_len, kk = ids.shape
-    prev = torch.cat([torch.full((kk, 1), int(root_id), dtype=torch.long, device=ids.device), ids[:-1].t()], dim=1)
-    # A [K, P, R] and W[C] [P*K, R] in one call (restricting W to the round's candidates: no [V, R] copy)
-    fac = head.block_factors(prev, block.hidden[None].expand(kk, -1, -1), ids.reshape(-1))  # None: identity
+    fac = _pair_factors(block, head, root_id, ids)
     g = vals.float()[:, None, :]
     if fac is None:
         return g.expand(p_len, kk, kk)
@@ -359,8 +370,7 @@ def _chain_first_order(block: DraftBlock, head: CorrectionHead, root_id: int, id
     selection); the P chosen rows are normalised together at the end. NumPy, two small ops per depth."""
     p_len, kk = ids.shape
     u = vals.detach().float().cpu().numpy()
-    prev = torch.cat([torch.full((kk, 1), int(root_id), dtype=torch.long, device=ids.device), ids[:-1].t()], dim=1)
-    fac = head.block_factors(prev, block.hidden[None].expand(kk, -1, -1), ids.reshape(-1))
+    fac = _pair_factors(block, head, root_id, ids)
     cols = np.zeros(p_len + 1, dtype=np.int64)  # cols[d] = the parent's row at depth d (root: row 0)
     if fac is None:  # identity: the base logits alone
         g = u
@@ -446,17 +456,10 @@ def select_top_b_keep(tree: Tree, budget: int, beta: float) -> tuple[Tree, torch
     if budget <= 0:
         return Tree.empty(), torch.zeros(0, dtype=torch.long)
     adj = tree.score + beta * tree.depth.float()
-    if adj.device.type == "cpu":  # the same selection in NumPy (a handful of torch ops cost ~0.4 ms on a small CPU)
-        keep_np = np.sort(_top_q_stable(adj.numpy(), int(budget)))
-        remap_np = np.full(m + 1, -1, dtype=np.int64)
-        remap_np[0] = 0
-        remap_np[keep_np + 1] = np.arange(1, keep_np.size + 1)
-        par_np = remap_np[tree.parents.numpy()[keep_np]]
-        if (par_np < 0).any():  # pragma: no cover - excluded by the lemma above
-            raise RuntimeError("select_top_b: kept set is not prefix-closed")
-        keep = torch.from_numpy(keep_np)
-        return Tree(tree.tokens[keep], torch.from_numpy(par_np), tree.depth[keep], tree.score[keep]), keep
-    keep = _stable_topk(adj, budget).sort().values  # original order is topological
+    if adj.device.type == "cpu":  # the same selection by partition (a full stable sort costs more on a small CPU)
+        keep = torch.from_numpy(np.sort(_top_q_stable(adj.numpy(), int(budget))))
+    else:
+        keep = _stable_topk(adj, budget).sort().values  # original order is topological
     remap = torch.full((m + 1,), -1, dtype=torch.long)
     remap[0] = 0
     remap[keep + 1] = torch.arange(1, keep.numel() + 1)
