@@ -68,7 +68,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def verify_curve(target, context_ids: list[int], sizes=VERIFY_SIZES, reps: int = 5) -> dict[int, float]:
     """Median seconds of one tree-verify forward of ``T`` = M+1 tokens (a chain of M nodes) after ``context_ids``.
 

@@ -271,7 +271,7 @@ def prune_to(tree: Tree, budget: int, beta: float = 0.0, chain_pos: torch.Tensor
     return pruned if chain_pos is None else (pruned, chain_pos[keep])
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def calibrate(target, drafter, context_ids, *, max_budget: int = 16, reps: int = 3) -> CostModel:
     """Measure t_AR, t_verify(T) for T in :data:`CALIBRATION_SIZES` (and ``max_budget + 1``) and t_draft with a
     few forwards on ``context_ids`` (the fastest of ``reps`` after one warm-up each, since other load only adds

@@ -111,7 +111,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="tree nodes per round B, or auto: per round the cost model (calibrated at start-up) keeps the "
                          "tree size that maximises expected tokens per second, 0 = a plain AR step, and chain is "
                          f"shortened the same way (the fixed CPU choice was {DEFAULT_CPU_BUDGET}); several values run a budget sweep, "
-                         "reported as METHOD@B<n> for every tree builder other than chain")
+                         "reported as METHOD@B<n> (METHOD@auto) for every tree builder other than chain (which runs at full "
+                         "length, and as chain@auto when auto is among the values)")
     ap.add_argument("--width", type=int, default=12, help="supertree width W per depth (pruned)")
     ap.add_argument("--candidates", type=int, default=64, help="candidate count K per depth")
     ap.add_argument("--beta", type=float, default=-0.2, help="depth bonus beta (pruned, heap-sequential; <= 0)")
@@ -299,15 +300,18 @@ def _eval_main(argv=None) -> int:
     console.print(f"mode: {args.dtype}; {dtype_reason}")
     budgets = list(args.budget)
     budget = budgets[0] if len(budgets) == 1 else budgets
-    # one run per (method, budget); chain drafts one node per proposal and ignores the budget
+    # one run per (method, budget); chain drafts one node per proposal, so a numeric budget does not size it: in a
+    # sweep it runs once at full length, and once more as METHOD@auto when the sweep has auto
     runs: dict[str, tuple[str, int | None]] = {}
     for m in methods:
         builder = m.removesuffix(LOOKUP_SUFFIX)
         if builder == "chain" or len(budgets) == 1:
             runs[m] = (builder, "auto" if budgets == ["auto"] else (None if builder == "chain" else budgets[0]))
+            if builder == "chain" and len(budgets) > 1 and "auto" in budgets:
+                runs[f"{m}@auto"] = (builder, "auto")
         else:
             for b in budgets:
-                runs[f"{m}@B{b}"] = (builder, b)
+                runs[f"{m}@auto" if b == "auto" else f"{m}@B{b}"] = (builder, b)
     t0 = time.time()
     try:
         target = load_target(args.target, dtype=dtype)
@@ -488,7 +492,13 @@ def _eval_main(argv=None) -> int:
     for pi, p in enumerate(prompts):
         ids = chat_prompt_ids(tok, p.text)
         seed = args.seed * 100003 + pi
-        ar = run("ar", ids, seed, args.max_new_tokens)
+        # a prompt's rows run back to back in an order rotated per prompt: this machine's speed drifts over minutes,
+        # and a fixed order would hand the same share of that drift to the same rows on every prompt
+        order = ["ar", *methods, *peers]
+        order = order[pi % len(order):] + order[:pi % len(order)]
+        outs = {name: run_peer_on(name, ids, args.max_new_tokens) if name in peers
+                else run(name, ids, seed, args.max_new_tokens, record=pi == 0 and name != "ar") for name in order}
+        ar = outs["ar"]
         base = {"dataset": p.dataset, "id": p.id}
         rows["ar"].append({**base, "new_tokens": ar.stats.new_tokens, "decode_s": ar.stats.decode_s,
                            "accept_lengths": ar.stats.accept_lengths})
@@ -503,7 +513,7 @@ def _eval_main(argv=None) -> int:
                 row["first_divergence"] = idx
                 row["margin_at_divergence"] = _margin_at(target, ids, ref, idx)
         for m in methods:
-            o = run(m, ids, seed, args.max_new_tokens, record=pi == 0)
+            o = outs[m]
             row = {**base, "new_tokens": o.stats.new_tokens, "decode_s": o.stats.decode_s,
                    "accept_lengths": o.stats.accept_lengths, "stage_s": o.stats.stage_s,
                    "tree_nodes": o.stats.tree_nodes, "budgets": o.stats.budgets, "depth_nodes": o.stats.depth_nodes,
@@ -515,7 +525,7 @@ def _eval_main(argv=None) -> int:
             rows[m].append(row)
             line.append(f"{m} tau {o.stats.tau:.2f}" + (" MISMATCH" if row["mismatch"] else ""))
         for m in peers:
-            o = run_peer_on(m, ids, args.max_new_tokens)
+            o = outs[m]
             row = {**base, "new_tokens": len(o.tokens), "decode_s": o.decode_s, "prefill_s": o.prefill_s,
                    "accept_lengths": o.accept_lengths}
             compare_with_ar(row, o.tokens, ids)

@@ -61,3 +61,30 @@ def test_prepacked_linears_are_lossless_on_default_target(real):
     finally:
         for m in modules:
             pack_linears(m, "aten")
+
+
+def test_shipped_zlab_drafter_runs_in_zlabs_loop_as_in_ours(real):
+    """checkpoints/dflash_b16_zlab exports to z-lab's layout; z-lab's own dflash_generate on the default target
+    commits exactly our chain loop's tokens (= AR's) in exactly the same rounds."""
+    pytest.importorskip("dflash")
+    from dartree.decode.peers import load_zlab_drafter, zlab_dflash
+
+    target, _ = real
+    ckpt = CKPT.parent / "dflash_b16_zlab"
+    dm = load_dartree(ckpt, target=target)
+    assert dm.drafter.cfg.qk_norm and dm.drafter.cfg.draft_vocab_size == 0 and dm.head.type_name == "identity"
+    zlab, why = load_zlab_drafter(ckpt, target)
+    assert zlab is not None, why
+    stop = [target.tokenizer.eos_token_id]
+    rounds = committed = 0
+    for p in load_prompts("humaneval", 1) + load_prompts("mtbench", 1):
+        ids = chat_prompt_ids(target.tokenizer, p.text)
+        want = autoregressive_generate(target, ids, max_new_tokens=32, stop_ids=stop).tokens
+        ours = speculative_generate(target, dm.drafter, dm.head, ids, builder="chain", budget=None,
+                                    max_new_tokens=32, stop_ids=stop)
+        theirs = zlab_dflash(target, zlab, ids, max_new_tokens=32, stop_ids=stop)
+        assert ours.tokens == want and theirs.tokens == want, p.id
+        assert theirs.accept_lengths == ours.stats.accept_lengths, p.id  # round by round
+        rounds += ours.stats.rounds
+        committed += sum(ours.stats.accept_lengths)
+    assert committed / rounds > 1.0  # the drafter proposes accepted tokens

@@ -43,12 +43,17 @@ def test_eval_cli_writes_report(tiny_folder, tmp_path):
     out = tmp_path / "rep"
     cmd = [sys.executable, "decode/eval.py", "--target", str(tiny_folder / "target"), "--checkpoint",
            str(tiny_folder / "ckpt"), "--tree", "chain", "pruned", "--datasets", "gsm8k", "mtbench", "--limit", "2",
-           "--max-new-tokens", "12", "--budget", "4", "6", "--out", str(out)]
+           "--max-new-tokens", "12", "--budget", "4", "6", "auto", "--out", str(out)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     rep = json.loads((out / "report.json").read_text())
-    assert set(rep["methods"]) == {"ar", "chain", "pruned@B4", "pruned@B6"}  # a budget sweep
-    for m in ("chain", "pruned@B4", "pruned@B6"):
+    # a budget sweep; chain runs at full length and, as auto is in the sweep, with the cost-model budget
+    assert set(rep["methods"]) == {"ar", "chain", "chain@auto", "pruned@B4", "pruned@B6", "pruned@auto"}
+    assert set(rep["environment"]["cost_models"]) == {"chain@auto", "pruned@auto"}
+    full, auto = rep["methods"]["chain"], rep["methods"]["chain@auto"]
+    assert sum(auto["budget_histogram"].values()) == auto["rounds"]  # chain@auto chose a budget every round
+    assert full["mean_tree_nodes"] > 4 >= min(int(b) for b in auto["budget_histogram"])  # full length: 7 a round
+    for m in ("chain", "chain@auto", "pruned@B4", "pruned@B6", "pruned@auto"):
         row = rep["methods"][m]
         assert row["lossless"] is True and row["mismatches"] == 0
         assert row["tau"] >= 1.0 and row["tokens_per_s"] > 0 and row["speedup"] > 0
@@ -66,8 +71,8 @@ def test_eval_cli_writes_report(tiny_folder, tmp_path):
     assert "| pruned@B6 |" in md
     assert rep["methods"]["pruned@B4"]["mean_tree_nodes"] <= 4 < rep["methods"]["chain"]["mean_tree_nodes"]
     # the loud tau warning appears exactly when tau is about 1
-    low = [m for m in ("chain", "pruned@B4", "pruned@B6") if rep["methods"][m]["tau"] < 1.05]
-    assert ("is about 1" in r.stdout) == bool(low)
+    for m in ("chain", "chain@auto", "pruned@B4", "pruned@B6", "pruned@auto"):
+        assert (f"WARNING: {m} " in r.stdout) == (rep["methods"][m]["tau"] < 1.05), m
 
 
 def test_report_warnings_flag_tau_about_one_and_mismatches():

@@ -317,6 +317,61 @@ def test_init_from_a_dflash_drafter_adds_identity_convolutions_for_dflash2(tmp_p
     assert len(s["losses"]) == 3
 
 
+def test_init_from_widens_a_cpu_drafter_to_an_exportable_one(tmp_path, monkeypatch):
+    """init_from with drafter.qk_norm=true / draft_vocab_size=0 on a drafter trained without q/k norms and with a
+    draft vocabulary: the full vocabulary keeps the old ids' scores exactly; the added q/k norms start at the RMS
+    the projections give a unit-RMS input; the fine-tuned result exports to z-lab's layout."""
+    from dartree.convert.from_dartree import export
+    from dartree.convert.to_dartree import convert
+    from dartree.models.checkpoint import load_dartree
+    from dartree.models.target import tiny_target
+    from dartree.training.train import load_init
+
+    monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
+    narrow = ["drafter.qk_norm=false", "drafter.draft_vocab_size=32"]
+    run(load_recipe(["recipe=tiny_dflash", f"output_dir={tmp_path / 'cpu'}", "train.max_steps=2", *narrow]))
+    src = convert(tmp_path / "cpu" / "checkpoint", tmp_path / "cpu_dt", dtype=torch.float32)
+    with pytest.raises(Exception, match="q/k norm|qk_norm|vocabulary"):
+        export(src, tmp_path / "refused", to="zlab-dflash")
+    old = load_dartree(src).drafter.float()
+    target = tiny_target()
+    lm_head = target.model.lm_head
+    x, ctx = torch.randn(1, 8, old.cfg.hidden_size), torch.randn(1, 5, len(old.cfg.target_layer_ids) * old.cfg.hidden_size)
+    q, c = torch.arange(5, 13)[None], torch.arange(5)[None]
+
+    vocab_only, _ = load_init(str(src), target, load_recipe(["recipe=tiny_dflash", "drafter.qk_norm=false",
+                                                              "drafter.draft_vocab_size=0"]))
+    assert vocab_only.cfg.draft_vocab_size == 0 and not vocab_only.cfg.qk_norm
+    with torch.no_grad():
+        h_old, h_new = old(x, q, ctx, c), vocab_only(x, q, ctx, c)
+        torch.testing.assert_close(h_new, h_old)
+        u_old, u_new = old.base_logits(h_old, lm_head), vocab_only.base_logits(h_new, lm_head)
+    ids = old.draft_vocab
+    torch.testing.assert_close(u_new[..., ids], u_old[..., ids])
+    assert torch.isinf(u_old).sum() > 0 and torch.isfinite(u_new).all()  # the other ids are scored now
+
+    kept, _ = load_init(str(src), target, load_recipe(["recipe=tiny_dflash", *narrow]))  # never narrows or widens
+    assert not kept.cfg.qk_norm and kept.cfg.draft_vocab_size == 32
+
+    wide, _ = load_init(str(src), target, load_recipe(["recipe=tiny_dflash", "drafter.draft_vocab_size=0"]))
+    assert wide.cfg.qk_norm and wide.cfg.draft_vocab_size == 0
+    gen = torch.Generator().manual_seed(0)
+    for layer in wide.layers:
+        z = torch.randn(4096, wide.cfg.hidden_size, generator=gen)
+        h = layer.input_layernorm(z)  # unit RMS before the norm's weight, as the estimate assumes
+        for proj, norm in ((layer.q_proj, layer.q_norm), (layer.k_proj, layer.k_norm)):
+            w = norm.weight.detach()
+            assert torch.all(w == w[0]) and float(w[0]) > 0
+            rms = proj(h).view(4096, -1, wide.cfg.head_dim).pow(2).mean(-1).sqrt().mean()
+            assert float(w[0]) == pytest.approx(float(rms), rel=0.1)
+
+    run(load_recipe(["recipe=tiny_dflash", f"output_dir={tmp_path / 'ft'}", "train.max_steps=2", f"init_from={src}",
+                     "drafter.draft_vocab_size=0"]))
+    dt = convert(tmp_path / "ft" / "checkpoint", tmp_path / "ft_dt", dtype=torch.float32)
+    out = export(dt, tmp_path / "zlab", to="zlab-dflash")
+    assert (out / "config.json").exists()
+
+
 def test_domino_lambda_curriculum_and_loss():
     from dartree.training.losses import domino_loss, lambda_schedule
 

@@ -419,12 +419,46 @@ def evaluate_holdout(drafter, head, target, data: BlockData, cfg: DictConfig) ->
             "holdout_chain_tau": float(torch.cat(runs).float().mean())}
 
 
+def _qk_norm_init(tensors: dict, prefix: str, dcfg) -> dict:
+    """q/k norm weights that keep a checkpoint's attention scale when ``load_init`` adds Qwen3 q/k norms.
+
+    Args:
+        tensors: the checkpoint's tensors (``{prefix}layers.{i}.{q,k}_proj.weight`` [heads * head_dim, hidden] and
+            ``input_layernorm.weight`` [hidden]). prefix: their name prefix. dcfg: the drafter's DrafterConfig.
+    Returns:
+        ``{prefix}layers.{i}.{q,k}_norm.weight`` -> [head_dim] fp32, each filled with the estimated RMS of the
+        projection's output for a unit-RMS input with uncorrelated channels (see :func:`load_init`).
+    """
+    out = {}
+    for i in range(dcfg.num_layers):
+        g = tensors[f"{prefix}layers.{i}.input_layernorm.weight"].float()
+        for name in ("q", "k"):
+            w = tensors[f"{prefix}layers.{i}.{name}_proj.weight"].float() * g
+            c = float(w.pow(2).sum(dim=1).mean().sqrt())
+            out[f"{prefix}layers.{i}.{name}_norm.weight"] = torch.full((dcfg.head_dim,), c)
+    return out
+
+
 def load_init(path: str, target: Target, cfg: DictConfig):
     """Drafter and head to fine-tune from ``init_from=PATH`` (a dartree checkpoint, e.g. a converted published
     drafter, or a ``training/train.py`` checkpoint). The backbone architecture comes from the checkpoint; a
     checkpoint whose head is ``identity`` (a plain DFlash drafter) gets a fresh head of the recipe's type, and a
     recipe with ``drafter.conv_kernel_size`` > 0 turns a DFlash backbone into a DFlash 2 one whose convolutions
-    start as the identity (the same function as the checkpoint's).
+    start as the identity (the same function as the checkpoint's). Two more widenings make a CPU-tuned drafter
+    exportable to the published layouts (:func:`dartree.convert.formats.export_config`), which all have Qwen3
+    layers over the full vocabulary:
+
+    * ``drafter.qk_norm=true`` on a checkpoint without q/k norms adds them (``layers.{i}.{q,k}_norm.weight``, [head_dim]),
+      each weight a constant c = sqrt(mean_j sum_k (W[j, k] g[k])^2) over the rows j of ``q_proj`` / ``k_proj`` (W)
+      and the layer's ``input_layernorm`` weight g: the RMS a head's q (k) has for a unit-RMS input with
+      uncorrelated channels, so q_norm(q) ~ q and the attention scores start near the checkpoint's (an estimate, not
+      an identity: RMSNorm rescales every head to the same RMS).
+    * ``drafter.draft_vocab_size=0`` on a checkpoint with a draft vocabulary drops it: the drafter scores the full
+      vocabulary with the same (target's) ``lm_head``, so the base scores of the old draft-vocabulary ids are
+      unchanged and the other ids are scored too.
+
+    The recipe never narrows a checkpoint: ``qk_norm=false`` or a draft vocabulary in the recipe keep the
+    checkpoint's q/k norms and vocabulary.
 
     Raises:
         RecipeError: the folder is not a drafter checkpoint, does not fit the target, or holds a different head
@@ -446,6 +480,11 @@ def load_init(path: str, target: Target, cfg: DictConfig):
         if add_conv:  # DFlash -> DFlash 2: the convolutions start as the identity, so the function is unchanged
             config = {**config, "drafter": {**dsec, "conv_kernel_size": int(cfg.drafter.conv_kernel_size),
                                             "conv_group_size": int(cfg.drafter.conv_group_size)}}
+        add_qk = bool(cfg.drafter.qk_norm) and not dsec.get("qk_norm", False)
+        full_vocab = int(cfg.drafter.draft_vocab_size) == 0 and bool(dsec.get("draft_vocab_size", 0))
+        if add_qk or full_vocab:
+            config = {**config, "drafter": {**config["drafter"], **({"qk_norm": True} if add_qk else {}),
+                                            **({"draft_vocab_size": 0} if full_vocab else {})}}
         drafter, head = build_from_config(config, cfg_path)
         from safetensors.torch import load_file
 
@@ -453,6 +492,10 @@ def load_init(path: str, target: Target, cfg: DictConfig):
         prefix = "backbone." if fmt == "dartree" else "drafter."
         if add_conv:
             tensors = {**{prefix + k: v for k, v in drafter.state_dict().items() if "_conv." in k}, **tensors}
+        if full_vocab:
+            tensors.pop(prefix + "draft_vocab", None)
+        if add_qk:
+            tensors = {**tensors, **_qk_norm_init(tensors, prefix, drafter.cfg)}
         load_strict(drafter, tensors, prefix, folder)
         if head.type_name == cfg.head.type:
             load_strict(head, tensors, "head.", folder)
