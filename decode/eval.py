@@ -226,11 +226,15 @@ def report_warnings(report: dict, tau_floor: float = 1.05) -> list[str]:
     """Loud warnings for a report: a method whose tau is about 1 (the drafter contributes nothing) and a
     method whose T = 0 output differs from AR's."""
     out = []
+    auto = report.get("environment", {}).get("cost_models", {})  # the --budget auto rows
     for m, r in report["methods"].items():
         if m == "ar":
             continue
         peer = r.get("peer", False)  # a peer's tau is its own business (hf-generate: 1 by construction)
-        if not peer and r["tau"] < tau_floor and r.get("mean_tree_nodes", 1.0) == 0:
+        if not peer and r["tau"] < tau_floor and r.get("mean_tree_nodes", 1.0) == 0 and m in auto:
+            out.append(f"WARNING: {m} took a plain AR step every round: the cost model (--budget auto) found that "
+                       "drafting never paid with this drafter and target (its tau and tree sizes show why)")
+        elif not peer and r["tau"] < tau_floor and r.get("mean_tree_nodes", 1.0) == 0:
             out.append(f"WARNING: {m} drafted no tree nodes (budget 0), so tau is 1: raise --budget")
         elif not peer and r["tau"] < tau_floor:
             out.append(f"WARNING: {m} tau = {r['tau']:.3f} is about 1: the drafter contributes nothing "

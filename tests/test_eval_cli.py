@@ -81,6 +81,11 @@ def test_report_warnings_flag_tau_about_one_and_mismatches():
                        "pruned": {"tau": 2.1, "lossless": False, "mismatches": 3}}}
     w = report_warnings(rep)
     assert len(w) == 2 and "chain tau = 1.000 is about 1" in w[0] and "pruned differs from AR on 3" in w[1]
+    never = {"tau": 1.0, "lossless": True, "mismatches": 0, "mean_tree_nodes": 0.0}
+    rep = {"methods": {"ar": {"tau": 1.0, "lossless": None}, "chain@auto": never, "pruned@B0": never},
+           "environment": {"cost_models": {"chain@auto": {}}}}
+    w = report_warnings(rep)
+    assert "chain@auto took a plain AR step every round" in w[0] and "pruned@B0 drafted no tree nodes" in w[1]
 
 
 def test_eval_cli_bad_checkpoint_is_clear(tiny_folder, tmp_path):
