@@ -35,7 +35,7 @@ from dartree.decode.generate import STAGES, autoregressive_generate, speculative
 from dartree.decode.prompts import DATASETS, load_prompts
 from dartree.decode.trees import BUILDERS, Tree
 from dartree.decode.verify import compile_tree
-from dartree.models.packed import LINEAR_BACKENDS, choose_linear, pack_linears
+from dartree.models.packed import LINEAR_BACKENDS, choose_linear, pack_linears, tune_linears
 from dartree.models.target import DEFAULT_TARGET, compact_cache
 
 REPO = Path(__file__).resolve().parents[1]
@@ -55,6 +55,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--linear", nargs="+", default=["auto"], choices=list(LINEAR_BACKENDS),
                     help="linear-layer matmul paths to measure (dartree.models.packed); several give a before/after "
                          "table per dtype, e.g. --linear aten onednn")
+    ap.add_argument("--no-tune", dest="tune", action="store_false",
+                    help="keep the fixed single-row rule instead of timing F.linear against the packed call per row "
+                         "count (dartree.models.packed.tune_linears), for a before/after comparison")
     ap.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "dspark_b16"))
     ap.add_argument("--target", default=DEFAULT_TARGET)
     ap.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
@@ -184,6 +187,9 @@ def main(argv=None) -> int:
         for module in (target.model, dm.drafter, dm.head):
             pack_linears(module, linear)
         console.print(f"{dname}, linear layers {linear}: {linear_reason}")
+        tuning = tune_linears(target.model, dm.drafter, dm.head) if linear == "onednn" and args.tune else {}
+        if tuning:
+            console.print("F.linear beats the packed call at rows: " + "; ".join(f"{k}: {v}" for k, v in tuning.items()))
         label = dname if len({b for d, b in combos if d == dname}) == 1 else f"{dname}/{linear}"
         tok = target.tokenizer
         stop = [tok.eos_token_id]
@@ -195,7 +201,7 @@ def main(argv=None) -> int:
         # context for the verify curve: a prompt followed by its AR continuation, cut to --context tokens
         ctx = (prompts[0] + ar[0].tokens + prompts[-1] * 8)[: args.context]
         curve = verify_curve(target, ctx, reps=args.reps)
-        entry = {"linear": linear, "linear_reason": linear_reason, "t_ar_ms": 1000 * t_ar, "verify_ms": {t: 1000 * s for t, s in curve.items()},
+        entry = {"linear": linear, "linear_reason": linear_reason, "linear_aten_rows": tuning, "t_ar_ms": 1000 * t_ar, "verify_ms": {t: 1000 * s for t, s in curve.items()},
                  "verify_ar": {t: s / t_ar for t, s in curve.items()}, "methods": {}}
         table = Table(title=f"{label}: verify cost t_verify(M) (context {len(ctx)}); AR step {1000 * t_ar:.1f} ms")
         table.add_column("M+1 tokens", justify="right")

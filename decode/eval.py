@@ -33,7 +33,8 @@ from dartree.decode.prompts import DATASETS, Prompt, load_prompts
 from dartree.decode.report import annotate_trees, write_figures
 from dartree.decode.trees import BUILDERS
 from dartree.models.checkpoint import CheckpointError, load_dartree
-from dartree.models.packed import LINEAR_BACKENDS, choose_linear, onednn_linear_supported, pack_linears
+from dartree.models.packed import (LINEAR_BACKENDS, choose_linear, onednn_linear_supported, pack_linears,
+                                   tune_linears)
 from dartree.models.target import DEFAULT_TARGET, load_target
 
 REPO = Path(__file__).resolve().parents[1]
@@ -132,6 +133,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="matmul path of the target's and drafter's linear layers: onednn (weights prepacked once, "
                          "the fast small-M path on CPU), aten (plain F.linear), auto (onednn where it can run); "
                          "every row of the run, AR and peers included, uses the same one")
+    ap.add_argument("--no-tune", dest="tune", action="store_false",
+                    help="with onednn: keep the fixed single-row rule instead of timing F.linear against the packed "
+                         "call per weight shape and row count at start-up (a few seconds) and taking the faster")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     ap.add_argument("--out", default="reports/latest", help="folder for report.json and report.md")
     ap.add_argument("--no-plots", action="store_true",
@@ -245,6 +249,18 @@ def report_warnings(report: dict, tau_floor: float = 1.05) -> list[str]:
     return out
 
 
+def _rows_text(rows: list[int]) -> str:
+    """Row counts as ranges for the console: [1, 2, 3, 9] -> "1-3, 9"; [] -> "none"."""
+    if not rows:
+        return "none"
+    parts, lo = [], rows[0]
+    for a, b in zip(rows, rows[1:] + [None]):
+        if b != a + 1:
+            parts.append(str(lo) if lo == a else f"{lo}-{a}")
+            lo = b
+    return ", ".join(parts)
+
+
 def out_problem(out: str) -> str | None:
     """Why ``--out`` cannot receive the report (an existing file, or a folder that cannot be created or written;
     :func:`dartree.models.validate.folder_problem`), checked before any model is loaded; None when it can."""
@@ -335,9 +351,16 @@ def _eval_main(argv=None) -> int:
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    for module in (target.model, *((dm.drafter, dm.head) if dm is not None else ())):
+    ours = (target.model, *((dm.drafter, dm.head) if dm is not None else ()))
+    for module in ours:
         pack_linears(module, linear)
     console.print(f"linear layers: {linear}; {linear_reason}")
+    linear_tuning = {}
+    if linear == "onednn" and args.tune:  # per weight shape, the row counts at which F.linear beats the packed call here
+        tt0 = time.time()
+        linear_tuning = tune_linears(*ours)
+        console.print(f"linear paths tuned in {time.time() - tt0:.1f}s; F.linear wins at rows: "
+                      + "; ".join(f"{k}: {_rows_text(v)}" for k, v in linear_tuning.items()))
     tok = target.tokenizer
     if tok is None:
         print("error: the target has no tokenizer; eval needs chat-templated prompts", file=sys.stderr)
@@ -392,6 +415,8 @@ def _eval_main(argv=None) -> int:
                 peers_skipped[name] = why
                 continue
             pack_linears(zlab, linear)  # z-lab's drafter gets the same matmul path as ours
+            if linear_tuning:
+                tune_linears(zlab)
         if name == "ar-bf16":
             if dtype == torch.bfloat16:
                 peers_skipped[name] = "the run is bfloat16 already: its AR row is bf16 AR"
@@ -423,7 +448,7 @@ def _eval_main(argv=None) -> int:
             "datasets": {},
             "environment": {
                 "device": str(target.device), "dtype": args.dtype, "dtype_reason": dtype_reason,
-                "linear": linear, "linear_reason": linear_reason, "attn_implementation": target.config._attn_implementation,
+                "linear": linear, "linear_reason": linear_reason, "linear_aten_rows": linear_tuning, "attn_implementation": target.config._attn_implementation,
                 "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                 "python": platform.python_version(), "platform": platform.platform(), "threads": torch.get_num_threads(),
                 "target": target.name, "checkpoint": str(args.checkpoint) if methods else None,

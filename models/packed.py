@@ -106,8 +106,9 @@ class PackedLinear(nn.Linear):
     Created only by :func:`pack_linears` (class swap; nothing about the module's parameters changes). The packed
     copy is built on first use and rebuilt when ``weight`` is modified in place (``weight._version``), moved or
     replaced. Falls back to ``F.linear`` when grad is enabled and the weight or input requires grad, when the
-    input's device or dtype differs from the packed weight's, and for single-row inputs with a weight below
-    :data:`SINGLE_ROW_PACKED_MIN` elements (see there).
+    input's device or dtype differs from the packed weight's, and, for a row count R = x.numel() / in_features:
+    after :func:`tune_linears`, where F.linear measured faster for R rows on this machine; untuned, for
+    single-row inputs with a weight below :data:`SINGLE_ROW_PACKED_MIN` elements (see there).
     """
 
     def _packed_weight(self) -> torch.Tensor | None:
@@ -123,7 +124,13 @@ class PackedLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
-        if (x.numel() == x.shape[-1] and w.numel() < SINGLE_ROW_PACKED_MIN) or not x.is_cpu or x.dtype != w.dtype \
+        rows = x.numel() // max(1, x.shape[-1])
+        aten_rows = self.__dict__.get("_dartree_aten_rows")
+        if aten_rows is None:  # untuned: the fixed single-row rule
+            use_aten = rows == 1 and w.numel() < SINGLE_ROW_PACKED_MIN
+        else:  # tuned on this machine (tune_linears): aten where it measured faster for this many rows
+            use_aten = rows < len(aten_rows) and aten_rows[rows]
+        if use_aten or not x.is_cpu or x.dtype != w.dtype \
                 or (torch.is_grad_enabled() and (w.requires_grad or x.requires_grad)):
             return F.linear(x, w, self.bias)
         packed = self._packed_weight()
@@ -152,8 +159,95 @@ def pack_linears(module: nn.Module, backend: str = "onednn") -> int:
         elif backend == "aten" and type(m) is PackedLinear:
             m.__class__ = nn.Linear
             m.__dict__.pop("_dartree_packed", None)
+            m.__dict__.pop("_dartree_aten_rows", None)
             n += 1
     return n
+
+
+# Row counts tuned by tune_linears: 1 .. TUNE_MAX_ROWS covers an AR step, every verify of a budget <= 16 tree and a
+# 16-position draft block; larger inputs (prefill, big trees) keep the packed path, which wins there everywhere
+# measured.
+TUNE_MAX_ROWS = 17
+# weights timed per shape group: enough to stream from memory as a forward does (16 x 576 x 576 fp32 = 21 MB)
+TUNE_MAX_MODULES = 16
+
+
+def tune_linears(*modules: nn.Module, max_rows: int = TUNE_MAX_ROWS, reps: int = 3) -> dict:
+    """Measure, on this machine, F.linear against the packed oneDNN call for every row count R = 1..``max_rows``
+    and every weight shape of the :class:`PackedLinear` layers inside ``modules``; each layer then takes the faster
+    path for R rows (R > ``max_rows``: packed).
+
+    Why: which path wins at small R depends on the CPU. On one 2-vCPU VM the packed call took a 2-token verify of
+    the default target from 65.9 to 42.9 ms; on another (same image, a different host) F.linear was faster up to
+    R = 3 (2 tokens: 49.0 ms against 62.9 ms for the whole forward) and the packed call from R = 9 on. A fixed rule
+    is wrong on one of them.
+
+    Method: the layers are grouped by (weight shape, dtype, bias); per group up to :data:`TUNE_MAX_MODULES` of its
+    weights are run back to back (so they stream from memory, as in a forward) on a random [R, in] input, with
+    both paths interleaved within each of ``reps`` passes after one warm-up pass, keeping each path's minimum.
+    The group then uses F.linear for R = 1..R* rows and the packed call above, with R* the threshold that
+    maximises the summed measured saving (a noisy single row count cannot flip the choice: on a 2-vCPU VM whose
+    speed drifts by 10-30%, per-row decisions came out scattered, e.g. 1-3, 7-10, 13-17).
+    Both paths compute the same linear map (values equal up to float summation order), so the choice changes
+    speed only; fp32 decoding stays equal to AR (tests/test_packed.py).
+
+    Args:
+        modules: modules already switched by :func:`pack_linears`; layers on another device, of a dtype oneDNN
+            cannot run here, or not packed are skipped.
+        max_rows: largest row count tuned (>= 1).
+        reps: timed passes per row count (>= 1).
+    Returns:
+        {"out x in dtype": [1, .., R*]} the row counts that take F.linear, per shape group (for reports).
+    Raises:
+        ValueError: max_rows < 1 or reps < 1.
+    """
+    import time
+
+    if max_rows < 1 or reps < 1:
+        raise ValueError(f"tune_linears needs max_rows >= 1 and reps >= 1, got {max_rows}, {reps}")
+    groups: dict = {}
+    for module in modules:
+        for m in module.modules():
+            w = m.weight if type(m) is PackedLinear else None
+            if w is not None and w.is_cpu and onednn_linear_supported(w.dtype)[0]:
+                key = (tuple(w.shape), w.dtype, m.bias is not None)
+                if all(m is not o for o in groups.get(key, [])):
+                    groups.setdefault(key, []).append(m)
+    summary = {}
+    gen = torch.Generator().manual_seed(0)
+    with torch.inference_mode():
+        for (shape, dtype, _), mods in groups.items():
+            timed = mods[:TUNE_MAX_MODULES]
+            packed = [m._packed_weight() for m in timed]
+            saving = [0.0] * (max_rows + 1)  # seconds F.linear saved over the packed call, per row count
+            for rows in range(1, max_rows + 1):
+                x = torch.randn(rows, shape[1], generator=gen).to(dtype)
+                best = {"aten": float("inf"), "packed": float("inf")}
+                for rep in range(reps + 1):
+                    t0 = time.perf_counter()
+                    for m in timed:
+                        F.linear(x, m.weight, m.bias)
+                    t1 = time.perf_counter()
+                    for m, p in zip(timed, packed):
+                        _pointwise()(x, p, m.bias, "none", [None], "")
+                    t2 = time.perf_counter()
+                    if rep:
+                        best["aten"] = min(best["aten"], t1 - t0)
+                        best["packed"] = min(best["packed"], t2 - t1)
+                saving[rows] = best["packed"] - best["aten"]
+            # one threshold R*: F.linear for 1..R* rows, packed above. F.linear's edge shrinks as rows grow, so a
+            # win after a loss is noise; R* maximises the summed saving (0: packed everywhere; ties to the smaller)
+            cum, best_total, cut = 0.0, 0.0, 0
+            for rows in range(1, max_rows + 1):
+                cum += saving[rows]
+                if cum > best_total:
+                    best_total, cut = cum, rows
+            aten_rows = [0 < r <= cut for r in range(max_rows + 1)]
+            for m in mods:
+                m.__dict__["_dartree_aten_rows"] = tuple(aten_rows)
+            name = f"{shape[0]}x{shape[1]} {str(dtype).replace('torch.', '')}"
+            summary[name] = [r for r in range(1, max_rows + 1) if aten_rows[r]]
+    return summary
 
 
 def is_packed(module: nn.Module) -> bool:

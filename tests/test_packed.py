@@ -9,8 +9,8 @@ import torch.nn.functional as F
 
 from conftest import make_drafter, make_head
 from dartree.decode.generate import autoregressive_generate, speculative_generate
-from dartree.models.packed import (SINGLE_ROW_PACKED_MIN, PackedLinear, choose_linear, onednn_linear_supported,
-                                   pack_linears)
+from dartree.models.packed import (SINGLE_ROW_PACKED_MIN, TUNE_MAX_MODULES, PackedLinear, choose_linear,
+                                   onednn_linear_supported, pack_linears, tune_linears)
 from dartree.models.target import tiny_target
 
 pytestmark = pytest.mark.skipif(not onednn_linear_supported()[0], reason="this torch build has no oneDNN")
@@ -106,6 +106,34 @@ def test_choose_linear_reasons_and_errors():
         choose_linear("fast", torch.float32)
 
 
+def test_tuned_layers_take_the_measured_path_per_row_count():
+    layers = torch.nn.Sequential(*[_linear(40, 40, True, seed=i) for i in range(TUNE_MAX_MODULES + 2)],
+                                 _linear(40, 24, False), torch.nn.LayerNorm(40))
+    pack_linears(layers)
+    summary = tune_linears(layers, max_rows=6, reps=1)
+    assert set(summary) == {"40x40 float32", "24x40 float32"}
+    for rows in summary.values():
+        assert rows == list(range(1, len(rows) + 1)) and len(rows) <= 6  # one threshold R*: F.linear for 1..R*
+    tables = [m.__dict__["_dartree_aten_rows"] for m in layers if type(m) is PackedLinear]
+    assert len(tables) == TUNE_MAX_MODULES + 3 and all(len(t) == 7 and t[0] is False for t in tables)
+    assert len(set(tables[: TUNE_MAX_MODULES + 2])) == 1  # the whole group, untimed members too, shares one table
+    # the dispatch follows the table: forced to aten at 3 rows, to the packed call at 2
+    lin = layers[0]
+    lin.__dict__["_dartree_aten_rows"] = (False, False, False, True, False, False, False)
+    x3, x2 = torch.randn(3, 40), torch.randn(2, 40)
+    assert torch.equal(lin(x3), F.linear(x3, lin.weight, lin.bias))
+    lin.__dict__.pop("_dartree_packed")
+    torch.testing.assert_close(lin(x2), F.linear(x2, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    assert lin.__dict__["_dartree_packed"][4] is not None  # 2 rows went through the packed copy
+    x20 = torch.randn(20, 40)  # beyond the tuned rows: packed
+    torch.testing.assert_close(lin(x20), F.linear(x20, lin.weight, lin.bias), rtol=1e-5, atol=1e-5)
+    pack_linears(layers, "aten")
+    assert not any("_dartree_aten_rows" in m.__dict__ for m in layers)
+    assert tune_linears(layers) == {}  # nothing packed: nothing to tune
+    with pytest.raises(ValueError, match="max_rows >= 1"):
+        tune_linears(layers, max_rows=0)
+
+
 @pytest.mark.parametrize("head_name", ["markov", "gru", "selector"])
 @pytest.mark.parametrize("builder,budget", [("chain", None), ("pruned", 8), ("heap-sequential", 6)])
 def test_packed_decoding_equals_packed_and_unpacked_ar(prompts, head_name, builder, budget):
@@ -115,6 +143,7 @@ def test_packed_decoding_equals_packed_and_unpacked_ar(prompts, head_name, build
     want = [autoregressive_generate(target, p, max_new_tokens=32, stop_ids=[1]).tokens for p in prompts]
     for module in (target.model, drafter, head):
         pack_linears(module)
+    tune_linears(target.model, drafter, head, max_rows=9, reps=1)
     for p, w in zip(prompts, want):
         assert autoregressive_generate(target, p, max_new_tokens=32, stop_ids=[1]).tokens == w
         got = speculative_generate(target, drafter, head, p, builder=builder, budget=budget, max_new_tokens=32,
