@@ -42,6 +42,8 @@ BIN_PRIOR_NODES = 8.0
 # (about 0.4 AR step with the packaged drafter on this CPU), so probing every 32 rounds costs ~1% when drafting
 # never pays, while a content change that makes it pay again is noticed within 32 tokens.
 MAX_SKIP_RUN = 32
+# EMA weight of the online timing updates (observe_verify / observe_draft): about the last 10 rounds
+SPEED_EMA = 0.1
 
 
 def _pav(values: list[float], weights: list[float]) -> list[float]:
@@ -64,8 +66,8 @@ class CostModel:
     """Measured costs of one target/drafter pair and the online acceptance calibration.
 
     Attributes:
-        t_ar: seconds of one plain AR step (a one-token target forward).
-        t_draft: seconds of one drafter forward with its base logits (draft stage).
+        t_ar: seconds of one plain AR step (a one-token target forward) at calibration.
+        t_draft: seconds of one drafter forward with its base logits (draft stage; start-up figure, then EMA).
         t_build: seconds of building a tree (a constant per round; measured in the loop, EMA).
         verify_s: {T: seconds} of a verify forward of T tokens (root included), T ascending, T = 1 first.
         max_budget: largest tree the policy considers (B_max); the builder drafts at most this many nodes.
@@ -80,6 +82,9 @@ class CostModel:
             step when the lookup found nothing); None without lookup, where the alternative is 1 / t_ar.
         skip_run: AR steps to take before the next probe; ``skip_left`` of them are left.
         chosen: histogram {B: rounds} of the budgets chosen (0: AR step), for reports.
+        speed: online scale of the calibrated verify curve (EMA of measured / calibrated verify seconds,
+            :meth:`observe_verify`); ``t_draft`` follows the measured drafts the same way (:meth:`observe_draft`).
+            ``t_ar`` stays the start-up figure; decisions use ``verify_time(1)``.
     """
 
     t_ar: float
@@ -98,18 +103,35 @@ class CostModel:
     skip_run: int = 1
     skip_left: int = 0
     chosen: dict = field(default_factory=dict)
+    speed: float = 1.0
 
     def verify_time(self, tokens: int) -> float:
-        """t_verify(T) in seconds for T >= 1 tokens: piecewise-linear in T between measured sizes, linear
-        extrapolation past the largest one."""
+        """t_verify(T) in seconds for T >= 1 tokens: the calibrated curve (piecewise-linear in T between measured
+        sizes, linear extrapolation past the largest one) times :attr:`speed`, the online correction."""
         pts = sorted(self.verify_s.items())
         if tokens <= pts[0][0]:
-            return pts[0][1]
+            return self.speed * pts[0][1]
         for (t0, s0), (t1, s1) in zip(pts, pts[1:]):
             if tokens <= t1:
-                return s0 + (s1 - s0) * (tokens - t0) / (t1 - t0)
+                return self.speed * (s0 + (s1 - s0) * (tokens - t0) / (t1 - t0))
         (t0, s0), (t1, s1) = pts[-2], pts[-1]
-        return s1 + (s1 - s0) * (tokens - t1) / (t1 - t0)
+        return self.speed * (s1 + (s1 - s0) * (tokens - t1) / (t1 - t0))
+
+    def observe_verify(self, tokens: int, seconds: float) -> None:
+        """Fold one timed verify stage of ``tokens`` tree tokens (root included) into :attr:`speed`, the EMA
+        (weight :data:`SPEED_EMA`) of measured / calibrated seconds. The start-up curve keeps its shape (the
+        relative cost of T tokens) while its scale follows the machine: on a shared 2-vCPU VM the same forward
+        drifts by 10-50% within minutes, and a calibration taken in a slow minute made every later draft look
+        cheap against an AR step that had become faster (a make run at 0.83x on one data set)."""
+        if seconds > 0:
+            ratio = seconds / max(self.verify_time(tokens) / self.speed, 1e-12)
+            self.speed = (1 - SPEED_EMA) * self.speed + SPEED_EMA * ratio
+
+    def observe_draft(self, seconds: float) -> None:
+        """Fold one timed draft stage into ``t_draft`` (EMA, weight :data:`SPEED_EMA`), so the draft cost follows
+        the same drift as the verify scale."""
+        if seconds > 0:
+            self.t_draft = (1 - SPEED_EMA) * self.t_draft + SPEED_EMA * seconds
 
     @property
     def calibration(self) -> float:
@@ -120,7 +142,7 @@ class CostModel:
         """A copy with the same timings and nothing learnt yet (calibration, skip state, histogram), for another
         method that shares this start-up measurement."""
         return CostModel(t_ar=self.t_ar, t_draft=self.t_draft, verify_s=dict(self.verify_s),
-                         max_budget=self.max_budget, t_build=self.t_build)
+                         max_budget=self.max_budget, t_build=self.t_build, speed=self.speed)
 
     def calibration_curve(self) -> tuple[list[float], list[float]]:
         """The per-bin calibration map as knots (predicted p, calibrated p^), both non-decreasing, from (0, 0).
@@ -159,7 +181,7 @@ class CostModel:
         undrafted lookup rounds promised, whichever is higher). Otherwise the policy skips the drafter and
         probes it again after ``skip_run`` rounds; each losing probe doubles ``skip_run`` (up to
         :data:`MAX_SKIP_RUN`), each paying round halves it. Updates the skip counters."""
-        alternative = max(1.0 / self.t_ar, self.undrafted_rate or 0.0)
+        alternative = max(1.0 / self.verify_time(1), self.undrafted_rate or 0.0)
         if self.spec_rate is None or self.spec_rate >= alternative:
             self.skip_run = max(1, self.skip_run // 2)  # one paying round does not forget a long losing streak
             return True
@@ -188,7 +210,7 @@ class CostModel:
         m = tree.size
         if m == 0:
             if not drafted:
-                self._undrafted(1.0 / self.t_ar)
+                self._undrafted(1.0 / self.verify_time(1))
             return 0, 1.0
         adj = tree.score.float() + beta * tree.depth.float()
         order = torch.sort(adj, descending=True, stable=True).indices
@@ -253,6 +275,7 @@ class CostModel:
     def summary(self) -> dict:
         """JSON-ready figures: timings (ms), calibration c and the budget histogram."""
         return {"t_ar_ms": 1000 * self.t_ar, "t_draft_ms": 1000 * self.t_draft, "t_build_ms": 1000 * self.t_build,
+                "speed": self.speed,
                 "verify_ms": {int(t): 1000 * s for t, s in sorted(self.verify_s.items())},
                 "calibration": self.calibration, "max_budget": self.max_budget,
                 "calibration_bins": {"edges": list(PROB_BINS[:-1]) + [1.0], "nodes": [int(n) for n in self.bin_n],

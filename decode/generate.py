@@ -344,6 +344,10 @@ def speculative_generate(
         anchor = ver.bonus_id
         pending.append(ver.features)
         te = time.perf_counter()
+        if auto:  # the machine's speed drifts: the cost model follows the stages it just timed
+            cm.observe_verify(tree.size + 1, td - tc2)
+            if drafted:
+                cm.observe_draft(tb - ta)
         st["draft"] += tb - ta
         st["tree_build"] += tc - tb
         st["tree_compile"] += tc2 - tc

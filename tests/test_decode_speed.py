@@ -116,6 +116,31 @@ def test_verify_time_interpolates_and_extrapolates():
     assert cm.verify_time(7) == pytest.approx(3.0) and cm.verify_time(13) == pytest.approx(6.0)
 
 
+def test_timings_follow_the_machine_online_keeping_the_curve_shape():
+    cm = _model(verify={1: 1.0, 5: 2.0, 9: 4.0})
+    tree = Tree(torch.tensor([10, 11]), torch.tensor([0, 1]), torch.tensor([1, 2]), torch.tensor([-0.1, -0.2]))
+    before = cm.choose(tree)
+    for _ in range(60):  # the machine became 1.5x slower: 1-token and 5-token verifies both take 1.5x
+        cm.observe_verify(1, 1.5)
+        cm.observe_verify(5, 3.0)
+    assert cm.speed == pytest.approx(1.5, rel=1e-3)
+    assert cm.verify_time(1) == pytest.approx(1.5, rel=1e-3) and cm.verify_time(3) == pytest.approx(2.25, rel=1e-3)
+    assert cm.t_ar == 1.0  # the start-up figure, reported as measured
+    # a uniform slowdown does not change which budget maximises tokens per second
+    assert cm.choose(tree)[0] == before[0]
+    # the draft cost follows its own measurements; a zero reading (a stage that did not run) is ignored
+    for _ in range(100):
+        cm.observe_draft(0.4)
+    cm.observe_draft(0.0)
+    cm.observe_verify(1, 0.0)
+    assert cm.t_draft == pytest.approx(0.4, rel=1e-3) and cm.speed == pytest.approx(1.5, rel=1e-3)
+    # the promised rate of a drafted round uses both: expected tokens / (t_draft + scaled t_verify(3))
+    prev = cm.spec_rate
+    b, expected = cm.choose(tree)
+    assert b == 2 and cm.spec_rate == pytest.approx(0.5 * prev + 0.5 * expected / (0.4 + 1.5 * 1.5), rel=1e-3)
+    assert cm.fresh().speed == cm.speed and cm.summary()["speed"] == pytest.approx(1.5, rel=1e-3)
+
+
 def test_should_draft_probe_schedule():
     cm = _model()
     assert cm.should_draft()  # no estimate yet
