@@ -10,6 +10,10 @@ whole-forward figures). Each output row is also independent of the other rows in
 alone equals the same row computed in a batch, bit for bit), so a verify forward and an AR step agree more
 closely than with MKL's gemv/gemm split.
 
+Which path wins for a few rows depends on the CPU (on an AVX-512 VM F.linear beat the packed call up to 3-12 rows
+depending on the shape), so :func:`tune_linears` measures both per weight shape and row count on the machine that
+decodes and sets one threshold per shape.
+
 Packing swaps the class of ``nn.Linear`` modules in place to :class:`PackedLinear`: parameters, names,
 ``state_dict`` and weight tying are unchanged; the packed copy is a non-persistent attribute that is rebuilt
 when the weight changes (its ``_version``) and bypassed whenever autograd, another device or another dtype is
