@@ -709,6 +709,7 @@ def test_auto_dtypes_resolve_by_hardware_and_explicit_values_stay(monkeypatch):
     """recipe dtype fields ``auto``: bf16 only where bf16 arithmetic is native (issue 11's AVX2 finding)."""
     import dartree.training.recipe as recipe
 
+    real_native_bf16 = recipe.native_bf16  # the stubs below replace it
     for native in (False, True):
         monkeypatch.setattr(recipe, "native_bf16", lambda native=native: (native, "stub"))
         cfg = load_recipe(["recipe=dspark_b16"])
@@ -721,4 +722,4 @@ def test_auto_dtypes_resolve_by_hardware_and_explicit_values_stay(monkeypatch):
         load_recipe(["recipe=tiny_dspark", "train.bf16=sometimes"])
     with pytest.raises(RecipeError, match=r"target.gen_dtype='fp8' is not allowed: use one of \[.*'auto'\]"):
         load_recipe(["recipe=tiny_dspark", "target.gen_dtype=fp8"])
-    assert recipe.native_bf16()[0] == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    assert real_native_bf16()[0] == bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
