@@ -44,6 +44,9 @@ BIN_PRIOR_NODES = 8.0
 MAX_SKIP_RUN = 32
 # EMA weight of the online timing updates (observe_verify / observe_draft): about the last 10 rounds
 SPEED_EMA = 0.1
+# EMA weight of the per-size correction of the calibrated verify curve (observe_verify): slower than the scale, so a
+# drift of the machine's speed mostly moves the scale and a persistent in-loop cost moves the size's correction
+SHAPE_EMA = 0.05
 
 
 def _pav(values: list[float], weights: list[float]) -> list[float]:
@@ -84,6 +87,7 @@ class CostModel:
         chosen: histogram {B: rounds} of the budgets chosen (0: AR step), for reports.
         speed: online scale of the calibrated verify curve (EMA of measured / calibrated verify seconds,
             :meth:`observe_verify`); ``t_draft`` follows the measured drafts the same way (:meth:`observe_draft`).
+        shape: {calibrated size T: correction} learnt in the loop for sizes T > 1 (:meth:`observe_verify`).
             ``t_ar`` stays the start-up figure; decisions use ``verify_time(1)``.
     """
 
@@ -104,11 +108,21 @@ class CostModel:
     skip_left: int = 0
     chosen: dict = field(default_factory=dict)
     speed: float = 1.0
+    shape: dict = field(default_factory=dict)
+
+    def _knots(self) -> list[tuple[int, float]]:
+        """The calibrated sizes with their times corrected by :attr:`shape`, made non-decreasing in T."""
+        pts, running = [], 0.0
+        for t, sec in sorted(self.verify_s.items()):
+            running = max(running, sec * self.shape.get(t, 1.0))
+            pts.append((t, running))
+        return pts
 
     def verify_time(self, tokens: int) -> float:
-        """t_verify(T) in seconds for T >= 1 tokens: the calibrated curve (piecewise-linear in T between measured
-        sizes, linear extrapolation past the largest one) times :attr:`speed`, the online correction."""
-        pts = sorted(self.verify_s.items())
+        """t_verify(T) in seconds for T >= 1 tokens: the calibrated curve, each size corrected by the in-loop
+        :attr:`shape` (piecewise-linear in T between sizes, linear extrapolation past the largest one), times
+        :attr:`speed`, the online scale."""
+        pts = self._knots()
         if tokens <= pts[0][0]:
             return self.speed * pts[0][1]
         for (t0, s0), (t1, s1) in zip(pts, pts[1:]):
@@ -118,14 +132,24 @@ class CostModel:
         return self.speed * (s1 + (s1 - s0) * (tokens - t1) / (t1 - t0))
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
-        """Fold one timed verify stage of ``tokens`` tree tokens (root included) into :attr:`speed`, the EMA
-        (weight :data:`SPEED_EMA`) of measured / calibrated seconds. The start-up curve keeps its shape (the
-        relative cost of T tokens) while its scale follows the machine: on a shared 2-vCPU VM the same forward
-        drifts by 10-50% within minutes, and a calibration taken in a slow minute made every later draft look
-        cheap against an AR step that had become faster (a make run at 0.83x on one data set)."""
-        if seconds > 0:
-            ratio = seconds / max(self.verify_time(tokens) / self.speed, 1e-12)
-            self.speed = (1 - SPEED_EMA) * self.speed + SPEED_EMA * ratio
+        """Fold one timed verify stage of ``tokens`` tree tokens (root included) into the model.
+
+        The residual r = measured / predicted updates :attr:`speed` (EMA weight :data:`SPEED_EMA`): on a shared VM
+        the same forward drifts by 10-50% within minutes, and a calibration taken in a slow minute made every later
+        draft look cheap (a make run at 0.83x on one data set). For T > 1 the residual left after that also
+        updates, more slowly (:data:`SHAPE_EMA`), the correction of the calibrated size at or below T
+        (:attr:`shape`; T = 1 is the reference and keeps 1): in a bf16 make run the loop's 9-token verify stage
+        cost about 1.4-1.8 AR steps where start-up calibration measured 1.12, so the policy kept verifying 8-node
+        trees that did not pay (0.89x on one data set)."""
+        if seconds <= 0:
+            return
+        ratio = seconds / max(self.verify_time(tokens), 1e-12)
+        self.speed *= 1.0 + SPEED_EMA * (ratio - 1.0)
+        if tokens > 1:
+            knot = max(t for t in self.verify_s if t <= tokens) if tokens >= min(self.verify_s) else min(self.verify_s)
+            if knot > 1:
+                left = seconds / max(self.verify_time(tokens), 1e-12)
+                self.shape[knot] = self.shape.get(knot, 1.0) * (1.0 + SHAPE_EMA * (left - 1.0))
 
     def observe_draft(self, seconds: float) -> None:
         """Fold one timed draft stage into ``t_draft`` (EMA, weight :data:`SPEED_EMA`), so the draft cost follows
@@ -142,7 +166,7 @@ class CostModel:
         """A copy with the same timings and nothing learnt yet (calibration, skip state, histogram), for another
         method that shares this start-up measurement."""
         return CostModel(t_ar=self.t_ar, t_draft=self.t_draft, verify_s=dict(self.verify_s),
-                         max_budget=self.max_budget, t_build=self.t_build, speed=self.speed)
+                         max_budget=self.max_budget, t_build=self.t_build, speed=self.speed, shape=dict(self.shape))
 
     def calibration_curve(self) -> tuple[list[float], list[float]]:
         """The per-bin calibration map as knots (predicted p, calibrated p^), both non-decreasing, from (0, 0).
@@ -275,7 +299,7 @@ class CostModel:
     def summary(self) -> dict:
         """JSON-ready figures: timings (ms), calibration c and the budget histogram."""
         return {"t_ar_ms": 1000 * self.t_ar, "t_draft_ms": 1000 * self.t_draft, "t_build_ms": 1000 * self.t_build,
-                "speed": self.speed,
+                "speed": self.speed, "verify_shape": {int(t): c for t, c in sorted(self.shape.items())},
                 "verify_ms": {int(t): 1000 * s for t, s in sorted(self.verify_s.items())},
                 "calibration": self.calibration, "max_budget": self.max_budget,
                 "calibration_bins": {"edges": list(PROB_BINS[:-1]) + [1.0], "nodes": [int(n) for n in self.bin_n],

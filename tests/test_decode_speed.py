@@ -120,10 +120,10 @@ def test_timings_follow_the_machine_online_keeping_the_curve_shape():
     cm = _model(verify={1: 1.0, 5: 2.0, 9: 4.0})
     tree = Tree(torch.tensor([10, 11]), torch.tensor([0, 1]), torch.tensor([1, 2]), torch.tensor([-0.1, -0.2]))
     before = cm.choose(tree)
-    for _ in range(60):  # the machine became 1.5x slower: 1-token and 5-token verifies both take 1.5x
+    for _ in range(300):  # the machine became 1.5x slower: 1-token and 5-token verifies both take 1.5x
         cm.observe_verify(1, 1.5)
         cm.observe_verify(5, 3.0)
-    assert cm.speed == pytest.approx(1.5, rel=1e-3)
+    assert cm.speed == pytest.approx(1.5, rel=1e-3) and cm.shape[5] == pytest.approx(1.0, rel=1e-3)
     assert cm.verify_time(1) == pytest.approx(1.5, rel=1e-3) and cm.verify_time(3) == pytest.approx(2.25, rel=1e-3)
     assert cm.t_ar == 1.0  # the start-up figure, reported as measured
     # a uniform slowdown does not change which budget maximises tokens per second
@@ -139,6 +139,20 @@ def test_timings_follow_the_machine_online_keeping_the_curve_shape():
     b, expected = cm.choose(tree)
     assert b == 2 and cm.spec_rate == pytest.approx(0.5 * prev + 0.5 * expected / (0.4 + 1.5 * 1.5), rel=1e-3)
     assert cm.fresh().speed == cm.speed and cm.summary()["speed"] == pytest.approx(1.5, rel=1e-3)
+
+
+def test_a_size_that_costs_more_in_the_loop_than_at_calibration_is_corrected():
+    # calibrated: 9 tokens cost 4 AR steps; in the loop they cost 6 while 1 token still costs 1
+    cm = _model(verify={1: 1.0, 5: 2.0, 9: 4.0, 17: 5.0})
+    for _ in range(400):
+        cm.observe_verify(1, 1.0)
+        cm.observe_verify(12, 6.0 + 0.25 * 3)  # sizes between knots correct the knot below (9)
+    assert cm.speed == pytest.approx(1.0, rel=2e-2)
+    assert cm.verify_time(12) == pytest.approx(6.75, rel=2e-2) and cm.verify_time(1) == pytest.approx(1.0, rel=2e-2)
+    assert 1.0 not in cm.shape and 5 not in cm.shape and cm.shape[9] > 1.3
+    # the corrected curve stays non-decreasing in T: 17 tokens never cost less than the corrected 9
+    assert cm.verify_time(17) >= cm.verify_time(9) >= cm.verify_time(5)
+    assert cm.fresh().shape == cm.shape and cm.fresh().shape is not cm.shape
 
 
 def test_should_draft_probe_schedule():
