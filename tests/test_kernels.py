@@ -221,8 +221,9 @@ def test_cpu_topk_candidates_equal_the_ref_with_and_without_boundary_ties():
     for logits in (torch.randn(7, 300, generator=g) * 4,  # no ties
                    torch.randint(0, 6, (7, 300), generator=g).float(),  # ties everywhere, also at the boundary
                    torch.cat([torch.randn(3, 40, generator=g), torch.full((3, 40), 2.0)], dim=1),  # tied top block
-                   _inside_tie(torch.randn(4, 300, generator=g))):  # a tie among the top values, none at the K-th
-        for k in (1, 5, 40, 299, 300):
+                   _inside_tie(torch.randn(4, 300, generator=g)),  # a tie among the top values, none at the K-th
+                   (torch.randn(6, 2048, generator=g) * 3).bfloat16().float()):  # bf16 rounding: ties at the K-th
+        for k in (1, 5, 40, 64, 299, 300):
             got, want = topk_candidates(logits, k, backend="torch"), topk_candidates_ref(logits, k)
             for a, b in zip(got, want):
                 assert torch.equal(a, b), k
