@@ -109,14 +109,18 @@ class CostModel:
     chosen: dict = field(default_factory=dict)
     speed: float = 1.0
     shape: dict = field(default_factory=dict)
+    _pts: list | None = field(default=None, repr=False, compare=False)
 
     def _knots(self) -> list[tuple[int, float]]:
-        """The calibrated sizes with their times corrected by :attr:`shape`, made non-decreasing in T."""
-        pts, running = [], 0.0
-        for t, sec in sorted(self.verify_s.items()):
-            running = max(running, sec * self.shape.get(t, 1.0))
-            pts.append((t, running))
-        return pts
+        """The calibrated sizes with their times corrected by :attr:`shape`, made non-decreasing in T (cached:
+        :meth:`choose` reads the curve once per candidate budget every round; :meth:`observe_verify` resets it)."""
+        if self._pts is None:
+            pts, running = [], 0.0
+            for t, sec in sorted(self.verify_s.items()):
+                running = max(running, sec * self.shape.get(t, 1.0))
+                pts.append((t, running))
+            self._pts = pts
+        return self._pts
 
     def verify_time(self, tokens: int) -> float:
         """t_verify(T) in seconds for T >= 1 tokens: the calibrated curve, each size corrected by the in-loop
@@ -145,11 +149,11 @@ class CostModel:
             return
         ratio = seconds / max(self.verify_time(tokens), 1e-12)
         self.speed *= 1.0 + SPEED_EMA * (ratio - 1.0)
-        if tokens > 1:
-            knot = max(t for t in self.verify_s if t <= tokens) if tokens >= min(self.verify_s) else min(self.verify_s)
-            if knot > 1:
-                left = seconds / max(self.verify_time(tokens), 1e-12)
-                self.shape[knot] = self.shape.get(knot, 1.0) * (1.0 + SHAPE_EMA * (left - 1.0))
+        knot = max((t for t in self.verify_s if t <= tokens), default=1)
+        if knot > 1:
+            left = seconds / max(self.verify_time(tokens), 1e-12)
+            self.shape[knot] = self.shape.get(knot, 1.0) * (1.0 + SHAPE_EMA * (left - 1.0))
+            self._pts = None
 
     def observe_draft(self, seconds: float) -> None:
         """Fold one timed draft stage into ``t_draft`` (EMA, weight :data:`SPEED_EMA`), so the draft cost follows
