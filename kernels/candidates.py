@@ -51,13 +51,69 @@ def topk_candidates_ref(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, tor
     return ids, vals, torch.logsumexp(vals, dim=-1)
 
 
+# bf16 logits keyed for one exact top-K (below): the token id lives in the 16 low bits of an fp32 key
+_BF16_KEY_VOCAB = 1 << 16
+_KEY_LOW: dict = {}
+
+
+def _bf16_keyed_topk(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Exact (value desc, id asc) top-K of bf16-valued logits with one fp32 ``torch.topk``, or None where it cannot
+    decide (or the logits are not bf16 values).
+
+    A bf16 value is the top half of an fp32 bit pattern, so its 16 low bits are free: the key puts ``0xFFFF - id``
+    there for values >= +0 and ``id`` for negative ones (whose magnitude grows with the bits). Every key then lies
+    strictly between its value and the next bf16 value, and among equal values the lower id has the larger key:
+    the keys' order is the ref's order, ties included, and the values are the keys with the low bits cleared.
+    Two cases are left to the caller (None): a selected key that is NaN (an infinite or NaN logit, whose key is
+    NaN and which topk ranks first) and a selected zero (-0.0 and +0.0 tie as values but not as keys).
+
+    Args:
+        logits: [P, V] bfloat16, or fp32 holding bf16 values (a bf16 matmul's output cast up, as the drafter's base
+            logits in bf16 mode; checked: fp32 logits with any of the 16 low bits set give None), V <= 65,536.
+        k: 1 <= K < V.
+    Returns:
+        (ids [P, K] int64, vals [P, K] fp32) as :func:`topk_candidates_ref` gives them, or None.
+    """
+    v = logits.shape[1]
+    if logits.dtype == torch.bfloat16:
+        bits = logits.contiguous().view(torch.int16).to(torch.int32) << 16  # sign-extended, then the fp32 pattern
+    elif logits.dtype == torch.float32:
+        bits = logits.contiguous().view(torch.int32)
+        if bool((bits[0] & 0xFFFF).any()) or bool((bits & 0xFFFF).any()):  # row 0 first: true fp32 leaves at once
+            return None
+    else:
+        return None
+    low = _KEY_LOW.get((v, logits.device))
+    if low is None:
+        low = _KEY_LOW[(v, logits.device)] = 0xFFFF - torch.arange(v, dtype=torch.int32, device=logits.device)
+    # low bits: 0xFFFF - id, flipped to id for negative values (bits >> 31 is -1 there); XOR equals OR here because
+    # the low bits of ``bits`` are zero. In place: 50 against 120 us for a where() on a 16 x 8192 block
+    keys = bits >> 31
+    keys &= 0xFFFF
+    keys ^= low
+    keys ^= bits
+    keys = keys.view(torch.float32)
+    top = torch.topk(keys, k, dim=-1).values
+    tb = top.view(torch.int32)
+    vals = (tb & ~0xFFFF).view(torch.float32)
+    if bool(torch.isnan(top).any()) or bool((vals == 0).any()):
+        return None
+    lo = tb & 0xFFFF
+    return torch.where(tb < 0, lo, 0xFFFF - lo).long(), vals
+
+
 def topk_candidates(logits: torch.Tensor, k: int, backend: str = "auto", *, with_lse: bool = True):
-    """Top-K candidates per row with their log-sum-exp; Triton on CUDA (``auto``); on CPU one ``torch.topk`` of
-    K+1 values: without ties topk's order is the ref's; with ties inside the K they are re-sorted by (value desc,
-    id asc); with a tie at the K-th value a top-(2K) window is re-sorted so and cut to K, which is exact while the
-    K-th value's tie group ends inside the window. bf16 logits (8 bits of mantissa) tie at the K-th value in most
-    rows, where the full-row ref took 2.8 ms per 15 x 8192 block and the two topk calls 1.6 ms; only a tie group reaching
-    the window's end falls back to the ref itself. The results equal the ref's exactly (tested).
+    """Top-K candidates per row with their log-sum-exp; Triton on CUDA (``auto``). On CPU:
+
+    - bf16 logits, and fp32 logits holding bf16 values (a bf16 drafter's base logits), take one ``torch.topk`` of
+      keys that carry the token id in their low bits (:func:`_bf16_keyed_topk`; exact with ties). 15 x 8192 block,
+      K = 64, interleaved: 0.99 against 1.73 ms for the window path below.
+    - Other logits take one ``torch.topk`` of K+1 values: without ties topk's order is the ref's; with ties inside
+      the K they are re-sorted by (value desc, id asc); with a tie at the K-th value a top-(2K) window is re-sorted
+      so and cut to K, which is exact while the K-th value's tie group ends inside the window. Only a tie group
+      reaching the window's end falls back to the ref itself (the full-row ref: 2.8 ms per 15 x 8192 block).
+
+    The results equal the ref's exactly (tested).
 
     Same contract as :func:`topk_candidates_ref`; ``with_lse=False`` lets the CPU path skip the log-sum-exp (lse is
     then None there; callers that only select candidates save ~0.1 ms per block on a 2-core CPU).
@@ -69,6 +125,11 @@ def topk_candidates(logits: torch.Tensor, k: int, backend: str = "auto", *, with
         return topk_candidates_ref(logits, k)
     if resolve(backend, logits.device) == "torch":
         v = logits.shape[1]
+        if logits.dtype in (torch.bfloat16, torch.float32) and kk < v <= _BF16_KEY_VOCAB:
+            out = _bf16_keyed_topk(logits, kk)
+            if out is not None:
+                ids, vals = out
+                return ids, vals, torch.logsumexp(vals, dim=-1) if with_lse else None
         if kk < v:  # one top-(K+1): the set is the ref's unless the K-th value ties the next
             x = logits.float()
             vals, ids = torch.topk(x, kk + 1, dim=-1)

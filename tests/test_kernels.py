@@ -230,3 +230,46 @@ def test_cpu_topk_candidates_equal_the_ref_with_and_without_boundary_ties():
             ids, vals, lse = topk_candidates(logits, k, backend="torch", with_lse=False)  # selection only
             assert torch.equal(ids, want[0]) and torch.equal(vals, want[1])
             assert lse is None or torch.equal(lse, want[2])
+
+
+def test_cpu_bf16_keyed_topk_equals_the_ref_and_hands_back_infinities_and_zeros():
+    """bf16 logits on CPU (and fp32 ones holding bf16 values) take one top-K of fp32 keys carrying the token id in
+    their low bits: exact against the ref (ids, values, tie order), also for negative values; a selected infinity or
+    zero goes back to the other path."""
+    from dartree.kernels.candidates import _bf16_keyed_topk, topk_candidates, topk_candidates_ref
+
+    g = _gen(12)
+    base = (torch.randn(6, 2048, generator=g) * 3).bfloat16()  # bf16 rounding ties at and inside the K-th value
+    neg = (torch.randn(4, 513, generator=g) - 30).bfloat16()  # all negative: keys of negatives run the other way
+    tied = torch.randint(-3, 4, (5, 700), generator=g).bfloat16()  # heavy ties, values of both signs, zeros
+    masked = base.clone()
+    masked[:, ::3] = float("-inf")  # a masked vocabulary
+    hot = base.clone()
+    hot[1, 17] = float("inf")
+    zeros = base.clone()
+    zeros[:, 5], zeros[:, 9] = 50.0, -0.0
+    zeros[:, 7] = 0.0
+    for logits, keyed in ((base, True), (neg, True), (base[:, 1:], True), (tied, None), (masked, None),
+                          (hot, False), (zeros, None)):
+        for k in (1, 5, 64, 300):
+            k = min(k, logits.shape[1] - 1)
+            want = topk_candidates_ref(logits, k)
+            got = topk_candidates(logits, k, backend="torch")
+            for a, b in zip(got, want):
+                assert torch.equal(a, b), k
+            fast = _bf16_keyed_topk(logits, k)
+            if keyed is True:
+                assert fast is not None and torch.equal(fast[0], want[0]) and torch.equal(fast[1], want[1])
+            elif keyed is False:
+                assert fast is None  # +inf is a NaN key: never trusted
+            elif fast is not None:  # zeros or -inf only where they were not selected
+                assert torch.equal(fast[0], want[0]) and torch.equal(fast[1], want[1])
+                assert not bool((fast[1] == 0).any())
+    # fp32 logits holding bf16 values (a bf16 drafter's base logits cast up) take the keyed path; true fp32 does not
+    up = base.float()
+    fast = _bf16_keyed_topk(up, 64)
+    want = topk_candidates_ref(up, 64)
+    assert fast is not None and torch.equal(fast[0], want[0]) and torch.equal(fast[1], want[1])
+    assert _bf16_keyed_topk(torch.randn(3, 500, generator=g), 5) is None
+    k3 = topk_candidates(zeros, 3, backend="torch")[0]
+    assert k3[:, 0].tolist() == [5] * 6  # 50.0 first; the ±0 ties then follow id order in the ref's path
