@@ -136,6 +136,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-tune", dest="tune", action="store_false",
                     help="with onednn: keep the fixed single-row rule instead of timing F.linear against the packed "
                          "call per weight shape and row count at start-up (a few seconds) and taking the faster")
+    ap.add_argument("--ar-repeats", type=int, default=2,
+                    help="AR runs per prompt, spread through that prompt's rows; the AR baseline is their mean "
+                         "time, and the report gives their spread (the machine's own timing noise, next to every "
+                         "speedup)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     ap.add_argument("--out", default="reports/latest", help="folder for report.json and report.md")
     ap.add_argument("--no-plots", action="store_true",
@@ -192,6 +196,28 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
+def _spread_repeats(order: list[str], name: str, repeats: int) -> list[str]:
+    """``order`` with ``repeats - 1`` more runs of ``name`` (``name#2``, ``name#3``, ..): run j + 1 goes before the
+    row that comes ``round(j * n / repeats)`` rows after the first run (cyclically, n = ``len(order)``), so the
+    repeats spread over the prompt's rows and a drift of the machine's speed during them reaches the baseline
+    the way it reaches the other rows. E.g. (["b", "ar", "c", "d"], "ar", 2) -> ["b", "ar", "c", "ar#2", "d"].
+
+    Raises:
+        ValueError: ``name`` is not in ``order`` or ``repeats`` < 1.
+    """
+    if repeats < 1 or name not in order:
+        raise ValueError(f"need repeats >= 1 and {name!r} in the order, got {repeats} and {order}")
+    n, first = len(order), order.index(name)
+    before: dict[int, list[str]] = {}
+    for j in range(1, repeats):
+        before.setdefault((first + round(j * n / repeats)) % n, []).append(f"{name}#{j + 1}")
+    out: list[str] = []
+    for i, row in enumerate(order):
+        out += before.get(i, [])
+        out.append(row)
+    return out
+
+
 def _agg(rows: list[dict], ar_rows: list[dict]) -> dict:
     """Aggregate per-prompt rows of one method (and the matching AR rows) into tau / speed figures."""
     committed = sum(sum(r["accept_lengths"]) for r in rows)
@@ -220,6 +246,9 @@ def _agg(rows: list[dict], ar_rows: list[dict]) -> dict:
             for b in r["budgets"]:
                 hist[int(b)] = hist.get(int(b), 0) + 1
         out["budget_histogram"] = {b: hist[b] for b in sorted(hist)}
+    reps = [r["decode_s_repeats"] for r in rows if len(r.get("decode_s_repeats", ())) > 1]
+    if reps:  # the baseline's own timing noise: (slowest - fastest) / mean of one prompt's repeats, averaged
+        out["repeat_spread"] = sum((max(t) - min(t)) / (sum(t) / len(t)) for t in reps) / len(reps)
     mism = [r for r in rows if r.get("mismatch")]
     out["mismatches"] = len(mism)
     out["lossless"] = (len(mism) == 0) if rows and rows[0].get("mismatch") is not None else None
@@ -295,6 +324,7 @@ def _eval_main(argv=None) -> int:
         (args.lookup < 1, f"--lookup must be >= 1 (tokens of the +lookup methods' chain), got {args.lookup}"),
         (args.lookup_ngram < 1, f"--lookup-ngram must be >= 1, got {args.lookup_ngram}"),
         (args.limit < 1, f"--limit must be >= 1, got {args.limit}"),
+        (args.ar_repeats < 1, f"--ar-repeats must be >= 1 (AR runs per prompt), got {args.ar_repeats}"),
         (args.max_new_tokens < 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
         (not math.isfinite(args.temperature) or args.temperature < 0,
          f"--temperature must be a finite number >= 0, got {args.temperature}"),
@@ -454,7 +484,7 @@ def _eval_main(argv=None) -> int:
                 "target": target.name, "checkpoint": str(args.checkpoint) if methods else None,
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
                 "acceptance": args.acceptance, "lookup": args.lookup, "lookup_ngram": args.lookup_ngram,
-                "budget": budget, "builder_params": params,
+                "budget": budget, "builder_params": params, "ar_repeats": args.ar_repeats,
                 "cost_models": {m: cm.summary() for m, cm in cost_models.items()},
                 "proposals": dm.drafter.cfg.num_proposals if dm is not None else None,
                 "prompts": [{"dataset": p.dataset, "id": p.id, "text": p.text[:120]} for p in prompts[:done]],
@@ -497,8 +527,16 @@ def _eval_main(argv=None) -> int:
                 table.add_row(*cells)
                 md.append("| " + " | ".join(cells) + " |")
             md.append("")
+            spread = data["ar"].get("repeat_spread")
+            if spread is not None:
+                note = (f"AR timing spread over its {args.ar_repeats} runs per prompt ({scope}): {100 * spread:.1f}% "
+                        "(mean of (slowest - fastest) / mean); speedup differences of that size are this machine's "
+                        "noise")
+                md += [note, ""]
             if show:
                 console.print(table)
+                if spread is not None:
+                    console.print(note)
         if peers_skipped:
             md += ["## peers skipped", ""] + [f"- {m}: {why}" for m, why in peers_skipped.items()] + [""]
         hists = {m: r["budget_histogram"] for m, r in report["methods"].items() if r.get("budget_histogram")
@@ -525,12 +563,19 @@ def _eval_main(argv=None) -> int:
         # and a fixed order would hand the same share of that drift to the same rows on every prompt
         order = ["ar", *methods, *peers]
         order = order[pi % len(order):] + order[:pi % len(order)]
+        order = _spread_repeats(order, "ar", args.ar_repeats)
         outs = {name: run_peer_on(name, ids, args.max_new_tokens) if name in peers
-                else run(name, ids, seed, args.max_new_tokens, record=pi == 0 and name != "ar") for name in order}
+                else run(name.split("#")[0], ids, seed, args.max_new_tokens, record=pi == 0 and name != "ar")
+                for name in order}
         ar = outs["ar"]
+        ar_runs = [outs[n] for n in order if n.split("#")[0] == "ar"]
+        if any(o.tokens != ar.tokens for o in ar_runs):
+            console.print(f"[bold yellow]{p.dataset}:{p.id}: the AR repeats disagree (a non-deterministic "
+                          "kernel?); the first one is the reference[/bold yellow]")
         base = {"dataset": p.dataset, "id": p.id}
-        rows["ar"].append({**base, "new_tokens": ar.stats.new_tokens, "decode_s": ar.stats.decode_s,
-                           "accept_lengths": ar.stats.accept_lengths})
+        ar_times = [o.stats.decode_s for o in ar_runs]
+        rows["ar"].append({**base, "new_tokens": ar.stats.new_tokens, "decode_s": sum(ar_times) / len(ar_times),
+                           "decode_s_repeats": ar_times, "accept_lengths": ar.stats.accept_lengths})
         line = [f"[{pi + 1}/{len(prompts)}] {p.dataset}:{p.id} ar {ar.stats.new_tokens} tok"]
 
         def compare_with_ar(row: dict, tokens: list, ids: list, ref: list = ar.tokens) -> None:

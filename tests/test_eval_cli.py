@@ -67,7 +67,15 @@ def test_eval_cli_writes_report(tiny_folder, tmp_path):
     assert env["linear"] == ("onednn" if onednn_linear_supported()[0] else "aten")  # --linear auto
     assert f"linear layers: {env['linear']}" in r.stdout and env["linear_reason"].startswith("auto:")
     assert rep["methods"]["ar"]["tau"] == 1.0
+    # the AR baseline ran twice per prompt (--ar-repeats 2, the default): its time is the mean, its spread reported
+    assert env["ar_repeats"] == 2
+    for row in rep["per_prompt"]["ar"]:
+        assert len(row["decode_s_repeats"]) == 2 and all(t > 0 for t in row["decode_s_repeats"])
+        assert row["decode_s"] == pytest.approx(sum(row["decode_s_repeats"]) / 2)
+    spreads = [abs(a - b) / ((a + b) / 2) for a, b in (r["decode_s_repeats"] for r in rep["per_prompt"]["ar"])]
+    assert rep["methods"]["ar"]["repeat_spread"] == pytest.approx(sum(spreads) / len(spreads))
     md = (out / "report.md").read_text()
+    assert "AR timing spread over its 2 runs per prompt (all)" in md
     assert "| pruned@B6 |" in md
     assert rep["methods"]["pruned@B4"]["mean_tree_nodes"] <= 4 < rep["methods"]["chain"]["mean_tree_nodes"]
     # the loud tau warning appears exactly when tau is about 1
@@ -131,3 +139,21 @@ def test_negative_threads_is_a_one_line_error(capsys):
 
     assert main(["--threads", "-2", "--limit", "1"]) == 2
     assert "--threads must be >= 0" in capsys.readouterr().err
+
+
+def test_ar_repeats_spread_through_a_prompts_rows():
+    from dartree.decode.eval import _spread_repeats
+
+    assert _spread_repeats(["b", "ar", "c", "d"], "ar", 2) == ["b", "ar", "c", "ar#2", "d"]
+    assert _spread_repeats(["ar", "m1", "m2", "m3", "p1", "p2"], "ar", 3) == [
+        "ar", "m1", "ar#2", "m2", "m3", "ar#3", "p1", "p2"]
+    assert _spread_repeats(["m1", "m2", "ar"], "ar", 3) == ["ar#2", "m1", "ar#3", "m2", "ar"]  # wraps to the front
+    assert _spread_repeats(["ar", "x"], "ar", 1) == ["ar", "x"]
+    with pytest.raises(ValueError, match="repeats >= 1"):
+        _spread_repeats(["x"], "ar", 2)
+
+
+def test_eval_cli_rejects_zero_ar_repeats(tmp_path):
+    r = subprocess.run([sys.executable, "decode/eval.py", "--ar-repeats", "0", "--out", str(tmp_path / "r")], cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 2 and "--ar-repeats must be >= 1" in r.stderr
