@@ -28,7 +28,7 @@ from dartree.decode.inputs import check_build_args
 from dartree.kernels._backend import resolve
 from dartree.kernels.candidates import topk_candidates
 from dartree.kernels.frontier import frontier_topk
-from dartree.models.heads import CorrectionHead
+from dartree.models.heads import CorrectionHead, IdentityHead
 
 
 @dataclass
@@ -240,6 +240,10 @@ def build_chain(block: DraftBlock, head: CorrectionHead, root_id: int, budget: i
         return Tree.empty()
     block = block.first(m)
     if head.first_order and resolve(backend, block.base_logits.device) == "torch":  # one factor call, a NumPy walk
+        if isinstance(head, IdentityHead):  # DFlash's own chain: the argmax row by row, K values for the normalizer
+            fast = _chain_identity(block, head_k(k, head))
+            if fast is not None:
+                return fast
         ids, vals = block_candidates(block, head_k(k, head), backend=backend)
         return _chain_first_order(block, head, root_id, ids, vals)
     return build_supertree(block, head, root_id, k=k,
@@ -390,6 +394,32 @@ def _chain_first_order(block: DraftBlock, head: CorrectionHead, root_id: int, id
     toks = torch.from_numpy(ids.detach().cpu().numpy()[depth, cols[1:]]).to(dev)
     parents = torch.arange(p_len, dtype=torch.long, device=dev)  # node d + 1's parent is node d (the root: 0)
     return Tree(toks, parents, parents + 1, torch.from_numpy(scs).to(dev))
+
+
+def _chain_identity(block: DraftBlock, k: int) -> Tree | None:
+    """:func:`build_chain` for the identity head on CPU from one ``torch.topk`` of the base logits: depth d takes the
+    row's largest logit (the lowest id among equal ones, as the candidate order puts it first) and scores it
+    against the log-sum-exp of the row's K largest values, which are the same values in the same order as
+    :func:`block_candidates` gives whatever the ties (so the tree equals :func:`_chain_first_order`'s exactly).
+    It skips the exact tie order of all K candidates, which only the argmax needs, and a full-vocabulary block's
+    selection keys: for z-lab's DFlash drafters (V = 49,152) the chain stage drops from ~3.5 ms to ~1.5 ms here.
+    Returns None when the row maximum ties more than K values (the caller then takes the general path)."""
+    x = block.base_logits.float()
+    kk = min(int(k), x.shape[1])
+    top = torch.topk(x, kk, dim=-1)
+    tied = top.values == top.values[:, :1]
+    if kk < x.shape[1] and bool(tied[:, -1].any()):
+        return None
+    col = torch.where(tied, top.indices, x.shape[1]).min(dim=-1).values  # [P] lowest column of each row's maximum
+    u = top.values.detach().cpu().numpy()
+    mx = u[:, :1]
+    logq0 = u[:, 0] - (mx[:, 0] + np.log(np.exp(u - mx).sum(axis=1)))
+    scs = np.cumsum(logq0, dtype=np.float32)
+    toks = col if block.vocab is None else torch.index_select(block.vocab.to(col.device), 0, col)
+    dev = block.base_logits.device
+    p_len = x.shape[0]
+    parents = torch.arange(p_len, dtype=torch.long, device=dev)
+    return Tree(toks.to(dev), parents, parents + 1, torch.from_numpy(scs).to(dev))
 
 
 def _expand_first_order(logq: torch.Tensor, ids: torch.Tensor, quota: Callable[[int, int], int],

@@ -314,3 +314,34 @@ def test_select_top_b_cpu_path_equals_the_torch_rule():
             want = _stable_topk(sup.score + beta * sup.depth.float(), budget).sort().values
             assert torch.equal(keep, want) and tree.size == budget
             assert torch.equal(tree.tokens, sup.tokens[want]) and _prefix_closed(tree)
+
+
+def test_identity_chain_fast_path_equals_the_candidate_path():
+    """The identity head's chain (DFlash's own) from one topk equals the general first-order chain exactly: tokens,
+    parents, depths and scores, with ties at the maximum, bf16-valued logits, a draft vocabulary, K >= V, and a
+    maximum tied more than K times (handed back to the general path)."""
+    from dartree.decode.trees import _chain_first_order, _chain_identity, block_candidates, build_chain
+
+    head = IdentityHead()
+    g = torch.Generator().manual_seed(5)
+    tied = torch.randint(0, 4, (7, 300), generator=g).float()  # the maximum ties many times in every row
+    bf16 = (torch.randn(7, 300, generator=g) * 3).bfloat16().float()
+    blocks = [_block(p=7, v=300, seed=1), DraftBlock(torch.zeros(7, 32), bf16), DraftBlock(torch.zeros(7, 32), tied),
+              DraftBlock(torch.zeros(3, 32), torch.randn(3, 5, generator=g)),
+              DraftBlock(torch.zeros(7, 32), torch.randn(7, 300, generator=g), torch.arange(1000, 1300))]
+    for block in blocks:
+        x = block.base_logits
+        n_max = int((x == x.max(-1, keepdim=True).values).sum(-1).max())
+        for k in (1, 4, 64, 400):
+            ids, vals = block_candidates(block, k)
+            want = _chain_first_order(block, head, 2, ids, vals)
+            fast = _chain_identity(block, k)
+            # handed back exactly when some row's maximum fills all K candidates (and K < V)
+            assert (fast is None) == (k < x.shape[1] and n_max >= k)
+            if fast is None:
+                fast = build_chain(block, head, 2, x.shape[0], k=k)
+            for a, b in zip((fast.tokens, fast.parents, fast.depth, fast.score),
+                            (want.tokens, want.parents, want.depth, want.score)):
+                assert torch.equal(a, b), k
+            assert torch.equal(build_chain(block, head, 2, x.shape[0], k=k).tokens, want.tokens)
+    assert int(blocks[4].vocab[0]) == 1000 and int(_chain_identity(blocks[4], 4).tokens.min()) >= 1000
