@@ -507,7 +507,7 @@ def _eval_main(argv=None) -> int:
         report["trees"] = trees  # every verify tree of the first prompt, per method, for drawing
 
         md = ["# dartree eval report", "",
-              f"target `{target.name}` ({args.dtype}, {linear} linears, {report['environment']['device']}), checkpoint `{args.checkpoint}`, "
+              f"target `{target.name}` ({args.dtype}, {linear} linears, {report['environment']['device']}), checkpoint `{args.checkpoint if methods else None}`, "
               f"T={args.temperature}, max_new_tokens={args.max_new_tokens}, budget B={budget}, "
               f"K={args.candidates}, W={args.width}, beta={args.beta}, children={args.children}, {done} of {len(prompts)} prompts", ""]
         for scope, data in [("all", report["methods"])] + [(d, report["datasets"][d]) for d in args.datasets]:

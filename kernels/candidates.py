@@ -116,7 +116,8 @@ def topk_candidates(logits: torch.Tensor, k: int, backend: str = "auto", *, with
     The results equal the ref's exactly (tested).
 
     Same contract as :func:`topk_candidates_ref`; ``with_lse=False`` lets the CPU path skip the log-sum-exp (lse is
-    then None there; callers that only select candidates save ~0.1 ms per block on a 2-core CPU).
+    then None on the paths that can skip it and a tensor where it was computed anyway; callers that only select
+    candidates save ~0.1 ms per block on a 2-core CPU).
     Raises:
         ValueError: bad shape, k < 1 or an unknown backend; RuntimeError: ``backend="triton"`` where it cannot run.
     """
