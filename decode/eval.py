@@ -564,11 +564,12 @@ def _eval_main(argv=None) -> int:
         order = ["ar", *methods, *peers]
         order = order[pi % len(order):] + order[:pi % len(order)]
         order = _spread_repeats(order, "ar", args.ar_repeats)
+        row_of = {name: name.split("#")[0] for name in order}  # ar#2 .. are repeats of ar
         outs = {name: run_peer_on(name, ids, args.max_new_tokens) if name in peers
-                else run(name.split("#")[0], ids, seed, args.max_new_tokens, record=pi == 0 and name != "ar")
+                else run(row_of[name], ids, seed, args.max_new_tokens, record=pi == 0 and row_of[name] != "ar")
                 for name in order}
         ar = outs["ar"]
-        ar_runs = [outs[n] for n in order if n.split("#")[0] == "ar"]
+        ar_runs = [outs[n] for n in order if row_of[n] == "ar"]
         if any(o.tokens != ar.tokens for o in ar_runs):
             console.print(f"[bold yellow]{p.dataset}:{p.id}: the AR repeats disagree (a non-deterministic "
                           "kernel?); the first one is the reference[/bold yellow]")
