@@ -169,7 +169,8 @@ def draft_block(
     drafter's cache); they are appended to ``dcache``, which never holds block entries.
     Returns:
         DraftBlock(hidden [P, D], base_logits [P, V'] fp32 over the drafter's vocabulary ``vocab`` (all V ids
-        when it has none)) for proposals predicting positions start+1..start+P.
+        when it has none), ``bf16_values`` True when they were computed in bf16) for proposals predicting
+        positions start+1..start+P.
     Raises:
         ValueError: the context does not end right before the anchor.
     """
@@ -185,7 +186,9 @@ def draft_block(
     ctx_pos = torch.arange(c0, start, device=dev)[None]
     h = drafter(x, q_pos, ctx_feats[None], ctx_pos, cache=dcache)[0, cfg.proposal_offset :]
     base, vocab = drafter.draft_logits(h, target.lm_head)  # [P, V'] fp32 over the draft vocabulary (or V)
-    return DraftBlock(hidden=h, base_logits=base, vocab=vocab)
+    # base is a bf16 matmul's output cast up when the target's lm_head is bf16 (draft_logits casts the hidden to it)
+    return DraftBlock(hidden=h, base_logits=base, vocab=vocab,
+                      bf16_values=target.lm_head.weight.dtype == torch.bfloat16)
 
 
 @torch.inference_mode()

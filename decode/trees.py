@@ -38,15 +38,19 @@ class DraftBlock:
     With a reduced draft vocabulary, ``vocab`` [V'] holds its token ids in ascending order and ``base_logits``
     is [P, V'] over those ids only (column j scores token ``vocab[j]``; every other token is out of the
     draft, i.e. -inf); builders map candidate columns to token ids through :func:`block_candidates`.
+    ``bf16_values`` is True when the fp32 base logits are a bf16 matmul's output cast up (the drafter in bf16,
+    :func:`dartree.decode.generate.draft_block`): candidate selection then keys them without checking their low bits
+    (``dartree.kernels.candidates``). Leave it False for logits of any other origin.
     """
 
     hidden: torch.Tensor
     base_logits: torch.Tensor
     vocab: torch.Tensor | None = None
+    bf16_values: bool = False
 
     def first(self, m: int) -> "DraftBlock":
-        """The first ``m`` proposals (a shorter block; same vocabulary)."""
-        return DraftBlock(self.hidden[:m], self.base_logits[:m], self.vocab)
+        """The first ``m`` proposals (a shorter block; same vocabulary and flag)."""
+        return DraftBlock(self.hidden[:m], self.base_logits[:m], self.vocab, self.bf16_values)
 
 
 @dataclass
@@ -75,7 +79,8 @@ class Tree:
         return Tree(z, z.clone(), z.clone(), torch.zeros(0))
 
 
-def candidates(base_logits: torch.Tensor, k: int, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+def candidates(base_logits: torch.Tensor, k: int, backend: str = "auto", *, bf16_values: bool = False
+               ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-depth top-K of the base logits, ordered by (logit desc, token id asc); ties at the K-th value are
     resolved toward the lower token id, so the selected set is deterministic too
     (``dartree.kernels.candidates.topk_candidates``).
@@ -84,12 +89,13 @@ def candidates(base_logits: torch.Tensor, k: int, backend: str = "auto") -> tupl
         base_logits: [P, V] fp32.
         k: K >= 1 (clamped to V).
         backend: kernel backend (``auto``: Triton on CUDA, torch on CPU).
+        bf16_values: the fp32 logits hold bf16 values (``DraftBlock.bf16_values``): selection skips the check.
     Returns:
         (ids [P, K] int64, logits [P, K] fp32).
     Raises:
         ValueError: k < 1.
     """
-    ids, vals, _ = topk_candidates(base_logits, k, backend=backend, with_lse=False)
+    ids, vals, _ = topk_candidates(base_logits, k, backend=backend, with_lse=False, bf16_values=bf16_values)
     return ids, vals
 
 
@@ -104,7 +110,10 @@ def block_candidates(block: DraftBlock, k: int, backend: str = "auto", logits: t
     Raises:
         ValueError: k < 1.
     """
-    cols, vals = candidates(block.base_logits if logits is None else logits, k, backend=backend)
+    if logits is None:
+        cols, vals = candidates(block.base_logits, k, backend=backend, bf16_values=block.bf16_values)
+    else:
+        cols, vals = candidates(logits, k, backend=backend)
     if block.vocab is None:
         return cols, vals
     return torch.index_select(block.vocab.to(cols.device), 0, cols.reshape(-1)).view(cols.shape), vals
@@ -426,8 +435,34 @@ def _expand_first_order(logq: torch.Tensor, ids: torch.Tensor, quota: Callable[[
                         prune: tuple[int, float] | None) -> Tree:
     """:func:`build_supertree`'s depth loop over precomputed pair tables ``logq`` [P, K, K]: the same frontier
     selection (global top-``quota`` of parent score + log q~, ties to the earlier parent, then the better-ranked
-    candidate) and the same early stop, on NumPy arrays (a few microseconds per depth instead of a dozen torch
-    ops)."""
+    candidate) and the same early stop, compiled (``dartree.kernels.tree_expand.expand_first_order``; its twin
+    :func:`_expand_first_order_np` where a path score is NaN). The quotas are evaluated first, in depth order, with
+    the frontier sizes the loop will see (``quota`` may keep state, as DARTree-fixed's and PCTree's do)."""
+    from dartree.kernels.tree_expand import expand_first_order
+
+    lq = logq.detach().cpu().numpy()
+    id_np = ids.detach().cpu().numpy()
+    p_len, kk = id_np.shape
+    quotas, n_f = np.zeros(p_len, dtype=np.int64), 1
+    for d in range(p_len):
+        q = min(int(quota(d, n_f * kk)), n_f * kk)
+        if q <= 0:
+            break
+        quotas[d] = n_f = q
+    out = expand_first_order(lq, id_np, quotas, prune)
+    if out is None:
+        return _expand_first_order_np(logq, ids, lambda d, avail: int(quotas[d]), prune)
+    toks, pars, deps, scs = out
+    if toks.size == 0:
+        return Tree.empty()
+    dev = ids.device
+    return Tree(torch.from_numpy(toks).to(dev), torch.from_numpy(pars).to(dev), torch.from_numpy(deps).to(dev),
+                torch.from_numpy(scs).to(dev))
+
+
+def _expand_first_order_np(logq: torch.Tensor, ids: torch.Tensor, quota: Callable[[int, int], int],
+                           prune: tuple[int, float] | None) -> Tree:
+    """:func:`_expand_first_order` on NumPy arrays, a dozen calls per depth (the compiled kernel's twin)."""
     lq = logq.detach().cpu().numpy()
     id_np = ids.detach().cpu().numpy()
     p_len, kk = id_np.shape
@@ -485,6 +520,13 @@ def select_top_b_keep(tree: Tree, budget: int, beta: float) -> tuple[Tree, torch
         return tree, torch.arange(m)
     if budget <= 0:
         return Tree.empty(), torch.zeros(0, dtype=torch.long)
+    if tree.score.device.type == "cpu" and tree.score.dtype == torch.float32:  # compiled, same result (tested)
+        from dartree.kernels.tree_expand import top_b_keep
+
+        out = top_b_keep(tree.score.numpy(), tree.depth.numpy(), tree.parents.numpy(), int(budget), float(beta))
+        if out is not None:
+            keep, parents = (torch.from_numpy(a) for a in out)
+            return Tree(tree.tokens[keep], parents, tree.depth[keep], tree.score[keep]), keep
     adj = tree.score + beta * tree.depth.float()
     if adj.device.type == "cpu":  # the same selection by partition (a full stable sort costs more on a small CPU)
         keep = torch.from_numpy(np.sort(_top_q_stable(adj.numpy(), int(budget))))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from dartree.decode.trees import Tree
-from dartree.kernels.tree_compile import tree_attention, tree_attention_ref
+from dartree.kernels.tree_compile import full_mask_cpu, tree_attention, tree_attention_ref
 from dartree.models.target import Target, cache_length, compact_cache
 
 
@@ -65,6 +65,12 @@ def compile_tree(tree: Tree, root_id: int, start: int, dtype: torch.dtype, devic
     """
     m = tree.size
     parents = tree.parents.long()
+    if parents.device.type == "cpu" and (device is None or torch.device(device).type == "cpu") and backend != "triton":
+        depth, pos, mask = full_mask_cpu(parents, start, dtype)  # one compiled pass, prefix zeros included
+        if m and not torch.equal(tree.depth.long(), depth[1:]):
+            raise ValueError("tree depths must equal their parent's depth + 1 (the root has depth 0)")
+        ids = torch.cat([torch.tensor([root_id], dtype=torch.long), tree.tokens.long().cpu()])[None]
+        return TreeInputs(ids, pos[None], mask[None, None])
     depth, pos, block_mask = tree_attention(parents.to(device) if device is not None else parents, start, dtype,
                                             backend=backend)
     if m and not torch.equal(tree.depth.long().to(depth.device), depth[1:]):

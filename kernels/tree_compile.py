@@ -67,6 +67,46 @@ def _tree_attention_cpu(parents: torch.Tensor, start: int, dtype: torch.dtype):
     return depth_t, depth_t + int(start), mask
 
 
+_HIDDEN_BITS: dict = {}
+_INT_OF = {2: (np.int16, torch.int16), 4: (np.int32, torch.int32), 8: (np.int64, torch.int64)}
+
+
+def _hidden_bits(dtype: torch.dtype) -> int:
+    """The bit pattern of ``finfo(dtype).min`` as a signed integer of the same width (cached)."""
+    bits = _HIDDEN_BITS.get(dtype)
+    if bits is None:
+        width = torch.finfo(dtype).bits // 8
+        bits = _HIDDEN_BITS[dtype] = int(torch.tensor(torch.finfo(dtype).min, dtype=dtype).view(_INT_OF[width][1]))
+    return bits
+
+
+def full_mask_cpu(parents: torch.Tensor, start: int, dtype: torch.dtype):
+    """The whole verify mask of a CPU tree in one compiled pass (``dartree.kernels.tree_expand.tree_mask``): depth,
+    positions and the additive mask [M+1, start+M+1] (the committed prefix visible to every node, then the tree
+    block of :func:`tree_attention_ref`), written as the integer bit patterns of 0 and ``finfo(dtype).min`` and
+    viewed as ``dtype`` (numba has no bf16). Equal to the ref's block with zeros prepended (tested).
+
+    Args:
+        parents: [M] int64 CPU tensor (0 = root); start: the root's position (>= 0); dtype: a float dtype.
+    Returns:
+        depth [M+1] int64, position_ids [M+1] int64, mask [M+1, start+M+1] ``dtype``.
+    Raises:
+        ValueError: parents not 1-D or not preceding their children.
+    """
+    from dartree.kernels.tree_expand import tree_mask
+
+    if parents.dim() != 1:
+        _check(parents)
+    width = torch.finfo(dtype).bits // 8
+    np_int, torch_int = _INT_OF[width]
+    out = tree_mask(parents.long().numpy(), int(start), _hidden_bits(dtype), np_int)
+    if out is None:
+        _check(parents)  # raises the ref's error
+    depth, mask = out
+    depth_t = torch.from_numpy(depth)
+    return depth_t, depth_t + int(start), torch.from_numpy(mask).view(dtype)
+
+
 def tree_attention(parents: torch.Tensor, start: int = 0, dtype: torch.dtype = torch.float32,
                    backend: str = "auto"):
     """Tree compile on the GPU (one Triton program per node walks its ancestors), on CPU the ref's rule on NumPy

@@ -166,6 +166,26 @@ def test_tree_compile_cpu_path_equals_ref(m, dtype):
         tree_attention(torch.tensor([0, 2]), backend="torch")
 
 
+@pytest.mark.parametrize("m", [0, 1, 16, 65])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_compiled_full_mask_equals_the_ref_with_the_prefix(m, dtype):
+    """The compiled CPU verify mask (integer bit patterns viewed as the float dtype) is the ref's tree block with
+    zeros prepended for the committed prefix, bit for bit; depths and positions equal the ref's; bad parents are
+    refused with the ref's message."""
+    from dartree.kernels.tree_compile import full_mask_cpu
+
+    for start in (0, 11, 300):
+        for parents in (_random_parents(m, m + 2), torch.arange(m), torch.zeros(m, dtype=torch.long)):
+            depth, pos, mask = full_mask_cpu(parents, start, dtype)
+            rd, rp, rmask = tree_attention_ref(parents, start, dtype)
+            want = torch.cat([torch.zeros(m + 1, start, dtype=dtype), rmask], dim=1)
+            assert torch.equal(depth, rd) and torch.equal(pos, rp)
+            assert mask.dtype == dtype and torch.equal(mask.view(torch.uint8), want.view(torch.uint8))
+    for bad in (torch.tensor([0, 2]), torch.tensor([-1]), torch.tensor([[0]])):
+        with pytest.raises(ValueError, match="precede|1-D"):
+            full_mask_cpu(bad, 5, torch.float32)
+
+
 def test_tree_compile_ref_meaning():
     # root -> 1 -> 2, root -> 3, 1 -> 4
     depth, pos, mask = tree_attention_ref(torch.tensor([0, 1, 0, 1]), 5)
@@ -273,3 +293,39 @@ def test_cpu_bf16_keyed_topk_equals_the_ref_and_hands_back_infinities_and_zeros(
     assert _bf16_keyed_topk(torch.randn(3, 500, generator=g), 5) is None
     k3 = topk_candidates(zeros, 3, backend="torch")[0]
     assert k3[:, 0].tolist() == [5] * 6  # 50.0 first; the ±0 ties then follow id order in the ref's path
+
+
+def test_a_bf16_draft_flags_its_logits_and_the_flagged_keyed_path_equals_the_ref():
+    """draft_block in bf16 marks its fp32 base logits as bf16 values (all 16 low bits zero), in fp32 it does not;
+    the flagged selection (no low-bit check) equals the ref, for positive, negative and mixed-sign rows."""
+    from conftest import LAYERS, VOCAB, make_drafter
+    from dartree.decode.generate import draft_block
+    from dartree.decode.trees import block_candidates
+    from dartree.kernels.candidates import topk_candidates, topk_candidates_ref
+    from dartree.models.drafter import DraftCache
+    from dartree.models.target import tiny_target
+
+    prompt = [4, 9, 16, 25, 36, 49]
+    for dtype in (torch.float32, torch.bfloat16):
+        tgt = tiny_target(vocab_size=VOCAB, layer_ids=LAYERS, dtype=dtype)
+        dr = make_drafter().to(dtype)
+        with torch.inference_mode():
+            feats = tgt.forward(torch.tensor([prompt])).features[0]
+            block = draft_block(tgt, dr, 3, len(prompt), feats, DraftCache(len(dr.layers)))
+        assert block.base_logits.dtype == torch.float32
+        assert block.bf16_values is (dtype == torch.bfloat16)
+        if block.bf16_values:
+            assert not bool((block.base_logits.view(torch.int32) & 0xFFFF).any())
+            assert block.first(3).bf16_values
+        for k in (1, 7, 40):
+            ids, vals = block_candidates(block, k)
+            want = topk_candidates_ref(block.base_logits, k)
+            assert torch.equal(ids, want[0]) and torch.equal(vals, want[1])
+    g = _gen(21)
+    for rows in ((torch.randn(5, 3000, generator=g) * 3 + 8), (torch.randn(5, 3000, generator=g) - 40),
+                 torch.randn(5, 3000, generator=g)):
+        up = rows.bfloat16().float()
+        for k in (1, 64, 1500):
+            got = topk_candidates(up, k, backend="torch", bf16_values=True)
+            for a, b in zip(got, topk_candidates_ref(up, k)):
+                assert torch.equal(a, b), k

@@ -345,3 +345,65 @@ def test_identity_chain_fast_path_equals_the_candidate_path():
                 assert torch.equal(a, b), k
             assert torch.equal(build_chain(block, head, 2, x.shape[0], k=k).tokens, want.tokens)
     assert int(blocks[4].vocab[0]) == 1000 and int(_chain_identity(blocks[4], 4).tokens.min()) >= 1000
+
+
+def test_compiled_expansion_equals_the_numpy_twin():
+    """The numba depth loop (dartree.kernels.tree_expand) builds exactly the tree of its NumPy twin: tokens,
+    parents, depths and fp32 scores bit-equal, over heavy ties (log q~ on a 0.5 grid), every quota rule the builders
+    use (pruned's width, DARTree-fixed's spread budget, PCTree's children), with and without the pruned early stop;
+    a NaN table hands over to the twin."""
+    from dartree.decode.trees import _expand_first_order, _expand_first_order_np
+
+    rng = np.random.default_rng(3)
+    for t in range(120):
+        p_len, kk = int(rng.integers(1, 9)), int(rng.integers(1, 12))
+        raw = -rng.integers(0, 5, (p_len, kk, kk)) * 0.5 if t % 2 else -rng.exponential(1.0, (p_len, kk, kk))
+        lq = torch.from_numpy(raw.astype(np.float32))
+        ids = torch.from_numpy(rng.integers(0, 500, (p_len, kk)))
+        width, budget = int(rng.integers(1, 20)), int(rng.integers(1, 40))
+
+        def quotas():
+            used = [0]
+
+            def fixed(d, avail):
+                q = min(-(-(budget - used[0]) // (p_len - d)), avail)
+                used[0] += q
+                return q
+
+            def pctree(d, avail):
+                q = max(0, min(width, budget - used[0], avail))
+                used[0] += q
+                return q
+
+            return {"pruned": lambda d, avail: min(width, avail), "fixed": fixed, "pctree": pctree}
+
+        for rule in ("pruned", "fixed", "pctree"):
+            for prune in ((None,) if rule != "pruned" else (None, (budget, 0.0), (budget, -0.2), (budget, -1.0))):
+                got = _expand_first_order(lq, ids, quotas()[rule], prune)
+                want = _expand_first_order_np(lq, ids, quotas()[rule], prune)
+                assert got.size == want.size, (t, rule, prune)
+                for f in ("tokens", "parents", "depth", "score"):
+                    assert torch.equal(getattr(got, f), getattr(want, f)), (t, rule, prune, f)
+    bad = lq.clone()
+    bad[0, 0, 0] = float("nan")
+    got = _expand_first_order(bad, ids, lambda d, avail: min(3, avail), (4, -0.2))
+    want = _expand_first_order_np(bad, ids, lambda d, avail: min(3, avail), (4, -0.2))
+    assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
+
+
+def test_compiled_top_b_equals_the_torch_rule_with_ties():
+    """select_top_b_keep's compiled CPU path keeps what the torch rule keeps (stable top-B of score + beta * depth in
+    fp32, ties to the earlier node) when scores tie within and across depths, re-indexed and prefix-closed."""
+    from dartree.decode.trees import _stable_topk, select_top_b_keep
+
+    for seed in range(6):
+        sup = get_builder("fixed")(_block(p=6, seed=seed), make_markov(), 7, 40, k=16)
+        for grid in (0.0, 0.25, 1.0):
+            scores = sup.score if grid == 0 else torch.floor(sup.score / grid) * grid  # monotone: paths stay non-increasing
+            tree0 = Tree(sup.tokens, sup.parents, sup.depth, scores)
+            for budget in (1, 3, 8, 17, tree0.size - 1):
+                for beta in (0.0, -0.2, -0.5):
+                    tree, keep = select_top_b_keep(tree0, budget, beta)
+                    want = _stable_topk(scores + beta * sup.depth.float(), budget).sort().values
+                    assert torch.equal(keep, want), (seed, grid, budget, beta)
+                    assert torch.equal(tree.tokens, sup.tokens[want]) and _prefix_closed(tree)
