@@ -30,7 +30,7 @@ setup: $(VENV_DEP)
 # Main job: the shipped reference drafter, chain, DARTree-pruned and DARTree-pruned with a grafted prompt-lookup chain vs
 # autoregressive decoding, 5 prompts per data set.
 run: setup
-	$(PY) decode/eval.py --tree chain pruned chain+lookup pruned+lookup --peers hf-generate hf-prompt-lookup ar-bf16 zlab-dflash --limit 5 --max-new-tokens 256 --out reports/latest
+	$(PY) decode/eval.py --tree chain pruned chain+lookup pruned+lookup --peers hf-generate hf-prompt-lookup ar-bf16 zlab-dflash --limit 5 --max-new-tokens 256 --paired --out reports/latest
 
 # The full default evaluation quoted in checkpoints/README.md (20 prompts per data set; ~30 min on 2 CPU cores).
 eval-full: setup

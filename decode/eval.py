@@ -27,7 +27,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from dartree.decode.generate import GenerateOutput, autoregressive_generate, speculative_generate
+from dartree.decode.generate import ARStepper, GenerateOutput, autoregressive_generate, speculative_generate
 from dartree.decode.peers import PEERS, load_bf16_twin, load_zlab_drafter, run_peer
 from dartree.decode.prompts import DATASETS, Prompt, load_prompts
 from dartree.decode.report import annotate_trees, write_figures
@@ -140,6 +140,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="AR runs per prompt, spread through that prompt's rows; the AR baseline is their mean "
                          "time, and the report gives their spread (the machine's own timing noise, next to every "
                          "speedup)")
+    ap.add_argument("--paired", action="store_true",
+                    help="also time every method in lockstep with its own AR decode of the same prompt (after each "
+                         "round the AR loop steps until it has as many tokens), and report that paired speedup next to "
+                         "the plain one: both loops then see the same seconds of a machine whose speed drifts, which "
+                         "separate runs minutes apart do not (costs one more AR decode per method and prompt)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     ap.add_argument("--out", default="reports/latest", help="folder for report.json and report.md")
     ap.add_argument("--no-plots", action="store_true",
@@ -246,6 +251,17 @@ def _agg(rows: list[dict], ar_rows: list[dict]) -> dict:
             for b in r["budgets"]:
                 hist[int(b)] = hist.get(int(b), 0) + 1
         out["budget_histogram"] = {b: hist[b] for b in sorted(hist)}
+    paired = [r for r in rows if "paired_ar_decode_s" in r]
+    if paired:  # against the AR decode that ran in lockstep with each row (--paired)
+        p_tok = sum(max(r["paired_ar_new_tokens"] - 1, 0) for r in paired)
+        p_s = sum(r["paired_ar_decode_s"] for r in paired)
+        m_tok = sum(max(r["new_tokens"] - 1, 0) for r in paired)
+        m_s = sum(r["decode_s"] for r in paired)
+        out["paired_speedup"] = (m_tok / m_s) / (p_tok / p_s) if m_s > 0 and p_s > 0 and p_tok else float("nan")
+        per = [(max(r["new_tokens"] - 1, 0) / r["decode_s"]) / (max(r["paired_ar_new_tokens"] - 1, 0) / r["paired_ar_decode_s"])
+               for r in paired if r["decode_s"] > 0 and r["paired_ar_decode_s"] > 0 and r["paired_ar_new_tokens"] > 1]
+        if per:
+            out["paired_speedup_range"] = [min(per), max(per)]
     reps = [r["decode_s_repeats"] for r in rows if len(r.get("decode_s_repeats", ())) > 1]
     if reps:  # the baseline's own timing noise: (slowest - fastest) / mean of one prompt's repeats, averaged
         out["repeat_spread"] = sum((max(t) - min(t)) / (sum(t) / len(t)) for t in reps) / len(reps)
@@ -411,17 +427,26 @@ def _eval_main(argv=None) -> int:
     params = {"k": args.candidates, "width": args.width, "beta": args.beta, "children": args.children}
 
     def run(method: str, ids: list, seed: int, max_new: int, record: bool = False) -> GenerateOutput:
+        """One decode of ``ids``; with --paired a method's output carries ``paired_ar``, the ARStepper that ran in
+        lockstep with it (then run to its end)."""
         gen = torch.Generator().manual_seed(seed)
         if method == "ar":
             return autoregressive_generate(target, ids, max_new_tokens=max_new, temperature=args.temperature,
                                            stop_ids=stop_ids, generator=gen)
         builder, b = runs[method]
-        return speculative_generate(
+        pair = ARStepper(target, ids, max_new_tokens=max_new, temperature=args.temperature, stop_ids=stop_ids,
+                         generator=torch.Generator().manual_seed(seed)) if args.paired else None
+        o = speculative_generate(
             target, dm.drafter, dm.head, ids, builder=builder, max_new_tokens=max_new,
             temperature=args.temperature, stop_ids=stop_ids, budget=b, generator=gen, builder_params=params,
             record_trees=record, cost_model=cost_models.get(method), acceptance=args.acceptance,
             lookup=args.lookup if LOOKUP_SUFFIX in method else 0, lookup_ngram=args.lookup_ngram,
+            lockstep=pair.run_to if pair is not None else None,
         )
+        if pair is not None:
+            pair.run_to(max_new)
+            o.paired_ar = pair
+        return o
 
     cost_models: dict = {}
     if any(b == "auto" for _, b in runs.values()):
@@ -484,7 +509,7 @@ def _eval_main(argv=None) -> int:
                 "target": target.name, "checkpoint": str(args.checkpoint) if methods else None,
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
                 "acceptance": args.acceptance, "lookup": args.lookup, "lookup_ngram": args.lookup_ngram,
-                "budget": budget, "builder_params": params, "ar_repeats": args.ar_repeats,
+                "budget": budget, "builder_params": params, "ar_repeats": args.ar_repeats, "paired": args.paired,
                 "cost_models": {m: cm.summary() for m, cm in cost_models.items()},
                 "proposals": dm.drafter.cfg.num_proposals if dm is not None else None,
                 "prompts": [{"dataset": p.dataset, "id": p.id, "text": p.text[:120]} for p in prompts[:done]],
@@ -512,16 +537,17 @@ def _eval_main(argv=None) -> int:
               f"K={args.candidates}, W={args.width}, beta={args.beta}, children={args.children}, {done} of {len(prompts)} prompts", ""]
         for scope, data in [("all", report["methods"])] + [(d, report["datasets"][d]) for d in args.datasets]:
             table = Table(title=f"{scope}")
-            for col in ["method", "tau", "tokens/s", "speedup", "lossless", "nodes", "draft ms", "tree ms", "verify ms"]:
+            cols = ["method", "tau", "tokens/s", "speedup", *(["paired x AR"] if args.paired else []), "lossless",
+                    "nodes", "draft ms", "tree ms", "verify ms"]
+            for col in cols:
                 table.add_column(col, justify="right")
-            md += [f"## {scope}", "",
-                   "| method | tau | tokens/s | speedup | lossless | nodes | draft ms | tree ms | verify ms |",
-                   "|---|---|---|---|---|---|---|---|---|"]
+            md += [f"## {scope}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
             for m, r in data.items():
                 loss = "n/a" if r["lossless"] is None else ("yes" if r["lossless"] else f"NO ({r['mismatches']})")
                 if m == "ar":
                     loss = "baseline"
-                cells = [m, f"{r['tau']:.3f}", f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.3f}x", loss,
+                paired_cell = ([f"{r['paired_speedup']:.3f}x" if "paired_speedup" in r else ""] if args.paired else [])
+                cells = [m, f"{r['tau']:.3f}", f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.3f}x", *paired_cell, loss,
                          f"{r.get('mean_tree_nodes', 1.0):.1f}", f"{r.get('draft_ms_per_round', 0):.1f}", f"{r.get('tree_build_ms_per_round', 0):.1f}",
                          f"{r.get('verify_ms_per_round', 0):.1f}"]
                 table.add_row(*cells)
@@ -533,10 +559,17 @@ def _eval_main(argv=None) -> int:
                         "(mean of (slowest - fastest) / mean); speedup differences of that size are this machine's "
                         "noise")
                 md += [note, ""]
+            if args.paired:
+                pnote = ("paired x AR: each method's time per token against an AR decode of the same prompt that ran "
+                         "in lockstep with it (one AR step after another until level with each round), pooled over "
+                         "the prompts")
+                md += [pnote, ""]
             if show:
                 console.print(table)
                 if spread is not None:
                     console.print(note)
+                if args.paired:
+                    console.print(pnote)
         if peers_skipped:
             md += ["## peers skipped", ""] + [f"- {m}: {why}" for m, why in peers_skipped.items()] + [""]
         hists = {m: r["budget_histogram"] for m, r in report["methods"].items() if r.get("budget_histogram")
@@ -593,6 +626,9 @@ def _eval_main(argv=None) -> int:
                    "accept_lengths": o.stats.accept_lengths, "stage_s": o.stats.stage_s,
                    "tree_nodes": o.stats.tree_nodes, "budgets": o.stats.budgets, "depth_nodes": o.stats.depth_nodes,
                    "accepted_depths": o.stats.accepted_depths, "mismatch": None}
+            pair = getattr(o, "paired_ar", None)
+            if pair is not None:  # the AR decode that ran in lockstep with this one
+                row["paired_ar_decode_s"], row["paired_ar_new_tokens"] = pair.stats.decode_s, pair.stats.new_tokens
             if pi == 0:
                 trees[m] = {**base, "rounds": annotate_trees(o.stats.trees, lambda i: tok.decode([i]))}
             if args.temperature == 0:

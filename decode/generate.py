@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -117,7 +117,60 @@ def _check_args(target, prompt_ids, max_new_tokens, temperature, stop_ids, gener
                                stop_ids=stop_ids, generator=generator)
 
 
-@torch.inference_mode()
+class ARStepper:
+    """Plain autoregressive decoding one step at a time (the loop of :func:`autoregressive_generate`), so that its
+    steps can run interleaved with another decoder's rounds on the same prompt (``speculative_generate(lockstep=)``):
+    both then see the same minutes of a machine whose speed drifts, and their per-token times compare paired.
+
+    The prefill runs in the constructor (timed as ``stats.prefill_s``); each :meth:`step` is one one-token target
+    forward and adds its wall time to ``stats.decode_s``. Arguments and errors as :func:`autoregressive_generate`.
+
+    Attributes:
+        tokens: the generated ids so far (prompt excluded; ends at the first stop id, inclusive).
+        stats: :class:`DecodeStats` (``decode_s`` sums the steps' times only, never the time between them).
+        done: True once a stop id or ``max_new_tokens`` is reached.
+    """
+
+    @torch.inference_mode()
+    def __init__(self, target: Target, prompt_ids: Sequence[int], *, max_new_tokens: int, temperature: float = 0.0,
+                 stop_ids: Sequence[int] = (), generator: torch.Generator | None = None):
+        prompt_ids, stop_ids = _check_args(target, prompt_ids, max_new_tokens, temperature, stop_ids, generator)
+        self.target, self.temperature, self.generator = target, temperature, generator
+        self.max_new_tokens, self.stops = max_new_tokens, set(int(s) for s in stop_ids)
+        self.stats, self.tokens, self.done = DecodeStats(), [], max_new_tokens == 0
+        if self.done:
+            return
+        self.cache = target.new_cache()
+        t0 = time.perf_counter()
+        self._tok, _ = _prefill(target, prompt_ids, self.cache, temperature, generator)
+        self.stats.prefill_s = time.perf_counter() - t0
+        _, self.done = _commit(self.tokens, [self._tok], max_new_tokens, self.stops)
+        self._pos = len(prompt_ids)
+        self.stats.new_tokens = len(self.tokens)
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """One AR step (nothing once done); returns ``done``."""
+        if self.done:
+            return True
+        t0 = time.perf_counter()
+        target = self.target
+        ids = torch.tensor([[self._tok]], dtype=torch.long, device=target.device)
+        o = target.forward(ids, position_ids=torch.tensor([[self._pos]], device=target.device), cache=self.cache)
+        self._tok = int(target_tokens(o.logits[0, -1:], self.temperature, self.generator)[0])
+        self._pos += 1
+        n, self.done = _commit(self.tokens, [self._tok], self.max_new_tokens, self.stops)
+        self.stats.accept_lengths.append(n)
+        self.stats.decode_s += time.perf_counter() - t0
+        self.stats.new_tokens = len(self.tokens)
+        return self.done
+
+    def run_to(self, n_tokens: int) -> None:
+        """Step until at least ``n_tokens`` tokens are out (or done)."""
+        while not self.done and len(self.tokens) < n_tokens:
+            self.step()
+
+
 def autoregressive_generate(
     target: Target,
     prompt_ids: Sequence[int],
@@ -130,33 +183,18 @@ def autoregressive_generate(
     """Plain one-token-per-forward decoding of the target (the baseline and the losslessness oracle).
 
     ``prompt_ids`` is [T] or [1, T] (list, tensor or array; Hugging Face ``input_ids`` work as they are);
-    ``stop_ids`` a sequence, a set, one int or None. Arguments as :func:`speculative_generate`.
+    ``stop_ids`` a sequence, a set, one int or None. Arguments as :func:`speculative_generate`. Runs
+    :class:`ARStepper` to the end; ``stats.decode_s`` is the sum of its steps' times.
     Raises:
         TypeError: ``target`` is not a dartree Target, or an argument has the wrong type (named).
         ValueError: empty or batched prompt ([N > 1, T]: one request at a time), an id outside the target's
             vocabulary, negative max_new_tokens, negative or non-finite temperature, a generator on another device.
     """
-    prompt_ids, stop_ids = _check_args(target, prompt_ids, max_new_tokens, temperature, stop_ids, generator)
-    stops, stats, out = set(int(s) for s in stop_ids), DecodeStats(), []
-    if max_new_tokens == 0:
-        return GenerateOutput(out, stats)
-    cache = target.new_cache()
-    t0 = time.perf_counter()
-    tok, _ = _prefill(target, prompt_ids, cache, temperature, generator)
-    stats.prefill_s = time.perf_counter() - t0
-    _, done = _commit(out, [tok], max_new_tokens, stops)
-    t1 = time.perf_counter()
-    pos = len(prompt_ids)
-    while not done:
-        ids = torch.tensor([[tok]], dtype=torch.long, device=target.device)
-        o = target.forward(ids, position_ids=torch.tensor([[pos]], device=target.device), cache=cache)
-        tok = int(target_tokens(o.logits[0, -1:], temperature, generator)[0])
-        pos += 1
-        n, done = _commit(out, [tok], max_new_tokens, stops)
-        stats.accept_lengths.append(n)
-    stats.decode_s = time.perf_counter() - t1
-    stats.new_tokens = len(out)
-    return GenerateOutput(out, stats)
+    ar = ARStepper(target, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=stop_ids,
+                   generator=generator)
+    while not ar.done:
+        ar.step()
+    return GenerateOutput(ar.tokens, ar.stats)
 
 
 @torch.inference_mode()
@@ -210,6 +248,7 @@ def speculative_generate(
     acceptance: str = "match",
     lookup: int = 0,
     lookup_ngram: int = 3,
+    lockstep: Callable[[int], None] | None = None,
 ) -> GenerateOutput:
     """Speculative decoding with a block drafter, a correction head and a tree builder; lossless.
 
@@ -239,6 +278,9 @@ def speculative_generate(
             (:mod:`dartree.decode.lookup`; with a fixed budget the chain's new nodes come on top of it, with
             ``"auto"`` the cost model sizes the union). 0: off.
         lookup_ngram: longest n-gram the lookup matches (it tries n = lookup_ngram .. 1).
+        lockstep: called after every round with the number of tokens generated so far, e.g. ``ar.run_to`` of an
+            :class:`ARStepper` on the same prompt, which then decodes in step with this loop (paired timing on a
+            machine whose speed drifts); its time is left out of ``stats.decode_s``.
     Returns:
         Tokens equal to :func:`autoregressive_generate`'s at T = 0 (and distributed as the target's samples
         at T > 0), plus stats.
@@ -254,6 +296,9 @@ def speculative_generate(
     prompt_ids, stop_ids = _check_args(target, prompt_ids, max_new_tokens, temperature, stop_ids, generator)
     check_speculative_args(target, drafter, head, builder=builder, budget=budget, builder_params=builder_params)
     rejection = check_acceptance(acceptance, builder, temperature) == "rejection"
+    if lockstep is not None and not callable(lockstep):
+        raise TypeError(f"lockstep must be a callable taking the generated token count (e.g. ARStepper.run_to) or "
+                        f"None, got {type(lockstep).__name__}")
     if not isinstance(lookup, int) or lookup < 0 or not isinstance(lookup_ngram, int) or lookup_ngram < 1:
         raise ValueError(f"lookup must be an int >= 0 and lookup_ngram an int >= 1 (got {lookup!r}, {lookup_ngram!r})")
     if lookup and rejection:
@@ -289,6 +334,7 @@ def speculative_generate(
 
     dcache = DraftCache(len(drafter.layers))
     st = stats.stage_s
+    lock_s = 0.0  # time spent in ``lockstep`` (another decoder's steps), not this loop's
     while not done:
         ta = time.perf_counter()
         drafted = not auto or cm.should_draft()
@@ -356,6 +402,9 @@ def speculative_generate(
         st["tree_compile"] += tc2 - tc
         st["verify"] += td - tc2
         st["commit"] += te - td
-    stats.decode_s = time.perf_counter() - t1
+        if lockstep is not None:
+            lockstep(len(out))
+            lock_s += time.perf_counter() - te
+    stats.decode_s = time.perf_counter() - t1 - lock_s
     stats.new_tokens = len(out)
     return GenerateOutput(out, stats)

@@ -242,3 +242,43 @@ def test_non_contiguous_accepted_path_is_lossless(target, drafter, oracle_builde
                                max_new_tokens=43)
     assert got.tokens == ref[:43]
     assert got.stats.accept_lengths[:3] == [6, 6, 6]  # 5 accepted drafts + bonus, every round
+
+
+def test_ar_stepper_and_lockstep_pairing(target, drafter, prompts):
+    """ARStepper is the AR loop one step at a time (same tokens, one accept length per step); run in lockstep with a
+    speculative decode (``lockstep=ar.run_to``) it is called after every round with the tokens generated so far, stays
+    level with them, and its time is left out of the speculative loop's decode_s."""
+    import time as _time
+
+    from dartree.decode.generate import ARStepper
+
+    head = make_markov()
+    p = prompts[0]
+    want = ar(target, p, n=30)
+    st = ARStepper(target, p, max_new_tokens=30, stop_ids=[STOP])
+    st.run_to(5)
+    assert st.tokens == want[:len(st.tokens)] and len(st.tokens) >= min(5, len(want))
+    while not st.step():
+        pass
+    assert st.tokens == want and st.done and len(st.stats.accept_lengths) == len(want) - 1
+    assert st.stats.decode_s > 0 and st.step() is True and st.tokens == want  # done: a step does nothing
+
+    pair, calls, pause = ARStepper(target, p, max_new_tokens=30, stop_ids=[STOP]), [], 0.02
+
+    def hook(n):
+        calls.append((n, len(pair.tokens)))
+        pair.run_to(n)
+        _time.sleep(pause)
+
+    t0 = _time.perf_counter()
+    got = speculative_generate(target, drafter, head, p, builder="pruned", budget=6, max_new_tokens=30,
+                               stop_ids=[STOP], lockstep=hook)
+    wall = _time.perf_counter() - t0
+    assert got.tokens == want and pair.tokens == want[:len(pair.tokens)]
+    counts = [n for n, _ in calls]
+    assert len(calls) == got.stats.rounds and counts == sorted(counts) and counts[-1] == len(want)
+    assert counts == [1 + sum(got.stats.accept_lengths[: i + 1]) for i in range(len(counts))]
+    assert all(before <= n for n, before in calls) and len(pair.tokens) == len(want)
+    assert got.stats.decode_s < wall - pause * len(calls)  # the hook's sleeps are not the loop's time
+    with pytest.raises(TypeError, match="lockstep"):
+        speculative_generate(target, drafter, head, p, builder="chain", max_new_tokens=4, lockstep=3)

@@ -157,3 +157,30 @@ def test_eval_cli_rejects_zero_ar_repeats(tmp_path):
     r = subprocess.run([sys.executable, "decode/eval.py", "--ar-repeats", "0", "--out", str(tmp_path / "r")], cwd=REPO,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "--ar-repeats must be >= 1" in r.stderr
+
+
+def test_eval_cli_paired_rows_time_each_method_against_its_own_lockstep_ar(tiny_folder, tmp_path):
+    """--paired: every method row carries the AR decode that ran in lockstep with it (same tokens as the AR row),
+    and the report's paired speedup is the pooled time-per-token ratio of those pairs, in report.md's column too."""
+    out = tmp_path / "rep"
+    cmd = [sys.executable, "decode/eval.py", "--target", str(tiny_folder / "target"), "--checkpoint",
+           str(tiny_folder / "ckpt"), "--tree", "chain", "pruned", "--datasets", "gsm8k", "--limit", "2",
+           "--max-new-tokens", "12", "--budget", "4", "--paired", "--ar-repeats", "1", "--no-plots", "--out", str(out)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["environment"]["paired"] is True
+    ar_rows = rep["per_prompt"]["ar"]
+    for m in ("chain", "pruned"):
+        rows = rep["per_prompt"][m]
+        assert [r["paired_ar_new_tokens"] for r in rows] == [a["new_tokens"] for a in ar_rows]
+        assert all(r["paired_ar_decode_s"] > 0 for r in rows)
+        tps = sum(r["new_tokens"] - 1 for r in rows) / sum(r["decode_s"] for r in rows)
+        ar_tps = sum(r["paired_ar_new_tokens"] - 1 for r in rows) / sum(r["paired_ar_decode_s"] for r in rows)
+        assert rep["methods"][m]["paired_speedup"] == pytest.approx(tps / ar_tps)
+        assert rep["datasets"]["gsm8k"][m]["paired_speedup"] == pytest.approx(tps / ar_tps)
+        lo, hi = rep["methods"][m]["paired_speedup_range"]
+        assert lo <= rep["methods"][m]["paired_speedup"] * 1.0001 and hi >= rep["methods"][m]["paired_speedup"] * 0.9999
+    assert "paired_speedup" not in rep["methods"]["ar"]
+    md = (out / "report.md").read_text()
+    assert "| method | tau | tokens/s | speedup | paired x AR |" in md and "paired x AR: each method" in md
