@@ -1,4 +1,5 @@
-"""dartree.kernels: Triton kernels with plain-torch ``*_ref`` twins.
+"""dartree.kernels: Triton kernels with plain-torch ``*_ref`` twins, and numba CPU kernels of the tree stage
+(``tree_expand``) with NumPy / torch twins.
 
 Kept free of imports on purpose: transformers probes for a package named ``kernels`` at model import
 and may import this one to read a version, so nothing heavy (triton, torch) is imported here and no

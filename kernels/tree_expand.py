@@ -13,8 +13,11 @@ to 0.6 ms per 16-deep block); compiled it costs a few microseconds in all.
   score + beta * depth (computed as torch computes it in fp32: fl(score + fl(fl(beta) * depth))), ties to the
   earlier node, kept in their original (topological) order, parents re-indexed.
 
-Both equal their twins exactly (tests/test_trees.py). numba compiles them on first use (cached on disk, ``cache=True``;
-about 2 s once per machine, then ~0.1 s per process): the evaluation's warm-up runs absorb that before any timing.
+- :func:`tree_mask` writes the whole verify mask [M+1, start+M+1] (``dartree.kernels.tree_compile.full_mask_cpu``).
+
+All equal their twins exactly (tests/test_trees.py, tests/test_kernels.py). numba compiles them on first use (cached on
+disk, ``cache=True``: about 5 s for the three once per machine, then ~0.4 s to load per process); the warm-up runs of
+``decode/eval.py`` and ``decode/bench.py`` absorb that before any timing.
 """
 
 from __future__ import annotations
