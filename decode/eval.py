@@ -531,13 +531,14 @@ def _eval_main(argv=None) -> int:
         report["per_prompt"] = rows
         report["trees"] = trees  # every verify tree of the first prompt, per method, for drawing
 
+        paired_cols = args.paired and bool(methods)  # --tree ar alone has no method to pair
         md = ["# dartree eval report", "",
               f"target `{target.name}` ({args.dtype}, {linear} linears, {report['environment']['device']}), checkpoint `{args.checkpoint if methods else None}`, "
               f"T={args.temperature}, max_new_tokens={args.max_new_tokens}, budget B={budget}, "
               f"K={args.candidates}, W={args.width}, beta={args.beta}, children={args.children}, {done} of {len(prompts)} prompts", ""]
         for scope, data in [("all", report["methods"])] + [(d, report["datasets"][d]) for d in args.datasets]:
             table = Table(title=f"{scope}")
-            cols = ["method", "tau", "tokens/s", "speedup", *(["paired x AR"] if args.paired else []), "lossless",
+            cols = ["method", "tau", "tokens/s", "speedup", *(["paired x AR"] if paired_cols else []), "lossless",
                     "nodes", "draft ms", "tree ms", "verify ms"]
             for col in cols:
                 table.add_column(col, justify="right")
@@ -546,7 +547,7 @@ def _eval_main(argv=None) -> int:
                 loss = "n/a" if r["lossless"] is None else ("yes" if r["lossless"] else f"NO ({r['mismatches']})")
                 if m == "ar":
                     loss = "baseline"
-                paired_cell = ([f"{r['paired_speedup']:.3f}x" if "paired_speedup" in r else ""] if args.paired else [])
+                paired_cell = ([f"{r['paired_speedup']:.3f}x" if "paired_speedup" in r else ""] if paired_cols else [])
                 cells = [m, f"{r['tau']:.3f}", f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.3f}x", *paired_cell, loss,
                          f"{r.get('mean_tree_nodes', 1.0):.1f}", f"{r.get('draft_ms_per_round', 0):.1f}", f"{r.get('tree_build_ms_per_round', 0):.1f}",
                          f"{r.get('verify_ms_per_round', 0):.1f}"]
@@ -559,7 +560,7 @@ def _eval_main(argv=None) -> int:
                         "(mean of (slowest - fastest) / mean); speedup differences of that size are this machine's "
                         "noise")
                 md += [note, ""]
-            if args.paired:
+            if paired_cols:
                 pnote = ("paired x AR: each method's time per token against an AR decode of the same prompt that ran "
                          "in lockstep with it (one AR step after another until level with each round), pooled over "
                          "the prompts")
@@ -568,7 +569,7 @@ def _eval_main(argv=None) -> int:
                 console.print(table)
                 if spread is not None:
                     console.print(note)
-                if args.paired:
+                if paired_cols:
                     console.print(pnote)
         if peers_skipped:
             md += ["## peers skipped", ""] + [f"- {m}: {why}" for m, why in peers_skipped.items()] + [""]

@@ -435,9 +435,13 @@ def _expand_first_order(logq: torch.Tensor, ids: torch.Tensor, quota: Callable[[
                         prune: tuple[int, float] | None) -> Tree:
     """:func:`build_supertree`'s depth loop over precomputed pair tables ``logq`` [P, K, K]: the same frontier
     selection (global top-``quota`` of parent score + log q~, ties to the earlier parent, then the better-ranked
-    candidate) and the same early stop, compiled (``dartree.kernels.tree_expand.expand_first_order``; its twin
-    :func:`_expand_first_order_np` where a path score is NaN). The quotas are evaluated first, in depth order, with
-    the frontier sizes the loop will see (``quota`` may keep state, as DARTree-fixed's and PCTree's do)."""
+    candidate) and the same early stop, compiled (``dartree.kernels.tree_expand.expand_first_order``; its twin is
+    :func:`_expand_first_order_np`). The quotas are evaluated first, in depth order, with the frontier sizes the loop
+    will see (``quota`` may keep state, as DARTree-fixed's and PCTree's do).
+
+    Raises:
+        ValueError: a NaN log-probability (a broken head or drafter output; named, instead of a short tree).
+    """
     from dartree.kernels.tree_expand import expand_first_order
 
     lq = logq.detach().cpu().numpy()
@@ -451,7 +455,9 @@ def _expand_first_order(logq: torch.Tensor, ids: torch.Tensor, quota: Callable[[
         quotas[d] = n_f = q
     out = expand_first_order(lq, id_np, quotas, prune)
     if out is None:
-        return _expand_first_order_np(logq, ids, lambda d, avail: int(quotas[d]), prune)
+        raise ValueError("the round's corrected log-probabilities hold NaN: the head or the drafter's base logits "
+                         "produced NaN (a broken checkpoint, or an overflow in this dtype); check the drafter's "
+                         "output on this prompt, or load it in float32")
     toks, pars, deps, scs = out
     if toks.size == 0:
         return Tree.empty()

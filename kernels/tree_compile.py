@@ -91,12 +91,14 @@ def full_mask_cpu(parents: torch.Tensor, start: int, dtype: torch.dtype):
     Returns:
         depth [M+1] int64, position_ids [M+1] int64, mask [M+1, start+M+1] ``dtype``.
     Raises:
-        ValueError: parents not 1-D or not preceding their children.
+        ValueError: parents not 1-D or not preceding their children, or start < 0.
     """
     from dartree.kernels.tree_expand import tree_mask
 
     if parents.dim() != 1:
         _check(parents)
+    if int(start) < 0:
+        raise ValueError(f"the root's position start must be >= 0 (committed positions in the cache), got {start}")
     width = torch.finfo(dtype).bits // 8
     np_int, torch_int = _INT_OF[width]
     out = tree_mask(parents.long().numpy(), int(start), _hidden_bits(dtype), np_int)

@@ -184,6 +184,9 @@ def test_compiled_full_mask_equals_the_ref_with_the_prefix(m, dtype):
     for bad in (torch.tensor([0, 2]), torch.tensor([-1]), torch.tensor([[0]])):
         with pytest.raises(ValueError, match="precede|1-D"):
             full_mask_cpu(bad, 5, torch.float32)
+    for start in (-1, -3):  # would index before the buffer: refused, never written
+        with pytest.raises(ValueError, match="start must be >= 0"):
+            full_mask_cpu(torch.arange(4), start, torch.float32)
 
 
 def test_tree_compile_ref_meaning():
