@@ -26,6 +26,26 @@ import numba
 import numpy as np
 
 
+@numba.njit(cache=True, nogil=True, inline="always")
+def _offer(sel_v, sel_i, n, cap, v, i):  # pragma: no cover - compiled
+    """Offer (v, i) to the best-first buffer sel_v/sel_i holding n <= cap entries; returns the new n. Entries stay in
+    value-descending order and a new value goes after every equal one, so ties keep the earlier offer (lower index)."""
+    if n < cap:
+        pos = n
+        n += 1
+    elif v > sel_v[cap - 1]:
+        pos = cap - 1
+    else:
+        return n
+    while pos > 0 and sel_v[pos - 1] < v:
+        sel_v[pos] = sel_v[pos - 1]
+        sel_i[pos] = sel_i[pos - 1]
+        pos -= 1
+    sel_v[pos] = v
+    sel_i[pos] = i
+    return n
+
+
 @numba.njit(cache=True, nogil=True)
 def _expand(lq, ids, quotas, b_keep, beta, prune):  # pragma: no cover - compiled; its twin is the NumPy loop
     p_len, kk = ids.shape
@@ -58,20 +78,8 @@ def _expand(lq, ids, quotas, b_keep, beta, prune):  # pragma: no cover - compile
             for c in range(kk):
                 v = fs + lq[d, col, c]
                 if v != v:
-                    return toks[:0], pars[:0], deps[:0], scs[:0], -1  # NaN: the caller takes the NumPy twin
-                if m < q:
-                    pos = m
-                    m += 1
-                elif v > sel_v[q - 1]:
-                    pos = q - 1
-                else:
-                    continue
-                while pos > 0 and sel_v[pos - 1] < v:  # after every equal value: ties keep the lower flat index
-                    sel_v[pos] = sel_v[pos - 1]
-                    sel_i[pos] = sel_i[pos - 1]
-                    pos -= 1
-                sel_v[pos] = v
-                sel_i[pos] = j * kk + c
+                    return toks[:0], pars[:0], deps[:0], scs[:0], -1  # NaN: the caller refuses the round
+                m = _offer(sel_v, sel_i, m, q, v, j * kk + c)  # ties keep the lower flat index
         fmax = sel_v[0]
         for t in range(q):
             flat = sel_i[t]
@@ -121,19 +129,7 @@ def _top_b(score, depth, parents, budget, beta):  # pragma: no cover - compiled;
         v = np.float32(score[i] + np.float32(b32 * np.float32(depth[i])))
         if v != v:
             return sel_i[:0], parents[:0], -1
-        if k < budget:
-            pos = k
-            k += 1
-        elif v > sel_v[budget - 1]:
-            pos = budget - 1
-        else:
-            continue
-        while pos > 0 and sel_v[pos - 1] < v:
-            sel_v[pos] = sel_v[pos - 1]
-            sel_i[pos] = sel_i[pos - 1]
-            pos -= 1
-        sel_v[pos] = v
-        sel_i[pos] = i
+        k = _offer(sel_v, sel_i, k, budget, v, i)
     keep = np.sort(sel_i[:k])
     remap = np.full(m + 1, -1, np.int64)
     remap[0] = 0
@@ -160,7 +156,7 @@ def expand_first_order(lq: np.ndarray, ids: np.ndarray, quotas: np.ndarray, prun
             score + beta * depth), or None.
     Returns:
         (tokens [M] int64, parents [M] int64 (root 0, node i at i + 1), depth [M] int64, score [M] float32), depth-major;
-        None when a path score is NaN (the caller then runs the NumPy twin).
+        None when a path score is NaN (the caller then refuses the round).
     """
     b_keep, beta = (int(prune[0]), float(prune[1])) if prune is not None else (0, 0.0)
     toks, pars, deps, scs, n = _expand(np.ascontiguousarray(lq, dtype=np.float32), np.ascontiguousarray(ids, dtype=np.int64),
