@@ -16,8 +16,13 @@ towards the global ratio c * p (realised / predicted accepted drafts over all ro
 p^ by linear interpolation between bin means; so rate(b) uses sum_{i <= b} p^_i. A single global scalar
 over-trusts the confident nodes and under-trusts the doubtful ones when the drafter's miscalibration is not
 uniform (a reliability diagram, Guo et al. 2017, "On Calibration of Modern Neural Networks"). Before drafting, the round is skipped for a plain AR step (no draft, no tree) when the
-recent drafted rounds promised fewer tokens per second, draft cost included, than AR; a probe round drafts again
-after a run of AR steps that doubles after each probe that did not pay (1, 2, 4 .. 16 steps).
+drafted rounds, over about the last 20 of them, promised fewer tokens per second, draft cost included, than AR
+(the ratio of two moving averages, expected tokens over seconds, as a run's rate is total tokens over total
+time); a probe round drafts again after a run of AR steps that doubles after each probe that did not pay
+(1, 2, 4 .. 32 steps). A round's own promise barely predicts the next one's: with the packaged drafter the next
+round accepted 0.59 drafts on average after a round that accepted none and 0.64 after one that accepted some, so a
+short memory only skips rounds that would have paid (on 6 prompts an average over 2 rounds skipped the drafter in
+2 of 3 rounds and ran at 1.06x AR, paired, where always drafting 8 nodes ran at 1.16x).
 
 This is the adaptive verification budget that DARTree (arXiv 2608.13524) leaves as future work; it generalises
 DSpark's confidence-scheduled chain length (ANCHORS.md 5b) from a chain to any tree builder. The timings are
@@ -44,6 +49,12 @@ BIN_PRIOR_NODES = 8.0
 MAX_SKIP_RUN = 32
 # EMA weight of the online timing updates (observe_verify / observe_draft): about the last 10 rounds
 SPEED_EMA = 0.1
+# EMA weight of the drafted rounds' promised tokens and seconds (should_draft): about the last 20 drafted rounds. A
+# shorter memory follows the noise of single rounds, whose promise has almost no bearing on the next round's.
+SPEC_EMA = 0.05
+# Largest weight of one drafted round in that average: a probe after k skipped rounds weighs 1 - (1 - SPEC_EMA)^(k+1)
+# (the average runs over rounds, skipped ones included), up to this, so one noisy probe cannot reset it.
+MAX_PROBE_WEIGHT = 0.25
 # EMA weight of the per-size correction of the calibrated verify curve (observe_verify): slower than the scale, so a
 # drift of the machine's speed mostly moves the scale and a persistent in-loop cost moves the size's correction
 SHAPE_EMA = 0.05
@@ -80,10 +91,13 @@ class CostModel:
             and how many of them were accepted (for the per-bin calibration ``c(p)``).
         lookup: acceptance by position of grafted prompt-lookup chains (:mod:`dartree.decode.lookup`); their
             nodes' scores are already these estimates and skip ``c(p)``.
-        spec_rate: EMA of the tokens per second a drafted round promised, draft and build included.
-        undrafted_rate: EMA of what rounds without the drafter promised (a lookup chain alone, or a plain AR
+        spec_tok, spec_s: EMAs (weight :data:`SPEC_EMA`) of the expected committed tokens of the drafted rounds
+            and of their seconds (draft, build and verify of the kept tree); :attr:`spec_rate` is their ratio.
+            None before the first drafted round.
+        undrafted_tok, undrafted_s: the same for rounds without the drafter (a lookup chain alone, or a plain AR
             step when the lookup found nothing); None without lookup, where the alternative is 1 / t_ar.
-        skip_run: AR steps to take before the next probe; ``skip_left`` of them are left.
+        skip_run: AR steps to take before the next probe; ``skip_left`` of them are left; ``skipped`` rounds
+            skipped the drafter since the last drafted round.
         chosen: histogram {B: rounds} of the budgets chosen (0: AR step), for reports.
         speed: online scale of the calibrated verify curve (EMA of measured / calibrated verify seconds,
             :meth:`observe_verify`); ``t_draft`` follows the measured drafts the same way (:meth:`observe_draft`).
@@ -102,14 +116,27 @@ class CostModel:
     bin_pred: list = field(default_factory=lambda: [0.0] * (len(PROB_BINS) - 1))
     bin_real: list = field(default_factory=lambda: [0.0] * (len(PROB_BINS) - 1))
     lookup: LookupStats = field(default_factory=LookupStats)
-    spec_rate: float | None = None
-    undrafted_rate: float | None = None
+    spec_tok: float | None = None
+    spec_s: float | None = None
+    undrafted_tok: float | None = None
+    undrafted_s: float | None = None
     skip_run: int = 1
     skip_left: int = 0
+    skipped: int = 0
     chosen: dict = field(default_factory=dict)
     speed: float = 1.0
     shape: dict = field(default_factory=dict)
     _pts: list | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def spec_rate(self) -> float | None:
+        """Tokens per second the drafted rounds promised (EMA of expected tokens over EMA of seconds), or None."""
+        return None if self.spec_tok is None else self.spec_tok / max(self.spec_s, 1e-12)
+
+    @property
+    def undrafted_rate(self) -> float | None:
+        """Tokens per second the rounds without the drafter promised (lookup rounds), or None."""
+        return None if self.undrafted_tok is None else self.undrafted_tok / max(self.undrafted_s, 1e-12)
 
     def _knots(self) -> list[tuple[int, float]]:
         """The calibrated sizes with their times corrected by :attr:`shape`, made non-decreasing in T (cached:
@@ -205,8 +232,8 @@ class CostModel:
 
     def should_draft(self) -> bool:
         """Whether this round drafts (False: a plain AR step, or a lookup chain alone). Drafting continues while
-        the drafted rounds promise at least the rate of the alternative (1 / t_AR, or the EMA of what the
-        undrafted lookup rounds promised, whichever is higher). Otherwise the policy skips the drafter and
+        the drafted rounds promise at least the rate of the alternative (1 / t_AR, or what the undrafted lookup
+        rounds promised, whichever is higher), both as moving averages over about 20 rounds (:data:`SPEC_EMA`). Otherwise the policy skips the drafter and
         probes it again after ``skip_run`` rounds; each losing probe doubles ``skip_run`` (up to
         :data:`MAX_SKIP_RUN`), each paying round halves it. Updates the skip counters."""
         alternative = max(1.0 / self.verify_time(1), self.undrafted_rate or 0.0)
@@ -215,6 +242,7 @@ class CostModel:
             return True
         if self.skip_left > 0:
             self.skip_left -= 1
+            self.skipped += 1
             return False
         # probe: draft once; if it still does not pay, the next run of AR steps is twice as long
         self.skip_left = self.skip_run
@@ -238,7 +266,7 @@ class CostModel:
         m = tree.size
         if m == 0:
             if not drafted:
-                self._undrafted(1.0 / self.verify_time(1))
+                self._undrafted(1.0, self.verify_time(1))
             return 0, 1.0
         adj = tree.score.float() + beta * tree.depth.float()
         order = torch.sort(adj, descending=True, stable=True).indices
@@ -254,15 +282,25 @@ class CostModel:
             if rate > best_rate:
                 best_b, best_rate, best_exp = b, rate, exp_tok
         if not drafted:
-            self._undrafted(best_rate)
+            self._undrafted(best_exp, self.verify_time(best_b + 1))
             return best_b, best_exp
         # what this drafted round promised with its draft and build cost included (for should_draft)
-        spec = best_exp / (self.t_draft + self.t_build + self.verify_time(best_b + 1))
-        self.spec_rate = spec if self.spec_rate is None else 0.5 * self.spec_rate + 0.5 * spec
+        sec = self.t_draft + self.t_build + self.verify_time(best_b + 1)
+        if self.spec_tok is None:
+            self.spec_tok, self.spec_s = best_exp, sec
+        else:  # an EMA over rounds, skipped ones included: a probe after a long run of AR steps weighs more
+            w = min(MAX_PROBE_WEIGHT, 1.0 - (1.0 - SPEC_EMA) ** (1 + self.skipped))
+            self.spec_tok += w * (best_exp - self.spec_tok)
+            self.spec_s += w * (sec - self.spec_s)
+        self.skipped = 0
         return best_b, best_exp
 
-    def _undrafted(self, rate: float) -> None:
-        self.undrafted_rate = rate if self.undrafted_rate is None else 0.8 * self.undrafted_rate + 0.2 * rate
+    def _undrafted(self, tokens: float, seconds: float) -> None:
+        if self.undrafted_tok is None:
+            self.undrafted_tok, self.undrafted_s = tokens, seconds
+        else:
+            self.undrafted_tok += SPEC_EMA * (tokens - self.undrafted_tok)
+            self.undrafted_s += SPEC_EMA * (seconds - self.undrafted_s)
 
     def record(self, tree: Tree, accepted: torch.Tensor, chain_pos: torch.Tensor | None = None,
                ngram: int = 0) -> None:
@@ -306,6 +344,7 @@ class CostModel:
                 "speed": self.speed, "verify_shape": {int(t): c for t, c in sorted(self.shape.items())},
                 "verify_ms": {int(t): 1000 * s for t, s in sorted(self.verify_s.items())},
                 "calibration": self.calibration, "max_budget": self.max_budget,
+                "drafted_rate_per_s": self.spec_rate, "undrafted_rate_per_s": self.undrafted_rate,
                 "calibration_bins": {"edges": list(PROB_BINS[:-1]) + [1.0], "nodes": [int(n) for n in self.bin_n],
                                      "predicted": self.bin_pred, "accepted": self.bin_real},
                 "chosen_budgets": {int(b): n for b, n in sorted(self.chosen.items())},

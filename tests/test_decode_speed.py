@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from conftest import VOCAB, make_drafter, make_head
-from dartree.decode.budget import MAX_SKIP_RUN, CostModel, calibrate
+from dartree.decode.budget import MAX_PROBE_WEIGHT, MAX_SKIP_RUN, SPEC_EMA, CostModel, calibrate
 from dartree.decode.generate import autoregressive_generate, speculative_generate
 from dartree.decode.trees import BUILDERS, DraftBlock, Tree, build_supertree, get_builder, select_top_b
 
@@ -134,10 +134,13 @@ def test_timings_follow_the_machine_online_keeping_the_curve_shape():
     cm.observe_draft(0.0)
     cm.observe_verify(1, 0.0)
     assert cm.t_draft == pytest.approx(0.4, rel=1e-3) and cm.speed == pytest.approx(1.5, rel=1e-3)
-    # the promised rate of a drafted round uses both: expected tokens / (t_draft + scaled t_verify(3))
-    prev = cm.spec_rate
+    # the promised rate of a drafted round uses both: expected tokens over t_draft + scaled t_verify(3), each
+    # folded into its own moving average (weight SPEC_EMA), so the rate is total tokens over total seconds
+    tok0, s0 = cm.spec_tok, cm.spec_s
     b, expected = cm.choose(tree)
-    assert b == 2 and cm.spec_rate == pytest.approx(0.5 * prev + 0.5 * expected / (0.4 + 1.5 * 1.5), rel=1e-3)
+    assert b == 2 and cm.spec_tok == pytest.approx(tok0 + SPEC_EMA * (expected - tok0), rel=1e-6)
+    assert cm.spec_s == pytest.approx(s0 + SPEC_EMA * (0.4 + 1.5 * 1.5 - s0), rel=1e-3)
+    assert cm.spec_rate == pytest.approx(cm.spec_tok / cm.spec_s)
     assert cm.fresh().speed == cm.speed and cm.summary()["speed"] == pytest.approx(1.5, rel=1e-3)
 
 
@@ -158,37 +161,60 @@ def test_a_size_that_costs_more_in_the_loop_than_at_calibration_is_corrected():
 def test_should_draft_probe_schedule():
     cm = _model()
     assert cm.should_draft()  # no estimate yet
-    cm.spec_rate = 0.5  # promised half of AR's 1 token/s
+    cm.spec_tok, cm.spec_s = 0.5, 1.0  # promised half of AR's 1 token/s
     seq = [cm.should_draft() for _ in range(20)]
     # probe, 1 AR step, probe, 2 AR steps, probe, 4 AR steps, probe, 8 AR steps, ...
     assert seq[:12] == [True, False, True, False, False, True, False, False, False, False, True, False]
     # ... up to MAX_SKIP_RUN; a paying round halves the run instead of forgetting the losing streak
-    cm.spec_rate = 0.5
     for _ in range(200):
         cm.should_draft()
     assert cm.skip_run == MAX_SKIP_RUN == 32
-    cm.spec_rate = 2.0
+    cm.spec_tok = 2.0
     assert cm.should_draft() and cm.skip_run == 16
     assert all(cm.should_draft() for _ in range(4)) and cm.skip_run == 1
+
+
+def test_the_drafted_rate_is_a_long_average_and_a_probe_after_a_gap_weighs_more():
+    # one round in three promises 2.2 tokens for 1.25 s, the others 1 token for 1.2 s (a draft of 0.2 s whose tree
+    # is not worth verifying; AR: 1 token per second): drafting pays on average, 1.4 tokens per 1.22 s. An average
+    # over the last 2 rounds falls to 0.96 tokens/s after two poor rounds and would skip the drafter; this keeps it
+    cm = _model(t_draft=0.2)  # uncalibrated: p^ = p
+    good = Tree(torch.tensor([10, 11]), torch.tensor([0, 1]), torch.tensor([1, 2]), torch.log(torch.tensor([0.6, 0.6])))
+    poor = Tree(torch.tensor([10]), torch.tensor([0]), torch.tensor([1]), torch.log(torch.tensor([0.01])))
+    drafted = []
+    for i in range(90):
+        drafted.append(cm.should_draft())
+        if drafted[-1]:
+            assert cm.choose(good if i % 3 == 0 else poor)[0] == (2 if i % 3 == 0 else 0)
+    assert all(drafted) and cm.skipped == 0
+    assert 1.1 < cm.spec_rate < 1.2
+    # a probe after a run of skipped rounds moves the average more than a round among drafted ones
+    cm.spec_tok = 0.3  # losing now: the next rounds skip the drafter until a probe
+    seq = [cm.should_draft() for _ in range(8)]
+    assert seq[:3] == [True, False, True] and cm.skipped > 0
+    k = cm.skipped
+    cm.choose(good)
+    w = min(MAX_PROBE_WEIGHT, 1 - (1 - SPEC_EMA) ** (1 + k))
+    assert w > SPEC_EMA and cm.spec_tok == pytest.approx(0.3 + w * (1 + 1.2 - 0.3), rel=1e-5) and cm.skipped == 0
 
 
 def test_should_draft_weighs_the_drafter_against_lookup_only_rounds():
     # the drafted rounds promise 1.5 tokens/s, above AR's 1: without lookup the drafter always runs ...
     cm = _model()
-    cm.spec_rate = 1.5
+    cm.spec_tok, cm.spec_s = 1.5, 1.0
     assert all(cm.should_draft() for _ in range(5))
     # ... but when rounds without the drafter (a lookup chain alone) promise 2, it pays only as a probe
     empty = Tree.empty()
     for _ in range(30):
         cm.choose(empty, drafted=False)  # a round where the lookup found nothing: an AR step, 1 token/s
     assert cm.undrafted_rate == pytest.approx(1.0)
-    cm.undrafted_rate = 2.0
+    cm.undrafted_tok, cm.undrafted_s = 2.0, 1.0
     assert [cm.should_draft() for _ in range(6)] == [True, False, True, False, False, True]
     # a lookup-only tree moves the undrafted rate, never the drafted one
     chain = Tree(torch.tensor([5, 6]), torch.tensor([0, 1]), torch.tensor([1, 2]), torch.log(torch.tensor([0.9, 0.8])))
     b, exp_tok = cm.choose(chain, chain_pos=torch.tensor([1, 2]), drafted=False)
     assert b == 2 and exp_tok == pytest.approx(1 + 0.9 + 0.8) and cm.spec_rate == 1.5
-    assert cm.undrafted_rate == pytest.approx(0.8 * 2.0 + 0.2 * exp_tok / cm.verify_time(3))
+    assert cm.undrafted_rate == pytest.approx((2.0 + SPEC_EMA * (exp_tok - 2.0)) / (1.0 + SPEC_EMA * (cm.verify_time(3) - 1.0)))
 
 
 def test_calibrate_measures_every_size(target, prompts):
