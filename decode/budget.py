@@ -15,14 +15,18 @@ towards the global ratio c * p (realised / predicted accepted drafts over all ro
 :data:`BIN_PRIOR_NODES` nodes, and made non-decreasing in p (pool-adjacent-violators), maps p to the calibrated
 p^ by linear interpolation between bin means; so rate(b) uses sum_{i <= b} p^_i. A single global scalar
 over-trusts the confident nodes and under-trusts the doubtful ones when the drafter's miscalibration is not
-uniform (a reliability diagram, Guo et al. 2017, "On Calibration of Modern Neural Networks"). Before drafting, the round is skipped for a plain AR step (no draft, no tree) when the
-drafted rounds, over about the last 20 of them, promised fewer tokens per second, draft cost included, than AR
-(the ratio of two moving averages, expected tokens over seconds, as a run's rate is total tokens over total
-time); a probe round drafts again after a run of AR steps that doubles after each probe that did not pay
-(1, 2, 4 .. 32 steps). A round's own promise barely predicts the next one's: with the packaged drafter the next
-round accepted 0.59 drafts on average after a round that accepted none and 0.64 after one that accepted some, so a
-short memory only skips rounds that would have paid (on 6 prompts an average over 2 rounds skipped the drafter in
-2 of 3 rounds and ran at 1.06x AR, paired, where always drafting 8 nodes ran at 1.16x).
+uniform (a reliability diagram, Guo et al. 2017, "On Calibration of Modern Neural Networks").
+
+Before drafting, the round is skipped for a plain AR step (no draft, no tree) when the drafted rounds, over about
+the last 20 of them, committed fewer tokens per modelled second, draft cost included, than AR does (the ratio of
+two moving averages, tokens over seconds, as a run's rate is total tokens over total time); a probe round drafts
+again after a run of AR steps that doubles after each probe that did not pay (1, 2, 4 .. 32 steps). The tokens are
+the ones the target accepted, not the calibrated promise: the calibration pools every context, so where the drafter
+does worse than on average (prose after code, say) it promises too much. A round barely predicts the next
+one: with the packaged drafter the next round accepted 0.59 drafts on average after a round that accepted none and
+0.64 after one that accepted some, so a short memory only skips rounds that would have paid (on 6 prompts an
+average over 2 rounds skipped the drafter in 2 of 3 rounds and ran at 1.06x AR, paired, where always drafting 8
+nodes ran at 1.16x).
 
 This is the adaptive verification budget that DARTree (arXiv 2608.13524) leaves as future work; it generalises
 DSpark's confidence-scheduled chain length (ANCHORS.md 5b) from a chain to any tree builder. The timings are
@@ -49,8 +53,8 @@ BIN_PRIOR_NODES = 8.0
 MAX_SKIP_RUN = 32
 # EMA weight of the online timing updates (observe_verify / observe_draft): about the last 10 rounds
 SPEED_EMA = 0.1
-# EMA weight of the drafted rounds' promised tokens and seconds (should_draft): about the last 20 drafted rounds. A
-# shorter memory follows the noise of single rounds, whose promise has almost no bearing on the next round's.
+# EMA weight of the drafted rounds' committed tokens and modelled seconds (should_draft): about the last 20 drafted
+# rounds. A shorter memory follows the noise of single rounds, which have almost no bearing on the next round.
 SPEC_EMA = 0.05
 # Largest weight of one drafted round in that average: a probe after k skipped rounds weighs 1 - (1 - SPEC_EMA)^(k+1)
 # (the average runs over rounds, skipped ones included), up to this, so one noisy probe cannot reset it.
@@ -91,8 +95,8 @@ class CostModel:
             and how many of them were accepted (for the per-bin calibration ``c(p)``).
         lookup: acceptance by position of grafted prompt-lookup chains (:mod:`dartree.decode.lookup`); their
             nodes' scores are already these estimates and skip ``c(p)``.
-        spec_tok, spec_s: EMAs (weight :data:`SPEC_EMA`) of the expected committed tokens of the drafted rounds
-            and of their seconds (draft, build and verify of the kept tree); :attr:`spec_rate` is their ratio.
+        spec_tok, spec_s: EMAs (weight :data:`SPEC_EMA`) of the tokens the drafted rounds committed and of their
+            modelled seconds (draft, build and verify of the kept tree); :attr:`spec_rate` is their ratio.
             None before the first drafted round.
         undrafted_tok, undrafted_s: the same for rounds without the drafter (a lookup chain alone, or a plain AR
             step when the lookup found nothing); None without lookup, where the alternative is 1 / t_ar.
@@ -127,15 +131,16 @@ class CostModel:
     speed: float = 1.0
     shape: dict = field(default_factory=dict)
     _pts: list | None = field(default=None, repr=False, compare=False)
+    _pending: tuple | None = field(default=None, repr=False, compare=False)
 
     @property
     def spec_rate(self) -> float | None:
-        """Tokens per second the drafted rounds promised (EMA of expected tokens over EMA of seconds), or None."""
+        """Tokens per second of the drafted rounds (EMA of committed tokens over EMA of modelled seconds), or None."""
         return None if self.spec_tok is None else self.spec_tok / max(self.spec_s, 1e-12)
 
     @property
     def undrafted_rate(self) -> float | None:
-        """Tokens per second the rounds without the drafter promised (lookup rounds), or None."""
+        """Tokens per second of the rounds without the drafter (lookup rounds), the same way, or None."""
         return None if self.undrafted_tok is None else self.undrafted_tok / max(self.undrafted_s, 1e-12)
 
     def _knots(self) -> list[tuple[int, float]]:
@@ -232,8 +237,9 @@ class CostModel:
 
     def should_draft(self) -> bool:
         """Whether this round drafts (False: a plain AR step, or a lookup chain alone). Drafting continues while
-        the drafted rounds promise at least the rate of the alternative (1 / t_AR, or what the undrafted lookup
-        rounds promised, whichever is higher), both as moving averages over about 20 rounds (:data:`SPEC_EMA`). Otherwise the policy skips the drafter and
+        the drafted rounds commit at least the rate of the alternative (1 / t_AR, or the rate of the undrafted
+        lookup rounds, whichever is higher), both moving averages over about 20 rounds (:data:`SPEC_EMA`).
+        Otherwise the policy skips the drafter and
         probes it again after ``skip_run`` rounds; each losing probe doubles ``skip_run`` (up to
         :data:`MAX_SKIP_RUN`), each paying round halves it. Updates the skip counters."""
         alternative = max(1.0 / self.verify_time(1), self.undrafted_rate or 0.0)
@@ -259,14 +265,14 @@ class CostModel:
             beta: the builder's depth bonus (<= 0) used to rank nodes, as its own top-B does.
             chain_pos: [M] int64 lookup chain position per node (0: a drafter node), or None.
             drafted: False for a lookup-only tree of a round that skipped the drafter: it does not count
-                towards the drafted rounds' promised rate (:meth:`should_draft`).
+                towards the drafted rounds' rate (:meth:`should_draft`). The round's modelled seconds wait for
+                :meth:`record`, which adds them with the tokens it committed to that rate.
         Returns:
             (b*, the expected committed tokens of that tree, calibrated).
         """
         m = tree.size
         if m == 0:
-            if not drafted:
-                self._undrafted(1.0, self.verify_time(1))
+            self._pending = (drafted, (self.t_draft + self.t_build if drafted else 0.0) + self.verify_time(1))
             return 0, 1.0
         adj = tree.score.float() + beta * tree.depth.float()
         order = torch.sort(adj, descending=True, stable=True).indices
@@ -281,26 +287,31 @@ class CostModel:
             rate = exp_tok / self.verify_time(b + 1)
             if rate > best_rate:
                 best_b, best_rate, best_exp = b, rate, exp_tok
-        if not drafted:
-            self._undrafted(best_exp, self.verify_time(best_b + 1))
-            return best_b, best_exp
-        # what this drafted round promised with its draft and build cost included (for should_draft)
-        sec = self.t_draft + self.t_build + self.verify_time(best_b + 1)
-        if self.spec_tok is None:
-            self.spec_tok, self.spec_s = best_exp, sec
-        else:  # an EMA over rounds, skipped ones included: a probe after a long run of AR steps weighs more
-            w = min(MAX_PROBE_WEIGHT, 1.0 - (1.0 - SPEC_EMA) ** (1 + self.skipped))
-            self.spec_tok += w * (best_exp - self.spec_tok)
-            self.spec_s += w * (sec - self.spec_s)
-        self.skipped = 0
+        # the modelled seconds of this round, draft and build included for a drafted one; :meth:`record` adds them
+        # with the tokens the round really committed to the average that :meth:`should_draft` reads
+        self._pending = (drafted, (self.t_draft + self.t_build if drafted else 0.0) + self.verify_time(best_b + 1))
         return best_b, best_exp
 
-    def _undrafted(self, tokens: float, seconds: float) -> None:
-        if self.undrafted_tok is None:
-            self.undrafted_tok, self.undrafted_s = tokens, seconds
-        else:
-            self.undrafted_tok += SPEC_EMA * (tokens - self.undrafted_tok)
-            self.undrafted_s += SPEC_EMA * (seconds - self.undrafted_s)
+    def _observe_round(self, tokens: float) -> None:
+        """Fold the round :meth:`choose` sized, which committed ``tokens``, into the drafted or undrafted average."""
+        if self._pending is None:
+            return
+        drafted, sec = self._pending
+        self._pending = None
+        if not drafted:
+            if self.undrafted_tok is None:
+                self.undrafted_tok, self.undrafted_s = tokens, sec
+            else:
+                self.undrafted_tok += SPEC_EMA * (tokens - self.undrafted_tok)
+                self.undrafted_s += SPEC_EMA * (sec - self.undrafted_s)
+            return
+        if self.spec_tok is None:
+            self.spec_tok, self.spec_s = tokens, sec
+        else:  # an EMA over rounds, skipped ones included: a probe after a long run of AR steps weighs more
+            w = min(MAX_PROBE_WEIGHT, 1.0 - (1.0 - SPEC_EMA) ** (1 + self.skipped))
+            self.spec_tok += w * (tokens - self.spec_tok)
+            self.spec_s += w * (sec - self.spec_s)
+        self.skipped = 0
 
     def record(self, tree: Tree, accepted: torch.Tensor, chain_pos: torch.Tensor | None = None,
                ngram: int = 0) -> None:
@@ -317,6 +328,7 @@ class CostModel:
         """
         m = tree.size
         self.chosen[m] = self.chosen.get(m, 0) + 1
+        self._observe_round(float(accepted.numel()))  # root + accepted drafts = accepted drafts + the bonus token
         if m == 0:
             return
         p = torch.exp(tree.score.detach().float().cpu()).clamp(max=1.0)

@@ -32,3 +32,11 @@ def test_compact_cache_keeps_selected_tail_entries(target):
         torch.testing.assert_close(layer.values, torch.cat([v[..., :4, :], v[..., [4, 6, 9], :]], dim=-2))
     with pytest.raises(ValueError, match="outside"):
         compact_cache(cache, 4, torch.tensor([0, 5]))
+    # in place: kept entries that overlap their destination (tail 1, 2 -> 0, 1) move intact
+    target.forward(torch.tensor([[3, 4, 5]]), cache=cache)
+    before = [(l.keys.clone(), l.values.clone()) for l in cache.layers]
+    compact_cache(cache, 7, torch.tensor([1, 2]))
+    assert cache_length(cache) == 9
+    for (k, v), layer in zip(before, cache.layers):
+        torch.testing.assert_close(layer.keys, torch.cat([k[..., :7, :], k[..., [8, 9], :]], dim=-2))
+        torch.testing.assert_close(layer.values, torch.cat([v[..., :7, :], v[..., [8, 9], :]], dim=-2))
