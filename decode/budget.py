@@ -17,16 +17,18 @@ p^ by linear interpolation between bin means; so rate(b) uses sum_{i <= b} p^_i.
 over-trusts the confident nodes and under-trusts the doubtful ones when the drafter's miscalibration is not
 uniform (a reliability diagram, Guo et al. 2017, "On Calibration of Modern Neural Networks").
 
-Before drafting, the round is skipped for a plain AR step (no draft, no tree) when the drafted rounds, over about
-the last 20 of them, committed fewer tokens per modelled second, draft cost included, than AR does (the ratio of
-two moving averages, tokens over seconds, as a run's rate is total tokens over total time); a probe round drafts
-again after a run of AR steps that doubles after each probe that did not pay (1, 2, 4 .. 32 steps). The tokens are
-the ones the target accepted, not the calibrated promise: the calibration pools every context, so where the drafter
-does worse than on average (prose after code, say) it promises too much. A round barely predicts the next
-one: with the packaged drafter the next round accepted 0.59 drafts on average after a round that accepted none and
-0.64 after one that accepted some, so a short memory only skips rounds that would have paid (on 6 prompts an
-average over 2 rounds skipped the drafter in 2 of 3 rounds and ran at 1.06x AR, paired, where always drafting 8
-nodes ran at 1.16x).
+Before drafting, the round is skipped for a plain AR step (no draft, no tree) when even an optimistic estimate of
+the drafted rounds' rate is below AR's: tokens the target accepted per modelled second (draft, build and verify of
+the kept tree), a discounted mean over about the last 100 rounds plus one standard error (discounted UCB, Garivier
+& Moulines 2011). While drafting pays, the bound is above AR and every round drafts; while it does not, skipped
+rounds discount the drafted rounds' weight, the standard error grows, and a probe round drafts again (rarely when
+drafting loses by far, often when it loses narrowly). The tokens are those the target accepted, not the calibrated
+promise: the calibration pools every context, so where the drafter does worse than on average it promises too
+much. A round barely predicts the next one: with the packaged drafter the next round accepted 0.59 drafts on average
+after a round that accepted none and 0.64 after one that accepted some, and 0.63-0.68 whatever the target's own
+top-1 probability at the last token (1,300 rounds), so a short memory only skips rounds that would have paid (on 6
+prompts an average over 2 rounds skipped the drafter in 2 of 3 rounds and ran at 1.06x AR, paired, where always
+drafting 8 nodes ran at 1.16x).
 
 This is the adaptive verification budget that DARTree (arXiv 2608.13524) leaves as future work; it generalises
 DSpark's confidence-scheduled chain length (ANCHORS.md 5b) from a chain to any tree builder. The timings are
@@ -47,18 +49,19 @@ CALIBRATION_SIZES = (1, 2, 3, 5, 9, 17)
 # edges of the predicted-probability bins of the acceptance calibration (last edge above 1 so p = 1 falls inside)
 PROB_BINS = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.45, 0.6, 0.75, 0.9, 1.0 + 1e-6)
 BIN_PRIOR_NODES = 8.0
-# Longest run of drafter-free rounds between two probes. A probe costs a draft, a build and a larger verify
-# (about 0.4 AR step with the packaged drafter on this CPU), so probing every 32 rounds costs ~1% when drafting
-# never pays, while a content change that makes it pay again is noticed within 32 tokens.
-MAX_SKIP_RUN = 32
 # EMA weight of the online timing updates (observe_verify / observe_draft): about the last 10 rounds
 SPEED_EMA = 0.1
-# EMA weight of the drafted rounds' committed tokens and modelled seconds (should_draft): about the last 20 drafted
-# rounds. A shorter memory follows the noise of single rounds, which have almost no bearing on the next round.
-SPEC_EMA = 0.05
-# Largest weight of one drafted round in that average: a probe after k skipped rounds weighs 1 - (1 - SPEC_EMA)^(k+1)
-# (the average runs over rounds, skipped ones included), up to this, so one noisy probe cannot reset it.
-MAX_PROBE_WEIGHT = 0.25
+# Discount per round of the drafted rounds' statistics (should_draft): a memory of about 100 rounds (tokens),
+# skipped rounds included, so an arm left alone regains its uncertainty and is tried again (discounted UCB,
+# Garivier & Moulines 2011, "On Upper-Confidence Bound Policies for Switching Bandit Problems").
+DRAFT_DISCOUNT = 0.99
+# Width of the upper confidence bound in standard errors of the mean committed tokens per drafted round, and the
+# prior standard deviation (tokens) with its weight in rounds, used while few rounds are in. Simulated on 1,300
+# recorded pruned B = 8 rounds of the packaged drafter at round costs of 1.2-2.0 AR steps: within 0.1% of always
+# drafting where drafting pays by 19% or more, 2-2.5% below it where it pays by 4-11% (an average over the last 20
+# rounds with probes after 1, 2, 4 .. 32 AR steps lost 6% at 19%), and within 1.5% of AR where drafting loses.
+UCB_Z = 1.0
+SD_PRIOR, SD_PRIOR_ROUNDS = 1.0, 2.0
 # EMA weight of the per-size correction of the calibrated verify curve (observe_verify): slower than the scale, so a
 # drift of the machine's speed mostly moves the scale and a persistent in-loop cost moves the size's correction
 SHAPE_EMA = 0.05
@@ -95,13 +98,11 @@ class CostModel:
             and how many of them were accepted (for the per-bin calibration ``c(p)``).
         lookup: acceptance by position of grafted prompt-lookup chains (:mod:`dartree.decode.lookup`); their
             nodes' scores are already these estimates and skip ``c(p)``.
-        spec_tok, spec_s: EMAs (weight :data:`SPEC_EMA`) of the tokens the drafted rounds committed and of their
-            modelled seconds (draft, build and verify of the kept tree); :attr:`spec_rate` is their ratio.
-            None before the first drafted round.
-        undrafted_tok, undrafted_s: the same for rounds without the drafter (a lookup chain alone, or a plain AR
-            step when the lookup found nothing); None without lookup, where the alternative is 1 / t_ar.
-        skip_run: AR steps to take before the next probe; ``skip_left`` of them are left; ``skipped`` rounds
-            skipped the drafter since the last drafted round.
+        draft_n, draft_tok, draft_tok2, draft_s: discounted sums (factor :data:`DRAFT_DISCOUNT` per round, skipped
+            rounds included) over the drafted rounds of 1, the tokens committed, their square and the modelled seconds
+            (draft, build and verify of the kept tree); :attr:`spec_rate` is draft_tok / draft_s.
+        undrafted_n, undrafted_tok, undrafted_s: the same for rounds without the drafter (a lookup chain alone, or
+            a plain AR step when the lookup found nothing); unused without lookup, where the alternative is 1 / t_ar.
         chosen: histogram {B: rounds} of the budgets chosen (0: AR step), for reports.
         speed: online scale of the calibrated verify curve (EMA of measured / calibrated verify seconds,
             :meth:`observe_verify`); ``t_draft`` follows the measured drafts the same way (:meth:`observe_draft`).
@@ -120,13 +121,13 @@ class CostModel:
     bin_pred: list = field(default_factory=lambda: [0.0] * (len(PROB_BINS) - 1))
     bin_real: list = field(default_factory=lambda: [0.0] * (len(PROB_BINS) - 1))
     lookup: LookupStats = field(default_factory=LookupStats)
-    spec_tok: float | None = None
-    spec_s: float | None = None
-    undrafted_tok: float | None = None
-    undrafted_s: float | None = None
-    skip_run: int = 1
-    skip_left: int = 0
-    skipped: int = 0
+    draft_n: float = 0.0
+    draft_tok: float = 0.0
+    draft_tok2: float = 0.0
+    draft_s: float = 0.0
+    undrafted_n: float = 0.0
+    undrafted_tok: float = 0.0
+    undrafted_s: float = 0.0
     chosen: dict = field(default_factory=dict)
     speed: float = 1.0
     shape: dict = field(default_factory=dict)
@@ -135,13 +136,24 @@ class CostModel:
 
     @property
     def spec_rate(self) -> float | None:
-        """Tokens per second of the drafted rounds (EMA of committed tokens over EMA of modelled seconds), or None."""
-        return None if self.spec_tok is None else self.spec_tok / max(self.spec_s, 1e-12)
+        """Tokens per modelled second of the drafted rounds (discounted), or None before the first one."""
+        return self.draft_tok / self.draft_s if self.draft_n > 0 else None
 
     @property
     def undrafted_rate(self) -> float | None:
-        """Tokens per second of the rounds without the drafter (lookup rounds), the same way, or None."""
-        return None if self.undrafted_tok is None else self.undrafted_tok / max(self.undrafted_s, 1e-12)
+        """Tokens per modelled second of the rounds without the drafter (lookup rounds), or None."""
+        return self.undrafted_tok / self.undrafted_s if self.undrafted_n > 0 else None
+
+    def draft_bound(self) -> float | None:
+        """Upper confidence bound of :attr:`spec_rate`: (mean tokens + :data:`UCB_Z` standard errors) over the mean
+        seconds of a drafted round, the standard deviation shrunk towards :data:`SD_PRIOR`; None before any."""
+        n = self.draft_n
+        if n <= 0:
+            return None
+        mean = self.draft_tok / n
+        var = max(self.draft_tok2 / n - mean * mean, 0.0)
+        sd = ((var * n + SD_PRIOR ** 2 * SD_PRIOR_ROUNDS) / (n + SD_PRIOR_ROUNDS)) ** 0.5
+        return (mean + UCB_Z * sd / n ** 0.5) / (self.draft_s / n)
 
     def _knots(self) -> list[tuple[int, float]]:
         """The calibrated sizes with their times corrected by :attr:`shape`, made non-decreasing in T (cached:
@@ -236,24 +248,15 @@ class CostModel:
         return f0 + t * (f1 - f0)
 
     def should_draft(self) -> bool:
-        """Whether this round drafts (False: a plain AR step, or a lookup chain alone). Drafting continues while
-        the drafted rounds commit at least the rate of the alternative (1 / t_AR, or the rate of the undrafted
-        lookup rounds, whichever is higher), both moving averages over about 20 rounds (:data:`SPEC_EMA`).
-        Otherwise the policy skips the drafter and
-        probes it again after ``skip_run`` rounds; each losing probe doubles ``skip_run`` (up to
-        :data:`MAX_SKIP_RUN`), each paying round halves it. Updates the skip counters."""
+        """Whether this round drafts (False: a plain AR step, or a lookup chain alone): True while the upper
+        confidence bound of the drafted rounds' rate (:meth:`draft_bound`) is at least the rate of the alternative
+        (1 / t_AR, or the undrafted lookup rounds' rate, whichever is higher), and before any drafted round. Every
+        call discounts the statistics by :data:`DRAFT_DISCOUNT` (discounted UCB, Garivier & Moulines 2011)."""
         alternative = max(1.0 / self.verify_time(1), self.undrafted_rate or 0.0)
-        if self.spec_rate is None or self.spec_rate >= alternative:
-            self.skip_run = max(1, self.skip_run // 2)  # one paying round does not forget a long losing streak
-            return True
-        if self.skip_left > 0:
-            self.skip_left -= 1
-            self.skipped += 1
-            return False
-        # probe: draft once; if it still does not pay, the next run of AR steps is twice as long
-        self.skip_left = self.skip_run
-        self.skip_run = min(2 * self.skip_run, MAX_SKIP_RUN)
-        return True
+        bound = self.draft_bound()
+        for name in ("draft_n", "draft_tok", "draft_tok2", "draft_s", "undrafted_n", "undrafted_tok", "undrafted_s"):
+            setattr(self, name, getattr(self, name) * DRAFT_DISCOUNT)
+        return bound is None or bound >= alternative
 
     def choose(self, tree: Tree, beta: float = 0.0, chain_pos: torch.Tensor | None = None,
                drafted: bool = True) -> tuple[int, float]:
@@ -293,25 +296,20 @@ class CostModel:
         return best_b, best_exp
 
     def _observe_round(self, tokens: float) -> None:
-        """Fold the round :meth:`choose` sized, which committed ``tokens``, into the drafted or undrafted average."""
+        """Add the round :meth:`choose` sized, which committed ``tokens``, to the drafted or undrafted statistics."""
         if self._pending is None:
             return
         drafted, sec = self._pending
         self._pending = None
-        if not drafted:
-            if self.undrafted_tok is None:
-                self.undrafted_tok, self.undrafted_s = tokens, sec
-            else:
-                self.undrafted_tok += SPEC_EMA * (tokens - self.undrafted_tok)
-                self.undrafted_s += SPEC_EMA * (sec - self.undrafted_s)
-            return
-        if self.spec_tok is None:
-            self.spec_tok, self.spec_s = tokens, sec
-        else:  # an EMA over rounds, skipped ones included: a probe after a long run of AR steps weighs more
-            w = min(MAX_PROBE_WEIGHT, 1.0 - (1.0 - SPEC_EMA) ** (1 + self.skipped))
-            self.spec_tok += w * (tokens - self.spec_tok)
-            self.spec_s += w * (sec - self.spec_s)
-        self.skipped = 0
+        if drafted:
+            self.draft_n += 1.0
+            self.draft_tok += tokens
+            self.draft_tok2 += tokens * tokens
+            self.draft_s += sec
+        else:
+            self.undrafted_n += 1.0
+            self.undrafted_tok += tokens
+            self.undrafted_s += sec
 
     def record(self, tree: Tree, accepted: torch.Tensor, chain_pos: torch.Tensor | None = None,
                ngram: int = 0) -> None:
