@@ -62,6 +62,12 @@ DRAFT_DISCOUNT = 0.99
 # rounds with probes after 1, 2, 4 .. 32 AR steps lost 6% at 19%), and within 1.5% of AR where drafting loses.
 UCB_Z = 1.0
 SD_PRIOR, SD_PRIOR_ROUNDS = 1.0, 2.0
+# At most this many drafted rounds in a row: then one round skips the drafter, a plain AR step (or a lookup chain)
+# whose 1-token forward measures what AR costs now, next to the drafted rounds in time. Without it a run that drafts
+# every round never times a 1-token forward, and a calibration taken in a noisy minute (its 1-token forward as slow as
+# its 9-token one) made 4-node chain rounds look free: 0.90x AR, paired, on MT-Bench. Costs at most 1/16 of
+# drafting's gain.
+ANCHOR_EVERY = 16
 # EMA weight of the per-size correction of the calibrated verify curve (observe_verify): slower than the scale, so a
 # drift of the machine's speed mostly moves the scale and a persistent in-loop cost moves the size's correction
 SHAPE_EMA = 0.05
@@ -99,10 +105,15 @@ class CostModel:
         lookup: acceptance by position of grafted prompt-lookup chains (:mod:`dartree.decode.lookup`); their
             nodes' scores are already these estimates and skip ``c(p)``.
         draft_n, draft_tok, draft_tok2, draft_s: discounted sums (factor :data:`DRAFT_DISCOUNT` per round, skipped
-            rounds included) over the drafted rounds of 1, the tokens committed, their square and the modelled seconds
-            (draft, build and verify of the kept tree); :attr:`spec_rate` is draft_tok / draft_s.
+            rounds included) over the drafted rounds of 1, the tokens committed, their square and their seconds
+            (measured by the loop, draft to commit; modelled when the caller gives none); :attr:`spec_rate` is
+            draft_tok / draft_s.
         undrafted_n, undrafted_tok, undrafted_s: the same for rounds without the drafter (a lookup chain alone, or
-            a plain AR step when the lookup found nothing); unused without lookup, where the alternative is 1 / t_ar.
+            a plain AR step when the lookup found nothing); unused without lookup.
+        ar_n, ar_s: discounted count and seconds of the 1-token verify forwards the loop timed (plain AR steps and
+            drafted rounds that kept no node): AR's rate now is ar_n / ar_s.
+        since_anchor: drafted rounds since the last round without the drafter or 1-token forward
+            (:data:`ANCHOR_EVERY`).
         chosen: histogram {B: rounds} of the budgets chosen (0: AR step), for reports.
         speed: online scale of the calibrated verify curve (EMA of measured / calibrated verify seconds,
             :meth:`observe_verify`); ``t_draft`` follows the measured drafts the same way (:meth:`observe_draft`).
@@ -128,6 +139,9 @@ class CostModel:
     undrafted_n: float = 0.0
     undrafted_tok: float = 0.0
     undrafted_s: float = 0.0
+    ar_n: float = 0.0
+    ar_s: float = 0.0
+    since_anchor: int = 0
     chosen: dict = field(default_factory=dict)
     speed: float = 1.0
     shape: dict = field(default_factory=dict)
@@ -143,6 +157,12 @@ class CostModel:
     def undrafted_rate(self) -> float | None:
         """Tokens per modelled second of the rounds without the drafter (lookup rounds), or None."""
         return self.undrafted_tok / self.undrafted_s if self.undrafted_n > 0 else None
+
+    @property
+    def ar_rate(self) -> float:
+        """Tokens per second of a plain AR step now: the discounted mean of the loop's timed 1-token forwards, or
+        1 / :meth:`verify_time` (1) before any."""
+        return self.ar_n / self.ar_s if self.ar_n > 0 and self.ar_s > 0 else 1.0 / self.verify_time(1)
 
     def draft_bound(self) -> float | None:
         """Upper confidence bound of :attr:`spec_rate`: (mean tokens + :data:`UCB_Z` standard errors) over the mean
@@ -191,6 +211,10 @@ class CostModel:
         trees that did not pay (0.89x on one data set)."""
         if seconds <= 0:
             return
+        if tokens == 1:  # a plain AR step's forward (or a drafted round that kept no node): what AR costs now
+            self.ar_n += 1.0
+            self.ar_s += seconds
+            self.since_anchor = 0
         ratio = seconds / max(self.verify_time(tokens), 1e-12)
         self.speed *= 1.0 + SPEED_EMA * (ratio - 1.0)
         knot = max((t for t in self.verify_s if t <= tokens), default=1)
@@ -250,13 +274,18 @@ class CostModel:
     def should_draft(self) -> bool:
         """Whether this round drafts (False: a plain AR step, or a lookup chain alone): True while the upper
         confidence bound of the drafted rounds' rate (:meth:`draft_bound`) is at least the rate of the alternative
-        (1 / t_AR, or the undrafted lookup rounds' rate, whichever is higher), and before any drafted round. Every
-        call discounts the statistics by :data:`DRAFT_DISCOUNT` (discounted UCB, Garivier & Moulines 2011)."""
-        alternative = max(1.0 / self.verify_time(1), self.undrafted_rate or 0.0)
+        (:attr:`ar_rate`, or the undrafted lookup rounds' rate, whichever is higher), and before any drafted round,
+        except that after :data:`ANCHOR_EVERY` drafted rounds in a row one round skips the drafter, so that AR's
+        cost is measured now. Every call discounts the statistics by :data:`DRAFT_DISCOUNT` (discounted UCB,
+        Garivier & Moulines 2011)."""
+        alternative = max(self.ar_rate, self.undrafted_rate or 0.0)
         bound = self.draft_bound()
-        for name in ("draft_n", "draft_tok", "draft_tok2", "draft_s", "undrafted_n", "undrafted_tok", "undrafted_s"):
+        for name in ("draft_n", "draft_tok", "draft_tok2", "draft_s", "undrafted_n", "undrafted_tok", "undrafted_s",
+                     "ar_n", "ar_s"):
             setattr(self, name, getattr(self, name) * DRAFT_DISCOUNT)
-        return bound is None or bound >= alternative
+        draft = (bound is None or bound >= alternative) and self.since_anchor < ANCHOR_EVERY
+        self.since_anchor = self.since_anchor + 1 if draft else 0
+        return draft
 
     def choose(self, tree: Tree, beta: float = 0.0, chain_pos: torch.Tensor | None = None,
                drafted: bool = True) -> tuple[int, float]:
@@ -295,12 +324,15 @@ class CostModel:
         self._pending = (drafted, (self.t_draft + self.t_build if drafted else 0.0) + self.verify_time(best_b + 1))
         return best_b, best_exp
 
-    def _observe_round(self, tokens: float) -> None:
-        """Add the round :meth:`choose` sized, which committed ``tokens``, to the drafted or undrafted statistics."""
+    def _observe_round(self, tokens: float, seconds: float | None) -> None:
+        """Add the round :meth:`choose` sized, which committed ``tokens`` in ``seconds`` (None: its modelled
+        seconds), to the drafted or undrafted statistics."""
         if self._pending is None:
             return
         drafted, sec = self._pending
         self._pending = None
+        if seconds is not None and seconds > 0:
+            sec = seconds
         if drafted:
             self.draft_n += 1.0
             self.draft_tok += tokens
@@ -312,7 +344,7 @@ class CostModel:
             self.undrafted_s += sec
 
     def record(self, tree: Tree, accepted: torch.Tensor, chain_pos: torch.Tensor | None = None,
-               ngram: int = 0) -> None:
+               ngram: int = 0, seconds: float | None = None) -> None:
         """Account one verified round: its budget (``tree.size``) in the histogram and, for a drafted round, each
         drafter node's predicted p = exp(score) against whether it was accepted (lookup chain nodes go to
         :attr:`lookup` instead).
@@ -323,10 +355,11 @@ class CostModel:
                 (:class:`~dartree.decode.verify.Verification`).
             chain_pos: [M] int64 lookup chain position per node (0: a drafter node), or None.
             ngram: the matched n-gram size of the round's lookup chain (0: none).
+            seconds: the round's measured wall time, draft to commit (None: the modelled time of :meth:`choose`).
         """
         m = tree.size
         self.chosen[m] = self.chosen.get(m, 0) + 1
-        self._observe_round(float(accepted.numel()))  # root + accepted drafts = accepted drafts + the bonus token
+        self._observe_round(float(accepted.numel()), seconds)  # root + accepted drafts = accepted drafts + the bonus token
         if m == 0:
             return
         p = torch.exp(tree.score.detach().float().cpu()).clamp(max=1.0)
@@ -372,7 +405,7 @@ def prune_to(tree: Tree, budget: int, beta: float = 0.0, chain_pos: torch.Tensor
 
 
 @torch.inference_mode()
-def calibrate(target, drafter, context_ids, *, max_budget: int = 16, reps: int = 3) -> CostModel:
+def calibrate(target, drafter, context_ids, *, max_budget: int = 16, reps: int = 5) -> CostModel:
     """Measure t_AR, t_verify(T) for T in :data:`CALIBRATION_SIZES` (and ``max_budget + 1``) and t_draft with a
     few forwards on ``context_ids`` (the fastest of ``reps`` after one warm-up each, since other load only adds
     time; the sizes interleaved within each pass, so a drift of the machine's speed shifts them alike; t_verify
@@ -413,8 +446,13 @@ def calibrate(target, drafter, context_ids, *, max_budget: int = 16, reps: int =
     for r in range(reps + 1):
         for t in sizes:
             t0 = time.perf_counter()
-            inp = compile_tree(trees[t], ids[-1], start, dtype=target.dtype, device=target.device)
-            target.forward(inp.input_ids, position_ids=inp.position_ids, attention_mask=inp.attention_mask, cache=cache)
+            if t == 1:  # as the loop's plain AR step: the root alone, no mask
+                target.forward(torch.tensor([[ids[-1]]], device=target.device),
+                               position_ids=torch.tensor([[start]], device=target.device), cache=cache)
+            else:
+                inp = compile_tree(trees[t], ids[-1], start, dtype=target.dtype, device=target.device)
+                target.forward(inp.input_ids, position_ids=inp.position_ids, attention_mask=inp.attention_mask,
+                               cache=cache)
             dt = time.perf_counter() - t0
             compact_cache(cache, start, torch.zeros(0, dtype=torch.long))
             if r:

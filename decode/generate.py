@@ -379,9 +379,7 @@ def speculative_generate(
         stats.accept_lengths.append(n)
         stats.tree_nodes.append(tree.size)
         stats.budgets.append(tree.size if auto else budget)
-        if auto:
-            cm.record(tree, ver.accepted, chain_pos if lookup else None, ngram)
-        elif lookup and drafted:
+        if lookup and drafted and not auto:
             lookup_stats.record(chain_pos, ver.accepted, ngram)
         stats.depth_nodes.append(torch.bincount(tree.depth.cpu(), minlength=1).tolist()[1:])
         stats.accepted_depths.append(ver.accepted.numel() - 1)
@@ -394,6 +392,7 @@ def speculative_generate(
         pending.append(ver.features)
         te = time.perf_counter()
         if auto:  # the machine's speed drifts: the cost model follows the stages it just timed
+            cm.record(tree, ver.accepted, chain_pos if lookup else None, ngram, seconds=te - ta)
             cm.observe_verify(tree.size + 1, td - tc2)
             if drafted:
                 cm.observe_draft(tb - ta)
