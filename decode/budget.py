@@ -18,9 +18,10 @@ over-trusts the confident nodes and under-trusts the doubtful ones when the draf
 uniform (a reliability diagram, Guo et al. 2017, "On Calibration of Modern Neural Networks").
 
 Before drafting, the round is skipped for a plain AR step (no draft, no tree) when even an optimistic estimate of
-the drafted rounds' rate is below AR's: tokens the target accepted per modelled second (draft, build and verify of
-the kept tree), a discounted mean over about the last 100 rounds plus one standard error (discounted UCB, Garivier
-& Moulines 2011). While drafting pays, the bound is above AR and every round drafts; while it does not, skipped
+the drafted rounds' rate is below AR's: tokens the target accepted per second of the rounds as the loop timed them
+(draft to commit), a discounted mean over about the last 100 rounds plus one standard error (discounted UCB,
+Garivier & Moulines 2011), against the 1-token forwards the loop timed over the same rounds (one plain AR step
+after every :data:`ANCHOR_EVERY` drafted rounds keeps them current). While drafting pays, the bound is above AR and every round drafts; while it does not, skipped
 rounds discount the drafted rounds' weight, the standard error grows, and a probe round drafts again (rarely when
 drafting loses by far, often when it loses narrowly). The tokens are those the target accepted, not the calibrated
 promise: the calibration pools every context, so where the drafter does worse than on average it promises too
