@@ -151,12 +151,12 @@ class CostModel:
 
     @property
     def spec_rate(self) -> float | None:
-        """Tokens per modelled second of the drafted rounds (discounted), or None before the first one."""
+        """Tokens per second of the drafted rounds (discounted; seconds as the loop timed them), or None before any."""
         return self.draft_tok / self.draft_s if self.draft_n > 0 else None
 
     @property
     def undrafted_rate(self) -> float | None:
-        """Tokens per modelled second of the rounds without the drafter (lookup rounds), or None."""
+        """Tokens per second of the rounds without the drafter (lookup rounds), the same way, or None."""
         return self.undrafted_tok / self.undrafted_s if self.undrafted_n > 0 else None
 
     @property
@@ -236,7 +236,7 @@ class CostModel:
         return self.calib_real / max(self.calib_pred, 1e-9)
 
     def fresh(self) -> "CostModel":
-        """A copy with the same timings and nothing learnt yet (calibration, skip state, histogram), for another
+        """A copy with the same timings and nothing learnt yet (calibration, draft statistics, histogram), for another
         method that shares this start-up measurement."""
         return CostModel(t_ar=self.t_ar, t_draft=self.t_draft, verify_s=dict(self.verify_s),
                          max_budget=self.max_budget, t_build=self.t_build, speed=self.speed, shape=dict(self.shape))
@@ -298,8 +298,8 @@ class CostModel:
             beta: the builder's depth bonus (<= 0) used to rank nodes, as its own top-B does.
             chain_pos: [M] int64 lookup chain position per node (0: a drafter node), or None.
             drafted: False for a lookup-only tree of a round that skipped the drafter: it does not count
-                towards the drafted rounds' rate (:meth:`should_draft`). The round's modelled seconds wait for
-                :meth:`record`, which adds them with the tokens it committed to that rate.
+                towards the drafted rounds' rate (:meth:`should_draft`). The round's outcome waits for
+                :meth:`record`, which adds its tokens and seconds to that rate.
         Returns:
             (b*, the expected committed tokens of that tree, calibrated).
         """
@@ -320,8 +320,8 @@ class CostModel:
             rate = exp_tok / self.verify_time(b + 1)
             if rate > best_rate:
                 best_b, best_rate, best_exp = b, rate, exp_tok
-        # the modelled seconds of this round, draft and build included for a drafted one; :meth:`record` adds them
-        # with the tokens the round really committed to the average that :meth:`should_draft` reads
+        # the modelled seconds of this round, draft and build included for a drafted one: :meth:`record` adds them
+        # (or the round's measured seconds) with the tokens it really committed to the sums should_draft reads
         self._pending = (drafted, (self.t_draft + self.t_build if drafted else 0.0) + self.verify_time(best_b + 1))
         return best_b, best_exp
 
