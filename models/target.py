@@ -299,14 +299,15 @@ def compact_cache(cache, past_len: int, keep: torch.Tensor) -> None:
     keep_list = [int(i) for i in keep.tolist()]
     n_keep = len(keep_list)
     contiguous = keep_list == list(range(n_keep))
+    top = max(keep_list, default=-1)
     idx = None
     for layer in cache.layers:
         k, v = layer.keys, layer.values
         if k is None or k.numel() == 0:
             continue
         tail = k.shape[-2] - past_len
-        if n_keep and max(keep_list) >= tail:
-            raise ValueError(f"compact_cache: index {max(keep_list)} outside the cache tail of {tail} entries")
+        if top >= tail:
+            raise ValueError(f"compact_cache: index {top} outside the cache tail of {tail} entries")
         if not contiguous:  # move the kept entries down in place: O(kept), the committed prefix is not copied
             if idx is None or idx.device != k.device:
                 idx = torch.tensor(keep_list, dtype=torch.long, device=k.device) + past_len
