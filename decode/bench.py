@@ -12,7 +12,10 @@ For every dtype the target (and drafter) is loaded once and, in that one process
    tree_compile, verify, commit) and each as a multiple of t_AR, tau, speedup over AR, and the break-even
    tau = t_round / t_AR (the acceptance length at which the method would match AR).
 
-speedup = tau x t_AR / t_round (PERFORMANCE.md). ``--profile`` adds a torch.profiler table of the ops of one
+speedup = tau x t_AR / t_round (PERFORMANCE.md). ``--replay`` also replays each method's rounds at its largest budget
+for every smaller budget, under the ``--budget auto`` policy and under a hindsight per-round choice
+(:mod:`dartree.decode.replay`), with round times modelled from this run's stages and verify curve: a budget sweep and
+a check of the auto policy from one decode per method. ``--profile`` adds a torch.profiler table of the ops of one
 method's decoding. Results go to ``--out`` (JSON, written atomically). Run it alone: the figures depend on what
 else the machine runs.
 """
@@ -67,6 +70,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--reps", type=int, default=5, help="forwards per verify size (median)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of the first method's decoding")
+    ap.add_argument("--replay", action="store_true",
+                    help="replay every method's rounds at its largest budget for each smaller budget, the auto policy "
+                         "and a hindsight per-round choice (dartree.decode.replay), times modelled from this run")
     ap.add_argument("--out", default="reports/decode-bench.json")
     return ap.parse_args(argv)
 
@@ -137,6 +143,77 @@ def round_costs(stats_list, t_ar: float) -> dict:
     out["tokens_per_s"] = dec_tok / dec_s if dec_s else float("nan")
     out["speedup"] = out["tokens_per_s"] * t_ar
     out["mean_tree_nodes"] = (sum(sum(s.tree_nodes) for s in stats_list) / rounds) if rounds else float("nan")
+    return out
+
+
+REPLAY_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def replay_tables(console: Console, label: str, entry: dict, recorded: dict, curve: dict, t_ar: float) -> dict:
+    """Print and return, per method recorded at budget B_max, the replayed budget sweep (:mod:`dartree.decode.replay`).
+
+    Round times are modelled from what this run measured in the loop: a drafted round that verifies b nodes costs the
+    recorded run's per-round draft, build, compile and commit time plus t_verify(b + 1), where t_verify is pinned to
+    the in-loop verify time per round of every fixed budget the bench ran for the method (and t_verify(1) = t_AR) and
+    follows the shape of the start-up ``curve`` between those knots (the curve alone misjudged in-loop costs by up to
+    20% on a 2-core VM); a plain AR step costs ``t_ar``. Rows: each budget b <= B_max (tau replayed, modelled round and
+    speedup, and the measured speedup where the bench ran that budget), the best of them, the ``--budget auto`` policy
+    replayed from a fresh cost model with these times, and the hindsight per-round choice (an upper bound).
+    """
+    from dartree.decode.budget import CostModel
+    from dartree.decode.generate import BETA_BUILDERS
+    from dartree.decode.replay import recorded_round, replay_auto, replay_fixed, replay_hindsight
+
+    shape = CostModel(t_ar=t_ar, t_draft=0.0, verify_s=dict(curve)).verify_time  # monotone, interpolated
+    out = {}
+    for m, (bmax, stats, rc) in recorded.items():
+        rounds = [recorded_round(r) for s in stats for r in s.trees]
+        beta = -0.2 if m in BETA_BUILDERS else 0.0  # the builders' default, as the bench runs them
+        knots = {1: t_ar, bmax + 1: rc["verify_ms"] / 1000}
+        for key, v in entry["methods"].items():
+            name, _, b = key.partition("@")
+            if name == m and b.isdigit() and 1 <= int(b) < bmax:
+                knots[int(b) + 1] = v["verify_ms"] / 1000
+        pts = sorted(knots.items())
+
+        def verify_s(t: int, pts=pts) -> float:
+            for (t0, s0), (t1, s1) in zip(pts, pts[1:]):
+                if t <= t1:
+                    c0, c1 = shape(t0), shape(t1)
+                    frac = (shape(t) - c0) / (c1 - c0) if c1 > c0 else (t - t0) / (t1 - t0)
+                    return s0 + frac * (s1 - s0)
+            return pts[-1][1]
+
+        other = (rc["round_ms"] - rc["verify_ms"]) / 1000
+
+        def round_s(b: int, verify_s=verify_s, other=other) -> float:
+            return other + verify_s(b + 1)
+
+        measured = {int(k.split("@")[1]): v["speedup"] for k, v in entry["methods"].items()
+                    if k.startswith(f"{m}@") and k.split("@")[1].isdigit()}
+        table = Table(title=f"{label}: {m} rounds recorded at B = {bmax} ({len(rounds)} rounds), replayed; per round "
+                            f"{1000 * other:.1f} ms of draft, build and commit + t_verify(b + 1) pinned at T = "
+                            + ", ".join(str(t) for t, _ in pts))
+        for col in ("B", "tau (replayed)", "round (x AR)", "speedup (modelled)", "speedup (measured)", "budgets chosen"):
+            table.add_column(col, justify="right")
+        rows = {}
+        for b in sorted({b for b in REPLAY_BUDGETS if b < bmax} | {bmax}):
+            r = replay_fixed(rounds, b, beta, round_s)
+            rows[b] = {**r, "round_ar": round_s(b) / t_ar, "speedup": r["rate"] * t_ar}
+            table.add_row(str(b), f"{r['tau']:.3f}", f"{round_s(b) / t_ar:.2f}", f"{r['rate'] * t_ar:.3f}x",
+                          f"{measured[b]:.3f}x" if b in measured else "", "")
+        best = max(rows, key=lambda b: rows[b]["rate"])
+        auto_cm = CostModel(t_ar=t_ar, t_draft=other, verify_s={t: verify_s(t) for t in range(1, bmax + 2)},
+                            max_budget=bmax)
+        auto = replay_auto(rounds, auto_cm, beta, round_s, t_ar)
+        hind = replay_hindsight(rounds, bmax, beta, round_s, t_ar)
+        for name, r in ((f"best fixed (B = {best})", rows[best]), ("auto (replayed)", auto), ("hindsight", hind)):
+            table.add_row(name, f"{r['tau']:.3f}", "", f"{r['rate'] * t_ar:.3f}x", "",
+                          " ".join(f"{b}:{n}" for b, n in r.get("chosen", {}).items()))
+        console.print(table)
+        out[m] = {"budget": bmax, "rounds": len(rounds), "beta": beta, "other_ms": 1000 * other,
+                  "verify_knots_ms": {t: 1000 * s for t, s in pts}, "fixed": rows, "best_fixed": best,
+                  "auto": {**auto, "speedup": auto["rate"] * t_ar}, "hindsight": {**hind, "speedup": hind["rate"] * t_ar}}
     return out
 
 
@@ -218,6 +295,7 @@ def main(argv=None) -> int:
                 runs += [(m, b) for b in args.budget]
                 if args.auto:
                     runs.append((m, "auto"))
+        recorded: dict = {}  # method -> (budget, its decodes' stats with recorded trees, its round costs)
         mt = Table(title=f"{label}: ms per round by stage (x AR step), tau, speedup, break-even tau")
         for col in ["method", "B", "tau", "draft", "tree_build", "tree_compile", "verify", "commit", "round",
                     "break-even tau", "speedup", "nodes"]:
@@ -231,13 +309,16 @@ def main(argv=None) -> int:
             speculative_generate(target, dm.drafter, dm.head, warm, builder=m, max_new_tokens=8, stop_ids=stop, budget=b,
                                  cost_model=cm)
             outs = []
+            record = args.replay and b != "auto" and (m == "chain" or b == max(args.budget))
             for i, ids in enumerate(prompts):
                 o = speculative_generate(target, dm.drafter, dm.head, ids, builder=m, max_new_tokens=args.max_new_tokens,
-                                         stop_ids=stop, budget=b, cost_model=cm)
+                                         stop_ids=stop, budget=b, cost_model=cm, record_trees=record)
                 if o.tokens != ar[i].tokens and dname == "float32":
                     console.print(f"[bold red]{m}@{b}: output differs from AR on prompt {i}[/bold red]")
                 outs.append(o.stats)
             rc = round_costs(outs, t_ar)
+            if record:
+                recorded[m] = (b if b is not None else dm.drafter.cfg.num_proposals, outs, rc)
             if cm is not None:
                 rc["cost_model"] = cm.summary()
                 console.print(f"{m}@auto: budgets chosen {rc['cost_model']['chosen_budgets']}, calibration "
@@ -248,6 +329,8 @@ def main(argv=None) -> int:
                        f"{rc['round_ms']:.1f} ({rc['round_ar']:.2f})", f"{rc['break_even_tau']:.2f}",
                        f"{rc['speedup']:.3f}x", f"{rc['mean_tree_nodes']:.1f}")
         console.print(mt)
+        if args.replay:
+            entry["replay"] = replay_tables(console, label, entry, recorded, curve, t_ar)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 

@@ -54,8 +54,9 @@ class DecodeStats:
         budgets: per round, the verification budget used (nodes verified; with ``budget="auto"`` the cost
             model's choice, 0 = a plain AR step).
         trees: only with ``speculative_generate(record_trees=True)``: per round a dict with the verify tree
-            (``root`` token id, tree ``tokens`` / ``parents`` / ``depth`` as in ``Tree``, ``accepted`` node
-            indices root (0) first, and the ``bonus`` token id), for drawing; empty otherwise.
+            (``root`` token id, tree ``tokens`` / ``parents`` / ``depth`` / ``score`` as in ``Tree``, ``accepted``
+            node indices root (0) first, and the ``bonus`` token id), for drawing and for replaying smaller budgets
+            (:mod:`dartree.decode.replay`); empty otherwise.
     """
 
     accept_lengths: list = field(default_factory=list)
@@ -385,7 +386,8 @@ def speculative_generate(
         stats.accepted_depths.append(ver.accepted.numel() - 1)
         if record_trees:
             stats.trees.append({"root": int(anchor), "tokens": tree.tokens.tolist(), "parents": tree.parents.tolist(),
-                                "depth": tree.depth.tolist(), "accepted": ver.accepted.tolist(),
+                                "depth": tree.depth.tolist(), "score": tree.score.float().tolist(),
+                                "accepted": ver.accepted.tolist(),
                                 "bonus": int(ver.bonus_id)})
         start += ver.accepted.numel()
         anchor = ver.bonus_id

@@ -184,3 +184,27 @@ def test_eval_cli_paired_rows_time_each_method_against_its_own_lockstep_ar(tiny_
     assert "paired_speedup" not in rep["methods"]["ar"]
     md = (out / "report.md").read_text()
     assert "| method | tau | tokens/s | speedup | paired x AR |" in md and "paired x AR: each method" in md
+
+
+def test_bench_replay_sweeps_budgets_from_one_recorded_decode(tiny_folder, tmp_path):
+    # decode/bench.py --replay: the pruned rounds recorded at B = 6 replayed at every smaller budget, with the auto
+    # policy and the hindsight bound; the replayed tau at the recorded budget is the measured one
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "decode/bench.py", "--target", str(tiny_folder / "target"), "--checkpoint",
+           str(tiny_folder / "ckpt"), "--tree", "pruned", "--budget", "2", "6", "--datasets", "gsm8k", "--limit", "1",
+           "--max-new-tokens", "16", "--reps", "1", "--context", "16", "--replay", "--out", str(out)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    entry = next(iter(json.loads(out.read_text())["dtypes"].values()))
+    rep = entry["replay"]["pruned"]
+    assert rep["budget"] == 6 and rep["rounds"] > 0
+    assert sorted(int(b) for b in rep["fixed"]) == [1, 2, 3, 4, 6]
+    measured = entry["methods"]["pruned@6"]
+    # the replay counts every accepted draft of a round; the measured tau counts the tokens committed (the last
+    # round is cut at --max-new-tokens), so the replay is never below it
+    assert rep["fixed"]["6"]["tau"] >= measured["tau"] - 1e-9
+    taus = [rep["fixed"][str(b)]["tau"] for b in (1, 2, 3, 4, 6)]
+    assert taus == sorted(taus)  # a bigger top-b sub-tree never accepts less
+    assert rep["hindsight"]["rate"] >= max(v["rate"] for v in rep["fixed"].values()) - 1e-12
+    assert sum(rep["auto"]["chosen"].values()) == rep["rounds"]
+    assert "pinned at T" in r.stdout and "hindsight" in r.stdout
