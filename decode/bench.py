@@ -194,7 +194,8 @@ def replay_tables(console: Console, label: str, entry: dict, recorded: dict, cur
         table = Table(title=f"{label}: {m} rounds recorded at B = {bmax} ({len(rounds)} rounds), replayed; per round "
                             f"{1000 * other:.1f} ms of draft, build and commit + t_verify(b + 1) pinned at T = "
                             + ", ".join(str(t) for t, _ in pts))
-        for col in ("B", "tau (replayed)", "round (x AR)", "speedup (modelled)", "speedup (measured)", "budgets chosen"):
+        for col in ("B", "tau (replayed)", "round (x AR)", "speedup (modelled)", "speedup (measured)",
+                    "budgets chosen"):
             table.add_column(col, justify="right")
         rows = {}
         for b in sorted({b for b in REPLAY_BUDGETS if b < bmax} | {bmax}):
@@ -213,7 +214,8 @@ def replay_tables(console: Console, label: str, entry: dict, recorded: dict, cur
         console.print(table)
         out[m] = {"budget": bmax, "rounds": len(rounds), "beta": beta, "other_ms": 1000 * other,
                   "verify_knots_ms": {t: 1000 * s for t, s in pts}, "fixed": rows, "best_fixed": best,
-                  "auto": {**auto, "speedup": auto["rate"] * t_ar}, "hindsight": {**hind, "speedup": hind["rate"] * t_ar}}
+                  "auto": {**auto, "speedup": auto["rate"] * t_ar},
+                  "hindsight": {**hind, "speedup": hind["rate"] * t_ar}}
     return out
 
 
