@@ -32,12 +32,13 @@ prompts an average over 2 rounds skipped the drafter in 2 of 3 rounds and ran at
 drafting 8 nodes ran at 1.16x).
 
 Replayed on recorded rounds (:mod:`dartree.decode.replay`, ``decode/bench.py --replay``; 1,762 pruned rounds recorded
-at B = 16 in fp32, 18 prompts x 200 tokens, under four verify-cost shapes from 1.06 to 1.53 AR steps at 9 tokens), the
-policy (anchor steps included) came 1.0-2.6% below the best fixed budget in hindsight, never above it. Ranking nodes
-by a per-rank acceptance instead of the per-probability one, or maximising tokens - rate x seconds (Dinkelbach)
-instead of the round's own ratio, did not reach the best fixed budget either. The drafter's path probabilities say
-little about a single round (correlation 0.25 between the predicted and the accepted drafts of the 8 best nodes),
-while a choice made knowing each round's outcome would reach 10-21% more than the best fixed budget.
+at B = 16 in fp32, 18 prompts x 200 tokens, under four verify-cost shapes of 1.06 to 1.53 AR steps at 9 tokens with
+0.12-0.20 AR steps of draft and build), the policy (anchor steps included) came 0.9-3.6% below the best fixed budget
+in hindsight, never above it. In a scratch replay, ranking nodes by a per-rank acceptance instead of the
+per-probability one, or maximising tokens - rate x seconds (Dinkelbach) instead of the round's own ratio, did not
+reach the best fixed budget either. The drafter's path probabilities say little about a single round (correlation 0.25
+between the predicted and the accepted drafts of the 8 best nodes), while a choice made knowing each round's outcome
+(:func:`~dartree.decode.replay.replay_hindsight`) would reach 16-30% more than the best fixed budget.
 
 This is the adaptive verification budget that DARTree (arXiv 2608.13524) leaves as future work; it generalises
 DSpark's confidence-scheduled chain length (ANCHORS.md 5b) from a chain to any tree builder. The timings are
