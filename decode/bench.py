@@ -155,8 +155,8 @@ def replay_tables(console: Console, label: str, entry: dict, recorded: dict, cur
     Round times are modelled from what this run measured in the loop: a drafted round that verifies b nodes costs the
     recorded run's per-round draft, build, compile and commit time plus t_verify(b + 1), where t_verify is pinned to
     the in-loop verify time per round of every fixed budget the bench ran for the method (and t_verify(1) = t_AR) and
-    follows the shape of the start-up ``curve`` between those knots (the curve alone misjudged in-loop costs by up to
-    20% on a 2-core VM); a plain AR step costs ``t_ar``. Rows: each budget b <= B_max (tau replayed, modelled round and
+    follows the shape of the start-up ``curve`` between those knots (the curve alone put a B = 4 round's speedup
+    17% too high on a 2-core VM); a plain AR step costs ``t_ar``. Rows: each budget b <= B_max (tau replayed, modelled round and
     speedup, and the measured speedup where the bench ran that budget), the best of them, the ``--budget auto`` policy
     replayed from a fresh cost model with these times, and the hindsight per-round choice (an upper bound).
     """
@@ -168,6 +168,9 @@ def replay_tables(console: Console, label: str, entry: dict, recorded: dict, cur
     out = {}
     for m, (bmax, stats, rc) in recorded.items():
         rounds = [recorded_round(r) for s in stats for r in s.trees]
+        if bmax < 1 or not rounds:
+            console.print(f"{label}: {m}: nothing to replay (budget {bmax}, {len(rounds)} rounds)")
+            continue
         beta = -0.2 if m in BETA_BUILDERS else 0.0  # the builders' default, as the bench runs them
         knots = {1: t_ar, bmax + 1: rc["verify_ms"] / 1000}
         for key, v in entry["methods"].items():
