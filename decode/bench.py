@@ -172,11 +172,10 @@ def replay_tables(console: Console, label: str, entry: dict, recorded: dict, cur
             console.print(f"{label}: {m}: nothing to replay (budget {bmax}, {len(rounds)} rounds)")
             continue
         beta = -0.2 if m in BETA_BUILDERS else 0.0  # the builders' default, as the bench runs them
+        ran = {int(b): v for key, v in entry["methods"].items()
+               for name, _, b in [key.partition("@")] if name == m and b.isdigit()}  # this method's fixed budgets
         knots = {1: t_ar, bmax + 1: rc["verify_ms"] / 1000}
-        for key, v in entry["methods"].items():
-            name, _, b = key.partition("@")
-            if name == m and b.isdigit() and 1 <= int(b) < bmax:
-                knots[int(b) + 1] = v["verify_ms"] / 1000
+        knots.update({b + 1: v["verify_ms"] / 1000 for b, v in ran.items() if 1 <= b < bmax})
         pts = sorted(knots.items())
 
         def verify_s(t: int, pts=pts) -> float:
@@ -192,8 +191,6 @@ def replay_tables(console: Console, label: str, entry: dict, recorded: dict, cur
         def round_s(b: int, verify_s=verify_s, other=other) -> float:
             return other + verify_s(b + 1)
 
-        measured = {int(k.split("@")[1]): v["speedup"] for k, v in entry["methods"].items()
-                    if k.startswith(f"{m}@") and k.split("@")[1].isdigit()}
         table = Table(title=f"{label}: {m} rounds recorded at B = {bmax} ({len(rounds)} rounds), replayed; per round "
                             f"{1000 * other:.1f} ms of draft, build and commit + t_verify(b + 1) pinned at T = "
                             + ", ".join(str(t) for t, _ in pts))
@@ -205,7 +202,7 @@ def replay_tables(console: Console, label: str, entry: dict, recorded: dict, cur
             r = replay_fixed(rounds, b, beta, round_s)
             rows[b] = {**r, "round_ar": round_s(b) / t_ar, "speedup": r["rate"] * t_ar}
             table.add_row(str(b), f"{r['tau']:.3f}", f"{round_s(b) / t_ar:.2f}", f"{r['rate'] * t_ar:.3f}x",
-                          f"{measured[b]:.3f}x" if b in measured else "", "")
+                          f"{ran[b]['speedup']:.3f}x" if b in ran else "", "")
         best = max(rows, key=lambda b: rows[b]["rate"])
         auto_cm = CostModel(t_ar=t_ar, t_draft=other, verify_s={t: verify_s(t) for t in range(1, bmax + 2)},
                             max_budget=bmax)

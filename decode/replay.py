@@ -1,10 +1,9 @@
-"""Replay recorded speculative rounds at smaller budgets and under the ``--budget auto`` policy.
-
-At temperature 0 with exact-match verification the target's greedy token at a tree node depends only on the node's
-path, not on which other nodes were verified with it. So the accepted path of a round's top-b sub-tree (the b best
-nodes by ``score + beta * depth``, prefix-closed for beta <= 0, DARTree Lemma 1;
-:func:`~dartree.decode.budget.prune_to`) is the longest prefix of the full tree's accepted path whose nodes are all among those b. One decode at budget
-B_max therefore gives, round by round, exactly what every budget b <= B_max would have accepted in that round.
+"""Replay recorded speculative rounds at smaller budgets and under the ``--budget auto`` policy. At temperature 0 with
+exact-match verification the target's greedy token at a tree node depends only on the node's path, not on which other
+nodes were verified with it. So the accepted path of a round's top-b sub-tree (the b best nodes by ``score + beta *
+depth``, prefix-closed for beta <= 0, DARTree Lemma 1; :func:`~dartree.decode.budget.prune_to`) is the longest prefix
+of the full tree's accepted path whose nodes are all among those b. One decode at budget B_max therefore gives, round
+by round, exactly what every budget b <= B_max would have accepted in that round.
 
 A whole decode at b would start its later rounds from other contexts, so the replayed tau of a budget is the mean
 over the recorded rounds, which assumes that a round's acceptance does not depend on the rounds before it. With the
@@ -22,8 +21,8 @@ from typing import Callable
 
 import torch
 
-from dartree.decode.budget import CostModel, prune_to
-from dartree.decode.trees import Tree
+from dartree.decode.budget import CostModel
+from dartree.decode.trees import Tree, select_top_b_keep
 
 
 def recorded_round(rec: dict) -> tuple[Tree, list[int]]:
@@ -59,7 +58,7 @@ def accepted_at(tree: Tree, path: list[int], budget: int, beta: float) -> tuple[
     Raises:
         ValueError: beta > 0 (from the selection).
     """
-    sub, keep = prune_to(tree, budget, beta, torch.arange(tree.size))
+    sub, keep = select_top_b_keep(tree, budget, beta)  # the selection prune_to makes in the decode loop
     where = {int(k): i for i, k in enumerate(keep.tolist())}
     acc = [0]
     for node in path:
