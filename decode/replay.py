@@ -1,9 +1,11 @@
-"""Replay recorded speculative rounds at smaller budgets and under the ``--budget auto`` policy. At temperature 0 with
-exact-match verification the target's greedy token at a tree node depends only on the node's path, not on which other
-nodes were verified with it. So the accepted path of a round's top-b sub-tree (the b best nodes by ``score + beta *
-depth``, prefix-closed for beta <= 0, DARTree Lemma 1; :func:`~dartree.decode.budget.prune_to`) is the longest prefix
-of the full tree's accepted path whose nodes are all among those b. One decode at budget B_max therefore gives, round
-by round, exactly what every budget b <= B_max would have accepted in that round.
+"""Replay recorded speculative rounds at smaller budgets and under the ``--budget auto`` policy.
+
+At temperature 0 with exact-match verification the target's greedy token at a tree node depends only on the node's
+path, not on which other nodes were verified with it. So the accepted path of a round's top-b sub-tree (the b best
+nodes by ``score + beta * depth``, prefix-closed for beta <= 0, DARTree Lemma 1;
+:func:`~dartree.decode.budget.prune_to`) is the longest prefix of the full tree's accepted path whose nodes are all
+among those b. One decode at budget B_max therefore gives, round by round, exactly what every budget b <= B_max would
+have accepted in that round.
 
 A whole decode at b would start its later rounds from other contexts, so the replayed tau of a budget is the mean
 over the recorded rounds, which assumes that a round's acceptance does not depend on the rounds before it. With the
