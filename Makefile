@@ -1,11 +1,15 @@
 # dartree: `make setup` installs everything, `make run` runs the main job, `make test` runs the test suite.
 # Uses the active virtual environment when there is one, else creates .venv here.
+# DeepSpeed JIT-builds its CPU ops (shared-memory comm) into torch's extension folder: one folder per environment, so
+# one environment's runs never rebuild over another's or wait on a build lock another left behind
 ifdef VIRTUAL_ENV
 PY := python
 VENV_DEP :=
+export TORCH_EXTENSIONS_DIR ?= $(VIRTUAL_ENV)/torch_extensions
 else
 PY := .venv/bin/python
 VENV_DEP := .venv/bin/python
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.venv/torch_extensions
 endif
 export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1

@@ -1,7 +1,10 @@
 """Training: the tiny recipe through the real entry point, reproducibility, recipe errors, block masking."""
 
 import json
+import os
 import subprocess
+import threading
+import time
 import sys
 from pathlib import Path
 
@@ -22,7 +25,8 @@ REPO = Path(__file__).resolve().parents[1]
 def tiny_runs(tmp_path_factory):
     cache = tmp_path_factory.mktemp("cache")
     out1, out2 = tmp_path_factory.mktemp("run1"), tmp_path_factory.mktemp("run2")
-    env = {"DARTREE_CACHE": str(cache), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline"}
+    env = {"DARTREE_CACHE": str(cache), "PATH": "/usr/bin:/bin", "HF_HUB_OFFLINE": "1", "WANDB_MODE": "offline",
+           **_EXT_DIR}
     r = subprocess.run([sys.executable, "training/train.py", "recipe=tiny_dspark", f"output_dir={out1}"],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -156,7 +160,12 @@ def test_dspark_loss_decay_weights_positions():
 
 def _env(cache):
     return {"DARTREE_CACHE": str(cache), "PATH": "/usr/bin:/bin", "HOME": str(Path.home()), "HF_HUB_OFFLINE": "1",
-            "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1"}
+            "WANDB_MODE": "offline", "OMP_NUM_THREADS": "1", **_EXT_DIR}
+
+
+# the Makefile gives each virtual environment its own JIT-extension folder (DeepSpeed's CPU ops); runs started here
+# build into the same one
+_EXT_DIR = {k: os.environ[k] for k in ("TORCH_EXTENSIONS_DIR",) if k in os.environ}
 
 
 def _train(args, cache, launcher=(), extra_env=None, check=True):
@@ -198,6 +207,59 @@ def engine_runs(tmp_path_factory):
     z3 = _train([*common, f"output_dir={root / 'z3'}", "deepspeed.zero_stage=3"], cache, launcher=torchrun())
     frozen = _train([*common, f"output_dir={root / 'lr0'}", "train.lr=0"], cache)
     return root, {"one": one, "two": two, "z3": z3}
+
+
+def _build_dir(root, name, age_s, files=("lock", "build.ninja", "op.so"), fresh=()):
+    """A JIT-extension build directory whose ``files`` were last changed ``age_s`` seconds ago and ``fresh`` now."""
+    d = root / name
+    d.mkdir(parents=True)
+    for f in (*files, *fresh):
+        (d / f).write_bytes(b"")
+    old = time.time() - age_s
+    for f in files:
+        os.utime(d / f, (old, old))
+    return d
+
+
+def test_stale_build_locks_are_removed_and_live_builds_left_alone(tmp_path):
+    from dartree.training.engine import clear_stale_build_locks
+
+    killed = _build_dir(tmp_path, "py311_cpu/deepspeed_shm_comm", 3600)  # ~/.cache/torch_extensions layout
+    flat = _build_dir(tmp_path, "cpu_adam", 3600)  # $TORCH_EXTENSIONS_DIR layout
+    building = _build_dir(tmp_path, "py311_cpu/compiling", 3600, fresh=("shm.o",))  # a compile wrote just now
+    checking = _build_dir(tmp_path, "py311_cpu/checking", 10)  # a live version check took the lock 10 s ago
+    unlocked = _build_dir(tmp_path, "py311_cpu/done", 3600, files=("build.ninja", "op.so"))
+    with pytest.warns(RuntimeWarning, match="killed process") as caught:
+        removed = clear_stale_build_locks(tmp_path, stale_s=300)
+    assert removed == sorted([flat / "lock", killed / "lock"]) and len(caught) == 2
+    assert not (killed / "lock").exists() and not (flat / "lock").exists()
+    assert (building / "lock").exists() and (checking / "lock").exists()
+    assert (killed / "op.so").exists() and sorted(p.name for p in unlocked.iterdir()) == ["build.ninja", "op.so"]
+    # locks just under the limit stay; the same locks once the limit has passed with no change go
+    assert clear_stale_build_locks(tmp_path, stale_s=300, now=time.time() + 280) == []
+    with pytest.warns(RuntimeWarning):
+        later = clear_stale_build_locks(tmp_path, stale_s=300, now=time.time() + 320)
+    assert later == [checking / "lock", building / "lock"]
+
+
+def test_a_deepspeed_op_load_waiting_on_a_dead_lock_goes_on(tmp_path):
+    """torch's own FileBaton wait (what DeepSpeed's op load runs into) returns once the watch clears the lock that
+    appeared while the watched block was running."""
+    from torch.utils.file_baton import FileBaton
+
+    from dartree.training.engine import stale_build_lock_watch
+
+    with pytest.warns(RuntimeWarning, match="shm_comm"), stale_build_lock_watch(poll_s=0.05, stale_s=60,
+                                                                                root=tmp_path):
+        d = _build_dir(tmp_path, "py311_cpu/deepspeed_shm_comm", 600)
+        waiter = threading.Thread(target=FileBaton(str(d / "lock"), wait_seconds=0.01).wait, daemon=True)
+        waiter.start()
+        waiter.join(timeout=30)
+        assert not waiter.is_alive() and not (d / "lock").exists()
+    live = _build_dir(tmp_path, "py311_cpu/live", 1)  # a young lock is waited on, not removed
+    with stale_build_lock_watch(poll_s=0.05, stale_s=60, root=tmp_path):
+        time.sleep(0.3)
+    assert (live / "lock").exists()
 
 
 def test_two_processes_agree_with_each_other_and_with_one_process(engine_runs):

@@ -19,6 +19,9 @@ import json
 import os
 import shutil
 import socket
+import threading
+import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -34,8 +37,87 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+BUILD_LOCK_STALE_S = 300.0
+"""Seconds a JIT-extension build directory may sit unchanged while its ``lock`` exists before the lock counts as
+left behind by a killed process. A live build writes object files and ``.ninja_log`` as it goes (DeepSpeed's CPU
+ops compile in about a minute on 2 cores); a live version check holds the lock for milliseconds."""
+
+
+def extension_build_root() -> Path:
+    """Root of torch's JIT C++-extension builds: ``$TORCH_EXTENSIONS_DIR`` (build directories directly below it) or
+    ``torch.utils.cpp_extension.get_default_build_root()`` (``~/.cache/torch_extensions``, build directories one
+    level further down, under ``py311_cpu``-style folders)."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    return Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+
+
+def clear_stale_build_locks(root: Path | None = None, stale_s: float = BUILD_LOCK_STALE_S,
+                            now: float | None = None) -> list[Path]:
+    """Remove JIT-extension build locks that no live build holds; returns the removed paths.
+
+    DeepSpeed builds its CPU ops (``deepspeed_shm_comm`` at every ``deepspeed.init_distributed`` on CPU, others on
+    first use) through ``torch.utils.cpp_extension.load``, which takes ``<build dir>/lock`` (a
+    ``torch.utils.file_baton.FileBaton``: an O_EXCL file with no owner recorded) even just to check the build is
+    current, and waits with no time limit while the file exists. A process killed while holding it (SIGKILL, a CI
+    or session time limit) leaves the file, and from then on every training run and test that starts DeepSpeed on
+    this machine hangs forever in ``FileBaton.wait``. A lock counts as stale when the lock file and every file of
+    its build directory are older than ``stale_s`` seconds.
+
+    Args:
+        root: the extension build root; default :func:`extension_build_root`.
+        stale_s: seconds without any change in the build directory (default :data:`BUILD_LOCK_STALE_S`).
+        now: the present, in ``time.time()`` seconds (tests); default the clock.
+
+    Each removal warns (``RuntimeWarning``) with the path. A file that vanishes meanwhile is skipped.
+    """
+    root = extension_build_root() if root is None else Path(root)
+    now = time.time() if now is None else now
+    removed = []
+    for lock in sorted({*root.glob("*/lock"), *root.glob("*/*/lock")}):
+        try:
+            newest = max(p.stat().st_mtime for p in lock.parent.iterdir())
+        except (FileNotFoundError, ValueError):
+            continue
+        if now - newest < stale_s:
+            continue
+        try:
+            lock.unlink()
+        except FileNotFoundError:  # another rank or process removed it first
+            continue
+        removed.append(lock)
+        warnings.warn(f"removed {lock}: a torch extension build lock left by a killed process (its build directory "
+                      f"unchanged for {(now - newest) / 60:.0f} min); DeepSpeed would otherwise wait on it forever",
+                      RuntimeWarning, stacklevel=2)
+    return removed
+
+
+@contextlib.contextmanager
+def stale_build_lock_watch(poll_s: float = 15.0, stale_s: float = BUILD_LOCK_STALE_S, root: Path | None = None):
+    """Context that clears stale JIT-extension build locks (:func:`clear_stale_build_locks`) on entry and then every
+    ``poll_s`` seconds from a daemon thread until it exits, so a DeepSpeed op load waiting inside the block on a
+    lock left by a killed process goes on after at most ``stale_s + poll_s`` seconds instead of hanging."""
+    clear_stale_build_locks(root, stale_s)
+    stop = threading.Event()
+
+    def watch():
+        while not stop.wait(poll_s):
+            clear_stale_build_locks(root, stale_s)
+
+    thread = threading.Thread(target=watch, name="dartree-stale-build-lock-watch", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def init_distributed() -> tuple[int, int]:
     """Join (or, for a single process without a launcher, create) the process group; returns (rank, world).
+
+    DeepSpeed loads (first time: compiles, about a minute) its shared-memory comm op here on CPU; a build lock left
+    by a killed process is cleared (:func:`stale_build_lock_watch`) instead of hanging the run.
 
     Raises:
         RuntimeError: DeepSpeed is not installed (fix: ``make setup``, which installs it with DS_BUILD_OPS=0).
@@ -48,8 +130,9 @@ def init_distributed() -> tuple[int, int]:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
     if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-                                   verbose=False)
+        with stale_build_lock_watch():
+            deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
+                                       verbose=False)
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -124,8 +207,9 @@ def make_engine(module: torch.nn.Module, optimizer, scheduler, config: dict):
     """Wrap ``module`` (drafter + head) with its optimiser and LR scheduler in a DeepSpeed engine."""
     import deepspeed
 
-    engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=config)
+    with stale_build_lock_watch():  # an op DeepSpeed builds on first use takes the same kind of lock
+        engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
+                                               config=config)
     return engine
 
 
