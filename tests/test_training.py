@@ -221,7 +221,7 @@ def _build_dir(root, name, age_s, files=("lock", "build.ninja", "op.so"), fresh=
     return d
 
 
-def test_stale_build_locks_are_removed_and_live_builds_left_alone(tmp_path):
+def test_stale_build_locks_are_removed_and_live_builds_left_alone(tmp_path, monkeypatch):
     from dartree.training.engine import clear_stale_build_locks
 
     killed = _build_dir(tmp_path, "py311_cpu/deepspeed_shm_comm", 3600)  # ~/.cache/torch_extensions layout
@@ -240,6 +240,16 @@ def test_stale_build_locks_are_removed_and_live_builds_left_alone(tmp_path):
     with pytest.warns(RuntimeWarning):
         later = clear_stale_build_locks(tmp_path, stale_s=300, now=time.time() + 320)
     assert later == [checking / "lock", building / "lock"]
+    # a stale lock this process may not remove (another user's cache) is named with the fix, not raised
+    stuck = _build_dir(tmp_path, "py311_cpu/not_ours", 3600)
+
+    def refuse(self, missing_ok=False):
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    with pytest.warns(RuntimeWarning, match="delete it by hand") as caught:
+        assert clear_stale_build_locks(tmp_path, stale_s=300) == []
+    assert len(caught) == 1 and str(stuck / "lock") in str(caught[0].message) and (stuck / "lock").exists()
 
 
 def test_a_deepspeed_op_load_waiting_on_a_dead_lock_goes_on(tmp_path):

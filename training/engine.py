@@ -70,6 +70,10 @@ def clear_stale_build_locks(root: Path | None = None, stale_s: float = BUILD_LOC
         now: the present, in ``time.time()`` seconds (tests); default the clock.
 
     Each removal warns (``RuntimeWarning``) with the path. A file that vanishes meanwhile is skipped.
+
+    Raises:
+        Nothing: a stale lock that cannot be removed (permissions) warns with the fix instead (delete it by hand,
+        or point ``TORCH_EXTENSIONS_DIR`` at a folder of one's own), since the caller's run may still go on.
     """
     root = extension_build_root() if root is None else Path(root)
     now = time.time() if now is None else now
@@ -84,6 +88,11 @@ def clear_stale_build_locks(root: Path | None = None, stale_s: float = BUILD_LOC
         try:
             lock.unlink()
         except FileNotFoundError:  # another rank or process removed it first
+            continue
+        except OSError as exc:  # not ours to remove (another user's cache): say so, and what to do
+            warnings.warn(f"{lock} looks left by a killed process (unchanged for {(now - newest) / 60:.0f} min) but "
+                          f"cannot be removed ({exc}); DeepSpeed will wait on it: delete it by hand, or set "
+                          f"TORCH_EXTENSIONS_DIR to a folder of your own", RuntimeWarning, stacklevel=2)
             continue
         removed.append(lock)
         warnings.warn(f"removed {lock}: a torch extension build lock left by a killed process (its build directory "
