@@ -47,6 +47,35 @@ class DraftModel:
     config: dict
 
 
+def write_file_atomically(dest: Path, data: bytes | str) -> None:
+    """Write one file so that ``dest`` is either its old content or the complete new one, never a torn mix.
+
+    The bytes go to a uniquely named temporary file in the same folder (so two writers of one path never share
+    a temporary name), are fsynced, and the file is renamed over ``dest`` (atomic on POSIX).
+
+    Args:
+        dest: the file to (re)write; its folder is created. data: bytes, or str written as UTF-8.
+    Raises:
+        OSError: the folder is not writable (the old ``dest`` is left as it was).
+    """
+    dest = Path(dest)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    payload = data.encode("utf-8") if isinstance(data, str) else data
+    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(payload)
+            fh.flush()
+            os.fsync(fh.fileno())
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
+        os.replace(tmp, dest)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
 def write_folder_atomically(dest: Path, files: dict[str, bytes | dict]) -> None:
     """Write a folder of files so that ``dest`` is either its old version or the complete new one.
 

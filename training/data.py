@@ -516,16 +516,18 @@ def regenerate_responses(
 
 
 def regenerate_dialogues(target: Target, spec: DataSpec, dialogues: Sequence[Sequence[Sequence[int]]],
-                         folder: Path, *, stop_id: int, key: dict | None = None) -> Path:
+                         folder: Path, *, stop_id: int, key: dict | None = None,
+                         deadline: float | None = None) -> Path | None:
     """Regenerate every assistant turn of ``dialogues`` with the target's greedy answers; returns the path of
     ``folder/responses.jsonl``.
 
-    Round t regenerates turn t of every conversation that has one and whose turns 0..t-1 were regenerated: the
-    prompt is :func:`dialogue_tokens` of its first t + 1 segments and the target's own t answers; a turn t >= 1
-    whose prompt plus ``spec.max_new_tokens`` exceeds ``spec.max_seq_tokens`` ends the conversation. Each round
-    runs :func:`~dartree.training.regen.continuous_greedy` (``spec.batch_size`` slots, shortest prompt first);
-    answers are appended to ``responses.partial.jsonl`` as ``{"index", "turn", "response_ids"}`` rows as they
-    finish, so a killed run resumes inside the round it stopped in. The final file holds one row per
+    Turn t of a conversation is regenerated once its turns 0..t-1 are: the prompt is :func:`dialogue_tokens` of
+    its first t + 1 segments and the target's own t answers; a turn t >= 1 whose prompt plus
+    ``spec.max_new_tokens`` exceeds ``spec.max_seq_tokens`` ends the conversation. One
+    :func:`~dartree.training.regen.continuous_greedy` call (``spec.batch_size`` slots) runs them all: first turns
+    enter shortest first, and a conversation's next turn joins the queue as soon as its answer is yielded, so slots
+    never wait for a round to drain. Answers are appended to ``responses.partial.jsonl`` as
+    ``{"index", "turn", "response_ids"}`` rows as they finish, so a killed run resumes where it stopped. The final file holds one row per
     conversation, in index order: ``{"index", "prompt_ids" (segment 0), "response_ids" (everything after it),
     "loss_mask" (1 on answer tokens, one entry per response id), "turns"}``; it appears by atomic rename and is
     reused when present.
@@ -536,6 +538,8 @@ def regenerate_dialogues(target: Target, spec: DataSpec, dialogues: Sequence[Seq
         dialogues: per conversation, its template segments (:func:`dialogue_segments` / :func:`random_dialogues`).
         folder: the cache folder (named by the caller's hash of everything that defines the data).
         stop_id: the end-of-turn token. key: written to ``folder/spec.json`` for reference.
+        deadline: a ``time.time()`` value: past it the finished rows are flushed and None is returned (the
+            next call resumes from them); None runs to the end.
     Raises:
         ValueError: ``spec.max_new_tokens < 1`` or an empty segment 0.
     """
@@ -552,31 +556,48 @@ def regenerate_dialogues(target: Target, spec: DataSpec, dialogues: Sequence[Seq
     partial = folder / "responses.partial.jsonl"
     log = _PartialLog(partial)
     done = {(int(r["index"]), int(r["turn"])): list(r["response_ids"]) for r in log.read()}
-    n_turns = max((len(d) for d in dialogues), default=0)
-    for t in range(n_turns):
-        prompts = {}
-        for c, segs in enumerate(dialogues):
-            if t >= len(segs) or any((c, u) not in done for u in range(t)):
-                continue
-            ids, _ = dialogue_tokens(segs[: t + 1], [done[(c, u)] for u in range(t)], stop_id)
-            if t > 0 and len(ids) + spec.max_new_tokens > spec.max_seq_tokens:
-                continue
-            prompts[c] = ids
-        todo = sorted((c for c in prompts if (c, t) not in done), key=lambda c: (len(prompts[c]), c))
-        if not todo:
-            continue
-        batch = [prompts[c] for c in todo]
-        t0, n_tok = time.time(), 0
-        bar = tqdm(total=len(todo), desc=f"regenerating turn {t + 1}/{n_turns}", unit="resp")
-        for j, resp in continuous_greedy(target.model, batch, max_new_tokens=spec.max_new_tokens, stop_id=stop_id,
-                                         slots=spec.batch_size, order=list(range(len(batch)))):
-            done[(todo[j], t)] = resp
-            log.add({"index": todo[j], "turn": t, "response_ids": resp})
+    prompts: list[list[int]] = []
+    turn_of: list[tuple[int, int]] = []  # prompt index -> (conversation, turn)
+    queue: list[int] = []
+
+    def offer(c: int, t: int) -> None:
+        """Queue turn t of conversation c when it exists, is not done and its prompt fits."""
+        segs = dialogues[c]
+        if t >= len(segs) or (c, t) in done:
+            return
+        ids, _ = dialogue_tokens(segs[: t + 1], [done[(c, u)] for u in range(t)], stop_id)
+        if t > 0 and len(ids) + spec.max_new_tokens > spec.max_seq_tokens:
+            return
+        prompts.append(ids)
+        turn_of.append((c, t))
+        queue.append(len(prompts) - 1)
+
+    for c in range(len(dialogues)):  # each conversation's first turn not done yet (its earlier ones are)
+        t = 0
+        while (c, t) in done:
+            t += 1
+        offer(c, t)
+    queue.sort(key=lambda j: (len(prompts[j]), j))
+    longest = max([len(d[0]) for d in dialogues] + [0]) + spec.max_new_tokens
+    max_len = max(longest, spec.max_seq_tokens, max((len(prompts[j]) for j in queue), default=0) + spec.max_new_tokens)
+    t0, n_tok = time.time(), 0
+    bar = tqdm(total=sum(len(d) for d in dialogues) - len(done), desc="regenerating turns", unit="resp")
+    if queue:
+        for j, resp in continuous_greedy(target.model, prompts, max_new_tokens=spec.max_new_tokens, stop_id=stop_id,
+                                         slots=spec.batch_size, order=queue, feed=True, max_len=max_len):
+            c, t = turn_of[j]
+            done[(c, t)] = resp
+            log.add({"index": c, "turn": t, "response_ids": resp})
+            offer(c, t + 1)  # the next turn enters as soon as a slot frees up
             n_tok += len(resp)
             bar.update(1)
             bar.set_postfix(tok_s=f"{n_tok / (time.time() - t0):.0f}")
-        log.flush()
-        bar.close()
+            if deadline is not None and time.time() > deadline:
+                break
+    log.flush()
+    bar.close()
+    if deadline is not None and time.time() > deadline:
+        return None
     tmp = folder / "responses.jsonl.tmp"
     with open(tmp, "w") as dst:
         for c, segs in enumerate(dialogues):

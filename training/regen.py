@@ -160,6 +160,8 @@ def continuous_greedy(
     slots: int = 48,
     order: Sequence[int] | None = None,
     linear: str = "auto",
+    feed: bool = False,
+    max_len: int | None = None,
 ) -> Iterator[tuple[int, list[int]]]:
     """Greedy responses of a Hugging Face causal LM to ``prompts``, yielded as ``(prompt index, response ids)``
     in the order rows finish; a response ends with ``stop_id`` when the model stopped, else has
@@ -176,6 +178,12 @@ def continuous_greedy(
             similar); only these indices are generated.
         linear: ``auto`` (prepacked oneDNN linears where supported, else ``F.linear``), ``onednn`` or ``aten``
             (:func:`dartree.models.packed.choose_linear`); the model's modules are restored when the generator ends.
+        feed: the caller may append prompts to ``prompts`` (a list) and their indices to ``order`` (a list, used
+            as the queue itself) while the generator is suspended at a yield, for example the next turn of the
+            conversation whose answer was just yielded; they enter as slots free up. Needs ``order`` and
+            ``max_len``.
+        max_len: the longest prompt plus response any row will reach (keys per slot); default: the longest
+            prompt of ``order`` plus ``max_new_tokens``.
     Raises:
         ValueError: an empty prompt, ``max_new_tokens < 1`` or ``slots < 1``; ``onednn`` where it cannot run.
     """
@@ -183,7 +191,12 @@ def continuous_greedy(
         raise ValueError(f"continuous_greedy: max_new_tokens ({max_new_tokens}) and slots ({slots}) must be >= 1")
     if any(len(p) == 0 for p in prompts):
         raise ValueError("continuous_greedy: every prompt needs at least one token")
-    pending = list(order) if order is not None else sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    if feed and (not isinstance(order, list) or max_len is None):
+        raise ValueError("continuous_greedy(feed=True) needs order as a list (the queue) and max_len")
+    if feed:
+        pending = order
+    else:
+        pending = list(order) if order is not None else sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     if not pending:
         return
     from dartree.models.packed import choose_linear, is_packed, pack_linears
@@ -196,7 +209,7 @@ def continuous_greedy(
         pack_linears(m, "onednn")
     try:
         yield from _continuous_greedy(model, prompts, pending, max_new_tokens=max_new_tokens, stop_id=stop_id,
-                                      slots=slots)
+                                      slots=slots, max_len=max_len, feed=feed)
     finally:
         for m in swapped:
             if is_packed(m):
@@ -204,7 +217,8 @@ def continuous_greedy(
 
 
 @torch.no_grad()
-def _continuous_greedy(model, prompts, pending, *, max_new_tokens: int, stop_id: int, slots: int):
+def _continuous_greedy(model, prompts, pending, *, max_new_tokens: int, stop_id: int, slots: int,
+                       max_len: int | None = None, feed: bool = False):
     """The body of :func:`continuous_greedy` (arguments checked there; ``pending`` is the entry order)."""
     from transformers import DynamicCache
 
@@ -212,8 +226,9 @@ def _continuous_greedy(model, prompts, pending, *, max_new_tokens: int, stop_id:
     dtype = next(model.parameters()).dtype
     decoder, head = model.get_decoder(), model.get_output_embeddings()
     n_layers = model.config.num_hidden_layers
-    t_max = max(len(prompts[i]) for i in pending) + max_new_tokens
-    slots = min(slots, len(pending))
+    t_max = max_len if max_len is not None else max(len(prompts[i]) for i in pending) + max_new_tokens
+    if not feed:
+        slots = min(slots, len(pending))
     cache = _SlotCache(n_layers, slots, t_max)
     owner = [-1] * slots  # prompt index per slot, -1 = free
     out: list[list[int]] = [[] for _ in range(slots)]
@@ -227,6 +242,9 @@ def _continuous_greedy(model, prompts, pending, *, max_new_tokens: int, stop_id:
         free = free[: len(take)]
         lens = [len(prompts[i]) for i in take]
         width = max(lens)
+        if width + max_new_tokens > t_max:
+            raise ValueError(f"continuous_greedy: a prompt of {width} tokens plus {max_new_tokens} new ones exceeds "
+                             f"max_len={t_max}")
         ids = torch.zeros((len(take), width), dtype=torch.long)
         for r, i in enumerate(take):  # right-padded: causal attention never lets a real query see a pad key
             ids[r, : lens[r]] = torch.as_tensor(list(prompts[i]), dtype=torch.long)

