@@ -25,6 +25,7 @@ reports acceptance growing with training data, which is why this stage runs for 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import json
@@ -139,7 +140,9 @@ def load_settings(args: list[str], folder: Path | None = None) -> DictConfig:
 def data_key(cfg: DictConfig) -> dict:
     """The settings that define the pool and its regeneration (the manifest's ``data``): a resumed campaign must
     match them."""
-    return {"pool_version": POOL_VERSION, "target": cfg.target, **OmegaConf.to_container(cfg.data)}
+    key = {"pool_version": POOL_VERSION, "target": cfg.target, **OmegaConf.to_container(cfg.data)}
+    key.pop("goal_response_tokens")  # when to stop, not what the data is
+    return key
 
 
 # ---------------------------------------------------------------------------------------------------------- pool
@@ -210,6 +213,18 @@ def _reasoning_gym_stream(names: list, seed: int, suffix: str = "", chunk: int =
         block += 1
 
 
+@functools.lru_cache(maxsize=2)
+def _sharegpt_pool(max_turns: int, seed: int) -> tuple:
+    """ShareGPT conversations as (file index, user turns), eval-touching ones dropped, shuffled by ``seed``
+    (parsed once per process: the packaged JSON takes seconds)."""
+    from dartree.training.data import sharegpt_dialogues
+
+    evals = eval_texts()
+    convs = [(i, t) for i, t in enumerate(sharegpt_dialogues(max_turns)) if not _touches_eval(t, evals)]
+    random.Random(seed).shuffle(convs)
+    return tuple(convs)
+
+
 def pool_items(settings: DictConfig) -> Iterator[PoolItem]:
     """The campaign's prompt pool, in its fixed order (the same on every machine for one ``data`` setting).
 
@@ -223,12 +238,10 @@ def pool_items(settings: DictConfig) -> Iterator[PoolItem]:
     Yields:
         PoolItem with kind ``chat`` / ``code`` / ``math``.
     """
-    from dartree.training.data import looks_like_code, sharegpt_dialogues
+    from dartree.training.data import looks_like_code
 
     d = settings.data
-    evals = eval_texts()
-    convs = [(i, t) for i, t in enumerate(sharegpt_dialogues(int(d.max_turns))) if not _touches_eval(t, evals)]
-    random.Random(int(d.seed)).shuffle(convs)
+    convs = _sharegpt_pool(int(d.max_turns), int(d.seed))
     chat = [PoolItem(f"sharegpt:{i}", "chat", t) for i, t in convs if not looks_like_code(t[0])]
     code_sg = [PoolItem(f"sharegpt:{i}", "code", t) for i, t in convs if looks_like_code(t[0])]
 
@@ -455,9 +468,10 @@ def _record(name: str, rows: list, items: list, start: int, end: int, seconds: f
     }
 
 
-def run_data(cfg: DictConfig, deadline: float) -> dict:
+def run_data(cfg: DictConfig, deadline: float, work: Path | None = None) -> dict:
     """The data stage: regenerate the held-out set (once) and then training shards in pool order until
-    ``deadline`` (a ``time.time()`` value) or ``data.goal_response_tokens``; returns the manifest.
+    ``deadline`` (a ``time.time()`` value) or ``data.goal_response_tokens``; returns the manifest. ``work``: the
+    folder of unfinished shards (default: the user cache, ``cache_root()/campaign/<settings hash>-<dtype>``).
 
     Raises:
         CampaignError: the manifest was made with other data settings (named; start a new campaign folder).
@@ -480,8 +494,10 @@ def run_data(cfg: DictConfig, deadline: float) -> dict:
     torch.set_num_threads(int(cfg.threads))
     target = load_target(cfg.target, dtype=dtype)
     tok = target.tokenizer
-    work = cache_root() / "campaign" / (hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-                                        + "-" + str(dtype).replace("torch.", ""))
+    if work is None:
+        tag = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        work = cache_root() / "campaign" / f"{tag}-{str(dtype).replace('torch.', '')}"
+    work = Path(work)
     d = cfg.data
     while time.time() < deadline:
         if manifest["holdout"] is None:

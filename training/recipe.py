@@ -71,7 +71,9 @@ class LossSection:
 
 @dataclass
 class DataSection:
-    source: str = "sharegpt"  # "sharegpt" or "random" (random prompts; for tiny test recipes)
+    source: str = "sharegpt"  # "sharegpt", "random" (random prompts; tiny test recipes) or "campaign" (committed shards)
+    campaign_dir: str = ""  # source=campaign: the campaign folder ("": campaign/ in the repository)
+    campaign_shards: int = 0  # source=campaign: train on the first this many shards (0: all); features online
     num_prompts: int = 768
     max_prompt_tokens: int = 256
     max_new_tokens: int = 256
@@ -211,8 +213,8 @@ def load_recipe(args: list[str]) -> DictConfig:
         raise RecipeError("head.confidence_head=true needs loss.type=dspark (a DSpark head)")
     if schema.deepspeed.zero_stage not in (0, 1, 2, 3):
         raise RecipeError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {schema.deepspeed.zero_stage}")
-    if schema.data.source not in ("sharegpt", "random"):
-        raise RecipeError(f"data.source {schema.data.source!r} is unknown; use 'sharegpt' or 'random'")
+    if schema.data.source not in ("sharegpt", "random", "campaign"):
+        raise RecipeError(f"data.source {schema.data.source!r} is unknown; use 'sharegpt', 'random' or 'campaign'")
     from dartree.training.checks import check_recipe
 
     check_recipe(schema)  # every numeric field in range, no combination that trains nothing (one line, named)

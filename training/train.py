@@ -169,8 +169,19 @@ def prepare_data(cfg: DictConfig, target: Target) -> BlockData:
         max_seq_tokens=int(d.get("max_seq_tokens", 2048)),
     )
     holdout_set = d.get("holdout_set", "tail")
+    if d.source == "campaign":  # committed campaign shards, features recomputed online (no feature store)
+        from dartree.training.campaign import DEFAULT_DIR, CampaignError
+        from dartree.training.campaign_data import CampaignData, campaign_rows
+
+        try:
+            train_rows, hold_rows = campaign_rows(Path(d.campaign_dir or DEFAULT_DIR), int(d.campaign_shards) or None)
+        except CampaignError as exc:
+            raise RecipeError(f"data.source=campaign: {exc}") from None
+        data = CampaignData(target, train_rows, hold_rows)
+        data.need_lse = bool(cfg.drafter.draft_vocab_size)
+        return data
     if d.source not in ("sharegpt", "random"):
-        raise RecipeError(f"data.source {d.source!r} is not 'sharegpt' or 'random'")
+        raise RecipeError(f"data.source {d.source!r} is not 'sharegpt', 'random' or 'campaign'")
     gen_dtype = _dtype(cfg.target.gen_dtype)
     gen_target = target if gen_dtype == target.dtype else load_recipe_target(cfg.target.path, gen_dtype)
     if spec.max_turns > 1 or holdout_set != "tail":
@@ -573,11 +584,12 @@ def run(cfg: DictConfig) -> dict:
             if main_rank:
                 print(f"draft vocabulary: {ids.numel()} of {target.vocab_size} tokens cover {100 * cover:.1f}% of "
                       "the training response tokens", flush=True)
-        if main_rank:  # cached beside the features: rank 0 computes, the others read
-            data.lse = target_lse(target, data.features_path)
-        dist.barrier()
-        if not main_rank:
-            data.lse = target_lse(target, data.features_path)
+        if not getattr(data, "online", False):  # online data computes it per sequence
+            if main_rank:  # cached beside the features: rank 0 computes, the others read
+                data.lse = target_lse(target, data.features_path)
+            dist.barrier()
+            if not main_rank:
+                data.lse = target_lse(target, data.features_path)
 
     if cfg.freeze_backbone:
         drafter.requires_grad_(False)
