@@ -45,6 +45,34 @@ def test_continuous_greedy_equals_one_prompt_at_a_time(target, stop_and_referenc
         assert got[i] == row, (i, got[i], row)
 
 
+def test_prefill_groups_and_fed_continuations_keep_every_row_greedy(target, stop_and_reference, monkeypatch):
+    import dartree.training.regen as regen
+
+    prompts, stop, ref = stop_and_reference
+    monkeypatch.setattr(regen, "PREFILL_TOKENS", 20)  # prompts of 1-19 tokens: many small prefill groups
+    got = dict(continuous_greedy(target.model, prompts, max_new_tokens=MAX_NEW, stop_id=stop, slots=13))
+    assert all(got[i] == row for i, row in enumerate(ref))
+    # feed + follow: row j's answer continues in its slot as row j2 = prompt + answer + extra; the continuation
+    # equals greedy decoding of the whole history from scratch
+    rows = [list(p) for p in prompts[:4]]
+    queue = [0, 1, 2, 3]
+    extra = [[5, 6, 7], [8], [9, 10], [11, 12, 13, 14]]
+
+    def follow(j, resp):
+        if j >= 4:
+            return None
+        rows.append(rows[j] + list(resp) + extra[j])
+        return len(rows) - 1, extra[j]
+
+    out = dict(continuous_greedy(target.model, rows, max_new_tokens=MAX_NEW, stop_id=stop, slots=3, order=queue,
+                                 feed=True, max_len=80, follow=follow))
+    assert sorted(out) == list(range(8))
+    for j in range(8):
+        assert out[j] == _greedy(target, [rows[j]], stop)[0], j
+    with pytest.raises(ValueError, match="feed=True"):
+        list(continuous_greedy(target.model, rows, max_new_tokens=2, stop_id=stop, order=(0,), feed=True))
+
+
 def test_continuous_greedy_generates_only_the_given_order(target, stop_and_reference):
     prompts, stop, ref = stop_and_reference
     got = list(continuous_greedy(target.model, prompts, max_new_tokens=MAX_NEW, stop_id=stop, slots=3,

@@ -525,8 +525,9 @@ def regenerate_dialogues(target: Target, spec: DataSpec, dialogues: Sequence[Seq
     its first t + 1 segments and the target's own t answers; a turn t >= 1 whose prompt plus
     ``spec.max_new_tokens`` exceeds ``spec.max_seq_tokens`` ends the conversation. One
     :func:`~dartree.training.regen.continuous_greedy` call (``spec.batch_size`` slots) runs them all: first turns
-    enter shortest first, and a conversation's next turn joins the queue as soon as its answer is yielded, so slots
-    never wait for a round to drain. Answers are appended to ``responses.partial.jsonl`` as
+    enter shortest first, and a conversation's next turn continues in the slot of its previous answer (``follow``:
+    only the new template and user turn are prefilled, not the whole history again), so slots never wait for a
+    round to drain. Answers are appended to ``responses.partial.jsonl`` as
     ``{"index", "turn", "response_ids"}`` rows as they finish, so a killed run resumes where it stopped. The final file holds one row per
     conversation, in index order: ``{"index", "prompt_ids" (segment 0), "response_ids" (everything after it),
     "loss_mask" (1 on answer tokens, one entry per response id), "turns"}``; it appears by atomic rename and is
@@ -582,13 +583,26 @@ def regenerate_dialogues(target: Target, spec: DataSpec, dialogues: Sequence[Seq
     max_len = max(longest, spec.max_seq_tokens, max((len(prompts[j]) for j in queue), default=0) + spec.max_new_tokens)
     t0, n_tok = time.time(), 0
     bar = tqdm(total=sum(len(d) for d in dialogues) - len(done), desc="regenerating turns", unit="resp")
+    def follow(j: int, resp: list[int]):
+        """The next turn of row j's conversation continues in row j's slot (its history is there already)."""
+        c, t = turn_of[j]
+        if t + 1 >= len(dialogues[c]) or (c, t + 1) in done:
+            return None
+        ids, _ = dialogue_tokens(dialogues[c][: t + 2], [done[(c, u)] for u in range(t + 1)], stop_id)
+        if len(ids) + spec.max_new_tokens > spec.max_seq_tokens:
+            return None
+        base = len(prompts[j]) + len(resp)
+        prompts.append(ids)
+        turn_of.append((c, t + 1))
+        return len(prompts) - 1, ids[base:]
+
     if queue:
         for j, resp in continuous_greedy(target.model, prompts, max_new_tokens=spec.max_new_tokens, stop_id=stop_id,
-                                         slots=spec.batch_size, order=queue, feed=True, max_len=max_len):
+                                         slots=spec.batch_size, order=queue, feed=True, max_len=max_len,
+                                         follow=follow):
             c, t = turn_of[j]
             done[(c, t)] = resp
             log.add({"index": c, "turn": t, "response_ids": resp})
-            offer(c, t + 1)  # the next turn enters as soon as a slot frees up
             n_tok += len(resp)
             bar.update(1)
             bar.set_postfix(tok_s=f"{n_tok / (time.time() - t0):.0f}")

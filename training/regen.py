@@ -33,11 +33,12 @@ differently (a review measured 17 of 24 rows equal on a tiny bf16 target; on the
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import torch
 
 ATTN_NAME = "dartree_decode"
+PREFILL_TOKENS = 4096  # padded tokens per prefill forward (rows x longest prompt of the group)
 
 
 def decode_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -162,6 +163,7 @@ def continuous_greedy(
     linear: str = "auto",
     feed: bool = False,
     max_len: int | None = None,
+    follow: Callable[[int, list[int]], tuple[int, list[int]] | None] | None = None,
 ) -> Iterator[tuple[int, list[int]]]:
     """Greedy responses of a Hugging Face causal LM to ``prompts``, yielded as ``(prompt index, response ids)``
     in the order rows finish; a response ends with ``stop_id`` when the model stopped, else has
@@ -184,6 +186,11 @@ def continuous_greedy(
             ``max_len``.
         max_len: the longest prompt plus response any row will reach (keys per slot); default: the longest
             prompt of ``order`` plus ``max_new_tokens``.
+        follow: called as ``follow(j, response)`` after row j is yielded; it returns None (the slot frees up) or
+            ``(j2, extra)``: row j2's prompt is row j's prompt + ``response`` + ``extra`` (the next turn of a
+            conversation: the turn end and the next user turn), and it continues in the same slot, on the keys
+            and values already there, so only ``extra`` is prefilled (not the whole history again). j2 must be
+            an index of ``prompts`` (the caller appends it first).
     Raises:
         ValueError: an empty prompt, ``max_new_tokens < 1`` or ``slots < 1``; ``onednn`` where it cannot run.
     """
@@ -209,7 +216,7 @@ def continuous_greedy(
         pack_linears(m, "onednn")
     try:
         yield from _continuous_greedy(model, prompts, pending, max_new_tokens=max_new_tokens, stop_id=stop_id,
-                                      slots=slots, max_len=max_len, feed=feed)
+                                      slots=slots, max_len=max_len, feed=feed, follow=follow)
     finally:
         for m in swapped:
             if is_packed(m):
@@ -218,7 +225,7 @@ def continuous_greedy(
 
 @torch.no_grad()
 def _continuous_greedy(model, prompts, pending, *, max_new_tokens: int, stop_id: int, slots: int,
-                       max_len: int | None = None, feed: bool = False):
+                       max_len: int | None = None, feed: bool = False, follow=None):
     """The body of :func:`continuous_greedy` (arguments checked there; ``pending`` is the entry order)."""
     from transformers import DynamicCache
 
@@ -237,9 +244,19 @@ def _continuous_greedy(model, prompts, pending, *, max_new_tokens: int, stop_id:
 
     def refill(free: list[int]) -> None:
         take = [pending.pop(0) for _ in range(min(len(free), len(pending)))]
-        if not take:
-            return
-        free = free[: len(take)]
+        # prefill in groups of similar length (the queue is shortest first) of at most PREFILL_TOKENS padded
+        # tokens, so one long prompt does not pad every other row of the batch to its length
+        group: list[int] = []
+        for i in take:
+            if group and (len(group) + 1) * max(len(prompts[q]) for q in group + [i]) > PREFILL_TOKENS:
+                prefill(free[: len(group)], group)
+                free = free[len(group):]
+                group = []
+            group.append(i)
+        if group:
+            prefill(free[: len(group)], group)
+
+    def prefill(free: list[int], take: list[int]) -> None:
         lens = [len(prompts[i]) for i in take]
         width = max(lens)
         if width + max_new_tokens > t_max:
@@ -267,12 +284,40 @@ def _continuous_greedy(model, prompts, pending, *, max_new_tokens: int, stop_id:
     def finished(s: int) -> bool:
         return out[s][-1] == stop_id or len(out[s]) >= max_new_tokens
 
+    def extend(s: int, j: int, ids: list[int]) -> None:
+        """Slot s continues as row j: prefill ``ids`` (the previous answer's last token, not yet fed, and the next
+        turn's template and user text) on the slot's own keys/values, then decode j's answer."""
+        p0, n = int(cache.pos[s]), len(ids)
+        if p0 + n + max_new_tokens > t_max:
+            raise ValueError(f"continuous_greedy: row {j} reaches {p0 + n + max_new_tokens} tokens, over max_len={t_max}")
+        past = DynamicCache(config=model.config)
+        for li in range(n_layers):
+            past.update(cache.k[li][s : s + 1, :, :p0], cache.v[li][s : s + 1, :, :p0], li)
+        hid = decoder(input_ids=torch.tensor([ids], device=device),
+                      position_ids=torch.arange(p0, p0 + n, device=device)[None], past_key_values=past,
+                      use_cache=True).last_hidden_state
+        tok = int(head(hid[0, -1:]).float().argmax(-1))
+        cache.ensure(p0 + n)
+        for li, layer in enumerate(past.layers):
+            cache.k[li][s, :, p0 : p0 + n] = layer.keys[0, :, p0 : p0 + n]
+            cache.v[li][s, :, p0 : p0 + n] = layer.values[0, :, p0 : p0 + n]
+        owner[s], out[s] = j, [tok]
+        cache.pos[s] = p0 + n
+        last[s] = tok
+
     refill(list(range(slots)))
     while True:
         done = [s for s in range(cache.slots) if owner[s] >= 0 and finished(s)]
         for s in done:
-            yield owner[s], out[s]
-            owner[s], out[s] = -1, []
+            j, resp = owner[s], out[s]
+            yield j, resp
+            nxt = follow(j, resp) if follow is not None else None
+            if nxt is None:
+                owner[s], out[s] = -1, []
+            else:
+                extend(s, nxt[0], [resp[-1]] + list(nxt[1]))
+        if done and follow is not None:
+            continue  # a continued row may already be finished (an immediate stop)
         free = [s for s in range(cache.slots) if owner[s] < 0]
         if free and pending:
             refill(free)
