@@ -152,3 +152,29 @@ def test_online_features_equal_the_feature_file(tmp_path):
         torch.testing.assert_close(online.lse_of(i), stored.lse_of(i), rtol=1e-3, atol=1e-2)
         assert torch.equal(online.mask_of(i), stored.mask_of(i))
     assert online.forward_tokens == sum(len(t) for t in online.tokens)  # one forward per sequence (cached)
+
+
+def test_the_training_stage_trains_on_the_shards_resumes_and_records_its_runs(tmp_path, monkeypatch):
+    import os
+
+    from dartree.training.campaign_train import init_for, read_state, run_train
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext")))
+    folder = tmp_path / "c"
+    cfg = load_settings(SMALL + [f"dir={folder}", "data.max_new_tokens=8", "train.min_shards=2",
+                                 "train.overrides=[train.max_steps=2,train.num_anchors=4]"], folder=folder)
+    cfg.data.goal_response_tokens = 1
+    run_data(cfg, time.time() + 3600, work=tmp_path / "w")
+    assert run_train(cfg, time.time() + 3600, runs_root=tmp_path / "runs") == {}  # 1 shard < min_shards: no run
+    cfg.train.min_shards = 1
+    state = run_train(cfg, time.time() + 3600, runs_root=tmp_path / "runs")
+    (run,) = state["dspark_b16"]["runs"]
+    assert run["shards"] == 1 and run["steps"] == 2 and run["predictions"] > 0
+    assert run["init_from"].endswith("checkpoints/dspark_b16") and 1.0 <= run["holdout_chain_tau"] <= 16
+    assert read_state(cfg) == state and (folder / "train_state.json").exists()
+    # the next run of the recipe starts from this run's checkpoint
+    assert init_for(cfg, "dspark_b16", state) == str(tmp_path / "runs" / "dspark_b16-00001" / "checkpoint")
+    # a second call on the same shards resumes the run (a longer max_steps continues from step 2)
+    cfg.train.overrides = ["train.max_steps=3", "train.num_anchors=4"]
+    (run,) = run_train(cfg, time.time() + 3600, runs_root=tmp_path / "runs")["dspark_b16"]["runs"]
+    assert run["steps"] == 3 and run["init_from"].endswith("checkpoints/dspark_b16")

@@ -70,6 +70,17 @@ class DataSettings:
 
 
 @dataclass
+class TrainSettings:
+    """The campaign's training stage (``stage=train``): which recipes, from how much data, with what overrides."""
+
+    recipes: list = field(default_factory=lambda: ["dspark_b16"])
+    min_shards: int = 8  # train only once this many training shards exist
+    epochs: float = 1.0  # passes over the shards of one run (a new run starts when new shards have landed)
+    eval_every_steps: int = 200
+    overrides: list = field(default_factory=list)  # more training/train.py key=value words
+
+
+@dataclass
 class CampaignSettings:
     """The campaign driver's settings (``campaign/campaign.yaml`` merged with ``key=value`` overrides)."""
 
@@ -82,7 +93,7 @@ class CampaignSettings:
     gen_slots: int = 64
     shard: int = -1  # stage=verify: the shard to regenerate
     data: DataSettings = field(default_factory=DataSettings)
-    train: dict = field(default_factory=dict)  # stage=train settings (dartree.training.campaign_train)
+    train: TrainSettings = field(default_factory=TrainSettings)
 
 
 class CampaignError(ValueError):
