@@ -15,7 +15,7 @@ export HF_HUB_OFFLINE := 1
 export HF_DATASETS_OFFLINE := 1
 export WANDB_MODE := offline
 
-.PHONY: setup run test eval-full train clean gpu-check
+.PHONY: setup run test eval-full train campaign clean gpu-check
 
 .venv/bin/python:
 	python3 -m venv .venv
@@ -50,6 +50,12 @@ test: setup
 
 train: setup
 	$(PY) training/train.py recipe=dspark_b16
+
+# The drafter training campaign (docs/campaign.md): continues from the committed shards for CAMPAIGN_HOURS on one
+# thread, safe to kill; commit campaign/ afterwards so the next machine continues from it.
+CAMPAIGN_HOURS ?= 2.5
+campaign: setup
+	$(PY) training/campaign.py hours=$(CAMPAIGN_HOURS)
 
 clean:
 	rm -rf reports runs .pytest_cache
