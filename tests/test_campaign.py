@@ -178,3 +178,15 @@ def test_the_training_stage_trains_on_the_shards_resumes_and_records_its_runs(tm
     cfg.train.overrides = ["train.max_steps=3", "train.num_anchors=4"]
     (run,) = run_train(cfg, time.time() + 3600, runs_root=tmp_path / "runs")["dspark_b16"]["runs"]
     assert run["steps"] == 3 and run["init_from"].endswith("checkpoints/dspark_b16")
+    # the shipped checkpoint scored on the same held-out set is the curve's first point; the run is the next
+    from dartree.training.campaign_train import curve_points, holdout_baseline, plot_curve
+
+    base = holdout_baseline(cfg, "dspark_b16")
+    assert base["holdout_sequences"] == 2 and 1.0 <= base["holdout_chain_tau"] <= 16
+    assert read_state(cfg)["baseline"]["dspark_b16"] == base and read_state(cfg)["dspark_b16"]["runs"] == [run]
+    (pts,) = curve_points(cfg).values()
+    assert [p["label"] for p in pts] == ["shipped", "1 shards"]
+    assert pts[1]["response_tokens"] == read_manifest(folder)["totals"]["response_tokens"]
+    assert pts[1]["predictions"] == base["predictions"] + run["predictions"]
+    png = plot_curve(cfg, tmp_path / "curve.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -16,11 +16,13 @@ file, so a killed run resumes inside the shard), then the shard is written to ``
 Parquet file of token ids and loss masks (no hidden states), and ``campaign/manifest.json`` records how it was
 made. Shard files and the manifest are written atomically; they are what a later session, on a fresh machine,
 continues from (commit them). ``campaign.py stage=verify shard=K`` regenerates shard K again and compares tokens.
+``stage=baseline`` scores the shipped checkpoints on the campaign's held-out set; ``stage=curve`` draws the
+scaling curve (``checkpoints/campaign_curve.png``) from them and the recorded training runs.
 
 Training stage (``stage=train``): see :mod:`dartree.training.campaign_train`.
 
-Sources: DFlash (arXiv 2602.06036) and DSpark train on target-regenerated responses; EAGLE-3 (arXiv 2503.01840)
-reports acceptance growing with training data, which is why this stage runs for days, not minutes.
+Sources: DFlash (github.com/z-lab/dflash) and DSpark (arXiv 2607.05147) train on target-regenerated responses;
+EAGLE-3 (arXiv 2503.01840) reports acceptance growing with training data, which is why this runs for days.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ class TrainSettings:
 class CampaignSettings:
     """The campaign driver's settings (``campaign/campaign.yaml`` merged with ``key=value`` overrides)."""
 
-    stage: str = "data"  # data | train | all | verify | status
+    stage: str = "data"  # data | train | all | verify | status | baseline | curve
     hours: float = 2.5  # wall-clock limit of this call
     threads: int = 1  # torch threads (leave the other core free)
     dir: str = ""  # campaign folder (default: campaign/ in the repository)
@@ -131,8 +133,8 @@ def load_settings(args: list[str], folder: Path | None = None) -> DictConfig:
             raise CampaignError(f"bad value for {getattr(exc, 'full_key', '?')!r} in {label}: {msg}") from None
     if not schema.dir:
         schema.dir = str(base)
-    if schema.stage not in ("data", "train", "all", "verify", "status"):
-        raise CampaignError(f"stage={schema.stage!r}: use data, train, all, verify or status")
+    if schema.stage not in ("data", "train", "all", "verify", "status", "baseline", "curve"):
+        raise CampaignError(f"stage={schema.stage!r}: use data, train, all, verify, status, baseline or curve")
     if schema.hours <= 0 or schema.threads < 1 or schema.gen_slots < 1:
         raise CampaignError("hours must be > 0, threads and gen_slots >= 1")
     d = schema.data
@@ -619,6 +621,15 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if cfg.stage == "verify":
             return run_verify(cfg)
+        if cfg.stage in ("baseline", "curve"):
+            from dartree.training.campaign_train import holdout_baseline, plot_curve
+
+            if cfg.stage == "baseline":
+                for recipe in cfg.train.recipes:
+                    holdout_baseline(cfg, recipe)
+            path = plot_curve(cfg, REPO / "checkpoints" / "campaign_curve.png")
+            print(f"scaling curve: {path}" if path else "no baseline yet: run stage=baseline first")
+            return 0
         if cfg.stage in ("data", "all"):
             run_data(cfg, deadline)
         if cfg.stage in ("train", "all") and time.time() < deadline:

@@ -105,3 +105,124 @@ def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -
         print(f"campaign train: {recipe} on {n} shards: step {rec['steps']}, {rec['predictions']} predictions, "
               f"held-out chain tau {rec['holdout_chain_tau']}", flush=True)
     return read_state(cfg)
+
+
+# Published growth of acceptance with target-regenerated training data, in tau per doubling of the data (the
+# range issue 32 quotes from small-compute runs: +0.3 to +0.45 tau per doubling).
+PUBLISHED_SLOPES = (0.30, 0.45)
+# What the shipped drafters were trained on (checkpoints/README.md): 1,504 sequences, 324,110 response tokens,
+# 3,008 steps of 2 sequences x ~1,024 predictions.
+SHIPPED = {"response_tokens": 324_110, "predictions": 6_160_000}
+
+
+def holdout_baseline(cfg: DictConfig, recipe: str, checkpoint: str | None = None) -> dict:
+    """Held-out chain and teacher-forced tau of a checkpoint (default: the shipped ``checkpoints/<recipe>``) on the
+    campaign's held-out set, the reference point every campaign run is compared with; recorded in
+    ``campaign/train_state.json`` under ``baseline``.
+
+    Raises:
+        CampaignError: no held-out set yet (run the data stage), or the checkpoint does not load (named).
+    """
+    import torch
+
+    from dartree.models.checkpoint import write_file_atomically
+    from dartree.training.campaign_data import CampaignData, campaign_rows
+    from dartree.training.recipe import RecipeError, load_recipe
+    from dartree.training.train import _dtype, evaluate_holdout, load_init, load_recipe_target
+
+    checkpoint = checkpoint or str(REPO / "checkpoints" / recipe)
+    m = read_manifest(Path(cfg.dir))
+    if not m.get("holdout"):
+        raise CampaignError("no held-out set yet; run `python training/campaign.py stage=data` first")
+    _, hold = campaign_rows(Path(cfg.dir), 0) if m["shards"] else ([], _holdout_only(cfg))
+    torch.set_num_threads(int(cfg.threads))
+    try:
+        rc = load_recipe([f"recipe={recipe}", "data.source=campaign", f"data.campaign_dir={cfg.dir}"])
+        target = load_recipe_target(rc.target.path, _dtype(rc.target.dtype))
+        drafter, head = load_init(checkpoint, target, rc)
+    except RecipeError as exc:
+        raise CampaignError(str(exc)) from None
+    target.set_layer_ids(drafter.cfg.target_layer_ids)
+    data = CampaignData(target, [], hold)
+    data.need_lse = bool(drafter.cfg.draft_vocab_size)
+    res = evaluate_holdout(drafter.eval(), head.eval(), target, data, rc)
+    rec = {"checkpoint": checkpoint, "holdout_chain_tau": round(res["holdout_chain_tau"], 4),
+           "holdout_tf_tau": round(res["holdout_tf_tau"], 4), "holdout_sequences": len(data.holdout_ids),
+           **SHIPPED}
+    state = read_state(cfg)
+    state.setdefault("baseline", {})[recipe] = rec
+    write_file_atomically(_state_path(cfg), json.dumps(state, indent=1) + "\n")
+    print(f"campaign baseline: {recipe} ({checkpoint}): held-out chain tau {rec['holdout_chain_tau']} on "
+          f"{rec['holdout_sequences']} campaign held-out conversations", flush=True)
+    return rec
+
+
+def _holdout_only(cfg: DictConfig) -> list:
+    from dartree.training.campaign import read_shard
+
+    m = read_manifest(Path(cfg.dir))
+    return read_shard(Path(cfg.dir) / m["holdout"]["file"])
+
+
+def curve_points(cfg: DictConfig) -> dict:
+    """Per recipe, the scaling-curve points: the shipped baseline and every campaign run, as dicts with
+    ``response_tokens`` (regenerated tokens trained on), ``predictions`` (cumulative training predictions since
+    the shipped checkpoint, plus its own) and ``holdout_chain_tau`` (on the campaign's held-out set)."""
+    state = read_state(cfg)
+    m = read_manifest(Path(cfg.dir))
+    per_shard = [s["response_tokens"] for s in m["shards"]]
+    out = {}
+    for recipe, base in state.get("baseline", {}).items():
+        pts = [{"label": "shipped", **{k: base[k] for k in ("response_tokens", "predictions", "holdout_chain_tau")}}]
+        preds = base["predictions"]
+        for run in state.get(recipe, {}).get("runs", []):
+            preds += run["predictions"]
+            if run.get("holdout_chain_tau") is None:
+                continue
+            pts.append({"label": f"{run['shards']} shards", "response_tokens": sum(per_shard[: run["shards"]]),
+                        "predictions": preds, "holdout_chain_tau": run["holdout_chain_tau"]})
+        out[recipe] = pts
+    return out
+
+
+def plot_curve(cfg: DictConfig, path: Path) -> Path | None:
+    """Draw held-out chain tau against regenerated response tokens and training predictions (log axes), with the
+    published +0.30 and +0.45 tau per doubling of the data drawn from the shipped point; returns the path, or
+    None when there is no baseline yet. Written atomically (PNG)."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from dartree.models.checkpoint import write_file_atomically
+
+    points = curve_points(cfg)
+    if not points:
+        return None
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for ax, key, label in ((axes[0], "response_tokens", "regenerated response tokens trained on"),
+                           (axes[1], "predictions", "training predictions (cumulative)")):
+        for recipe, pts in points.items():
+            ax.plot([p[key] for p in pts], [p["holdout_chain_tau"] for p in pts], "o-", label=recipe)
+        if key == "response_tokens":
+            for recipe, pts in points.items():
+                x0, y0 = pts[0][key], pts[0]["holdout_chain_tau"]
+                xs = np.geomspace(x0, x0 * 64, 20)
+                for s, style in zip(PUBLISHED_SLOPES, (":", "--")):
+                    ax.plot(xs, y0 + s * np.log2(xs / x0), style, color="gray",
+                            label=f"+{s} tau per doubling (published)" if recipe == next(iter(points)) else None)
+        ax.set_xscale("log")
+        ax.set_xlabel(label)
+        ax.set_ylabel("held-out chain tau (campaign held-out set)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle("dartree campaign: acceptance against data and compute")
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    write_file_atomically(path, buf.getvalue())
+    return path
