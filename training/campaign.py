@@ -86,8 +86,9 @@ class TrainSettings:
 class CampaignSettings:
     """The campaign driver's settings (``campaign/campaign.yaml`` merged with ``key=value`` overrides)."""
 
-    stage: str = "data"  # data | train | all | verify | status | baseline | curve
+    stage: str = "all"  # all (data, then training) | data | train | verify | status | baseline | curve
     hours: float = 2.5  # wall-clock limit of this call
+    train_share: float = 0.3  # stage=all: this share of the hours trains, once train.min_shards shards exist
     threads: int = 1  # torch threads (leave the other core free)
     dir: str = ""  # campaign folder (default: campaign/ in the repository)
     target: str = "smollm2"
@@ -135,8 +136,8 @@ def load_settings(args: list[str], folder: Path | None = None) -> DictConfig:
         schema.dir = str(base)
     if schema.stage not in ("data", "train", "all", "verify", "status", "baseline", "curve"):
         raise CampaignError(f"stage={schema.stage!r}: use data, train, all, verify, status, baseline or curve")
-    if schema.hours <= 0 or schema.threads < 1 or schema.gen_slots < 1:
-        raise CampaignError("hours must be > 0, threads and gen_slots >= 1")
+    if schema.hours <= 0 or schema.threads < 1 or schema.gen_slots < 1 or not 0 <= schema.train_share <= 1:
+        raise CampaignError("hours must be > 0, threads and gen_slots >= 1, train_share in [0, 1]")
     d = schema.data
     if d.shard_size < 1 or d.holdout < 1 or d.max_turns < 1 or d.max_new_tokens < 1:
         raise CampaignError("data.shard_size, data.holdout, data.max_turns and data.max_new_tokens must be >= 1")
@@ -631,7 +632,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"scaling curve: {path}" if path else "no baseline yet: run stage=baseline first")
             return 0
         if cfg.stage in ("data", "all"):
-            run_data(cfg, deadline)
+            data_deadline = deadline
+            if cfg.stage == "all" and len(read_manifest(Path(cfg.dir))["shards"]) >= int(cfg.train.min_shards):
+                data_deadline = t0 + (1 - float(cfg.train_share)) * float(cfg.hours) * 3600
+            run_data(cfg, data_deadline)
         if cfg.stage in ("train", "all") and time.time() < deadline:
             from dartree.training.campaign_train import run_train
 
