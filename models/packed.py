@@ -143,12 +143,15 @@ class PackedLinear(nn.Linear):
         return _pointwise()(x, packed, self.bias, "none", [None], "")
 
 
-def pack_linears(module: nn.Module, backend: str = "onednn") -> int:
+def pack_linears(module: nn.Module, backend: str = "onednn", *, row_invariant: bool = False) -> int:
     """Switch every ``nn.Linear`` inside ``module`` to :class:`PackedLinear` (``onednn``) or back (``aten``).
 
     In place; parameters, buffers and ``state_dict`` keys are untouched, so shared weights (a drafter using the
     target's lm_head) stay shared. Only exact ``nn.Linear`` instances are switched (subclasses keep their own
-    forward). Returns the number of modules switched.
+    forward). ``row_invariant=True`` (``onednn`` only) sends every row count through the packed call, single
+    rows included, so a row's output never depends on how many rows share the call (the packed call is row
+    invariant; F.linear's gemv for one row and gemm for several round differently): an AR step and a verify
+    forward then compute each linear of a row identically. Returns the number of modules switched.
 
     Raises:
         ValueError: unknown backend.
@@ -157,9 +160,14 @@ def pack_linears(module: nn.Module, backend: str = "onednn") -> int:
         raise ValueError(f"pack_linears backend must be 'onednn' or 'aten', got {backend!r}")
     n = 0
     for m in module.modules():
-        if backend == "onednn" and type(m) is nn.Linear:
-            m.__class__ = PackedLinear
-            n += 1
+        if backend == "onednn" and type(m) in (nn.Linear, PackedLinear):
+            if type(m) is nn.Linear:
+                m.__class__ = PackedLinear
+                n += 1
+            if row_invariant:
+                m.__dict__["_dartree_aten_rows"] = []  # no row count takes F.linear
+            elif m.__dict__.get("_dartree_aten_rows") == []:
+                m.__dict__.pop("_dartree_aten_rows")
         elif backend == "aten" and type(m) is PackedLinear:
             m.__class__ = nn.Linear
             m.__dict__.pop("_dartree_packed", None)

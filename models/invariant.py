@@ -1,0 +1,160 @@
+"""Row-invariant target forwards: a verify row computes exactly the bits an AR step computes for it.
+
+Speculative decoding is lossless at T = 0 when the target's argmax at every verified node equals the argmax an
+autoregressive step would take there. Both compute the same function, but not with the same arithmetic: a verify
+forward of M rows runs matrix kernels chosen for M rows and attention over M queries with a tree mask, an AR step
+runs one row; where the kernels round differently, a near-tie can flip and the outputs split (in bf16 often, in
+fp32 rarely). The cure is batch invariance (He et al., "Defeating Nondeterminism in LLM Inference", Thinking
+Machines Lab, 2025): every operation computes a row the same way whatever else is in the call.
+
+Measured per operation with ``python decode/invariance.py`` (default target, fp32, AMD EPYC AVX2): the RMSNorms,
+rotary embedding and elementwise ops are row invariant already; the linear layers are not under the default
+packing (one row goes through ``F.linear``'s gemv, several rows through the packed oneDNN gemm), but the packed
+call itself is, for every row count; the attention is not (M queries over P + M keys with a mask against one query
+over P + 1 keys). This module closes both:
+
+- :func:`row_invariant` packs every linear for every row count (:func:`~dartree.models.packed.pack_linears` with
+  ``row_invariant=True``) and routes the target's attention through :func:`invariant_attention`;
+- :func:`invariant_attention` computes each query row with the keys it may see gathered in position order (the
+  prefix and its ancestors: exactly the keys an AR step at that node reads) and one fixed kernel call per row
+  shape ([rows, H, 1, d] queries over [rows, H, n, d] keys, no mask), the call an AR step makes with one row.
+  Rows that see the same number of keys share one call; each (row, head) pair is computed independently inside
+  it, so the row count does not change its bits.
+
+Prefill (more than :data:`MAX_ROWS` queries) keeps the model's own attention: speculative and AR decoding share
+the same prefill call, so it needs no invariance. Dimension letters: B batch, H query heads, H_kv key/value heads,
+Q queries of the call, L keys, d head size, n keys one row sees.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+ATTN_NAME = "dartree_row_invariant"
+MAX_ROWS = 256  # calls with more queries than this are prefills: the model's own attention
+
+
+def _rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
+    """softmax(q k^T * scaling) v for one query per row over its own keys: q [G, H, 1, d], k/v [G, H_kv, n, d]
+    -> [G, H, 1, d], no mask: the call an AR step makes (G = 1, its whole cache). Grouped-query heads as
+    ``repeat_kv`` orders them (query head j reads key/value head j // (H / H_kv); ``enable_gqa``, no copy). Each (row, head) pair is computed on
+    its own inside the kernel, so G does not change its bits (tested)."""
+    return F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
+
+
+_PLAN: dict = {}  # the last row plan, keyed by the visibility pattern (every layer of a forward shares it)
+
+
+def _plan(visible: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor | None, int]]:
+    """Rows grouped by how many keys they see: [(rows [G], key index [G, n] in position order or None when the
+    rows see the leading keys 0..n-1, n)]."""
+    counts = visible.sum(-1)
+    if bool((counts == 0).any()):
+        raise ValueError("invariant_attention: a query row sees no key; check the attention mask")
+    out = []
+    for n in counts.unique().tolist():
+        rows = (counts == n).nonzero()[:, 0]
+        vis = visible[rows]
+        idx = vis.nonzero()[:, 1].view(rows.numel(), n)
+        prefix = bool((idx == torch.arange(n)[None]).all())
+        out.append((rows, None if prefix else idx, int(n)))
+    return out
+
+
+def invariant_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
+                        **kwargs):
+    """Row-invariant attention (``transformers`` ``AttentionInterface`` signature).
+
+    Args:
+        query: [B, H, Q, d]; key, value: [B, H_kv, L, d]. attention_mask: additive [B, 1, Q, L] (0 visible,
+            a large negative number hidden), a boolean [B, 1, Q, L] (True visible) or None (causal: query i sees
+            keys 0 .. L - Q + i).
+        scaling: score scale (default d ** -0.5).
+    Returns:
+        ([B, Q, H, d] in the value dtype, None). Row i's output depends only on its query and the keys it sees,
+        in position order, never on the other rows of the call (tested bit for bit).
+    Raises:
+        ValueError: a query that sees no key.
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    b, h, nq, d = query.shape
+    if nq > MAX_ROWS or dropout or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    nk = key.shape[2]
+    if attention_mask is None:
+        visible = torch.arange(nk)[None, :] <= (nk - nq + torch.arange(nq))[:, None]
+        visible = visible[None].expand(b, nq, nk)
+    elif attention_mask.dtype == torch.bool:
+        visible = attention_mask[:, 0, :, :nk]
+    else:
+        visible = attention_mask[:, 0, :, :nk] == 0
+    visible = visible.cpu()
+    sig = (b, nq, nk, hash(visible.numpy().tobytes()))  # by content: every layer of one forward reuses the plan
+    hit = _PLAN.get(sig)
+    if hit is not None and torch.equal(hit[0], visible):
+        plans = hit[1]
+    else:
+        plans = [_plan(visible[bi]) for bi in range(b)]
+        _PLAN.clear()
+        _PLAN[sig] = (visible.clone(), plans)
+    out = query.new_empty((b, h, nq, d))
+    for bi in range(b):
+        for rows, idx, n in plans[bi]:
+            if idx is None:  # one row (an AR step) or rows that all see the same leading keys
+                kg = key[bi : bi + 1, :, :n].expand(rows.numel(), -1, -1, -1)
+                vg = value[bi : bi + 1, :, :n].expand(rows.numel(), -1, -1, -1)
+            else:
+                kg = key[bi][:, idx].transpose(0, 1)  # [G, H_kv, n, d]
+                vg = value[bi][:, idx].transpose(0, 1)
+            qg = query[bi][:, rows].transpose(0, 1).unsqueeze(2)  # [G, H, 1, d]
+            out[bi][:, rows] = _rows_attention(qg, kg, vg, scaling)[:, :, 0].transpose(0, 1)
+    return out.transpose(1, 2).contiguous(), None
+
+
+class row_invariant:
+    """Context manager: inside it the target's forwards are row invariant (a verify row equals the AR step).
+
+    Packs every linear layer of ``target.model`` for every row count and sets its attention to
+    :func:`invariant_attention`; restores the previous attention implementation and packing on exit.
+
+    Args:
+        target: a :class:`~dartree.models.target.Target` on the CPU whose linears oneDNN can pack in its dtype.
+    Raises:
+        ValueError: oneDNN cannot pack this dtype on this CPU (the reason is named; decode without the mode).
+    """
+
+    def __init__(self, target):
+        self.target = target
+
+    def __enter__(self):
+        from transformers import AttentionInterface
+
+        from dartree.models.packed import is_packed, onednn_linear_supported, pack_linears
+
+        ok, why = onednn_linear_supported(self.target.dtype, self.target.device)
+        if not ok:
+            raise ValueError(f"row-invariant decoding needs packed linears: {why}")
+        model = self.target.model
+        self.was_packed = [m for m in model.modules() if is_packed(m)]
+        self.rows_before = {id(m): m.__dict__.get("_dartree_aten_rows") for m in self.was_packed}
+        pack_linears(model, "onednn", row_invariant=True)
+        AttentionInterface.register(ATTN_NAME, invariant_attention)
+        self.prev = model.config._attn_implementation
+        model.set_attn_implementation(ATTN_NAME)
+        return self
+
+    def __exit__(self, *exc):
+        from dartree.models.packed import pack_linears
+
+        model = self.target.model
+        model.set_attn_implementation(self.prev)
+        pack_linears(model, "aten")
+        if self.was_packed:
+            for m in self.was_packed:
+                pack_linears(m, "onednn")
+                if self.rows_before[id(m)] is not None:
+                    m.__dict__["_dartree_aten_rows"] = self.rows_before[id(m)]
+        return False

@@ -1,0 +1,108 @@
+"""Row-invariant target forwards: a verify row's logits equal the AR step's bit for bit (models/invariant.py)."""
+
+import copy
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from dartree.decode.invariance import _tree_mask, row_invariance_map
+from dartree.models.invariant import invariant_attention, row_invariant
+from dartree.models.packed import onednn_linear_supported
+
+
+def _attn(q, k, v, mask):
+    out, _ = invariant_attention(None, q, k, v, mask, scaling=0.125)
+    return out  # [B, Q, H, d]
+
+
+def test_a_row_gets_the_same_bits_alone_as_inside_a_call_of_any_shape():
+    g = torch.Generator().manual_seed(0)
+    p, m, h, hkv, d = 37, 9, 6, 2, 64
+    k = torch.randn(1, hkv, p + m, d, generator=g)
+    v = torch.randn(1, hkv, p + m, d, generator=g)
+    q = torch.randn(1, h, m, d, generator=g)
+    parents = [-1, 0, 0, 1, 1, 2, 3, 3, 6]  # a tree: each row sees the prefix, its ancestors and itself
+    vis = torch.zeros(m, p + m, dtype=torch.bool)
+    vis[:, :p] = True
+    for r in range(m):
+        a = r
+        while a >= 0:
+            vis[r, p + a] = True
+            a = parents[a]
+    mask = torch.where(vis, 0.0, torch.finfo(torch.float32).min)[None, None]
+    many = _attn(q, k, v, mask)
+    for r in range(m):  # the AR step at node r: its visible keys in position order, one query, no mask
+        idx = vis[r].nonzero()[:, 0]
+        one = _attn(q[:, :, r : r + 1], k[:, :, idx], v[:, :, idx], None)
+        assert torch.equal(one[0, 0], many[0, r]), r
+    # a boolean mask and the causal default give the same rows; a row that sees nothing is named
+    assert torch.equal(_attn(q, k, v, vis[None, None]), many)
+    causal = _attn(q, k, v, None)
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k[:, :, :p + m].repeat_interleave(3, 1),
+                                                           v.repeat_interleave(3, 1), scale=0.125,
+                                                           attn_mask=torch.ones(m, p + m, dtype=torch.bool).tril(p))
+    torch.testing.assert_close(causal, ref.transpose(1, 2))
+    vis[4] = False
+    with pytest.raises(ValueError, match="sees no key"):
+        _attn(q, k, v, vis[None, None])
+
+
+def _verify_vs_ar(target, ids, tree: bool):
+    """Rows of one verify forward (a chain, or siblings under the root) against AR steps to the same nodes."""
+    m = target.model
+    prefix, root, extra = ids[:-1], ids[-1], ids[:8]
+    p, rows = len(prefix), 9
+    with torch.no_grad(), row_invariant(target):
+        cache = DynamicCache(config=m.config)
+        m(input_ids=torch.tensor([prefix]), past_key_values=cache, use_cache=True)
+        pos = [p] + ([p + 1] * 8 if tree else list(range(p + 1, p + 9)))
+        verify = m(input_ids=torch.tensor([[root] + extra]), position_ids=torch.tensor([pos]),
+                   attention_mask=_tree_mask(p, rows, target.dtype, tree), past_key_values=copy.deepcopy(cache),
+                   use_cache=True).logits[0]
+        ar = copy.deepcopy(cache)
+        equal = [torch.equal(m(input_ids=torch.tensor([[root]]), position_ids=torch.tensor([[p]]),
+                               past_key_values=ar, use_cache=True).logits[0, 0], verify[0])]
+        for r, tok in enumerate(extra, start=1):
+            c = copy.deepcopy(ar) if tree else ar
+            step = m(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[pos[r]]]), past_key_values=c,
+                     use_cache=True).logits[0, 0]
+            equal.append(torch.equal(step, verify[r]))
+    return equal
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_rows_equal_ar_steps_bit_for_bit_on_the_default_target(dtype):
+    ok, why = onednn_linear_supported(dtype)
+    if not ok:
+        pytest.skip(f"no row-invariant linear for {dtype} on this CPU: {why}")
+    from dartree.models.target import load_target
+
+    target = load_target("smollm2", dtype=dtype)
+    ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "Explain how a hash map works."}],
+                                               add_generation_prompt=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert _verify_vs_ar(target, ids, tree=False) == [True] * 9
+    assert _verify_vs_ar(target, ids, tree=True) == [True] * 9
+    # the per-operation map under the mode: every linear, norm, attention and the logits agree
+    with row_invariant(target):
+        res = row_invariance_map(target, ids, 9)
+    assert len(res) == 30 * 10 + 3 and all(d == 0.0 for d in res.values()), {k: d for k, d in res.items() if d}
+    # and without it, the norms are row invariant already while the default packing's linears are not
+    res = row_invariance_map(target, ids, 9)
+    assert all(d == 0.0 for k, d in res.items() if k.endswith("norm"))
+    assert any(d > 0 for k, d in res.items() if k.endswith("_proj"))
+
+
+def test_speculative_output_equals_ar_inside_the_mode(target, drafter):
+    from dartree.decode.generate import autoregressive_generate, speculative_generate
+    from dartree.models.heads import IdentityHead
+
+    prompt = [5, 9, 11, 3, 7, 2, 8]
+    with row_invariant(target):
+        ar = autoregressive_generate(target, prompt, max_new_tokens=24).tokens
+        for name in ("chain", "pruned"):
+            out = speculative_generate(target, drafter, IdentityHead(), prompt, builder=name, max_new_tokens=24,
+                                       budget=8).tokens
+            assert list(out) == list(ar), name
+    assert target.model.config._attn_implementation != "dartree_row_invariant"  # restored on exit
