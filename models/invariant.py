@@ -84,6 +84,8 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     nk = key.shape[2]
+    if nq == 1 and (attention_mask is None or bool((attention_mask[..., :nk] == 0).all())):  # an AR step
+        return _rows_attention(query, key, value, scaling).transpose(1, 2).contiguous(), None
     if attention_mask is None:
         visible = torch.arange(nk)[None, :] <= (nk - nq + torch.arange(nq))[:, None]
         visible = visible[None].expand(b, nq, nk)
