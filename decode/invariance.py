@@ -143,14 +143,16 @@ def summarise(res: dict[str, float]) -> list[tuple[str, int, int, float]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: print the map for each dtype x linear backend x row count; returns 0."""
+    from dartree.models.invariant import row_invariant
     from dartree.models.target import load_target
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
     ap.add_argument("--rows", nargs="+", type=int, default=[9, 17])
-    ap.add_argument("--linear", nargs="+", default=["aten", "onednn", "onednn-invariant"],
-                    choices=["aten", "onednn", "onednn-invariant"],
-                    help="onednn-invariant: the packed call for every row count (pack_linears(row_invariant=True))")
+    ap.add_argument("--linear", nargs="+", default=["aten", "onednn", "onednn-invariant", "row-invariant"],
+                    choices=["aten", "onednn", "onednn-invariant", "row-invariant"],
+                    help="onednn-invariant: the packed call for every row count (pack_linears(row_invariant=True)); "
+                         "row-invariant: that and the row-invariant attention (dartree.models.invariant)")
     ap.add_argument("--chain", action="store_true", help="a chain of M rows instead of a tree of siblings")
     ap.add_argument("--target", default="smollm2")
     args = ap.parse_args(argv)
@@ -163,16 +165,21 @@ def main(argv: list[str] | None = None) -> int:
                                                     "with a short example in Python."}], add_generation_prompt=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
         for backend in args.linear:
-            invariant = backend == "onednn-invariant"
+            invariant = backend in ("onednn-invariant", "row-invariant")
             try:
                 chosen, why = choose_linear("onednn" if invariant else backend, dtype)
             except ValueError as exc:
                 print(f"\n{dname}, linear {backend}: skipped ({exc})")
                 continue
             pack_linears(target.model, chosen, row_invariant=invariant and chosen == "onednn")
-            chosen += " (every row count packed)" if invariant else ""
+            chosen += {"onednn-invariant": " (every row count packed)",
+                       "row-invariant": " (every row count packed) + row-invariant attention"}.get(backend, "")
             for m in args.rows:
-                res = row_invariance_map(target, ids, m, tree=not args.chain)
+                if backend == "row-invariant":
+                    with row_invariant(target):
+                        res = row_invariance_map(target, ids, m, tree=not args.chain)
+                else:
+                    res = row_invariance_map(target, ids, m, tree=not args.chain)
                 print(f"\n{dname}, linear {chosen} ({why}), {'chain' if args.chain else 'tree'} of {m} rows, "
                       f"prefix {len(ids) - 1} tokens:")
                 print(f"  {'operation':<28} {'layers':>6} {'differ':>6}  largest |diff|")
