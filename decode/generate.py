@@ -28,7 +28,7 @@ from dartree.decode.trees import DraftBlock, Tree, get_builder
 from dartree.decode.verify import compile_tree, target_tokens, verify
 from dartree.models.drafter import DFlashDrafter, DraftCache
 from dartree.models.heads import CorrectionHead
-from dartree.models.target import Target
+from dartree.models.target import Target, check_speculative_target
 
 STAGES = ("draft", "tree_build", "tree_compile", "verify", "commit")
 BETA_BUILDERS = ("pruned", "dartree-pruned", "heap-sequential")  # builders that rank nodes by score + beta * depth
@@ -291,7 +291,10 @@ def speculative_generate(
         ValueError: empty or batched prompt ([N > 1, T]: one request at a time), an id outside the vocabulary,
             negative max_new_tokens / budget, negative or non-finite temperature, an out-of-range builder parameter,
             a drafter / head that does not fit the target, or target capture layers that differ from the drafter's;
-            an unknown ``acceptance``, or ``"rejection"`` with a builder other than ``chain`` or with T = 0.
+            an unknown ``acceptance``, or ``"rejection"`` with a builder other than ``chain`` or with T = 0; a
+            target whose rope scaling changes with the sequence length (dynamic NTK, LongRoPE) when the decode can
+            reach its switch length, or one with sliding-window cache layers
+            (:func:`~dartree.models.target.check_speculative_target`).
         KeyError: unknown builder (lists the available ones).
     """
     prompt_ids, stop_ids = _check_args(target, prompt_ids, max_new_tokens, temperature, stop_ids, generator)
@@ -305,6 +308,8 @@ def speculative_generate(
     if lookup and rejection:
         raise ValueError("lookup > 0 needs acceptance='match': rejection sampling verifies a sampled chain, and a "
                          "grafted lookup branch would make it a tree; use lookup=0 with acceptance='rejection'")
+    # the deepest tree node is a proposal (depth <= P) or a grafted lookup token (depth <= lookup)
+    check_speculative_target(target, len(prompt_ids) + max_new_tokens + max(drafter.cfg.num_proposals, lookup))
     build = get_builder(builder)
     params = dict(builder_params or {})
     auto = budget == "auto"

@@ -270,6 +270,72 @@ def cache_length(cache) -> int:
     return int(cache.get_seq_length()) if cache is not None else 0
 
 
+def unsupported_cache_layers(cache) -> list[str]:
+    """Sorted class names of the layers of a transformers cache that are not full-attention ``DynamicLayer``s
+    (e.g. ``DynamicSlidingWindowLayer`` for sliding-window attention); [] when :func:`compact_cache` handles it."""
+    from transformers.cache_utils import DynamicLayer
+
+    return sorted({type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer})
+
+
+def rope_switch_lengths(config) -> list[tuple[str, int]]:
+    """The rotary-embedding variants of ``config`` whose frequencies change with the length of each forward.
+
+    transformers recomputes them per forward from L = (largest position id in that forward) + 1
+    (``modeling_rope_utils.dynamic_rope_update``): dynamic NTK (``rope_type`` containing ``"dynamic"``) rescales
+    its base once L exceeds ``max_position_embeddings``, and Phi-3's LongRoPE (``"longrope"``) takes its long
+    factors instead of the short ones once L exceeds ``original_max_position_embeddings``. Plain, linear, YaRN and
+    Llama-3 rope do not depend on L. A per-layer-type ``rope_parameters`` (a dict of dicts) is read set by set.
+
+    Returns:
+        [(rope_type, switch length in tokens)], one entry per length-dependent parameter set; [] for none.
+    """
+    params = getattr(config, "rope_parameters", None) or {}
+    sets = list(params.values()) if params and all(isinstance(v, dict) for v in params.values()) else [params]
+    out = []
+    for p in sets:
+        kind = str(p.get("rope_type", p.get("type", "default")))
+        if "dynamic" in kind:
+            out.append((kind, int(config.max_position_embeddings)))
+        elif kind == "longrope":
+            orig = p.get("original_max_position_embeddings") or getattr(config, "original_max_position_embeddings", None)
+            out.append((kind, int(orig or config.max_position_embeddings)))
+    return out
+
+
+def check_speculative_target(target: "Target", positions: int) -> None:
+    """Refuse, before any forward, a target whose speculative decoding would not equal its own AR decoding.
+
+    A verify forward puts a whole tree at positions start..start+depth, so a length-dependent rope
+    (:func:`rope_switch_lengths`) switches its scaling for the tree's committed prefix as soon as the deepest node
+    crosses the switch length, where AR decoding, one position per forward, switches only at that position:
+    the output would differ silently. Such a target is accepted while no forward of the decode can reach the
+    switch (``positions`` <= the switch length), where its rope is the plain one. Sliding-window and other cache
+    layers that :func:`compact_cache` cannot compact are refused here too, before the prefill.
+
+    Args:
+        target: the :class:`Target`.
+        positions: an upper bound on (largest position + 1) of any forward of the decode, in tokens: prompt length
+            + max_new_tokens + the deepest tree node.
+    Raises:
+        ValueError: one line naming the rope type (or the cache layers), the switch length, ``positions`` and the fix.
+    """
+    for kind, switch in rope_switch_lengths(target.config):
+        if positions > switch:
+            raise ValueError(
+                f"target {target.name!r} uses rope_type {kind!r}, whose rotary scaling changes once a forward "
+                f"spans more than {switch} positions; this decode can reach {positions} (prompt + max_new_tokens + "
+                "tree depth), and a verify tree would switch it for the committed prefix before AR decoding does, so "
+                f"the output would differ from the target's own: keep prompt + max_new_tokens + tree depth <= "
+                f"{switch}, or decode this target with autoregressive_generate")
+    odd = unsupported_cache_layers(target.new_cache())
+    if odd:
+        raise ValueError(
+            f"target {target.name!r} has {odd} cache layers (sliding_window="
+            f"{getattr(target.config, 'sliding_window', None)}); speculative decoding compacts full-attention KV "
+            "caches only: decode this target with autoregressive_generate")
+
+
 def compact_cache(cache, past_len: int, keep: torch.Tensor) -> None:
     """Keep the entries ``past_len + keep`` of the cache tail, in order, and drop the rest (in place).
 
@@ -288,12 +354,10 @@ def compact_cache(cache, past_len: int, keep: torch.Tensor) -> None:
     Raises:
         ValueError: an index falls outside the tail.
     """
-    from transformers.cache_utils import DynamicLayer
-
-    odd = {type(layer).__name__ for layer in cache.layers if type(layer) is not DynamicLayer}
+    odd = unsupported_cache_layers(cache)
     if odd:
         raise ValueError(
-            f"compact_cache supports full-attention DynamicLayer caches only, got {sorted(odd)}; "
+            f"compact_cache supports full-attention DynamicLayer caches only, got {odd}; "
             "targets with sliding-window or other cache layers are not supported yet"
         )
     keep_list = [int(i) for i in keep.tolist()]

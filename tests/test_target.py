@@ -40,3 +40,62 @@ def test_compact_cache_keeps_selected_tail_entries(target):
     for (k, v), layer in zip(before, cache.layers):
         torch.testing.assert_close(layer.keys, torch.cat([k[..., :7, :], k[..., [8, 9], :]], dim=-2))
         torch.testing.assert_close(layer.values, torch.cat([v[..., :7, :], v[..., [8, 9], :]], dim=-2))
+
+
+def _rope_target(kind: str):
+    """A tiny random Llama (dynamic NTK rope) or Phi-3 (LongRoPE) target whose rope switches at 24 positions."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Phi3Config, Phi3ForCausalLM
+
+    from dartree.models.target import Target
+
+    common = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=False, eos_token_id=1, pad_token_id=1, bos_token_id=None)
+    if kind == "dynamic":
+        model = LlamaForCausalLM(LlamaConfig(max_position_embeddings=24, **common,
+                                             rope_scaling={"rope_type": "dynamic", "factor": 4.0}))
+    else:  # Phi-3 128k style: short factors up to original_max_position_embeddings, long factors past it
+        model = Phi3ForCausalLM(Phi3Config(max_position_embeddings=96, original_max_position_embeddings=24, **common,
+                                           rope_scaling={"rope_type": "longrope", "short_factor": [1.0] * 4,
+                                                         "long_factor": [3.0, 4.0, 5.0, 6.0]}))
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+    return Target(model, None, [1, 2], name=f"tiny-{kind}")
+
+
+@pytest.mark.parametrize("kind", ["dynamic", "longrope"])
+def test_length_dependent_rope_is_refused_by_name_where_a_tree_could_switch_it(kind):
+    """A verify tree's deepest node switches dynamic-NTK / LongRoPE scaling for the whole forward before AR decoding
+    would (measured: with an oracle drafter both gave a different continuation than AR from the switch on), so
+    speculative decoding is refused once the decode can reach the switch length, and equals AR below it."""
+    from conftest import make_drafter, make_markov
+    from dartree.decode.generate import autoregressive_generate, speculative_generate
+
+    target, prompt = _rope_target(kind), [5, 17, 33, 2, 60, 7, 9]
+    kw = dict(builder="pruned", budget=8, stop_ids=())
+    with pytest.raises(ValueError, match=rf"rope_type '{kind}'.*more than 24 positions.*can reach 55"):
+        speculative_generate(target, make_drafter(), make_markov(), prompt, max_new_tokens=40, **kw)
+    # 7 prompt + 9 new + 8 proposals = 24: no forward spans past the switch, the rope is the plain one
+    want = autoregressive_generate(target, prompt, max_new_tokens=9, stop_ids=()).tokens
+    got = speculative_generate(target, make_drafter(), make_markov(), prompt, max_new_tokens=9, **kw)
+    assert got.tokens == want and got.stats.rounds >= 2
+
+
+def test_sliding_window_target_is_refused_before_the_prefill():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from conftest import make_drafter, make_markov
+    from dartree.decode.generate import speculative_generate
+    from dartree.models.target import Target
+
+    cfg = Qwen3Config(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8, sliding_window=6, use_sliding_window=True,
+                      max_window_layers=2, tie_word_embeddings=False)
+    target = Target(Qwen3ForCausalLM(cfg), None, [1, 2], name="tiny-swa")
+    calls = []
+    target.model.register_forward_pre_hook(lambda *a: calls.append(1))
+    with pytest.raises(ValueError, match=r"DynamicSlidingWindowLayer.*sliding_window=6"):
+        speculative_generate(target, make_drafter(), make_markov(), [5, 6, 7], max_new_tokens=8, builder="chain")
+    assert calls == []  # refused before any forward
