@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file
 
 from dartree.models.drafter import DFlashDrafter, DrafterConfig
 from dartree.models.heads import CorrectionHead, build_head
+from dartree.models.validate import same_value, typed
 
 FORMAT = "dartree"
 FORMAT_VERSION = 1
@@ -251,25 +252,22 @@ def check_target_pairing(config: dict, target) -> None:
             or a config field is invalid (:func:`check_config_fields`).
     """
     check_config_fields(config, "checkpoint config")
-    want = config.get("target", {})
+    want = config.get("target") if isinstance(config.get("target"), dict) else {}
     d = config["drafter"]
-    problems = []
-    if want.get("vocab_size") not in (None, target.vocab_size):
-        problems.append(f"vocab_size: checkpoint {want['vocab_size']} vs target {target.vocab_size}")
-    if want.get("num_layers") not in (None, target.num_layers):
-        problems.append(f"num_layers: checkpoint {want['num_layers']} vs target {target.num_layers}")
-    head_vocab = config.get("head", {}).get("vocab_size")
-    if head_vocab not in (None, target.vocab_size):
-        problems.append(f"head vocab_size: checkpoint {head_vocab} vs target {target.vocab_size}")
-    if d["hidden_size"] != target.hidden_size:
-        problems.append(f"hidden_size: checkpoint {d['hidden_size']} vs target {target.hidden_size}")
+    pairs = [("vocab_size", want.get("vocab_size"), target.vocab_size),
+             ("num_layers", want.get("num_layers"), target.num_layers),
+             ("head vocab_size", config["head"].get("vocab_size"), target.vocab_size),
+             ("hidden_size", d["hidden_size"], target.hidden_size)]
+    problems = [f"{what}: checkpoint {typed(got, have)} vs target {typed(have, got)}"
+                for what, got, have in pairs if got is not None and not same_value(got, have)]
     bad = [i for i in d["target_layer_ids"] if not 0 <= i < target.num_layers]
     if bad:
         problems.append(f"target_layer_ids {bad} outside the target's {target.num_layers} layers (0..{target.num_layers - 1})")
     embed_dim = config.get("head", {}).get("embed_dim") or config.get("head", {}).get("hidden_size")
-    if config.get("head", {}).get("type") == "gru" and embed_dim != target.embed_tokens.weight.shape[1]:
-        problems.append(f"gru head embed_dim: checkpoint {embed_dim} vs target embedding width "
-                        f"{target.embed_tokens.weight.shape[1]}")
+    width = int(target.embed_tokens.weight.shape[1])
+    if config.get("head", {}).get("type") == "gru" and not same_value(embed_dim, width):
+        problems.append(f"gru head embed_dim: checkpoint {typed(embed_dim, width)} vs target embedding width "
+                        f"{typed(width, embed_dim)}")
     if not 0 <= d["mask_token_id"] < target.vocab_size:
         problems.append(f"mask_token_id {d['mask_token_id']} >= target vocab rows {target.vocab_size}")
     if problems:
@@ -309,13 +307,15 @@ def load_dartree(
         raise CheckpointError(f"{cfg_path} is not valid JSON: {exc}") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{cfg_path} holds a JSON {type(config).__name__}, not an object of config fields")
-    if config.get("format") != FORMAT:
+    fmt, version = config.get("format"), config.get("format_version")
+    if not same_value(fmt, FORMAT):
         raise CheckpointError(
-            f"{cfg_path} has format {config.get('format')!r}, expected 'dartree'; "
+            f"{cfg_path} has format {typed(fmt, FORMAT)}, expected {typed(FORMAT, fmt)}; "
             "convert it first with `python convert/to_dartree.py`"
         )
-    if config.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{cfg_path}: format_version {config.get('format_version')} is not {FORMAT_VERSION}")
+    if not same_value(version, FORMAT_VERSION):
+        raise CheckpointError(f"{cfg_path}: format_version {typed(version, FORMAT_VERSION)} is not "
+                              f"{typed(FORMAT_VERSION, version)} (write it as the JSON number {FORMAT_VERSION})")
     try:
         tensors = load_file(str(w_path))
     except (SafetensorError, OSError, ValueError) as exc:

@@ -39,6 +39,23 @@ def is_real(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
+def _kind(value: Any) -> str:
+    """The type name messages compare: every integer type (Python, numpy) is ``int``; ``bool`` stays ``bool``."""
+    return "int" if is_int(value) else type(value).__name__
+
+
+def same_value(got: Any, want: Any) -> bool:
+    """True when ``got`` equals ``want`` and is of the same kind: integers of any integer type are one kind, but
+    ``"1"`` is not ``1``, nor is ``True`` or ``1.0`` (as ``==`` alone would say)."""
+    return _kind(got) == _kind(want) and got == want
+
+
+def typed(value: Any, other: Any) -> str:
+    """``repr(value)`` for a message that sets ``value`` against ``other``, with its type appended when the two
+    differ in kind, e.g. ``typed("1", 1)`` -> ``'1' (str)``, ``typed(1, "1")`` -> ``1 (int)``, ``typed(2, 1)`` -> ``2``."""
+    return repr(value) if _kind(value) == _kind(other) else f"{value!r} ({_kind(value)})"
+
+
 @dataclass(frozen=True)
 class Range:
     """Allowed values of one numeric field.
@@ -77,7 +94,7 @@ class Range:
         if value is None:
             return None if self.optional else self._say(key, value, "is missing")
         if not (is_int(value) if self.integer else is_real(value)):
-            return self._say(key, value, "has the wrong type")
+            return self._say(key, value, f"({_kind(value)}) has the wrong type")
         v = float(value)
         bad = not math.isfinite(v)
         if self.lo is not None:
@@ -104,7 +121,7 @@ class Flag:
         if isinstance(value, bool) or (self.auto and value == "auto"):
             return None
         allowed = "true, false or auto" if self.auto else "true or false"
-        return f"{key}={value!r} has the wrong type: must be {allowed}" + (f" ({self.note})" if self.note else "")
+        return f"{key}={value!r} ({_kind(value)}) has the wrong type: must be {allowed}" + (f" ({self.note})" if self.note else "")
 
 
 @dataclass(frozen=True)
@@ -116,10 +133,13 @@ class Choice:
 
     def problem(self, key: str, value: Any) -> str | None:
         """None when ``value`` is one of :attr:`values`, else one line listing them."""
-        if any(value == v and type(value) is type(v) for v in self.values):
+        if any(same_value(value, v) for v in self.values):
             return None
         note = f" ({self.note})" if self.note else ""
-        return f"{key}={value!r} is not allowed: use one of {list(self.values)}{note}"
+        kinds = sorted({_kind(v) for v in self.values})
+        shown = repr(value) if _kind(value) in kinds else f"{value!r} ({_kind(value)})"
+        of = "" if _kind(value) in kinds else f" ({', '.join(kinds)})"
+        return f"{key}={shown} is not allowed: use one of {list(self.values)}{of}{note}"
 
 
 @dataclass(frozen=True)
@@ -134,13 +154,14 @@ class IdList:
         """None for a list of integers >= lo (non-empty unless allowed), else one line naming the bad entry."""
         note = f" ({self.note})" if self.note else ""
         if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-            return f"{key}={value!r} has the wrong type: must be a list of integers >= {self.lo}{note}"
+            return f"{key}={value!r} ({_kind(value)}) has the wrong type: must be a list of integers >= {self.lo}{note}"
         items = list(value)
         if not items and not self.allow_empty:
             return f"{key}=[] is empty: give at least one integer >= {self.lo}{note}"
         for i in items:
             if not is_int(i) or int(i) < self.lo:
-                return f"{key}={items!r} holds {i!r}: every entry must be an integer >= {self.lo}{note}"
+                return (f"{key}={items!r} holds {typed(i, self.lo)}: every entry must be an integer >= "
+                        f"{self.lo}{note}")
         return None
 
 
@@ -273,8 +294,9 @@ def check_pairing(target, drafter=None, head=None) -> None:
     fix = "; use the drafter trained for this target (load_dartree(..., target=target) checks it)"
     if drafter is not None:
         c = drafter.cfg
-        if c.hidden_size != d:
-            raise ValueError(f"drafter hidden_size {c.hidden_size} != target hidden_size {d}{fix}")
+        if not same_value(c.hidden_size, d):
+            raise ValueError(f"drafter hidden_size {typed(c.hidden_size, d)} != target hidden_size {typed(d, c.hidden_size)}"
+                             f"{fix}")
         bad = [i for i in c.target_layer_ids if not 0 <= int(i) < n]
         if bad:
             raise ValueError(f"drafter target_layer_ids {bad} are outside the target's {n} layers (0..{n - 1}){fix}")
@@ -291,11 +313,12 @@ def check_pairing(target, drafter=None, head=None) -> None:
             raise ValueError(f"drafter is on {p.device} but the target is on {dev}; move it: drafter.to({str(dev)!r})")
     if head is not None:
         hv = getattr(head, "vocab_size", None)
-        if hv is not None and hv != v:
-            raise ValueError(f"head vocab_size {hv} != target vocabulary {v}{fix}")
+        if hv is not None and not same_value(hv, v):
+            raise ValueError(f"head vocab_size {typed(hv, v)} != target vocabulary {typed(v, hv)}{fix}")
         hd = getattr(head, "hidden_size", None)
-        if drafter is not None and hd is not None and hd != drafter.cfg.hidden_size:
-            raise ValueError(f"head hidden_size {hd} != drafter hidden_size {drafter.cfg.hidden_size}{fix}")
+        dd = drafter.cfg.hidden_size if drafter is not None else None
+        if drafter is not None and hd is not None and not same_value(hd, dd):
+            raise ValueError(f"head hidden_size {typed(hd, dd)} != drafter hidden_size {typed(dd, hd)}{fix}")
         if head.type_name == "gru":
             emb, want = head.__dict__.get("_embed"), target.embed_tokens.weight
             bind = "call head.bind_embeddings(target.embed_tokens.weight)"

@@ -134,3 +134,55 @@ def test_load_with_target_binds_the_gru_heads_embeddings(tmp_path, target):
     head.bind_embeddings(target.embed_tokens.weight)
     got = load_dartree(out, target=target).head.init_state(torch.tensor([5]))
     assert torch.equal(got, head.init_state(torch.tensor([5])))
+
+
+@pytest.mark.parametrize("key, value, pattern", [
+    ("format_version", "1", r"format_version '1' \(str\) is not 1 \(int\)"),
+    ("format_version", True, r"format_version True \(bool\) is not 1 \(int\)"),  # == 1 in Python, never a version
+    ("format_version", 1.0, r"format_version 1\.0 \(float\) is not 1 \(int\)"),
+    ("format_version", 2, r"format_version 2 is not 1 \(write"),  # same type: no type names
+    ("format", 7, r"has format 7 \(int\), expected 'dartree' \(str\)"),
+])
+def test_checkpoint_version_and_format_messages_show_types_where_they_differ(tmp_path, train_ckpt, key, value,
+                                                                            pattern):
+    ok = convert(train_ckpt[0], tmp_path / "ok")
+    cfg = json.loads((ok / "config.json").read_text())
+    cfg[key] = value
+    (ok / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=pattern):
+        load_dartree(ok)
+
+
+def test_target_pairing_and_field_messages_show_types_where_they_differ(tmp_path, target, train_ckpt):
+    from dartree.models.validate import check_pairing
+
+    ok = convert(train_ckpt[0], tmp_path / "ok")
+    cfg = json.loads((ok / "config.json").read_text())
+    cfg["target"]["vocab_size"] = "96"  # equal digits, another type: was "checkpoint 96 vs target 96"
+    (ok / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"vocab_size: checkpoint '96' \(str\) vs target 96 \(int\)"):
+        load_dartree(ok, target=target)
+    cfg["target"]["vocab_size"], cfg["drafter"]["block_size"] = 96, "8"
+    (ok / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"drafter\.block_size='8' \(str\) has the wrong type"):
+        load_dartree(ok, target=target)
+    cfg["drafter"]["block_size"], cfg["drafter"]["qk_norm"] = 8, "false"
+    (ok / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"drafter\.qk_norm='false' \(str\) has the wrong type"):
+        load_dartree(ok, target=target)
+    cfg["drafter"]["qk_norm"], cfg["drafter"]["target_layer_ids"] = False, [1, "2"]
+    (ok / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match=r"target_layer_ids=\[1, '2'\] holds '2' \(str\)"):
+        load_dartree(ok, target=target)
+    drafter = make_drafter()
+    drafter.cfg.hidden_size = 32.0  # a float that equals the target's width is still the wrong type
+    with pytest.raises(ValueError, match=r"drafter hidden_size 32\.0 \(float\) != target hidden_size 32 \(int\)"):
+        check_pairing(target, drafter)
+
+
+def test_choice_fields_show_types_where_they_differ():
+    from dartree.models.validate import Choice
+
+    rule = Choice((0, 1, 2))
+    assert rule.problem("k", 1) is None and rule.problem("k", "1") == "k='1' (str) is not allowed: use one of [0, 1, 2] (int)"
+    assert rule.problem("k", 5) == "k=5 is not allowed: use one of [0, 1, 2]"

@@ -718,7 +718,7 @@ def test_auto_dtypes_resolve_by_hardware_and_explicit_values_stay(monkeypatch):
     cfg = load_recipe(["recipe=dspark_b16", "target.gen_dtype=bfloat16", "train.bf16=true"])
     assert cfg.target.gen_dtype == "bfloat16" and cfg.train.bf16 is True
     assert load_recipe(["recipe=tiny_dspark"]).train.bf16 is False  # the tiny recipes say false, not auto
-    with pytest.raises(RecipeError, match=r"train.bf16='sometimes' has the wrong type: must be true, false or auto"):
+    with pytest.raises(RecipeError, match=r"train.bf16='sometimes' \(str\) has the wrong type: must be true, false or auto"):
         load_recipe(["recipe=tiny_dspark", "train.bf16=sometimes"])
     with pytest.raises(RecipeError, match=r"target.gen_dtype='fp8' is not allowed: use one of \[.*'auto'\]"):
         load_recipe(["recipe=tiny_dspark", "target.gen_dtype=fp8"])
