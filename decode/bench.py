@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -38,6 +37,7 @@ from dartree.decode.generate import STAGES, autoregressive_generate, speculative
 from dartree.decode.prompts import DATASETS, load_prompts
 from dartree.decode.trees import BUILDERS, Tree
 from dartree.decode.verify import compile_tree
+from dartree.models.checkpoint import write_file_atomically
 from dartree.models.packed import LINEAR_BACKENDS, choose_linear, pack_linears, tune_linears
 from dartree.models.target import DEFAULT_TARGET, compact_cache
 
@@ -219,13 +219,6 @@ def replay_tables(console: Console, label: str, entry: dict, recorded: dict, cur
     return out
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def main(argv=None) -> int:
     """Console entry point; returns the exit status (2 on bad arguments)."""
     args = parse_args(argv)
@@ -344,7 +337,7 @@ def main(argv=None) -> int:
             console.print(f"profile of {m}@{b} (64 tokens):\n{text}")
             entry["profile_top"] = text
         result["dtypes"][label] = entry
-    _atomic_write(Path(args.out), json.dumps(result, indent=1))
+    write_file_atomically(Path(args.out), json.dumps(result, indent=1))
     console.print(f"wrote {args.out}")
     return 0
 

@@ -15,11 +15,13 @@ then the figures beside them, embedded in report.md (``dartree.decode.report``; 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
-import os
 import platform
+import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -32,7 +34,7 @@ from dartree.decode.peers import PEERS, load_bf16_twin, load_zlab_drafter, run_p
 from dartree.decode.prompts import DATASETS, Prompt, load_prompts
 from dartree.decode.report import annotate_trees, write_figures
 from dartree.decode.trees import BUILDERS
-from dartree.models.checkpoint import CheckpointError, load_dartree
+from dartree.models.checkpoint import CheckpointError, load_dartree, write_file_atomically
 from dartree.models.packed import (LINEAR_BACKENDS, choose_linear, onednn_linear_supported, pack_linears,
                                    tune_linears)
 from dartree.models.target import DEFAULT_TARGET, load_target
@@ -195,10 +197,68 @@ def _margin_at(target, prompt_ids: list, ref: list, idx: int) -> float:
     return float(top[0] - top[1])
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def write_report_files(out: Path, report: dict, md: str) -> None:
+    """Write ``out/report.json`` (``report``) and ``out/report.md`` (``md``, made from the same report), each
+    atomically under a unique temporary name (:func:`dartree.models.checkpoint.write_file_atomically`), so two runs
+    writing one folder never share a temporary file. Call it inside :meth:`Signals.held`, so that SIGINT / SIGTERM
+    cannot fall between the two files and leave one a prompt behind the other.
+
+    Raises:
+        OSError: ``out`` cannot be written.
+    """
+    write_file_atomically(out / "report.json", json.dumps(report, indent=1))
+    write_file_atomically(out / "report.md", md)
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived (a ``BaseException``, as ``KeyboardInterrupt``: no ``except Exception`` swallows it).
+
+    Attributes:
+        signum: the signal's number; the process exits with 128 + signum (130 for SIGINT, 143 for SIGTERM).
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Signals:
+    """Context manager: while active, SIGINT and SIGTERM raise :class:`Interrupted` in the main thread, except
+    inside :meth:`held`, where they wait until the held block ends (so report.json and report.md are written as a
+    pair or not at all). Outside the main thread (where Python cannot install handlers) it does nothing."""
+
+    def __init__(self):
+        self._old: dict = {}
+        self._depth, self._pending = 0, None
+
+    def __enter__(self) -> "Signals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
+
+    def _handle(self, signum, _frame) -> None:
+        if self._depth:
+            self._pending = signum
+        else:
+            raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def held(self):
+        """A block that SIGINT / SIGTERM do not cut: one arriving inside it raises :class:`Interrupted` at its end."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            pending, self._pending = (self._pending, None) if not self._depth else (None, self._pending)
+            if pending is not None:
+                raise Interrupted(pending)
 
 
 def _spread_repeats(order: list[str], name: str, repeats: int) -> list[str]:
@@ -320,14 +380,30 @@ def main(argv=None) -> int:
     argument, target, checkpoint or prompt set (checked before any decoding). Restores torch's thread count on
     return, so it can run repeatedly in one process."""
     threads = torch.get_num_threads()
+    progress = {"done": 0, "planned": 0, "out": None}
     try:
-        return _eval_main(argv)
+        with Signals() as sig:
+            return _eval_main(argv, sig, progress)
+    except Interrupted as exc:  # one line, never a traceback; the report of the finished prompts stays
+        print(f"interrupted by {exc}: {_progress_text(progress)}", file=sys.stderr)
+        return 128 + exc.signum
     finally:
         torch.set_num_threads(threads)
 
 
-def _eval_main(argv=None) -> int:
-    """:func:`main` without the thread-count restore."""
+def _progress_text(progress: dict) -> str:
+    """Where an interrupted run left its report: ``progress`` holds ``done`` / ``planned`` prompts and ``out``."""
+    if not progress["done"]:
+        return "stopped before the first prompt finished; no report written"
+    return (f"{progress['out']}/report.json and report.md hold the {progress['done']} of {progress['planned']} "
+            "prompts that finished")
+
+
+def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = None) -> int:
+    """:func:`main` without the thread-count restore and the signal handlers (``sig``: the active
+    :class:`Signals`; ``progress``: updated with the prompts done and the report folder)."""
+    sig = sig if sig is not None else Signals()
+    progress = progress if progress is not None else {}
     args = parse_args(argv)
     console = Console(width=120)
     problems = [msg for bad, msg in (
@@ -495,9 +571,10 @@ def _eval_main(argv=None) -> int:
 
     out = Path(args.out)
 
-    def write_report(done: int, show: bool) -> dict:
+    def write_report(done: int, show: bool, interrupted: str | None = None) -> dict:
         """Aggregate the rows of the first ``done`` prompts; write report.json/md atomically (after every prompt,
-        so a long run can be read, or survive an interruption, before it ends)."""
+        so a long run can be read, or survive an interruption, before it ends); ``interrupted``: the signal's
+        name when the run was stopped."""
         report = {
             "methods": {},
             "datasets": {},
@@ -513,7 +590,7 @@ def _eval_main(argv=None) -> int:
                 "cost_models": {m: cm.summary() for m, cm in cost_models.items()},
                 "proposals": dm.drafter.cfg.num_proposals if dm is not None else None,
                 "prompts": [{"dataset": p.dataset, "id": p.id, "text": p.text[:120]} for p in prompts[:done]],
-                "prompts_done": done, "prompts_planned": len(prompts),
+                "prompts_done": done, "prompts_planned": len(prompts), "interrupted": interrupted,
             },
         }
         ar_all = rows["ar"]
@@ -535,7 +612,8 @@ def _eval_main(argv=None) -> int:
         md = ["# dartree eval report", "",
               f"target `{target.name}` ({args.dtype}, {linear} linears, {report['environment']['device']}), checkpoint `{args.checkpoint if methods else None}`, "
               f"T={args.temperature}, max_new_tokens={args.max_new_tokens}, budget B={budget}, "
-              f"K={args.candidates}, W={args.width}, beta={args.beta}, children={args.children}, {done} of {len(prompts)} prompts", ""]
+              f"K={args.candidates}, W={args.width}, beta={args.beta}, children={args.children}, {done} of {len(prompts)} prompts"
+              + (f" (interrupted by {interrupted})" if interrupted else ""), ""]
         for scope, data in [("all", report["methods"])] + [(d, report["datasets"][d]) for d in args.datasets]:
             table = Table(title=f"{scope}")
             cols = ["method", "tau", "tokens/s", "speedup", *(["paired x AR"] if paired_cols else []), "lossless",
@@ -583,68 +661,80 @@ def _eval_main(argv=None) -> int:
                 if show:
                     console.print(f"budgets chosen, {line}")
             md.append("")
-        out.mkdir(parents=True, exist_ok=True)
-        _atomic_write(out / "report.json", json.dumps(report, indent=1))
-        _atomic_write(out / "report.md", "\n".join(md) + "\n")
+        with sig.held():
+            write_report_files(out, report, "\n".join(md) + "\n")
         return report
 
     rows: dict[str, list[dict]] = {m: [] for m in ["ar", *methods, *peers]}
     trees: dict[str, dict] = {}
-    for pi, p in enumerate(prompts):
-        ids = chat_prompt_ids(tok, p.text)
-        seed = args.seed * 100003 + pi
-        # a prompt's rows run back to back in an order rotated per prompt: this machine's speed drifts over minutes,
-        # and a fixed order would hand the same share of that drift to the same rows on every prompt
-        order = ["ar", *methods, *peers]
-        order = order[pi % len(order):] + order[:pi % len(order)]
-        order = _spread_repeats(order, "ar", args.ar_repeats)
-        row_of = {name: name.split("#")[0] for name in order}  # ar#2 .. are repeats of ar
-        outs = {name: run_peer_on(name, ids, args.max_new_tokens) if name in peers
-                else run(row_of[name], ids, seed, args.max_new_tokens, record=pi == 0 and row_of[name] != "ar")
-                for name in order}
-        ar = outs["ar"]
-        ar_runs = [outs[n] for n in order if row_of[n] == "ar"]
-        if any(o.tokens != ar.tokens for o in ar_runs):
-            console.print(f"[bold yellow]{p.dataset}:{p.id}: the AR repeats disagree (a non-deterministic "
-                          "kernel?); the first one is the reference[/bold yellow]")
-        base = {"dataset": p.dataset, "id": p.id}
-        ar_times = [o.stats.decode_s for o in ar_runs]
-        rows["ar"].append({**base, "new_tokens": ar.stats.new_tokens, "decode_s": sum(ar_times) / len(ar_times),
-                           "decode_s_repeats": ar_times, "accept_lengths": ar.stats.accept_lengths})
-        line = [f"[{pi + 1}/{len(prompts)}] {p.dataset}:{p.id} ar {ar.stats.new_tokens} tok"]
+    progress.update(done=0, planned=len(prompts), out=str(out))
+    try:
+        for pi, p in enumerate(prompts):
+            ids = chat_prompt_ids(tok, p.text)
+            seed = args.seed * 100003 + pi
+            # a prompt's rows run back to back in an order rotated per prompt: this machine's speed drifts over minutes,
+            # and a fixed order would hand the same share of that drift to the same rows on every prompt
+            order = ["ar", *methods, *peers]
+            order = order[pi % len(order):] + order[:pi % len(order)]
+            order = _spread_repeats(order, "ar", args.ar_repeats)
+            row_of = {name: name.split("#")[0] for name in order}  # ar#2 .. are repeats of ar
+            outs = {name: run_peer_on(name, ids, args.max_new_tokens) if name in peers
+                    else run(row_of[name], ids, seed, args.max_new_tokens, record=pi == 0 and row_of[name] != "ar")
+                    for name in order}
+            ar = outs["ar"]
+            ar_runs = [outs[n] for n in order if row_of[n] == "ar"]
+            if any(o.tokens != ar.tokens for o in ar_runs):
+                console.print(f"[bold yellow]{p.dataset}:{p.id}: the AR repeats disagree (a non-deterministic "
+                              "kernel?); the first one is the reference[/bold yellow]")
+            base = {"dataset": p.dataset, "id": p.id}
+            new: dict[str, dict] = {}  # this prompt's row per method, committed below with the report that holds them
+            new_trees: dict[str, dict] = {}
+            ar_times = [o.stats.decode_s for o in ar_runs]
+            new["ar"] = {**base, "new_tokens": ar.stats.new_tokens, "decode_s": sum(ar_times) / len(ar_times),
+                         "decode_s_repeats": ar_times, "accept_lengths": ar.stats.accept_lengths}
+            line = [f"[{pi + 1}/{len(prompts)}] {p.dataset}:{p.id} ar {ar.stats.new_tokens} tok"]
 
-        def compare_with_ar(row: dict, tokens: list, ids: list, ref: list = ar.tokens) -> None:
-            """Record in ``row`` whether ``tokens`` differ from AR's and, if so, the first divergence and the
-            target's top-2 logit margin there (a near-tie check)."""
-            row["mismatch"] = tokens != ref
-            if row["mismatch"]:
-                idx = _first_divergence(tokens, ref)
-                row["first_divergence"] = idx
-                row["margin_at_divergence"] = _margin_at(target, ids, ref, idx)
-        for m in methods:
-            o = outs[m]
-            row = {**base, "new_tokens": o.stats.new_tokens, "decode_s": o.stats.decode_s,
-                   "accept_lengths": o.stats.accept_lengths, "stage_s": o.stats.stage_s,
-                   "tree_nodes": o.stats.tree_nodes, "budgets": o.stats.budgets, "depth_nodes": o.stats.depth_nodes,
-                   "accepted_depths": o.stats.accepted_depths, "mismatch": None}
-            pair = getattr(o, "paired_ar", None)
-            if pair is not None:  # the AR decode that ran in lockstep with this one
-                row["paired_ar_decode_s"], row["paired_ar_new_tokens"] = pair.stats.decode_s, pair.stats.new_tokens
-            if pi == 0:
-                trees[m] = {**base, "rounds": annotate_trees(o.stats.trees, lambda i: tok.decode([i]))}
-            if args.temperature == 0:
+            def compare_with_ar(row: dict, tokens: list, ids: list, ref: list = ar.tokens) -> None:
+                """Record in ``row`` whether ``tokens`` differ from AR's and, if so, the first divergence and the
+                target's top-2 logit margin there (a near-tie check)."""
+                row["mismatch"] = tokens != ref
+                if row["mismatch"]:
+                    idx = _first_divergence(tokens, ref)
+                    row["first_divergence"] = idx
+                    row["margin_at_divergence"] = _margin_at(target, ids, ref, idx)
+            for m in methods:
+                o = outs[m]
+                row = {**base, "new_tokens": o.stats.new_tokens, "decode_s": o.stats.decode_s,
+                       "accept_lengths": o.stats.accept_lengths, "stage_s": o.stats.stage_s,
+                       "tree_nodes": o.stats.tree_nodes, "budgets": o.stats.budgets, "depth_nodes": o.stats.depth_nodes,
+                       "accepted_depths": o.stats.accepted_depths, "mismatch": None}
+                pair = getattr(o, "paired_ar", None)
+                if pair is not None:  # the AR decode that ran in lockstep with this one
+                    row["paired_ar_decode_s"], row["paired_ar_new_tokens"] = pair.stats.decode_s, pair.stats.new_tokens
+                if pi == 0:
+                    new_trees[m] = {**base, "rounds": annotate_trees(o.stats.trees, lambda i: tok.decode([i]))}
+                if args.temperature == 0:
+                    compare_with_ar(row, o.tokens, ids)
+                new[m] = row
+                line.append(f"{m} tau {o.stats.tau:.2f}" + (" MISMATCH" if row["mismatch"] else ""))
+            for m in peers:
+                o = outs[m]
+                row = {**base, "new_tokens": len(o.tokens), "decode_s": o.decode_s, "prefill_s": o.prefill_s,
+                       "accept_lengths": o.accept_lengths}
                 compare_with_ar(row, o.tokens, ids)
-            rows[m].append(row)
-            line.append(f"{m} tau {o.stats.tau:.2f}" + (" MISMATCH" if row["mismatch"] else ""))
-        for m in peers:
-            o = outs[m]
-            row = {**base, "new_tokens": len(o.tokens), "decode_s": o.decode_s, "prefill_s": o.prefill_s,
-                   "accept_lengths": o.accept_lengths}
-            compare_with_ar(row, o.tokens, ids)
-            rows[m].append(row)
-            line.append(f"{m} tau {o.tau:.2f}" + (" MISMATCH" if row["mismatch"] else ""))
-        console.print(", ".join(line))
-        write_report(pi + 1, show=False)
+                new[m] = row
+                line.append(f"{m} tau {o.tau:.2f}" + (" MISMATCH" if row["mismatch"] else ""))
+            console.print(", ".join(line))
+            with sig.held():  # the rows enter together with the report files that hold them
+                for name, row in new.items():
+                    rows[name].append(row)
+                trees.update(new_trees)
+                write_report(pi + 1, show=False)
+                progress["done"] = pi + 1
+    except Interrupted as exc:  # the finished prompts' report, marked as interrupted; then the one-line exit
+        if progress["done"]:
+            write_report(progress["done"], show=False, interrupted=str(exc))
+        raise
 
     report = write_report(len(prompts), show=True)
     for w in report_warnings(report):

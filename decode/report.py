@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
@@ -24,10 +23,12 @@ from typing import Callable, Sequence
 FIGURES_MARKER = "<!-- dartree-report figures: everything below is redrawn by dartree-report -->"
 
 
-def _atomic_write(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+def _write(path: Path, text: str) -> None:
+    """Write ``path`` atomically under a unique temporary name (:func:`dartree.models.checkpoint.write_file_atomically`,
+    imported here so that this module does not load torch until it writes)."""
+    from dartree.models.checkpoint import write_file_atomically
+
+    write_file_atomically(path, text)
 
 
 def _read_json(f: Path, fix: str):
@@ -155,7 +156,7 @@ def attach_figures(md_path: str | Path, written: Sequence[dict]) -> None:
     md_path = Path(md_path)
     head = md_path.read_text() if md_path.exists() else ""
     head = head.split(FIGURES_MARKER)[0].rstrip("\n")
-    _atomic_write(md_path, (head + "\n\n" if head else "") + figures_markdown(written))
+    _write(md_path, (head + "\n\n" if head else "") + figures_markdown(written))
 
 
 def write_figures(report: dict, out_dir: str | Path, draw_round: int | None = None) -> list[str]:
@@ -360,7 +361,7 @@ def main(argv=None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         src_md = Path(args.dirs[0]) / "report.md"
         if out.resolve() != Path(args.dirs[0]).resolve() and src_md.exists():
-            _atomic_write(out / "report.md", src_md.read_text())
+            _write(out / "report.md", src_md.read_text())
     else:
         try:
             report = merge_reports(reports)
@@ -369,8 +370,8 @@ def main(argv=None) -> int:
             return 2
         out = Path(args.out or "reports/compare")
         out.mkdir(parents=True, exist_ok=True)
-        _atomic_write(out / "report.json", json.dumps(report, indent=1))
-        _atomic_write(out / "report.md", comparison_markdown(reports))
+        _write(out / "report.json", json.dumps(report, indent=1))
+        _write(out / "report.md", comparison_markdown(reports))
     notes = write_figures(report, out, args.draw_round)
     for n in notes:
         print(n, file=sys.stderr)

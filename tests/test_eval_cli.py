@@ -208,3 +208,54 @@ def test_bench_replay_sweeps_budgets_from_one_recorded_decode(tiny_folder, tmp_p
     assert rep["hindsight"]["rate"] >= max(v["rate"] for v in rep["fixed"].values()) - 1e-12
     assert sum(rep["auto"]["chosen"].values()) == rep["rounds"]
     assert "pinned at T" in r.stdout and "hindsight" in r.stdout
+
+
+def test_report_writers_of_one_folder_never_share_a_temporary_file(tmp_path):
+    """Two processes writing one report folder (two runs with the same --out) each write under their own temporary
+    name: with a fixed ``report.md.tmp`` one writer's rename took the other's file and the other crashed
+    (FileNotFoundError)."""
+    script = ("import sys; from pathlib import Path; from dartree.decode.eval import write_report_files; "
+              "from dartree.decode.report import attach_figures; out, k = Path(sys.argv[1]), sys.argv[2]\n"
+              "for i in range(300):\n"
+              "    write_report_files(out, {'writer': k, 'i': i}, f'# writer {k} row {i}\\n')\n"
+              "    attach_figures(out / 'report.md', [])\n")
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(tmp_path), str(k)], stderr=subprocess.PIPE,
+                              text=True) for k in range(2)]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errs
+    assert json.loads((tmp_path / "report.json").read_text())["i"] == 299
+    assert (tmp_path / "report.md").read_text().startswith("# writer ")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "report.md"]  # no temporary file left
+
+
+@pytest.mark.parametrize("sig, status", [("SIGTERM", 143), ("SIGINT", 130)])
+def test_eval_cli_stopped_by_a_signal_exits_in_one_line_and_keeps_the_finished_prompts(tiny_folder, tmp_path, sig,
+                                                                                      status):
+    """SIGTERM / Ctrl-C mid-run: exit 143 / 130 with one line (no traceback) saying where the report is; report.json
+    and report.md hold the same finished prompts, marked as interrupted, and no temporary file is left."""
+    import signal
+    import time
+
+    out = tmp_path / "rep"
+    cmd = [sys.executable, "decode/eval.py", "--target", str(tiny_folder / "target"), "--checkpoint",
+           str(tiny_folder / "ckpt"), "--tree", "chain", "--datasets", "gsm8k", "mtbench", "--limit", "10",
+           "--max-new-tokens", "64", "--budget", "4", "--linear", "aten", "--ar-repeats", "1", "--no-plots",
+           "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    t0 = time.time()
+    while not (out / "report.json").exists():  # the first prompt is done
+        assert proc.poll() is None and time.time() - t0 < 500, proc.communicate()
+        time.sleep(0.02)
+    proc.send_signal(getattr(signal, sig))
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == status, err[-3000:]
+    assert "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    rep = json.loads((out / "report.json").read_text())
+    done = rep["environment"]["prompts_done"]
+    assert 1 <= done < 20 and rep["environment"]["interrupted"] == sig
+    assert line == f"interrupted by {sig}: {out}/report.json and report.md hold the {done} of 20 prompts that finished"
+    assert len(rep["per_prompt"]["ar"]) == len(rep["per_prompt"]["chain"]) == len(rep["environment"]["prompts"]) == done
+    md = (out / "report.md").read_text()
+    assert f"{done} of 20 prompts (interrupted by {sig})" in md
+    assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md"]
