@@ -13,8 +13,10 @@ packing (one row goes through ``F.linear``'s gemv, several rows through the pack
 call itself is, for every row count; the attention is not (M queries over P + M keys with a mask against one query
 over P + 1 keys). This module closes both:
 
-- :func:`row_invariant` packs every linear for every row count (:func:`~dartree.models.packed.pack_linears` with
-  ``row_invariant=True``) and routes the target's attention through :func:`invariant_attention`;
+- :func:`row_invariant` runs every linear through a path measured row invariant on this machine (the packed call
+  for every row count, :func:`~dartree.models.packed.pack_linears` with ``row_invariant=True``, where oneDNN
+  supports the dtype; else ``F.linear``, which was row invariant in emulated bf16 on an AVX2 CPU) and routes the
+  target's attention through :func:`invariant_attention`;
 - :func:`invariant_attention` computes each query row with the keys it may see gathered in position order (the
   prefix and its ancestors: exactly the keys an AR step at that node reads) and one fixed kernel call per row
   shape ([rows, H, 1, d] queries over [rows, H, n, d] keys, no mask), the call an AR step makes with one row.
@@ -116,16 +118,76 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
     return out.transpose(1, 2).contiguous(), None
 
 
+def linear_is_row_invariant(weight: torch.Tensor, backend: str, rows: int = 17) -> bool:
+    """Whether a linear path computes every row of a ``rows``-row call with the bits of that row alone.
+
+    Args:
+        weight: [out, in], the model's dtype and device. backend: ``aten`` (``F.linear``) or ``onednn`` (the
+            prepacked call, every row count).
+    Returns:
+        True when rows 0, 1 and ``rows - 1`` of a random [rows, in] input (seeded) equal, bit for bit, the same
+        rows computed alone (a one-row call is the AR step; several rows, a verify).
+    """
+    from dartree.models.packed import pack_weight, packed_linear
+
+    g = torch.Generator().manual_seed(1234)
+    x = torch.randn(rows, weight.shape[1], generator=g).to(weight.dtype)
+    if backend == "onednn":
+        packed = pack_weight(weight)
+
+        def f(t):
+            return packed_linear(t, packed)
+    else:
+        def f(t):
+            return F.linear(t, weight)
+    full = f(x)
+    return all(torch.equal(f(x[r : r + 1])[0], full[r]) for r in (0, 1, rows - 1))
+
+
+def choose_invariant_linear(model: torch.nn.Module) -> tuple[str, str]:
+    """The linear path that is row invariant for every weight shape of ``model`` on this machine, and why.
+
+    Prefers the prepacked oneDNN call (every row count) where oneDNN supports the dtype, else ``F.linear``; each
+    is measured per distinct weight shape (:func:`linear_is_row_invariant`).
+
+    Returns:
+        (``onednn`` or ``aten``, reason).
+    Raises:
+        ValueError: neither path is row invariant for some shape here (named), so no verify row can equal the AR
+            step by construction on this CPU; decode without the mode.
+    """
+    from dartree.models.packed import onednn_linear_supported
+
+    shapes = {}
+    for mod in model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            shapes.setdefault((tuple(mod.weight.shape), mod.weight.dtype), mod.weight)
+    w0 = next(iter(shapes.values()))
+    tried = []
+    for backend in ("onednn", "aten"):
+        if backend == "onednn" and not onednn_linear_supported(w0.dtype, w0.device)[0]:
+            tried.append("onednn: not supported here")
+            continue
+        bad = [s for s, w in shapes.items() if not linear_is_row_invariant(w, backend)]
+        if not bad:
+            return backend, f"{backend} linears are row invariant for all {len(shapes)} weight shapes (measured)"
+        tried.append(f"{backend}: not row invariant for {bad[0][0]} {bad[0][1]}")
+    raise ValueError("no row-invariant linear on this CPU (" + "; ".join(tried) + ")")
+
+
 class row_invariant:
     """Context manager: inside it the target's forwards are row invariant (a verify row equals the AR step).
 
-    Packs every linear layer of ``target.model`` for every row count and sets its attention to
-    :func:`invariant_attention`; restores the previous attention implementation and packing on exit.
+    Runs every linear layer of ``target.model`` through the path measured row invariant here
+    (:func:`choose_invariant_linear`: oneDNN packed for every row count, else ``F.linear``; ``self.linear`` and
+    ``self.why`` say which) and sets its attention to :func:`invariant_attention`; restores the previous attention
+    implementation and packing on exit.
 
     Args:
-        target: a :class:`~dartree.models.target.Target` on the CPU whose linears oneDNN can pack in its dtype.
+        target: a :class:`~dartree.models.target.Target`.
     Raises:
-        ValueError: oneDNN cannot pack this dtype on this CPU (the reason is named; decode without the mode).
+        ValueError: no linear path is row invariant on this CPU for some weight shape (named; decode without the
+            mode).
     """
 
     def __init__(self, target):
@@ -134,15 +196,16 @@ class row_invariant:
     def __enter__(self):
         from transformers import AttentionInterface
 
-        from dartree.models.packed import is_packed, onednn_linear_supported, pack_linears
+        from dartree.models.packed import is_packed, pack_linears
 
-        ok, why = onednn_linear_supported(self.target.dtype, self.target.device)
-        if not ok:
-            raise ValueError(f"row-invariant decoding needs packed linears: {why}")
         model = self.target.model
+        self.linear, self.why = choose_invariant_linear(model)
         self.was_packed = [m for m in model.modules() if is_packed(m)]
         self.rows_before = {id(m): m.__dict__.get("_dartree_aten_rows") for m in self.was_packed}
-        pack_linears(model, "onednn", row_invariant=True)
+        if self.linear == "onednn":
+            pack_linears(model, "onednn", row_invariant=True)
+        else:
+            pack_linears(model, "aten")
         AttentionInterface.register(ATTN_NAME, invariant_attention)
         self.prev = model.config._attn_implementation
         model.set_attn_implementation(ATTN_NAME)
