@@ -186,7 +186,7 @@ def test_the_training_stage_trains_on_the_shards_resumes_and_records_its_runs(tm
     assert read_state(cfg)["baseline"]["dspark_b16"] == base and read_state(cfg)["dspark_b16"]["runs"] == [run]
     (pts,) = curve_points(cfg).values()
     assert [p["label"] for p in pts] == ["shipped", "1 shards"]
-    assert pts[1]["response_tokens"] == read_manifest(folder)["totals"]["response_tokens"]
+    assert pts[1]["response_tokens"] == base["response_tokens"] + read_manifest(folder)["totals"]["response_tokens"]
     assert pts[1]["predictions"] == base["predictions"] + run["predictions"]
     png = plot_curve(cfg, tmp_path / "curve.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -146,7 +146,9 @@ def holdout_baseline(cfg: DictConfig, recipe: str, checkpoint: str | None = None
     data = CampaignData(target, [], hold)
     data.need_lse = bool(drafter.cfg.draft_vocab_size)
     res = evaluate_holdout(drafter.eval(), head.eval(), target, data, rc)
-    rec = {"checkpoint": checkpoint, "holdout_chain_tau": round(res["holdout_chain_tau"], 4),
+    rel = Path(checkpoint).resolve()
+    shown = str(rel.relative_to(REPO)) if rel.is_relative_to(REPO) else checkpoint
+    rec = {"checkpoint": shown, "holdout_chain_tau": round(res["holdout_chain_tau"], 4),
            "holdout_tf_tau": round(res["holdout_tf_tau"], 4), "holdout_sequences": len(data.holdout_ids),
            **SHIPPED}
     state = read_state(cfg)
@@ -166,7 +168,8 @@ def _holdout_only(cfg: DictConfig) -> list:
 
 def curve_points(cfg: DictConfig) -> dict:
     """Per recipe, the scaling-curve points: the shipped baseline and every campaign run, as dicts with
-    ``response_tokens`` (regenerated tokens trained on), ``predictions`` (cumulative training predictions since
+    ``response_tokens`` (regenerated tokens trained on: the shipped data plus the shards a run used, since every
+    run continues from the shipped weights), ``predictions`` (cumulative training predictions since
     the shipped checkpoint, plus its own) and ``holdout_chain_tau`` (on the campaign's held-out set)."""
     state = read_state(cfg)
     m = read_manifest(Path(cfg.dir))
@@ -179,7 +182,8 @@ def curve_points(cfg: DictConfig) -> dict:
             preds += run["predictions"]
             if run.get("holdout_chain_tau") is None:
                 continue
-            pts.append({"label": f"{run['shards']} shards", "response_tokens": sum(per_shard[: run["shards"]]),
+            pts.append({"label": f"{run['shards']} shards",  # continued from the shipped weights: both data sets
+                        "response_tokens": base["response_tokens"] + sum(per_shard[: run["shards"]]),
                         "predictions": preds, "holdout_chain_tau": run["holdout_chain_tau"]})
         out[recipe] = pts
     return out
@@ -207,13 +211,13 @@ def plot_curve(cfg: DictConfig, path: Path) -> Path | None:
                            (axes[1], "predictions", "training predictions (cumulative)")):
         for recipe, pts in points.items():
             ax.plot([p[key] for p in pts], [p["holdout_chain_tau"] for p in pts], "o-", label=recipe)
-        if key == "response_tokens":
-            for recipe, pts in points.items():
-                x0, y0 = pts[0][key], pts[0]["holdout_chain_tau"]
-                xs = np.geomspace(x0, x0 * 64, 20)
-                for s, style in zip(PUBLISHED_SLOPES, (":", "--")):
-                    ax.plot(xs, y0 + s * np.log2(xs / x0), style, color="gray",
-                            label=f"+{s} tau per doubling (published)" if recipe == next(iter(points)) else None)
+        if key == "response_tokens":  # the published slopes, from the first recipe's shipped point
+            first = next(iter(points))
+            x0, y0 = points[first][0][key], points[first][0]["holdout_chain_tau"]
+            xs = np.geomspace(x0, x0 * 32, 20)
+            for s, style in zip(PUBLISHED_SLOPES, (":", "--")):
+                ax.plot(xs, y0 + s * np.log2(xs / x0), style, color="gray",
+                        label=f"+{s} tau per doubling (published), from {first}")
         ax.set_xscale("log")
         ax.set_xlabel(label)
         ax.set_ylabel("held-out chain tau (campaign held-out set)")
