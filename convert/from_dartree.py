@@ -21,11 +21,8 @@ import json
 import sys
 from pathlib import Path
 
-from safetensors import SafetensorError
-from safetensors.torch import load_file
-
 from dartree.convert.formats import EXPORT_FORMATS, FORMAT_PAIRS, export_config, published_name
-from dartree.models.checkpoint import CheckpointError, load_dartree, write_folder_atomically
+from dartree.models.checkpoint import CheckpointError, load_dartree, read_safetensors, write_folder_atomically
 
 
 def _ensure_exportable_destination(dest: Path) -> None:
@@ -68,10 +65,7 @@ def export(src: str | Path, out: str | Path, *, to: str, target=None) -> Path:
     # id: check_target_pairing, as to_dartree.py --target and load_dartree(target=...) do), for every layout
     config = load_dartree(src, target=target).config
     if to in FORMAT_PAIRS:  # a reader/writer pair of the format registry
-        try:
-            tensors = load_file(str(src / "model.safetensors"))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise CheckpointError(f"cannot read {src / 'model.safetensors'}: {exc} (truncated or not safetensors)") from exc
+        tensors = read_safetensors(src / "model.safetensors")
         published, mapped = FORMAT_PAIRS[to].write(config, tensors, target)
         write_folder_atomically(out, {"config.json": json.dumps(published, indent=2).encode(),
                                       "model.safetensors": {"tensors": mapped, "metadata": {"format": "pt"}}})
@@ -87,10 +81,7 @@ def export(src: str | Path, out: str | Path, *, to: str, target=None) -> Path:
                               "has none) and z-lab's DFlashDraftModel needs num_target_layers to load: pass --target "
                               "with the target's folder")
     published = export_config(config, to)
-    try:
-        tensors = load_file(str(src / "model.safetensors"))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {src / 'model.safetensors'}: {exc} (truncated or not safetensors)") from exc
+    tensors = read_safetensors(src / "model.safetensors")
     mapped = {published_name(k, to): v.contiguous() for k, v in tensors.items()}
     write_folder_atomically(
         out,

@@ -24,7 +24,6 @@ from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
 
 from dartree.convert.formats import (
     FORMAT_PAIRS,
@@ -43,6 +42,7 @@ from dartree.models.checkpoint import (
     ensure_replaceable,
     expected_tensors,
     load_dartree,
+    read_safetensors,
     write_dartree,
 )
 
@@ -102,10 +102,7 @@ def _read_tensors(src: Path) -> dict[str, torch.Tensor]:
     """
     tensors: dict[str, torch.Tensor] = {}
     for f in _weight_files(src):
-        try:
-            part = load_file(str(f))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise CheckpointError(f"cannot read {f}: {exc} (truncated or not safetensors)") from exc
+        part = read_safetensors(f)
         dup = sorted(set(part) & set(tensors))
         if dup:
             raise CheckpointError(f"{src}: tensor {dup[0]!r} is stored in two shards (again in {f.name})")

@@ -277,6 +277,19 @@ def check_target_pairing(config: dict, target) -> None:
         )
 
 
+def read_safetensors(path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """All tensors of one safetensors file, on the CPU in their stored dtypes, read the way every loader reads them
+    (eval, convert, export, training's ``init_from``).
+
+    Raises:
+        CheckpointError: the file is missing, unreadable, truncated or not safetensors; one line naming it.
+    """
+    try:
+        return load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot read {path}: {exc} (the file is truncated or not safetensors)") from exc
+
+
 def load_dartree(
     folder: str | os.PathLike, *, target=None, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
 ) -> DraftModel:
@@ -316,10 +329,7 @@ def load_dartree(
     if not same_value(version, FORMAT_VERSION):
         raise CheckpointError(f"{cfg_path}: format_version {typed(version, FORMAT_VERSION)} is not "
                               f"{typed(FORMAT_VERSION, version)} (write it as the JSON number {FORMAT_VERSION})")
-    try:
-        tensors = load_file(str(w_path))
-    except (SafetensorError, OSError, ValueError) as exc:
-        raise CheckpointError(f"cannot read {w_path}: {exc} (the file is truncated or not safetensors)") from exc
+    tensors = read_safetensors(w_path)
     drafter, head = build_from_config(config, cfg_path)
     if target is not None:
         check_target_pairing(config, target)

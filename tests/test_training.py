@@ -493,6 +493,24 @@ def test_init_from_dflash_drafter_with_frozen_backbone_trains_only_the_head(tmp_
         run(load_recipe(["recipe=tiny_dspark", f"output_dir={tmp_path / 'x'}", f"init_from={tmp_path / 'nope'}"]))
 
 
+def test_truncated_init_from_checkpoint_is_one_line(tmp_path):
+    """A truncated model.safetensors given as init_from ends in one line and exit status 2, as eval and convert
+    say it (it was an 18-line SafetensorError traceback)."""
+    from conftest import make_drafter, make_markov
+    from dartree.models.checkpoint import save_dartree
+    from dartree.models.target import tiny_target
+
+    src = save_dartree(tmp_path / "ckpt", make_drafter(), make_markov(), tiny_target().identity(), dtype=torch.float32)
+    weights = src / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    r = _train(["recipe=tiny_dspark", f"init_from={src}", f"output_dir={tmp_path / 'out'}"], tmp_path / "cache",
+               check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    errors = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and f"init_from={src}: cannot read {weights}" in errors[0]
+    assert "truncated or not safetensors" in errors[0]
+
+
 def test_loss_and_head_must_fit_together():
     with pytest.raises(RecipeError, match="loss.type 'domino' trains head.type"):
         load_recipe(["recipe=tiny_domino", "head.type=markov"])

@@ -475,7 +475,8 @@ def load_init(path: str, target: Target, cfg: DictConfig):
         RecipeError: the folder is not a drafter checkpoint, does not fit the target, or holds a different head
             type than the recipe trains (other than identity).
     """
-    from dartree.models.checkpoint import CheckpointError, build_from_config, check_target_pairing, load_strict
+    from dartree.models.checkpoint import (CheckpointError, build_from_config, check_target_pairing, load_strict,
+                                          read_safetensors)
 
     folder = Path(path)
     cfg_path = folder / "config.json"
@@ -497,9 +498,7 @@ def load_init(path: str, target: Target, cfg: DictConfig):
             config = {**config, "drafter": {**config["drafter"], **({"qk_norm": True} if add_qk else {}),
                                             **({"draft_vocab_size": 0} if full_vocab else {})}}
         drafter, head = build_from_config(config, cfg_path)
-        from safetensors.torch import load_file
-
-        tensors = load_file(str(folder / "model.safetensors"))
+        tensors = read_safetensors(folder / "model.safetensors")  # a truncated file: one line, as eval and convert
         prefix = "backbone." if fmt == "dartree" else "drafter."
         if add_conv:
             tensors = {**{prefix + k: v for k, v in drafter.state_dict().items() if "_conv." in k}, **tensors}
