@@ -209,6 +209,30 @@ def engine_runs(tmp_path_factory):
     return root, {"one": one, "two": two, "z3": z3}
 
 
+def test_resume_refuses_a_shorter_run_and_another_world_size_by_name(engine_runs):
+    """A state saved at step 4 resumed with train.max_steps=2 used to report success and keep the 4-step weights;
+    ZeRO state of 2 processes resumed by 1 used to die in a DeepSpeed traceback. Both are one-line recipe errors."""
+    from dartree.training.engine import check_resume_world, saved_world_size
+
+    root, _ = engine_runs
+    cache = root.parent / "cache-resume"
+    short = _train(["recipe=tiny_dspark", "train.max_steps=2", "train.seqs_per_step=4", f"output_dir={root / 'one'}",
+                    "resume=true"], cache, check=False)
+    assert short.returncode == 2 and "Traceback" not in short.stderr, short.stderr[-2000:]
+    assert "saved at step 4 but this run ends at step 2 (train.max_steps=2)" in short.stderr
+    assert json.loads((root / "one" / "summary.json").read_text())["total_steps_planned"] == 4  # nothing rewritten
+    # the ZeRO-3 state of the 2-process run holds one optimiser partition per process; ZeRO-0 state holds none
+    assert saved_world_size(root / "z3") == 2 and saved_world_size(root / "one") is None
+    check_resume_world(root / "z3", 2)
+    check_resume_world(root / "one", 2)
+    with pytest.raises(ValueError, match="partitioned over 2 processes but this run has 1"):
+        check_resume_world(root / "z3", 1)
+    alone = _train(["recipe=tiny_dspark", "train.max_steps=4", "train.seqs_per_step=4", "deepspeed.zero_stage=3",
+                    f"output_dir={root / 'z3'}", "resume=true"], cache, check=False)
+    assert alone.returncode == 2 and "Traceback" not in alone.stderr, alone.stderr[-2000:]
+    assert "partitioned over 2 processes but this run has 1" in alone.stderr
+
+
 def _build_dir(root, name, age_s, files=("lock", "build.ninja", "op.so"), fresh=()):
     """A JIT-extension build directory whose ``files`` were last changed ``age_s`` seconds ago and ``fresh`` now."""
     d = root / name

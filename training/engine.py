@@ -288,6 +288,28 @@ def check_resumable(out_dir: Path, recipe: dict) -> None:
                          f"{', ...' if len(diff) > 4 else ''}); use the same settings, or a new output_dir")
 
 
+def saved_world_size(out_dir: Path) -> int | None:
+    """Number of processes whose ZeRO-partitioned optimiser state ``out_dir/resume`` holds (DeepSpeed writes one
+    ``[bf16_]zero_pp_rank_<r>_mp_rank_00_optim_states.pt`` per data-parallel rank under ZeRO >= 1), or None when it
+    holds none: ZeRO stage 0 saves whole tensors, which any number of processes loads."""
+    files = list((out_dir / RESUME_DIR / RESUME_TAG).glob("*zero_pp_rank_*_optim_states.pt"))
+    return len(files) or None
+
+
+def check_resume_world(out_dir: Path, world: int) -> None:
+    """Refuse to resume ZeRO-partitioned state (:func:`saved_world_size`) under another number of processes, before
+    DeepSpeed tries to load it (it fails deep inside ``load_checkpoint`` with a traceback).
+
+    Raises:
+        ValueError: one line naming both process counts and the two ways out.
+    """
+    saved = saved_world_size(out_dir)
+    if saved is not None and saved != world:
+        raise ValueError(f"resume=true: {out_dir / RESUME_DIR} holds ZeRO optimiser state partitioned over {saved} "
+                         f"processes but this run has {world}; DeepSpeed cannot re-partition it: resume with {saved} "
+                         f"processes (torchrun --nproc_per_node {saved} training/train.py ...), or use a new output_dir")
+
+
 def save_resume(engine, out_dir: Path, client_state: dict, recipe: dict | None = None) -> Path:
     """Write the resumable state atomically to ``out_dir/resume`` (all ranks call; see the module docstring);
     ``recipe`` (the run's resolved recipe) is stored beside it for :func:`check_resumable`."""

@@ -522,11 +522,30 @@ def load_init(path: str, target: Target, cfg: DictConfig):
     return drafter.float(), head.float()
 
 
+def check_resume_length(saved_step: int, total: int, cfg: DictConfig, out_dir: Path) -> None:
+    """Refuse to resume a state saved at a step past this run's last step: the loop would not run, and the longer
+    run's weights would be written and reported as this run's.
+
+    Args:
+        saved_step: the step the resumable state was saved at. total: this run's planned steps.
+    Raises:
+        RecipeError: one line naming both steps, the setting that gave ``total`` and the fix.
+    """
+    if saved_step <= total:
+        return
+    why = (f"train.max_steps={cfg.train.max_steps}" if cfg.train.max_steps
+           else f"train.epochs={cfg.train.epochs} gives {total} steps")
+    raise RecipeError(f"resume=true: {out_dir / 'resume'} was saved at step {saved_step} but this run ends at step "
+                      f"{total} ({why}); resuming would report the longer run as this one: set train.max_steps to "
+                      f"{saved_step} or more, or use a new output_dir")
+
+
 def run(cfg: DictConfig) -> dict:
     """Run a recipe end to end on every rank; returns a summary dict (rank 0 also writes
     ``<output_dir>/summary.json``, ``acceptance.json`` and the checkpoint)."""
     from dartree.training.engine import (
         check_resumable,
+        check_resume_world,
         ds_config,
         full_state_dict,
         gathered,
@@ -548,8 +567,14 @@ def run(cfg: DictConfig) -> dict:
     if cfg.train.seqs_per_step % world:
         raise RecipeError(f"train.seqs_per_step={cfg.train.seqs_per_step} must be a multiple of the number of "
                           f"processes ({world})")
-    torch.manual_seed(cfg.seed)
     out_dir = Path(cfg.output_dir)
+    if cfg.resume:  # before any work: a saved state this run cannot continue is refused by name
+        try:
+            check_resumable(out_dir, OmegaConf.to_container(cfg))
+            check_resume_world(out_dir, world)
+        except ValueError as exc:
+            raise RecipeError(str(exc)) from None
+    torch.manual_seed(cfg.seed)
     target = load_recipe_target(cfg.target.path, _dtype(cfg.target.dtype))
     check_against_target(cfg, target)  # layer ids, mask id, vocabulary sizes: before the data stage
     if cfg.init_from:
@@ -636,10 +661,6 @@ def run(cfg: DictConfig) -> dict:
     seen: set[int] = set()  # distinct training sequences visited
     seen_tokens = 0
     if cfg.resume:
-        try:
-            check_resumable(out_dir, OmegaConf.to_container(cfg))
-        except ValueError as exc:
-            raise RecipeError(str(exc)) from None
         client = load_resume(engine, out_dir)
         if client is None:
             if main_rank:
@@ -649,6 +670,7 @@ def run(cfg: DictConfig) -> dict:
             acc_ema = torch.tensor(client["acc_ema"]) if client.get("acc_ema") is not None else None
             curve, seen = list(client.get("curve", [])), set(client.get("seen", []))
             seen_tokens = int(client.get("seen_tokens", 0))
+            check_resume_length(step, total, cfg, out_dir)
             if main_rank:
                 print(f"resumed {out_dir / 'resume'} at step {step}/{total}", flush=True)
     wb = None
