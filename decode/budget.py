@@ -18,12 +18,27 @@ over-trusts the confident nodes and under-trusts the doubtful ones when the draf
 uniform (a reliability diagram, Guo et al. 2017, "On Calibration of Modern Neural Networks").
 
 Before drafting, the round is skipped for a plain AR step (no draft, no tree) when even an optimistic estimate of
-the drafted rounds' rate is below AR's: tokens the target accepted per second of the rounds as the loop timed them
+the drafted rounds' rate is below AR's: tokens the target accepted per AR step of the rounds as the loop timed them
 (draft to commit), a discounted mean over about the last 100 rounds plus one standard error (discounted UCB,
 Garivier & Moulines 2011), against the 1-token forwards the loop timed over the same rounds (one plain AR step
-after every :data:`ANCHOR_EVERY` drafted rounds keeps them current). While drafting pays, the bound is above AR and every round drafts; while it does not, skipped
-rounds discount the drafted rounds' weight, the standard error grows, and a probe round drafts again (rarely when
-drafting loses by far, often when it loses narrowly). The tokens are those the target accepted, not the calibrated
+after every :data:`ANCHOR_EVERY` drafted rounds keeps them current). Every round's seconds count in AR steps of its
+own moment (seconds / t_verify(1), the calibrated 1-token forward times the online scale :attr:`CostModel.speed`,
+which every verify forward moves), so a drafted round timed in a slow minute is set against AR steps of that
+minute, not against AR steps timed minutes earlier or later. While drafting pays, the bound is above AR and every
+round drafts; while it does not, skipped rounds discount the drafted rounds' weight, the standard error grows, and a
+probe round drafts again (rarely when drafting loses by far, often when it loses narrowly); a probe verifies at
+least one node even where :meth:`CostModel.choose` would keep none, since a probe that verifies nothing measures
+only the draft's cost and teaches the acceptance calibration nothing.
+
+Why (issue 29): on a shared VM whose one-token step went from 34 ms at calibration to 80 ms later in the run, chain
+chose B = 0 in 2,457 of about 2,830 rounds where a quiet run of the same drafter gained 1.3x. Replaying the earlier
+rule on a fake clock (tests/test_decode_speed.py) showed three ways a slowdown biased it: each verify size's shape
+correction absorbed about a third of the slowdown at the sizes in use (no 1-token forward was timed beside them), so
+the budgets stayed different from a quiet run's for the rest of the run; drafted rounds timed in a slow stretch were
+compared in seconds with AR steps timed after it; and once a probe's choice fell to 0 nodes, nothing it did could
+raise the calibration again. Over 24 simulated drafter / verify-curve settings with slow stretches of 2-3x the
+rule below kept its choices identical to a quiet run's under a 2.35x or 4x slowdown, and gained 1.34x over AR on
+average where the earlier one gained 1.29x (worst setting 0.973x against 0.949x). The tokens are those the target accepted, not the calibrated
 promise: the calibration pools every context, so where the drafter does worse than on average it promises too
 much. A round barely predicts the next one: with the packaged drafter the next round accepted 0.59 drafts on average
 after a round that accepted none and 0.64 after one that accepted some, and 0.63-0.68 whatever the target's own
@@ -78,9 +93,15 @@ SD_PRIOR, SD_PRIOR_ROUNDS = 1.0, 2.0
 # its 9-token one) made 4-node chain rounds look free: 0.90x AR, paired, on MT-Bench. Costs at most 1/16 of
 # drafting's gain.
 ANCHOR_EVERY = 16
-# EMA weight of the per-size correction of the calibrated verify curve (observe_verify): slower than the scale, so a
-# drift of the machine's speed mostly moves the scale and a persistent in-loop cost moves the size's correction
-SHAPE_EMA = 0.05
+# EMA weight of the per-size correction of the calibrated verify curve (observe_verify), per pair of consecutive
+# verifies of 1 and of T > 1 tokens: the pair's ratio t(T) / t(1) is free of the machine's speed, so a slowdown moves
+# only the scale; learning each size's correction from every verify instead (its residual after the scale's update)
+# let a slowdown inflate the sizes the loop was verifying by about a third of it, and the policy then verified
+# smaller trees, or none, long after the machine had calmed (simulated; tests/test_decode_speed.py)
+SHAPE_EMA = 0.1
+# A pair's residual ratio is clipped to [1 / PAIR_CLIP, PAIR_CLIP]: a pair that straddles a jump of the machine's speed
+# (a 1-token forward in a slow stretch, the T-token verify right after it calmed) says nothing about the curve's shape
+PAIR_CLIP = 1.5
 
 
 def _pav(values: list[float], weights: list[float]) -> list[float]:
@@ -114,21 +135,24 @@ class CostModel:
             and how many of them were accepted (for the per-bin calibration ``c(p)``).
         lookup: acceptance by position of grafted prompt-lookup chains (:mod:`dartree.decode.lookup`); their
             nodes' scores are already these estimates and skip ``c(p)``.
-        draft_n, draft_tok, draft_tok2, draft_s: discounted sums (factor :data:`DRAFT_DISCOUNT` per round, skipped
-            rounds included) over the drafted rounds of 1, the tokens committed, their square and their seconds
-            (measured by the loop, draft to commit; modelled when the caller gives none); :attr:`spec_rate` is
-            draft_tok / draft_s.
-        undrafted_n, undrafted_tok, undrafted_s: the same for rounds without the drafter (a lookup chain alone, or
-            a plain AR step when the lookup found nothing); unused without lookup.
-        ar_n, ar_s: discounted count and seconds of the 1-token verify forwards the loop timed (plain AR steps and
-            drafted rounds that kept no node): AR's rate now is ar_n / ar_s.
+        draft_n, draft_tok, draft_tok2, draft_s, draft_u: discounted sums (factor :data:`DRAFT_DISCOUNT` per round,
+            skipped rounds included) over the drafted rounds of 1, the tokens committed, their square, their seconds
+            (measured by the loop, draft to commit; modelled when the caller gives none) and the same seconds in AR
+            steps of their moment (each divided by :meth:`verify_time` (1) when it was recorded); :attr:`spec_rate`
+            is draft_tok / draft_s, :meth:`should_draft` reads draft_tok / draft_u.
+        undrafted_n, undrafted_tok, undrafted_s, undrafted_u: the same for rounds without the drafter (a lookup chain
+            alone, or a plain AR step when the lookup found nothing); unused without lookup.
+        ar_n, ar_s, ar_u: discounted count, seconds and AR steps of their moment of the 1-token verify forwards the
+            loop timed (plain AR steps and drafted rounds that kept no node): AR's rate now is ar_n / ar_s tokens
+            per second, ar_n / ar_u per AR step (1 when the calibrated curve's shape is right).
         since_anchor: drafted rounds since the last round without the drafter or 1-token forward
             (:data:`ANCHOR_EVERY`).
         chosen: histogram {B: rounds} of the budgets chosen (0: AR step), for reports.
         speed: online scale of the calibrated verify curve (EMA of measured / calibrated verify seconds,
             :meth:`observe_verify`); ``t_draft`` follows the measured drafts the same way (:meth:`observe_draft`).
-        shape: {calibrated size T: correction} learnt in the loop for sizes T > 1 (:meth:`observe_verify`).
-            ``t_ar`` stays the start-up figure; decisions use ``verify_time(1)``.
+        shape: {calibrated size T: correction} learnt in the loop for sizes T > 1 from consecutive 1-token and
+            T-token verifies (:meth:`observe_verify`). ``t_ar`` stays the start-up figure; decisions use
+            ``verify_time(1)``.
     """
 
     t_ar: float
@@ -146,17 +170,23 @@ class CostModel:
     draft_tok: float = 0.0
     draft_tok2: float = 0.0
     draft_s: float = 0.0
+    draft_u: float = 0.0
     undrafted_n: float = 0.0
     undrafted_tok: float = 0.0
     undrafted_s: float = 0.0
+    undrafted_u: float = 0.0
     ar_n: float = 0.0
     ar_s: float = 0.0
+    ar_u: float = 0.0
     since_anchor: int = 0
     chosen: dict = field(default_factory=dict)
     speed: float = 1.0
     shape: dict = field(default_factory=dict)
     _pts: list | None = field(default=None, repr=False, compare=False)
     _pending: tuple | None = field(default=None, repr=False, compare=False)
+    _last_verify: tuple | None = field(default=None, repr=False, compare=False)
+    _probe: bool = field(default=False, repr=False, compare=False)
+    _lost: bool = field(default=False, repr=False, compare=False)
 
     @property
     def spec_rate(self) -> float | None:
@@ -174,16 +204,21 @@ class CostModel:
         1 / :meth:`verify_time` (1) before any."""
         return self.ar_n / self.ar_s if self.ar_n > 0 and self.ar_s > 0 else 1.0 / self.verify_time(1)
 
-    def draft_bound(self) -> float | None:
-        """Upper confidence bound of :attr:`spec_rate`: (mean tokens + :data:`UCB_Z` standard errors) over the mean
-        seconds of a drafted round, the standard deviation shrunk towards :data:`SD_PRIOR`; None before any."""
+    def draft_bound(self, per_ar_step: bool = False) -> float | None:
+        """Upper confidence bound of the drafted rounds' rate: (mean tokens + :data:`UCB_Z` standard errors) over the
+        mean cost of a drafted round, the standard deviation shrunk towards :data:`SD_PRIOR`; None before any.
+
+        Args:
+            per_ar_step: False: tokens per second (the bound of :attr:`spec_rate`); True: tokens per AR step of
+                each round's own moment (``draft_u``), what :meth:`should_draft` compares.
+        """
         n = self.draft_n
         if n <= 0:
             return None
         mean = self.draft_tok / n
         var = max(self.draft_tok2 / n - mean * mean, 0.0)
         sd = ((var * n + SD_PRIOR ** 2 * SD_PRIOR_ROUNDS) / (n + SD_PRIOR_ROUNDS)) ** 0.5
-        return (mean + UCB_Z * sd / n ** 0.5) / (self.draft_s / n)
+        return (mean + UCB_Z * sd / n ** 0.5) / ((self.draft_u if per_ar_step else self.draft_s) / n)
 
     def _knots(self) -> list[tuple[int, float]]:
         """The calibrated sizes with their times corrected by :attr:`shape`, made non-decreasing in T (cached:
@@ -210,28 +245,44 @@ class CostModel:
         return self.speed * (s1 + (s1 - s0) * (tokens - t1) / (t1 - t0))
 
     def observe_verify(self, tokens: int, seconds: float) -> None:
-        """Fold one timed verify stage of ``tokens`` tree tokens (root included) into the model.
+        """Fold one timed verify stage of ``tokens`` tree tokens (root included), ``seconds`` long, into the model.
 
         The residual r = measured / predicted updates :attr:`speed` (EMA weight :data:`SPEED_EMA`): on a shared VM
         the same forward drifts by 10-50% within minutes, and a calibration taken in a slow minute made every later
-        draft look cheap (a make run at 0.83x on one data set). For T > 1 the residual left after that also
-        updates, more slowly (:data:`SHAPE_EMA`), the correction of the calibrated size at or below T
-        (:attr:`shape`; T = 1 is the reference and keeps 1): in a bf16 make run the loop's 9-token verify stage
-        cost about 1.4-1.8 AR steps where start-up calibration measured 1.12, so the policy kept verifying 8-node
-        trees that did not pay (0.89x on one data set)."""
+        draft look cheap (a make run at 0.83x on one data set). A 1-token forward is also an AR step of this moment
+        (``ar_n``, ``ar_s``, ``ar_u``). The shape of the curve is learnt from pairs (:meth:`_learn_shape`): in a
+        bf16 make run the loop's 9-token verify stage cost about 1.4-1.8 AR steps where start-up calibration
+        measured 1.12, so the policy kept verifying 8-node trees that did not pay (0.89x on one data set)."""
         if seconds <= 0:
             return
+        ratio = seconds / max(self.verify_time(tokens), 1e-12)
+        self.speed *= 1.0 + SPEED_EMA * (ratio - 1.0)
         if tokens == 1:  # a plain AR step's forward (or a drafted round that kept no node): what AR costs now
             self.ar_n += 1.0
             self.ar_s += seconds
+            self.ar_u += seconds / self.verify_time(1)
             self.since_anchor = 0
-        ratio = seconds / max(self.verify_time(tokens), 1e-12)
-        self.speed *= 1.0 + SPEED_EMA * (ratio - 1.0)
-        knot = max((t for t in self.verify_s if t <= tokens), default=1)
+        self._learn_shape(tokens, seconds)
+
+    def _learn_shape(self, tokens: int, seconds: float) -> None:
+        """Update the correction of the calibrated size at or below T (:attr:`shape`, weight :data:`SHAPE_EMA`) from
+        a verify of T > 1 tokens and a 1-token forward timed one right after the other (either order): their ratio
+        t(T) / t(1) against the modelled one, which no change of the machine's speed moves (T = 1 is the reference
+        and keeps 1). Other consecutive pairs, and the first verify after :meth:`mark_gap`, teach nothing."""
+        prev, self._last_verify = self._last_verify, (tokens, seconds)
+        if prev is None or (prev[0] == 1) == (tokens == 1):
+            return
+        (big, s_big), (_, s_one) = sorted([prev, (tokens, seconds)], reverse=True)
+        knot = max((t for t in self.verify_s if t <= big), default=1)
         if knot > 1:
-            left = seconds / max(self.verify_time(tokens), 1e-12)
-            self.shape[knot] = self.shape.get(knot, 1.0) * (1.0 + SHAPE_EMA * (left - 1.0))
+            residual = min(max((s_big / s_one) / (self.verify_time(big) / self.verify_time(1)), 1 / PAIR_CLIP), PAIR_CLIP)
+            self.shape[knot] = self.shape.get(knot, 1.0) * (1.0 + SHAPE_EMA * (residual - 1.0))
             self._pts = None
+
+    def mark_gap(self) -> None:
+        """Say that the next verify does not follow the last one in time (a new decode: a prefill, and maybe other
+        methods' decodes, came between), so :meth:`_learn_shape` does not pair them."""
+        self._last_verify = None
 
     def observe_draft(self, seconds: float) -> None:
         """Fold one timed draft stage into ``t_draft`` (EMA, weight :data:`SPEED_EMA`), so the draft cost follows
@@ -284,17 +335,22 @@ class CostModel:
     def should_draft(self) -> bool:
         """Whether this round drafts (False: a plain AR step, or a lookup chain alone): True while the upper
         confidence bound of the drafted rounds' rate (:meth:`draft_bound`) is at least the rate of the alternative
-        (:attr:`ar_rate`, or the undrafted lookup rounds' rate, whichever is higher), and before any drafted round,
-        except that after :data:`ANCHOR_EVERY` drafted rounds in a row one round skips the drafter, so that AR's
-        cost is measured now. Every call discounts the statistics by :data:`DRAFT_DISCOUNT` (discounted UCB,
-        Garivier & Moulines 2011)."""
-        alternative = max(self.ar_rate, self.undrafted_rate or 0.0)
-        bound = self.draft_bound()
-        for name in ("draft_n", "draft_tok", "draft_tok2", "draft_s", "undrafted_n", "undrafted_tok", "undrafted_s",
-                     "ar_n", "ar_s"):
+        (the timed 1-token forwards, or the undrafted lookup rounds, whichever is higher), and before any drafted
+        round, except that after :data:`ANCHOR_EVERY` drafted rounds in a row one round skips the drafter, so that
+        AR's cost is measured now. All three rates are tokens per AR step of each round's own moment, so a change
+        of the machine's speed between the rounds compared does not decide. Every call discounts the statistics by
+        :data:`DRAFT_DISCOUNT` (discounted UCB, Garivier & Moulines 2011)."""
+        ar = self.ar_n / self.ar_u if self.ar_n > 0 and self.ar_u > 0 else 1.0
+        lookup = self.undrafted_tok / self.undrafted_u if self.undrafted_n > 0 and self.undrafted_u > 0 else 0.0
+        alternative = max(ar, lookup)
+        bound = self.draft_bound(per_ar_step=True)
+        for name in ("draft_n", "draft_tok", "draft_tok2", "draft_s", "draft_u", "undrafted_n", "undrafted_tok",
+                     "undrafted_s", "undrafted_u", "ar_n", "ar_s", "ar_u"):
             setattr(self, name, getattr(self, name) * DRAFT_DISCOUNT)
-        draft = (bound is None or bound >= alternative) and self.since_anchor < ANCHOR_EVERY
+        wins = bound is None or bound >= alternative
+        draft = wins and self.since_anchor < ANCHOR_EVERY
         self.since_anchor = self.since_anchor + 1 if draft else 0
+        self._probe, self._lost = draft and self._lost, not wins
         return draft
 
     def choose(self, tree: Tree, beta: float = 0.0, chain_pos: torch.Tensor | None = None,
@@ -310,9 +366,11 @@ class CostModel:
                 towards the drafted rounds' rate (:meth:`should_draft`). The round's outcome waits for
                 :meth:`record`, which adds its tokens and seconds to that rate.
         Returns:
-            (b*, the expected committed tokens of that tree, calibrated).
+            (b*, the expected committed tokens of that tree, calibrated); b* >= 1 in a probe (the first drafted round
+            after :meth:`should_draft` found drafting behind), so that it measures what drafting accepts now.
         """
         m = tree.size
+        lo, self._probe = int(drafted and self._probe and m > 0), False
         if m == 0:
             self._pending = (drafted, (self.t_draft + self.t_build if drafted else 0.0) + self.verify_time(1))
             return 0, 1.0
@@ -327,7 +385,7 @@ class CostModel:
         for b in range(1, m + 1):
             exp_tok = 1.0 + float(gain[b - 1])
             rate = exp_tok / self.verify_time(b + 1)
-            if rate > best_rate:
+            if rate > best_rate or b == lo:
                 best_b, best_rate, best_exp = b, rate, exp_tok
         # the modelled seconds of this round, draft and build included for a drafted one: :meth:`record` adds them
         # (or the round's measured seconds) with the tokens it really committed to the sums should_draft reads
@@ -343,15 +401,18 @@ class CostModel:
         self._pending = None
         if seconds is not None and seconds > 0:
             sec = seconds
+        steps = sec / self.verify_time(1)  # in AR steps of this moment
         if drafted:
             self.draft_n += 1.0
             self.draft_tok += tokens
             self.draft_tok2 += tokens * tokens
             self.draft_s += sec
+            self.draft_u += steps
         else:
             self.undrafted_n += 1.0
             self.undrafted_tok += tokens
             self.undrafted_s += sec
+            self.undrafted_u += steps
 
     def record(self, tree: Tree, accepted: torch.Tensor, chain_pos: torch.Tensor | None = None,
                ngram: int = 0, seconds: float | None = None) -> None:
@@ -365,7 +426,9 @@ class CostModel:
                 (:class:`~dartree.decode.verify.Verification`).
             chain_pos: [M] int64 lookup chain position per node (0: a drafter node), or None.
             ngram: the matched n-gram size of the round's lookup chain (0: none).
-            seconds: the round's measured wall time, draft to commit (None: the modelled time of :meth:`choose`).
+            seconds: the round's measured wall time, draft to commit (None: the modelled time of :meth:`choose`);
+                it counts in AR steps of the model's :meth:`verify_time` (1) now, so call :meth:`observe_verify`
+                with the round's verify first.
         """
         m = tree.size
         self.chosen[m] = self.chosen.get(m, 0) + 1
@@ -398,6 +461,7 @@ class CostModel:
                 "verify_ms": {int(t): 1000 * s for t, s in sorted(self.verify_s.items())},
                 "calibration": self.calibration, "max_budget": self.max_budget,
                 "drafted_rate_per_s": self.spec_rate, "undrafted_rate_per_s": self.undrafted_rate,
+                "drafted_tokens_per_ar_step": self.draft_tok / self.draft_u if self.draft_u > 0 else None,
                 "calibration_bins": {"edges": list(PROB_BINS[:-1]) + [1.0], "nodes": [int(n) for n in self.bin_n],
                                      "predicted": self.bin_pred, "accepted": self.bin_real},
                 "chosen_budgets": {int(b): n for b, n in sorted(self.chosen.items())},

@@ -320,6 +320,7 @@ def speculative_generate(
         cm = cost_model if cost_model is not None else calibrate(target, drafter, prompt_ids)
         budget = cm.max_budget
         beta = float(params.get("beta", -0.2)) if builder in BETA_BUILDERS else 0.0
+        cm.mark_gap()  # this decode's first verify does not follow the last one the model saw
     else:
         budget = drafter.cfg.num_proposals if budget is None else int(budget)
     cache = target.new_cache()
@@ -398,11 +399,11 @@ def speculative_generate(
         anchor = ver.bonus_id
         pending.append(ver.features)
         te = time.perf_counter()
-        if auto:  # the machine's speed drifts: the cost model follows the stages it just timed
-            cm.record(tree, ver.accepted, chain_pos if lookup else None, ngram, seconds=te - ta)
-            cm.observe_verify(tree.size + 1, td - tc2)
+        if auto:  # the machine's speed drifts: the cost model follows the stages it just timed, then counts the
+            cm.observe_verify(tree.size + 1, td - tc2)  # round's seconds in AR steps of this moment
             if drafted:
                 cm.observe_draft(tb - ta)
+            cm.record(tree, ver.accepted, chain_pos if lookup else None, ngram, seconds=te - ta)
         st["draft"] += tb - ta
         st["tree_build"] += tc - tb
         st["tree_compile"] += tc2 - tc
