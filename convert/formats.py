@@ -36,6 +36,7 @@ Both transformers config layouts are read: ``rope_theta`` at the top level (tran
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 
 from dartree.models.checkpoint import FORMAT, CheckpointError
@@ -394,7 +395,32 @@ def parse_config(config: dict, fmt: str, where, target=None) -> Parsed:
     dropped = {"embed_tokens.weight": (vocab, d), "lm_head.weight": (vocab, d)} if fmt == "deepspec-dspark" else {}
     target = {"name": config.get("_name_or_path") or f"(unknown; {fmt} source)", "vocab_size": vocab,
               "hidden_size": d, "num_layers": config.get("num_target_layers")}
+    if config.get("max_position_embeddings") is not None:  # the context the publisher wrote: an export writes it back
+        target["max_position_embeddings"] = field(config["max_position_embeddings"], "max_position_embeddings", where)
     return Parsed(drafter, head, target, dropped)
+
+
+def with_target_context(config: dict, target=None) -> dict:
+    """``config`` (a dartree checkpoint config) with ``target.max_position_embeddings`` set to ``target``'s context
+    length when a target with one is given (the target's own figure wins over a recorded one); else unchanged."""
+    ctx = getattr(getattr(target, "config", None), "max_position_embeddings", None)
+    if ctx is None:
+        return config
+    return {**config, "target": {**(config.get("target") or {}), "max_position_embeddings": int(ctx)}}
+
+
+def context_length(config: dict) -> int | None:
+    """The target's context length in tokens that an export writes as ``max_position_embeddings``: the one the
+    checkpoint records (``target.max_position_embeddings``, written since training and conversion record it), or
+    None, with a warning, for an older checkpoint that records none (the loader's default then applies, 32,768
+    for Qwen3 layers; export with ``--target`` to write the target's)."""
+    ctx = (config.get("target") or {}).get("max_position_embeddings")
+    if ctx is None:
+        warnings.warn("the checkpoint records no target context length (target.max_position_embeddings), so the "
+                      "export leaves max_position_embeddings out and loaders take their default (32768 for Qwen3 "
+                      "layers); pass --target with the target's folder to write its own", UserWarning, stacklevel=3)
+        return None
+    return int(ctx)
 
 
 def detect(config: dict, tensor_names: set[str]) -> tuple[str, str]:
@@ -494,6 +520,9 @@ def export_config(config: dict, fmt: str) -> dict:
     }
     if tgt.get("num_layers") is not None:
         out["num_target_layers"] = tgt["num_layers"]
+    ctx = context_length(config)
+    if ctx is not None:
+        out["max_position_embeddings"] = ctx
     if tgt.get("name"):
         out["_name_or_path"] = tgt["name"]
     dc = out["dflash_config"]

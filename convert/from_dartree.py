@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from dartree.convert.formats import EXPORT_FORMATS, FORMAT_PAIRS, export_config, published_name
+from dartree.convert.formats import EXPORT_FORMATS, FORMAT_PAIRS, export_config, published_name, with_target_context
 from dartree.models.checkpoint import CheckpointError, load_dartree, read_safetensors, write_folder_atomically
 
 
@@ -63,7 +63,7 @@ def export(src: str | Path, out: str | Path, *, to: str, target=None) -> Path:
     _ensure_exportable_destination(out)
     # strict: format, version, names, shapes; with a target, the pairing too (vocab, hidden size, layer ids, mask
     # id: check_target_pairing, as to_dartree.py --target and load_dartree(target=...) do), for every layout
-    config = load_dartree(src, target=target).config
+    config = with_target_context(load_dartree(src, target=target).config, target)  # the context length to write
     if to in FORMAT_PAIRS:  # a reader/writer pair of the format registry
         tensors = read_safetensors(src / "model.safetensors")
         published, mapped = FORMAT_PAIRS[to].write(config, tensors, target)

@@ -33,6 +33,7 @@ from dartree.convert.formats import (
     parse_config,
     published_name,
     strip_legacy,
+    with_target_context,
 )
 from dartree.models.checkpoint import (
     CheckpointError,
@@ -247,6 +248,7 @@ def convert(
     dconfig, tensors = READERS[fmt](src, config, target=target)
     if target is not None:
         check_target_pairing(dconfig, target)
+        dconfig = with_target_context(dconfig, target)  # recorded, so an export writes the target's context length
     if dtype is None and fmt == "dartree-train":
         dtype = torch.bfloat16
     if dtype is not None:

@@ -178,7 +178,8 @@ def read(config: dict, given: dict, where, target=None) -> tuple[dict, dict]:
         raise CheckpointError(f"{cfg_path}: a confidence head without a Markov head (markov_rank 0) is not supported "
                               "by dartree")
     ident = {"name": (v.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") or "(unknown; speculators source)",
-             "vocab_size": vocab, "hidden_size": drafter["hidden_size"], "num_layers": None}
+             "vocab_size": vocab, "hidden_size": drafter["hidden_size"], "num_layers": None,
+             **{k: v for k, v in parsed.target.items() if k == "max_position_embeddings"}}
     out = dartree_config(drafter, head, ident, {"source_format": NAME, "source": str(where),
                                                 "speculators_model_type": kind})
     want = expected_tensors(out, cfg_path)
@@ -281,6 +282,9 @@ def write(config: dict, tensors: dict, target=None) -> tuple[dict, dict]:
           "rms_norm_eps": d["rms_norm_eps"], "rope_theta": d["rope_theta"], "attention_bias": False,
           "hidden_act": "silu", "tie_word_embeddings": False, "use_sliding_window": False,
           "layer_types": ["full_attention"] * d["num_layers"]}
+    ctx = F.context_length(config)
+    if ctx is not None:
+        tl["max_position_embeddings"] = ctx
     out = {
         "speculators_model_type": kind, "architectures": [_TYPES[kind]], "transformer_layer_config": tl,
         "draft_vocab_size": n_draft, "block_size": block,

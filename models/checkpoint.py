@@ -5,7 +5,8 @@ config.json::
     {"format": "dartree", "format_version": 1,
      "drafter": {DrafterConfig fields},
      "head": {"type": "markov", "vocab_size": V, "rank": R},
-     "target": {"name": ..., "vocab_size": V, "hidden_size": D, "num_layers": n},
+     "target": {"name": ..., "vocab_size": V, "hidden_size": D, "num_layers": n,
+                "max_position_embeddings": context length in tokens (recorded since issue 29; exports write it)},
      "provenance": {...free-form: how it was made}}
 
 Tensors: ``backbone.<DFlashDrafter parameter>`` and ``head.<head parameter>`` (names in checkpoints/README.md).
@@ -133,7 +134,8 @@ def dartree_config(drafter_cfg: dict, head_cfg: dict, target_identity: dict, pro
 
     Args:
         drafter_cfg: :class:`DrafterConfig` fields. head_cfg: ``{"type": ..., **hparams}``.
-        target_identity: ``name``, ``vocab_size``, ``hidden_size``, ``num_layers`` of the target.
+        target_identity: ``name``, ``vocab_size``, ``hidden_size``, ``num_layers`` of the target, and its context
+            length ``max_position_embeddings`` where known (:meth:`~dartree.models.target.Target.identity`).
         provenance: free-form record of how the checkpoint was made.
     """
     drafter = dict(drafter_cfg)

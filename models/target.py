@@ -180,13 +180,13 @@ class Target:
         return self.model.lm_head
 
     def identity(self) -> dict:
-        """Return the pairing facts a drafter checkpoint records: name, vocab size, hidden size, number of layers."""
-        return {
-            "name": self.name,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_layers": self.num_layers,
-        }
+        """Return the pairing facts a drafter checkpoint records: name, vocab size, hidden size, number of layers,
+        and the context length in tokens (``max_position_embeddings``, when the config has one), which exports
+        write into the published config (:func:`dartree.convert.formats.context_length`)."""
+        ident = {"name": self.name, "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
+                 "num_layers": self.num_layers}
+        ctx = getattr(self.config, "max_position_embeddings", None)
+        return ident if ctx is None else {**ident, "max_position_embeddings": int(ctx)}
 
     # ---- capture --------------------------------------------------------------------------------------
     def set_layer_ids(self, layer_ids: Sequence[int]) -> None:

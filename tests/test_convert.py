@@ -379,6 +379,35 @@ def test_trained_here_export_and_reimport_is_unchanged(tmp_path, target, fmt):
     assert json.loads((exported / "config.json").read_text())["architectures"]
 
 
+@pytest.mark.parametrize("fmt", ["zlab-dflash", "speculators"])
+def test_export_carries_the_targets_context_length(tmp_path, fmt):
+    """A drafter trained for a 131,072-token target exports with max_position_embeddings 131072 (it was left out,
+    so loaders took Qwen3's default, 32,768): training records the target's context length in the checkpoint's
+    target section, exports write it, conversion reads it back. A checkpoint written before it was recorded still
+    loads and exports, with a warning, and ``--target`` supplies the figure."""
+    from dartree.models.heads import IdentityHead
+
+    target = tiny_target()
+    target.model.config.max_position_embeddings = 131072
+    dt = _trained_here(tmp_path, target, IdentityHead(), 1)
+    assert json.loads((dt / "config.json").read_text())["target"]["max_position_embeddings"] == 131072
+
+    def written(folder):
+        cfg = json.loads((folder / "config.json").read_text())
+        return (cfg["transformer_layer_config"] if fmt == "speculators" else cfg).get("max_position_embeddings")
+
+    out = export(dt, tmp_path / "pub", to=fmt)
+    assert written(out) == 131072
+    again = convert(out, tmp_path / "again")
+    assert json.loads((again / "config.json").read_text())["target"]["max_position_embeddings"] == 131072
+    old = json.loads((dt / "config.json").read_text())  # as saved before the context length was recorded
+    del old["target"]["max_position_embeddings"]
+    (dt / "config.json").write_text(json.dumps(old))
+    with pytest.warns(UserWarning, match="records no target context length"):  # the loader's default then applies
+        assert written(export(dt, tmp_path / "old", to=fmt)) == (32768 if fmt == "speculators" else None)
+    assert written(export(dt, tmp_path / "old_t", to=fmt, target=target)) == 131072
+
+
 def test_user_trains_with_train_py_exports_and_reimports_unchanged(tmp_path, monkeypatch, target):
     from dartree.training.recipe import load_recipe
     from dartree.training.train import build_models, run
