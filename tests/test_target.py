@@ -75,8 +75,9 @@ def test_length_dependent_rope_is_refused_by_name_where_a_tree_could_switch_it(k
 
     target, prompt = _rope_target(kind), [5, 17, 33, 2, 60, 7, 9]
     kw = dict(builder="pruned", budget=8, stop_ids=())
-    with pytest.raises(ValueError, match=rf"rope_type '{kind}'.*more than 24 positions.*can reach 55"):
-        speculative_generate(target, make_drafter(), make_markov(), prompt, max_new_tokens=40, **kw)
+    # 7 prompt + 17 new tokens fit in 24 positions, but a verify tree 8 deep past the 17th token does not
+    with pytest.raises(ValueError, match=rf"rope_type '{kind}'.*more than 24 positions.*can reach 32"):
+        speculative_generate(target, make_drafter(), make_markov(), prompt, max_new_tokens=17, **kw)
     # 7 prompt + 9 new + 8 proposals = 24: no forward spans past the switch, the rope is the plain one
     want = autoregressive_generate(target, prompt, max_new_tokens=9, stop_ids=()).tokens
     got = speculative_generate(target, make_drafter(), make_markov(), prompt, max_new_tokens=9, **kw)
