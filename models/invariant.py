@@ -18,10 +18,10 @@ over P + 1 keys). This module closes both:
   supports the dtype; else ``F.linear``, which was row invariant in emulated bf16 on an AVX2 CPU) and routes the
   target's attention through :func:`invariant_attention`;
 - :func:`invariant_attention` computes each query row with the keys it may see gathered in position order (the
-  prefix and its ancestors: exactly the keys an AR step at that node reads) and one fixed kernel call per row
-  shape ([rows, H, 1, d] queries over [rows, H, n, d] keys, no mask), the call an AR step makes with one row.
-  Rows that see the same number of keys share one call; each (row, head) pair is computed independently inside
-  it, so the row count does not change its bits.
+  prefix and its ancestors: exactly the keys an AR step at that node reads) in the kernel call an AR step
+  makes ([1, H, 1, d] query over [1, H_kv, n, d] contiguous keys, no mask), one call per row: with several
+  threads the kernel splits its work by the batch size, so rows batched into one call would not keep an AR
+  step's bits (measured: equal on one thread, a row differed on two).
 
 Prefill (more than :data:`MAX_ROWS` queries) keeps the model's own attention: speculative and AR decoding share
 the same prefill call, so it needs no invariance. Dimension letters: B batch, H query heads, H_kv key/value heads,
@@ -38,10 +38,10 @@ MAX_ROWS = 256  # calls with more queries than this are prefills: the model's ow
 
 
 def _rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
-    """softmax(q k^T * scaling) v for one query per row over its own keys: q [G, H, 1, d], k/v [G, H_kv, n, d]
-    -> [G, H, 1, d], no mask: the call an AR step makes (G = 1, its whole cache). Grouped-query heads as
-    ``repeat_kv`` orders them (query head j reads key/value head j // (H / H_kv); ``enable_gqa``, no copy). Each (row, head) pair is computed on
-    its own inside the kernel, so G does not change its bits (tested)."""
+    """softmax(q k^T * scaling) v for one query over its keys: q [1, H, 1, d], k/v [1, H_kv, n, d] (contiguous)
+    -> [1, H, 1, d], no mask: the call an AR step makes over its whole cache. Grouped-query heads as ``repeat_kv``
+    orders them (query head j reads key/value head j // (H / H_kv); ``enable_gqa``, no copy). One row per call:
+    with several threads the kernel splits its work by the batch size, and a split changes the bits."""
     return F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
 
 
@@ -86,8 +86,9 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     nk = key.shape[2]
-    if nq == 1 and (attention_mask is None or bool((attention_mask[..., :nk] == 0).all())):  # an AR step
-        return _rows_attention(query, key, value, scaling).transpose(1, 2).contiguous(), None
+    if b == 1 and nq == 1 and (attention_mask is None or bool((attention_mask[..., :nk] == 0).all())):  # AR step
+        q, k, v = query.contiguous(), key.contiguous(), value.contiguous()
+        return _rows_attention(q, k, v, scaling).transpose(1, 2).contiguous(), None
     if attention_mask is None:
         visible = torch.arange(nk)[None, :] <= (nk - nq + torch.arange(nq))[:, None]
         visible = visible[None].expand(b, nq, nk)
@@ -107,14 +108,14 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
     out = query.new_empty((b, h, nq, d))
     for bi in range(b):
         for rows, idx, n in plans[bi]:
-            if idx is None:  # one row (an AR step) or rows that all see the same leading keys
-                kg = key[bi : bi + 1, :, :n].expand(rows.numel(), -1, -1, -1)
-                vg = value[bi : bi + 1, :, :n].expand(rows.numel(), -1, -1, -1)
-            else:
-                kg = key[bi][:, idx].transpose(0, 1)  # [G, H_kv, n, d]
-                vg = value[bi][:, idx].transpose(0, 1)
-            qg = query[bi][:, rows].transpose(0, 1).unsqueeze(2)  # [G, H, 1, d]
-            out[bi][:, rows] = _rows_attention(qg, kg, vg, scaling)[:, :, 0].transpose(0, 1)
+            for j, r in enumerate(rows.tolist()):  # one call per row: the kernel splits its work as for an AR step
+                if idx is None:  # the row sees the leading n keys
+                    kr, vr = key[bi : bi + 1, :, :n].contiguous(), value[bi : bi + 1, :, :n].contiguous()
+                else:
+                    kr = key[bi : bi + 1, :, idx[j]].contiguous()  # [1, H_kv, n, d], its keys in position order
+                    vr = value[bi : bi + 1, :, idx[j]].contiguous()
+                qr = query[bi : bi + 1, :, r : r + 1].contiguous()  # [1, H, 1, d]
+                out[bi, :, r] = _rows_attention(qr, kr, vr, scaling)[0, :, 0]
     return out.transpose(1, 2).contiguous(), None
 
 

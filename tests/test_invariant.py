@@ -15,7 +15,17 @@ def _attn(q, k, v, mask):
     return out  # [B, Q, H, d]
 
 
-def test_a_row_gets_the_same_bits_alone_as_inside_a_call_of_any_shape():
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_row_gets_the_same_bits_alone_as_inside_a_call_of_any_shape(threads, monkeypatch):
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the CPU kernel splits its work by threads and batch size
+    try:
+        _rows_alone_and_together()
+    finally:
+        torch.set_num_threads(before)
+
+
+def _rows_alone_and_together():
     g = torch.Generator().manual_seed(0)
     p, m, h, hkv, d = 37, 9, 6, 2, 64
     k = torch.randn(1, hkv, p + m, d, generator=g)
@@ -72,6 +82,15 @@ def _verify_vs_ar(target, ids, tree: bool):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_verify_rows_equal_ar_steps_bit_for_bit_on_the_default_target(dtype):
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)  # as a decode on 2 cores runs (the kernels split work by thread count)
+    try:
+        _default_target_rows(dtype)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _default_target_rows(dtype):
     from dartree.models.invariant import choose_invariant_linear
     from dartree.models.target import load_target
 
