@@ -38,6 +38,7 @@ from dartree.decode.prompts import DATASETS, load_prompts
 from dartree.decode.trees import BUILDERS, Tree
 from dartree.decode.verify import compile_tree
 from dartree.models.checkpoint import write_file_atomically
+from dartree.models.generation import stop_ids as target_stop_ids
 from dartree.models.packed import LINEAR_BACKENDS, choose_linear, pack_linears, tune_linears
 from dartree.models.target import DEFAULT_TARGET, compact_cache
 
@@ -264,7 +265,7 @@ def main(argv=None) -> int:
             console.print("F.linear beats the packed call at rows: " + "; ".join(f"{k}: {v}" for k, v in tuning.items()))
         label = dname if len({b for d, b in combos if d == dname}) == 1 else f"{dname}/{linear}"
         tok = target.tokenizer
-        stop = [tok.eos_token_id]
+        stop = target_stop_ids(target)  # every id at which the target's own generate stops
         prompts = [chat_prompt_ids(tok, p.text) for d in args.datasets for p in load_prompts(d, args.limit, 0)]
         warm = chat_prompt_ids(tok, "Say hello.")
         autoregressive_generate(target, warm, max_new_tokens=8, stop_ids=stop)

@@ -24,6 +24,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 from rich.console import Console
@@ -37,7 +38,9 @@ from dartree.decode.trees import BUILDERS
 from dartree.models.checkpoint import CheckpointError, load_dartree, write_file_atomically
 from dartree.models.packed import (LINEAR_BACKENDS, choose_linear, onednn_linear_supported, pack_linears,
                                    tune_linears)
-from dartree.models.target import DEFAULT_TARGET, load_target
+from dartree.models.generation import sampling_settings
+from dartree.models.generation import stop_ids as target_stop_ids
+from dartree.models.target import DEFAULT_TARGET, check_speculative_target, load_target
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "dspark_b16"
@@ -92,6 +95,86 @@ def budget_arg(text: str) -> int | str:
     if value < 0:
         raise argparse.ArgumentTypeError(f"{value} must be >= 0 (tree nodes per round) or 'auto'")
     return value
+
+
+def template_kwargs_arg(text: str) -> dict:
+    """argparse type of ``--chat-template-kwargs``: a JSON object of template variables.
+
+    Raises:
+        argparse.ArgumentTypeError: not JSON, or JSON that is not an object (one line with an example).
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({exc.msg}); give an object such as "
+                                         "'{\"enable_thinking\": false}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is a JSON {type(value).__name__}, not an object such as "
+                                         "'{\"enable_thinking\": false}'")
+    return value
+
+
+def sampling_problem(settings: dict, temperature: float, ignore: bool) -> str | None:
+    """Why this run cannot sample as the target's own ``generate`` would: ``settings`` (the target's
+    :func:`~dartree.models.generation.sampling_settings`) act at ``temperature`` > 0 (and repetition_penalty at
+    any T) and ``--ignore-generation-config`` was not given. None when the run may go ahead."""
+    acting = {k: v for k, v in settings.items() if temperature > 0 or k == "repetition_penalty"}
+    if not acting or ignore:
+        return None
+    named = ", ".join(f"{k}={v}" for k, v in acting.items())
+    return (f"the target's generation_config sets {named}, which dartree's decoders do not apply (they take "
+            f"{'softmax(logits / T) samples' if temperature > 0 else 'the argmax'} exactly); pass "
+            "--ignore-generation-config to decode without them (recorded in the report)"
+            + (", or --temperature 0" if temperature > 0 and "repetition_penalty" not in acting else ""))
+
+
+def prompt_encoder(tok, mode: str, template_kwargs: dict) -> Callable[[str], list[int]]:
+    """text -> prompt token ids for ``--chat-template`` ``mode`` (``auto``: the tokenizer's chat template with
+    ``template_kwargs``; ``none``: the raw text).
+
+    Raises:
+        ValueError: no tokenizer, no chat template in ``auto`` mode, template options with ``none`` or that
+            ``apply_chat_template`` cannot take (:func:`dartree.training.data.check_chat_template`); one line each.
+    """
+    from dartree.training.data import chat_prompt_ids, check_chat_template, text_prompt_ids
+
+    if tok is None:
+        raise ValueError("the target has no tokenizer; eval needs it to tokenize the prompts")
+    if mode == "none":
+        if template_kwargs:
+            raise ValueError("--chat-template-kwargs needs a chat template; drop it with --chat-template none")
+        return lambda text: text_prompt_ids(tok, text)
+    check_chat_template(tok, template_kwargs, fix="pass --chat-template none to feed each prompt's raw text")
+    return lambda text: chat_prompt_ids(tok, text, template_kwargs)
+
+
+def encode_prompts(encode: Callable[[str], list[int]], prompts: list[Prompt], target, max_new_tokens: int
+                   ) -> list[list[int]]:
+    """The token ids of every prompt, checked against the target's context before any decoding.
+
+    Args:
+        encode: text -> ids (:func:`prompt_encoder`). prompts: the data sets' prompts. target: the Target.
+        max_new_tokens: ``--max-new-tokens``.
+    Returns:
+        one [T_i] id list per prompt.
+    Raises:
+        ValueError: the chat template fails on a prompt, or a prompt plus ``max_new_tokens`` does not fit the
+            target's context (:func:`dartree.decode.inputs.check_context`); one line naming the prompt.
+    """
+    from dartree.decode.inputs import check_context
+
+    out = []
+    for p in prompts:
+        try:
+            ids = encode(p.text)
+        except Exception as exc:  # a template's own error (jinja2, ValueError, ...): one line naming the prompt
+            raise ValueError(f"the chat template failed on prompt {p.dataset}:{p.id}: {type(exc).__name__}: "
+                             f"{(str(exc).strip().splitlines() or [''])[0]}") from None
+        check_context(target, len(ids), max_new_tokens, f"prompt {p.dataset}:{p.id}", "lower --max-new-tokens")
+        out.append(ids)
+    return out
+
+
 METHOD_ALIASES = {"dartree-pruned": "pruned", "dartree-fixed": "fixed"}
 LOOKUP_SUFFIX = "+lookup"  # BUILDER+lookup: the builder's tree with a prompt-lookup chain grafted on (decode/lookup.py)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -124,6 +207,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--acceptance", default="match", choices=["match", "rejection"],
                     help="T > 0 rule: exact target-sample matching of deterministic drafts (every tree), or sampled "
                          "chain drafts + speculative rejection sampling (--tree chain only)")
+    ap.add_argument("--ignore-generation-config", action="store_true",
+                    help="at --temperature > 0, sample softmax(logits / T) even where the target's generation_config "
+                         "sets top_k / top_p / min_p / typical_p / repetition_penalty, which dartree's samplers do "
+                         "not apply (refused by name without this flag); the report records them as ignored")
+    ap.add_argument("--chat-template", default="auto", choices=["auto", "none"],
+                    help="auto: each prompt through the target tokenizer's chat template (refused by name when it has "
+                         "none); none: the raw prompt text (a base model), named in the report")
+    ap.add_argument("--chat-template-kwargs", type=template_kwargs_arg, default={}, metavar="JSON",
+                    help="extra chat-template variables as a JSON object, passed to apply_chat_template, e.g. "
+                         "'{\"enable_thinking\": false}'; recorded in the report")
     ap.add_argument("--seed", type=int, default=0, help="prompt choice and sampling seed")
     ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="dartree checkpoint folder")
     ap.add_argument("--target", default=DEFAULT_TARGET, help="'smollm2' or a local Hugging Face folder")
@@ -377,8 +470,9 @@ def out_problem(out: str) -> str | None:
 
 def main(argv=None) -> int:
     """Console entry point (``dartree-eval``); returns the exit status: 0, or 2 with a one-line error for a bad
-    argument, target, checkpoint or prompt set (checked before any decoding). Restores torch's thread count on
-    return, so it can run repeatedly in one process."""
+    argument, target (its end ids, sampling settings, chat template, context, attention layout), checkpoint or
+    prompt set (checked before any decoding), or 130 / 143 with one line after SIGINT / SIGTERM (the finished
+    prompts' report stays). Restores torch's thread count on return, so it can run repeatedly in one process."""
     threads = torch.get_num_threads()
     progress = {"done": 0, "planned": 0, "out": None}
     try:
@@ -461,6 +555,15 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
         print(f"error: cannot load --target {args.target!r}: {(str(exc).strip().splitlines() or [type(exc).__name__])[0]}",
               file=sys.stderr)
         return 2
+    try:  # the target's own generation settings and prompt format, before anything else is loaded or timed
+        stop_ids, sampling = target_stop_ids(target), sampling_settings(target)
+        why = sampling_problem(sampling, args.temperature, args.ignore_generation_config)
+        if why is not None:
+            raise ValueError(why)
+        encode = prompt_encoder(target.tokenizer, args.chat_template, args.chat_template_kwargs)
+    except ValueError as exc:
+        print(f"error: --target {args.target}: {exc}", file=sys.stderr)
+        return 2
     try:
         dm = load_dartree(args.checkpoint, target=target, dtype=dtype) if methods else None
     except CheckpointError as exc:
@@ -468,6 +571,21 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
         return 2
     if dm is not None:
         target.set_layer_ids(dm.drafter.cfg.target_layer_ids)
+    prompts: list[Prompt] = []
+    try:
+        for d in args.datasets:
+            prompts += load_prompts(d, args.limit, args.seed)
+    except (RuntimeError, KeyError, OSError) as exc:  # a prompt package missing or unreadable
+        print(f"error: --datasets {d}: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 2
+    try:  # every prompt fits the context, and the decoder supports the target, before calibration and decoding
+        prompt_ids = encode_prompts(encode, prompts, target, args.max_new_tokens)
+        if dm is not None:  # a verify tree reaches a proposal (depth <= P) or a lookup token (depth <= --lookup)
+            depth = max(dm.drafter.cfg.num_proposals, args.lookup if any(LOOKUP_SUFFIX in m for m in methods) else 0)
+            check_speculative_target(target, max(map(len, prompt_ids), default=0) + args.max_new_tokens + depth)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     try:
         linear, linear_reason = choose_linear(args.linear, dtype, target.device)
     except ValueError as exc:
@@ -484,19 +602,6 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
         console.print(f"linear paths tuned in {time.time() - tt0:.1f}s; F.linear wins at rows: "
                       + "; ".join(f"{k}: {_rows_text(v)}" for k, v in linear_tuning.items()))
     tok = target.tokenizer
-    if tok is None:
-        print("error: the target has no tokenizer; eval needs chat-templated prompts", file=sys.stderr)
-        return 2
-    stop_ids = [tok.eos_token_id]
-    from dartree.training.data import chat_prompt_ids
-
-    prompts: list[Prompt] = []
-    try:
-        for d in args.datasets:
-            prompts += load_prompts(d, args.limit, args.seed)
-    except (RuntimeError, KeyError, OSError) as exc:  # a prompt package missing or unreadable
-        print(f"error: --datasets {d}: {exc.args[0] if exc.args else exc}", file=sys.stderr)
-        return 2
     console.print(f"target {target.name} ({args.dtype}), {len(prompts)} prompts, methods: ar + {methods}, "
                   f"budget {budget}; loaded in {time.time() - t0:.1f}s")
     methods = list(runs)
@@ -529,7 +634,7 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
         from dartree.decode.budget import calibrate
 
         tc0 = time.time()
-        cal = calibrate(target, dm.drafter, chat_prompt_ids(tok, prompts[0].text) if prompts else [1, 2, 3],
+        cal = calibrate(target, dm.drafter, prompt_ids[0] if prompts else [1, 2, 3],
                         max_budget=dm.drafter.cfg.num_proposals)
         cost_models = {m: cal.fresh() for m, (_, b) in runs.items() if b == "auto"}
         console.print(f"cost model calibrated in {time.time() - tc0:.1f}s: AR step {1000 * cal.t_ar:.1f} ms, draft "
@@ -563,13 +668,19 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
         return run_peer(name, target, ids, max_new_tokens=max_new, stop_ids=stop_ids, zlab_drafter=zlab,
                         bf16_twin=twin)
 
-    warm_ids = chat_prompt_ids(tok, "Say hello.")
+    warm_ids = encode("Say hello.")
     for m in ["ar", *methods]:
         run(m, warm_ids, 0, 16)
     for name in peers:
         run_peer_on(name, warm_ids, 16)
 
     out = Path(args.out)
+    sampling_record = {  # what this run's samplers do, and the target's own settings it did not apply
+        "temperature": args.temperature,
+        "rule": "greedy (argmax)" if args.temperature == 0 else f"softmax(logits / {args.temperature}) samples",
+        "ignored": {k: v for k, v in sampling.items() if args.temperature > 0 or k == "repetition_penalty"},
+        "generation_config": sampling,
+    }
 
     def write_report(done: int, show: bool, interrupted: str | None = None) -> dict:
         """Aggregate the rows of the first ``done`` prompts; write report.json/md atomically (after every prompt,
@@ -586,6 +697,9 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
                 "target": target.name, "checkpoint": str(args.checkpoint) if methods else None,
                 "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
                 "acceptance": args.acceptance, "lookup": args.lookup, "lookup_ngram": args.lookup_ngram,
+                "stop_ids": stop_ids, "sampling": sampling_record,
+                "chat_template": "tokenizer" if args.chat_template == "auto" else "none (raw prompt text)",
+                "chat_template_kwargs": args.chat_template_kwargs,
                 "budget": budget, "builder_params": params, "ar_repeats": args.ar_repeats, "paired": args.paired,
                 "cost_models": {m: cm.summary() for m, cm in cost_models.items()},
                 "proposals": dm.drafter.cfg.num_proposals if dm is not None else None,
@@ -613,7 +727,14 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
               f"target `{target.name}` ({args.dtype}, {linear} linears, {report['environment']['device']}), checkpoint `{args.checkpoint if methods else None}`, "
               f"T={args.temperature}, max_new_tokens={args.max_new_tokens}, budget B={budget}, "
               f"K={args.candidates}, W={args.width}, beta={args.beta}, children={args.children}, {done} of {len(prompts)} prompts"
-              + (f" (interrupted by {interrupted})" if interrupted else ""), ""]
+              + (f" (interrupted by {interrupted})" if interrupted else ""), "",
+              f"stop ids {stop_ids}; sampling: {sampling_record['rule']}"
+              + (f" (target generation_config {sampling_record['ignored']} not applied: --ignore-generation-config)"
+                 if sampling_record["ignored"] else "")
+              + ("; prompts: the tokenizer's chat template" if args.chat_template == "auto" else
+                 "; prompts: raw text, no chat template (--chat-template none)")
+              + (f" with {json.dumps(args.chat_template_kwargs)}" if args.chat_template_kwargs else ""),
+              ""]
         for scope, data in [("all", report["methods"])] + [(d, report["datasets"][d]) for d in args.datasets]:
             table = Table(title=f"{scope}")
             cols = ["method", "tau", "tokens/s", "speedup", *(["paired x AR"] if paired_cols else []), "lossless",
@@ -670,7 +791,7 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
     progress.update(done=0, planned=len(prompts), out=str(out))
     try:
         for pi, p in enumerate(prompts):
-            ids = chat_prompt_ids(tok, p.text)
+            ids = prompt_ids[pi]
             seed = args.seed * 100003 + pi
             # a prompt's rows run back to back in an order rotated per prompt: this machine's speed drifts over minutes,
             # and a fixed order would hand the same share of that drift to the same rows on every prompt

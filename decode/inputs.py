@@ -112,8 +112,9 @@ def check_generate_args(target, prompt_ids, *, max_new_tokens, temperature, stop
     Raises:
         TypeError: ``target`` is not a dartree Target (a Hugging Face model must be wrapped), or an argument has
             the wrong type (named).
-        ValueError: empty / batched prompt, an id outside the vocabulary, negative max_new_tokens, a negative
-            or non-finite temperature, or a generator on another device type.
+        ValueError: empty / batched prompt, an id outside the vocabulary, negative max_new_tokens, a prompt that
+            with max_new_tokens does not fit the target's context (:func:`check_context`), a negative or
+            non-finite temperature, or a generator on another device type.
     """
     from dartree.models.target import Target
 
@@ -125,6 +126,7 @@ def check_generate_args(target, prompt_ids, *, max_new_tokens, temperature, stop
         raise TypeError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0")
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0")
+    check_context(target, len(prompt), max_new_tokens)
     if not is_real(temperature):
         raise TypeError(f"temperature={temperature!r} must be a real number >= 0 (0: greedy)")
     if not math.isfinite(float(temperature)) or temperature < 0:
@@ -139,6 +141,32 @@ def check_generate_args(target, prompt_ids, *, max_new_tokens, temperature, stop
             raise ValueError(f"generator is on {generator.device} but the target samples on {target.device}; "
                              f"create it there: torch.Generator(device={str(target.device)!r}).manual_seed(seed)")
     return prompt, stops
+
+
+def check_context(target, prompt_len: int, max_new_tokens: int, what: str = "prompt_ids",
+                  fix: str = "lower max_new_tokens") -> None:
+    """Refuse a decode that would run past the target's context (:func:`dartree.models.generation.context_length`):
+    ``prompt_len + max_new_tokens`` positions must fit in it (a target without a context length passes).
+
+    Args:
+        target: a :class:`~dartree.models.target.Target`.
+        prompt_len: the prompt's length in tokens. max_new_tokens: the decode's length cap in tokens.
+        what: the prompt's name in the message (``prompt_ids``, or a data set's prompt such as ``gsm8k:3``).
+        fix: how the caller lowers the length cap (``lower max_new_tokens``, ``lower --max-new-tokens``).
+    Raises:
+        ValueError: one line naming the prompt, its length, the positions needed, the context and the fix.
+    """
+    from dartree.models.generation import context_length
+
+    limit = context_length(target)
+    if limit is None or prompt_len + max_new_tokens <= limit:
+        return
+    room = (f"{fix} to at most {limit - prompt_len} or shorten the prompt" if prompt_len < limit else
+            f"shorten the prompt to at most {limit - max_new_tokens} tokens" if max_new_tokens < limit else
+            f"{fix} below {limit} and shorten the prompt")
+    raise ValueError(f"{what} has {prompt_len} tokens; with max_new_tokens={max_new_tokens} the decode needs "
+                     f"{prompt_len + max_new_tokens} positions, over the target's context of {limit} "
+                     f"(max_position_embeddings): {room}")
 
 
 def check_speculative_args(target, drafter, head, *, builder, budget, builder_params) -> None:

@@ -26,7 +26,7 @@ is builder NAME at budget n. Every ``fig_*`` function returns a ``matplotlib.fig
 
 from __future__ import annotations
 
-import os
+import io
 import re
 import textwrap
 from pathlib import Path
@@ -205,13 +205,15 @@ def _new_figure(w: float, h: float) -> Figure:
 
 
 def save_figure(fig: Figure, path: str | Path, dpi: int = 110) -> Path:
-    """Write ``fig`` as a PNG atomically (a temporary file, then a rename) and return the path."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=dpi, format="png")
-    os.replace(tmp, path)
-    return path
+    """Write ``fig`` as a PNG atomically under a unique temporary name
+    (:func:`dartree.models.checkpoint.write_file_atomically`: two runs drawing into one folder never share it) and
+    return the path."""
+    from dartree.models.checkpoint import write_file_atomically
+
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=dpi, format="png")
+    write_file_atomically(Path(path), buf.getvalue())
+    return Path(path)
 
 
 def fig_acceptance(report: dict) -> Figure:

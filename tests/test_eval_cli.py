@@ -259,3 +259,149 @@ def test_eval_cli_stopped_by_a_signal_exits_in_one_line_and_keeps_the_finished_p
     md = (out / "report.md").read_text()
     assert f"{done} of 20 prompts (interrupted by {sig})" in md
     assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md"]
+
+
+def _target_copy(tiny_folder, tmp_path, config: dict | None = None, generation: dict | None = None,
+                 chat_template: bool = True) -> Path:
+    """A copy of the tiny target folder with ``config.json`` / ``generation_config.json`` entries replaced and,
+    with ``chat_template=False``, its tokenizer's chat template removed (a base model)."""
+    dst = tmp_path / "target"
+    shutil.copytree(tiny_folder / "target", dst)
+    for name, changes in (("config.json", config), ("generation_config.json", generation)):
+        if changes:
+            data = json.loads((dst / name).read_text())
+            (dst / name).write_text(json.dumps({**data, **changes}))
+    if not chat_template:
+        for f in dst.glob("*.jinja"):
+            f.unlink()
+        tc = json.loads((dst / "tokenizer_config.json").read_text())
+        tc.pop("chat_template", None)
+        (dst / "tokenizer_config.json").write_text(json.dumps(tc))
+    return dst
+
+
+def _eval_cli(target, ckpt, out, *extra) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "decode/eval.py", "--target", str(target), "--checkpoint", str(ckpt), "--tree", "chain",
+           "--datasets", "gsm8k", "--limit", "1", "--max-new-tokens", "12", "--budget", "4", "--dtype", "float32",
+           "--linear", "aten", "--ar-repeats", "1", "--no-plots", "--out", str(out), *extra]
+    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+
+
+def _one_error_line(r: subprocess.CompletedProcess) -> str:
+    """The run failed cleanly: exit 2, no traceback; returns its last stderr line (the error)."""
+    assert r.returncode == 2, r.stderr[-3000:] + r.stdout[-3000:]
+    assert "Traceback" not in r.stderr
+    return r.stderr.strip().splitlines()[-1]
+
+
+def test_eval_cli_stops_at_every_end_id_of_the_generation_config(tiny_folder, tmp_path):
+    """A generation_config naming two end ids (and top_k, which greedy decoding ignores): every row stops where
+    the target's own generate(do_sample=False) stops; the report names the stop ids, the sampling rule and the
+    chat-template options."""
+    from dartree.decode.generate import autoregressive_generate
+    from dartree.decode.prompts import load_prompts
+    from dartree.models.target import load_target
+    from dartree.training.data import chat_prompt_ids
+
+    base = load_target(tiny_folder / "target")
+    ids = chat_prompt_ids(base.tokenizer, load_prompts("gsm8k", 1, 0)[0].text)
+    free = autoregressive_generate(base, ids, max_new_tokens=12).tokens  # no end id at all
+    end = free[0]  # the tiny random model repeats one token: as an end id, the target's own generate stops at once
+    assert len(free) == 12 and end != 2
+    target = _target_copy(tiny_folder, tmp_path, generation={"eos_token_id": [2, end], "top_k": 20})
+    out = tmp_path / "rep"
+    r = _eval_cli(target, tiny_folder / "ckpt", out, "--chat-template-kwargs", '{"enable_thinking": false}')
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    rep = json.loads((out / "report.json").read_text())
+    env = rep["environment"]
+    assert env["stop_ids"] == [2, end]
+    x = torch.tensor([ids])
+    hf = load_target(target).model.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                                            max_new_tokens=12)[0, len(ids):].tolist()
+    assert hf == free[: free.index(end) + 1] and len(hf) < 12  # the target's own generate stops at the second id
+    assert rep["per_prompt"]["ar"][0]["new_tokens"] == len(hf)
+    assert rep["methods"]["chain"]["lossless"] is True
+    assert env["sampling"] == {"temperature": 0.0, "rule": "greedy (argmax)", "ignored": {},
+                               "generation_config": {"top_k": 20}}
+    assert env["chat_template"] == "tokenizer" and env["chat_template_kwargs"] == {"enable_thinking": False}
+    md = (out / "report.md").read_text()
+    assert (f"stop ids [2, {end}]; sampling: greedy (argmax); prompts: the tokenizer's chat template with "
+            '{"enable_thinking": false}') in md
+
+
+def test_eval_cli_refuses_generation_config_sampling_it_does_not_apply(tiny_folder, tmp_path):
+    """At T > 0 the target's top_k / top_p are refused by name with the flag that overrides them (was: sampled
+    without them, silently); with --ignore-generation-config the run goes ahead and the report says so."""
+    target = _target_copy(tiny_folder, tmp_path, generation={"top_k": 20, "top_p": 0.9, "do_sample": True})
+    out = tmp_path / "rep"
+    line = _one_error_line(_eval_cli(target, tiny_folder / "ckpt", out, "--temperature", "0.7"))
+    assert line.startswith("error: --target ") and "generation_config sets top_k=20, top_p=0.9" in line
+    assert "--ignore-generation-config" in line and "--temperature 0" in line
+    assert not (out / "report.json").exists()
+    r = _eval_cli(target, tiny_folder / "ckpt", out, "--temperature", "0.7", "--ignore-generation-config",
+                  "--max-new-tokens", "6")
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["environment"]["sampling"]["ignored"] == {"top_k": 20, "top_p": 0.9}
+    assert "target generation_config {'top_k': 20, 'top_p': 0.9} not applied" in (out / "report.md").read_text()
+
+
+def test_eval_cli_base_model_without_chat_template(tiny_folder, tmp_path):
+    """A tokenizer without a chat template: one line naming --chat-template none (was a transformers traceback);
+    with it, the raw prompt text is decoded and the report says so. Bad --chat-template-kwargs: one line."""
+    target = _target_copy(tiny_folder, tmp_path, chat_template=False)
+    out = tmp_path / "rep"
+    line = _one_error_line(_eval_cli(target, tiny_folder / "ckpt", out))
+    assert "tokenizer has no chat template" in line and "--chat-template none" in line
+    line = _one_error_line(_eval_cli(target, tiny_folder / "ckpt", out, "--chat-template", "none",
+                                     "--chat-template-kwargs", '{"enable_thinking": false}'))
+    assert "--chat-template-kwargs needs a chat template" in line
+    r = _eval_cli(target, tiny_folder / "ckpt", out, "--chat-template", "none")
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    env = json.loads((out / "report.json").read_text())["environment"]
+    assert env["chat_template"] == "none (raw prompt text)" and env["chat_template_kwargs"] == {}
+    assert "prompts: raw text, no chat template (--chat-template none)" in (out / "report.md").read_text()
+    line = _one_error_line(_eval_cli(tiny_folder / "target", tiny_folder / "ckpt", out, "--chat-template-kwargs",
+                                     '{"tokenize": true}'))
+    assert "['tokenize'] are apply_chat_template's own arguments" in line
+    r = _eval_cli(tiny_folder / "target", tiny_folder / "ckpt", out, "--chat-template-kwargs", "[1]")
+    assert r.returncode == 2 and "is a JSON list, not an object" in r.stderr
+
+
+def test_eval_cli_refuses_a_sliding_window_target_before_calibrating(tiny_folder, tmp_path):
+    """A Mistral target with sliding_window set: one line, exit 2, right after loading (was a 25-line traceback
+    after loading and calibrating)."""
+    from transformers import MistralConfig, MistralForCausalLM
+
+    target = tmp_path / "mistral"
+    torch.manual_seed(0)
+    cfg = MistralConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8, sliding_window=16, eos_token_id=2,
+                        bos_token_id=1, pad_token_id=2, tie_word_embeddings=True)
+    MistralForCausalLM(cfg).save_pretrained(target)
+    for f in (tiny_folder / "target").iterdir():
+        if f.name.startswith("tokenizer") or f.name.endswith(".jinja"):
+            shutil.copy(f, target / f.name)
+    r = _eval_cli(target, tiny_folder / "ckpt", tmp_path / "rep", "--budget", "auto")
+    line = _one_error_line(r)
+    assert "DynamicSlidingWindowLayer" in line and "sliding_window=16" in line
+    assert "calibrated" not in r.stdout and "linear layers" not in r.stdout
+
+
+def test_eval_cli_refuses_a_prompt_past_the_context_before_decoding(tiny_folder, tmp_path):
+    """A prompt plus --max-new-tokens past max_position_embeddings: one line naming the prompt, its length, the
+    context and the fix, before calibration (was decoded past the context without a word)."""
+    from dartree.decode.prompts import load_prompts
+    from dartree.models.target import load_target
+    from dartree.training.data import chat_prompt_ids
+
+    target = _target_copy(tiny_folder, tmp_path, config={"max_position_embeddings": 128})
+    p = load_prompts("gsm8k", 1, 0)[0]
+    n = len(chat_prompt_ids(load_target(target).tokenizer, p.text))
+    assert n < 128 < n + 60
+    r = _eval_cli(target, tiny_folder / "ckpt", tmp_path / "rep", "--max-new-tokens", "60", "--budget", "auto")
+    line = _one_error_line(r)
+    assert line == (f"error: prompt gsm8k:{p.id} has {n} tokens; with max_new_tokens=60 the decode needs {n + 60} "
+                    "positions, over the target's context of 128 (max_position_embeddings): lower --max-new-tokens to "
+                    f"at most {128 - n} or shorten the prompt")
+    assert "calibrated" not in r.stdout

@@ -32,7 +32,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 def bench_regeneration(recipe: str, n: int, hf_baseline: bool) -> dict:
     """Response tokens/s of the data stage's generator (and optionally of ``generate``) on ``n`` prompts."""
+    from dartree.models.generation import stop_ids
     from dartree.models.target import load_target
+    from dartree.training.checks import template_kwargs
     from dartree.training.data import chat_prompts
     from dartree.training.recipe import load_recipe
     from dartree.training.regen import continuous_greedy
@@ -40,10 +42,11 @@ def bench_regeneration(recipe: str, n: int, hf_baseline: bool) -> dict:
 
     cfg = load_recipe([f"recipe={recipe}"])
     target = load_target(cfg.target.path, dtype=_dtype(cfg.target.gen_dtype))
-    prompts = chat_prompts(target.tokenizer, n, cfg.data.seed, cfg.data.max_prompt_tokens, cfg.data.code_fraction)
-    stop = target.tokenizer.eos_token_id
+    prompts = chat_prompts(target.tokenizer, n, cfg.data.seed, cfg.data.max_prompt_tokens, cfg.data.code_fraction,
+                           template_kwargs(cfg))
+    stops = stop_ids(target)  # every id at which the target's own generate stops, as the data stage
     t0, n_tok = time.perf_counter(), 0
-    for _, resp in continuous_greedy(target.model, prompts, max_new_tokens=cfg.data.max_new_tokens, stop_id=stop,
+    for _, resp in continuous_greedy(target.model, prompts, max_new_tokens=cfg.data.max_new_tokens, stop_ids=stops,
                                      slots=cfg.data.gen_batch_size):
         n_tok += len(resp)
     el = time.perf_counter() - t0
@@ -65,11 +68,11 @@ def bench_regeneration(recipe: str, n: int, hf_baseline: bool) -> dict:
                 mask[r, width - len(p):] = 1
             with torch.no_grad():
                 out = target.model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
-                                            max_new_tokens=cfg.data.max_new_tokens, eos_token_id=stop,
+                                            max_new_tokens=cfg.data.max_new_tokens, eos_token_id=stops,
                                             pad_token_id=tok.pad_token_id)
             for r in range(len(batch)):
                 resp = out[r, width:].tolist()
-                n_hf += resp.index(stop) + 1 if stop in resp else len(resp)
+                n_hf += next((i + 1 for i, t in enumerate(resp) if t in stops), len(resp))
         row["hf_generate_tokens_per_s"] = n_hf / (time.perf_counter() - t0)
     return row
 

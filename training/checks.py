@@ -139,6 +139,12 @@ def check_recipe(cfg: DictConfig) -> None:
         raise RecipeError(problems[0])
 
 
+def template_kwargs(cfg: DictConfig) -> dict:
+    """``data.chat_template_kwargs`` of a recipe as a plain dict ({} when the recipe predates the field)."""
+    value = cfg.data.get("chat_template_kwargs", None)
+    return dict(OmegaConf.to_container(value, resolve=True)) if value else {}
+
+
 def check_against_target(cfg: DictConfig, target) -> list[int]:
     """Check the recipe values that depend on the target, before the data stage and any training step.
 
@@ -149,7 +155,8 @@ def check_against_target(cfg: DictConfig, target) -> list[int]:
         The target layer ids the drafter will read (the recipe's, or the DFlash rule's).
     Raises:
         RecipeError: layer ids outside [0, n) (given or from the DFlash rule), a mask token id >= the target's
-            embedding rows, ShareGPT prompts for a target without a tokenizer, a draft vocabulary larger than V,
+            embedding rows, ShareGPT prompts for a target without a tokenizer or chat template (or with
+            ``data.chat_template_kwargs`` that ``apply_chat_template`` cannot take), a draft vocabulary larger than V,
             more drafter layers than the target has when ``drafter.init_from_target`` copies them, or a drafter
             width that differs from the copied layers'.
     """
@@ -176,6 +183,15 @@ def check_against_target(cfg: DictConfig, target) -> list[int]:
     if cfg.data.source == "sharegpt" and target.tokenizer is None:
         raise RecipeError(f"data.source=sharegpt needs a target with a tokenizer (to chat-template the prompts); "
                           f"target {target.name!r} has none: use data.source=random")
+    if cfg.data.source == "sharegpt":
+        from dartree.training.data import check_chat_template
+
+        try:
+            check_chat_template(target.tokenizer, template_kwargs(cfg), fix="data.source=sharegpt renders prompts "
+                                "through it: use a chat model as the target, or data.source=random")
+        except ValueError as exc:
+            given = f" (data.chat_template_kwargs={template_kwargs(cfg)})" if template_kwargs(cfg) else ""
+            raise RecipeError(f"target {target.name!r}: {exc}{given}") from None
     if d.draft_vocab_size > v:
         raise RecipeError(f"drafter.draft_vocab_size={d.draft_vocab_size} exceeds the target's vocabulary: must be in "
                           f"[0, {v}] (0: the full vocabulary)")

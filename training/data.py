@@ -31,9 +31,9 @@ import os
 import random
 import re
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -41,7 +41,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
+from dartree.models.generation import stop_ids as target_stop_ids
 from dartree.models.target import Target, cache_root
+from dartree.models.validate import is_int
 from dartree.training.regen import continuous_greedy
 
 
@@ -130,24 +132,73 @@ def sharegpt_prompts(num: int, seed: int, *, min_chars: int = 8, max_chars: int 
     return prompts[:num]
 
 
-def chat_prompt_ids(tokenizer, text: str) -> list[int]:
-    """Token ids of one user turn through the tokenizer's chat template, with the generation prompt added."""
+def check_chat_template(tokenizer, template_kwargs: dict | None = None, fix: str = "") -> None:
+    """Refuse, before any prompt is rendered, a tokenizer without a chat template and template options that
+    ``apply_chat_template`` cannot take.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer.
+        template_kwargs: extra template variables (e.g. ``{"enable_thinking": False}``), or None.
+        fix: appended to the no-template message (how the caller feeds plain text instead).
+    Raises:
+        ValueError: no tokenizer, no chat template (a base model), ``template_kwargs`` not a dict with string keys,
+            or a key that is one of ``apply_chat_template``'s own parameters (``tokenize``, ...); one line each.
+    """
+    import inspect
+
+    if tokenizer is None:
+        raise ValueError("the target has no tokenizer to render the chat template with")
+    if hasattr(tokenizer, "chat_template") and not tokenizer.chat_template:  # (a stub without the field has one)
+        raise ValueError("the target's tokenizer has no chat template (a base model?)" + (f"; {fix}" if fix else ""))
+    kwargs = {} if template_kwargs is None else template_kwargs
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"chat template options {kwargs!r} must be an object of named values, e.g. "
+                         '{"enable_thinking": false}')
+    params = inspect.signature(tokenizer.apply_chat_template).parameters
+    own = sorted(k for k in kwargs if k in params and params[k].kind is not inspect.Parameter.VAR_KEYWORD)
+    if own:
+        raise ValueError(f"chat template options {own} are apply_chat_template's own arguments, set by dartree; "
+                         "give template variables only (e.g. enable_thinking)")
+
+
+def chat_prompt_ids(tokenizer, text: str, template_kwargs: dict | None = None) -> list[int]:
+    """Token ids of one user turn through the tokenizer's chat template, with the generation prompt added.
+
+    Args:
+        tokenizer: a Hugging Face tokenizer with a chat template. text: the user turn.
+        template_kwargs: extra template variables passed to ``apply_chat_template`` (e.g.
+            ``{"enable_thinking": False}`` for Qwen3), or None.
+    Returns:
+        [T] int token ids.
+    Raises:
+        ValueError: no chat template, or unusable ``template_kwargs`` (:func:`check_chat_template`).
+    """
+    check_chat_template(tokenizer, template_kwargs)
     rendered = tokenizer.apply_chat_template(
-        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True
+        [{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True, **(template_kwargs or {})
     )
     return tokenizer(rendered, add_special_tokens=False)["input_ids"]
 
 
-def chat_prompts(tokenizer, num: int, seed: int, max_prompt_tokens: int, code_fraction: float = 0.0) -> list[list[int]]:
+def text_prompt_ids(tokenizer, text: str) -> list[int]:
+    """Token ids of ``text`` as plain text, no chat template (the tokenizer adds its own special tokens, e.g. a
+    BOS): the prompt of a base model. Returns [T] int token ids."""
+    return list(tokenizer(text)["input_ids"])
+
+
+def chat_prompts(tokenizer, num: int, seed: int, max_prompt_tokens: int, code_fraction: float = 0.0,
+                 template_kwargs: dict | None = None) -> list[list[int]]:
     """Token ids of up to ``num`` chat-templated ShareGPT prompts of at most ``max_prompt_tokens`` tokens, drawn
-    from ``2 * num`` candidates of :func:`sharegpt_prompts` (same ``seed`` and ``code_fraction``) in order.
+    from ``2 * num`` candidates of :func:`sharegpt_prompts` (same ``seed`` and ``code_fraction``) in order;
+    ``template_kwargs`` as :func:`chat_prompt_ids`.
 
     Raises:
-        ValueError: from :func:`sharegpt_prompts`.
+        ValueError: from :func:`sharegpt_prompts` or :func:`check_chat_template`.
     """
+    check_chat_template(tokenizer, template_kwargs)
     out = []
     for text in sharegpt_prompts(num * 2, seed, code_fraction=code_fraction):
-        ids = chat_prompt_ids(tokenizer, text)
+        ids = chat_prompt_ids(tokenizer, text, template_kwargs)
         if len(ids) <= max_prompt_tokens:
             out.append(ids)
         if len(out) == num:
@@ -211,7 +262,8 @@ def holdout_rank(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def dialogue_segments(tokenizer, turns: Sequence[str], max_prompt_tokens: int) -> list[list[int]] | None:
+def dialogue_segments(tokenizer, turns: Sequence[str], max_prompt_tokens: int,
+                      template_kwargs: dict | None = None) -> list[list[int]] | None:
     """Token ids of the template text around the assistant turns of one conversation.
 
     The conversation (user turns, an :data:`ASSISTANT_SLOT` in place of every assistant answer but the last,
@@ -226,17 +278,21 @@ def dialogue_segments(tokenizer, turns: Sequence[str], max_prompt_tokens: int) -
         turns: the user texts, in order.
         max_prompt_tokens: segment 0 longer than this makes the conversation unusable (None); a later segment
             longer than this ends the conversation before its turn.
+        template_kwargs: extra template variables passed to ``apply_chat_template`` (:func:`chat_prompt_ids`).
     Returns:
         [segment 0, segment 1, ...] (one per kept turn), or None.
     Raises:
-        ValueError: the template does not reproduce the slot once per earlier assistant turn.
+        ValueError: the template does not reproduce the slot once per earlier assistant turn; no chat template or
+            unusable ``template_kwargs`` (:func:`check_chat_template`).
     """
+    check_chat_template(tokenizer, template_kwargs)
     msgs = []
     for k, text in enumerate(turns):
         if k:
             msgs.append({"role": "assistant", "content": ASSISTANT_SLOT})
         msgs.append({"role": "user", "content": text})
-    rendered = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+    rendered = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True,
+                                             **(template_kwargs or {}))
     parts = rendered.split(ASSISTANT_SLOT)
     if len(parts) != len(turns):
         raise ValueError(f"the chat template rendered {len(parts) - 1} of {len(turns) - 1} assistant turns verbatim; "
@@ -277,16 +333,17 @@ def fixed_holdout(pool: Sequence[Sequence[str]], n: int, segment) -> tuple[list[
 
 
 def dialogue_tokens(segments: Sequence[Sequence[int]], responses: Sequence[Sequence[int]],
-                    stop_id: int) -> tuple[list[int], list[int]]:
+                    stop_id: int | Sequence[int]) -> tuple[list[int], list[int]]:
     """One conversation as the target sees it: segment 0, answer 1, segment 1, answer 2, ...
 
     Args:
         segments: per-turn template segments (:func:`dialogue_segments`, or random ids for tiny recipes).
         responses: the target's answers, ``len(segments) - 1`` of them (the result is the prompt of the next
             turn, ending with its generation prompt) or ``len(segments)`` (a finished conversation).
-        stop_id: the end-of-turn token. An answer that ends with it already closes its turn, so a following
-            segment's leading ``stop_id`` (the template's own turn end) is dropped; an answer cut at
-            ``max_new_tokens`` keeps it (the template closes that turn).
+        stop_id: the end-of-turn token, or several (the target's :func:`~dartree.models.generation.stop_ids`). An
+            answer that ends with one already closes its turn, so a following segment that starts with that same
+            token (the template's own turn end) loses it; an answer cut at ``max_new_tokens`` keeps the segment
+            whole (the template closes that turn).
     Returns:
         (token ids, loss mask): the mask is 1 on answer tokens (written by the target), 0 on segment tokens.
     Raises:
@@ -294,17 +351,38 @@ def dialogue_tokens(segments: Sequence[Sequence[int]], responses: Sequence[Seque
     """
     if len(responses) not in (len(segments), len(segments) - 1):
         raise ValueError(f"dialogue_tokens: {len(responses)} answers for {len(segments)} segments")
+    stops = _stop_set(stop_id)
     ids, mask = list(segments[0]), [0] * len(segments[0])
     for k, resp in enumerate(responses):
         ids += resp
         mask += [1] * len(resp)
         if k + 1 < len(segments):
             seg = list(segments[k + 1])
-            if resp and resp[-1] == stop_id and seg and seg[0] == stop_id:
+            if resp and resp[-1] in stops and seg and seg[0] == resp[-1]:
                 seg = seg[1:]
             ids += seg
             mask += [0] * len(seg)
     return ids, mask
+
+
+def _stop_set(stop_id: int | Sequence[int]) -> frozenset[int]:
+    """One end-of-turn id or several, as a set of ints."""
+    return frozenset([int(stop_id)] if is_int(stop_id) else [int(t) for t in stop_id])
+
+
+def resolve_stop_ids(target: Target, stop_id: int | Sequence[int] | None, who: str) -> list[int]:
+    """The end-of-turn ids a regeneration stops at: ``stop_id`` (one id or several) when given, else every id at
+    which the target's own ``generate`` stops (:func:`dartree.models.generation.stop_ids`: its generation config's
+    end ids and its tokenizer's).
+
+    Raises:
+        ValueError: no end id at all, or an invalid one in the target's configs (named, with ``who``).
+    """
+    stops = sorted(_stop_set(stop_id)) if stop_id is not None else target_stop_ids(target)
+    if not stops:
+        raise ValueError(f"{who}: target {target.name!r} names no end id (generation_config.eos_token_id and "
+                         "tokenizer.eos_token_id are unset); pass stop_id")
+    return stops
 
 
 def pick_dialogues(pool: Sequence[Sequence[str]], num: int, seed: int, code_fraction: float,
@@ -379,6 +457,9 @@ class DataSpec:
         max_turns: human turns per conversation (1: the first turn only; > 1: :func:`regenerate_dialogues`).
         max_seq_tokens: with max_turns > 1, a later turn is regenerated only while its prompt (the history) plus
             ``max_new_tokens`` fits in this many tokens; the conversation ends at the first turn that does not.
+        chat_template_kwargs: extra chat-template variables (``data.chat_template_kwargs``, e.g.
+            ``{"enable_thinking": False}``), passed to ``apply_chat_template``; part of the data hash only when
+            non-empty (data sets made before the option keep their folders).
     """
 
     num_prompts: int = 1024
@@ -389,6 +470,7 @@ class DataSpec:
     code_fraction: float = 0.0
     max_turns: int = 1
     max_seq_tokens: int = 2048
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 def random_prompts(num: int, length: int, vocab_size: int, seed: int, low: int = 2) -> list[list[int]]:
@@ -446,50 +528,62 @@ class _PartialLog:
         self.last = time.time()
 
 
+def responses_key(target: Target, spec: DataSpec, stops: Sequence[int], prompts: list | None = None) -> dict:
+    """What names a single-turn data set's cache folder (``responses-<hash of this>``): the target, its dtype, the
+    single-turn fields of ``spec``, and, only where they are not the defaults (so data sets made before these options
+    keep their folders), ``code_fraction``, ``chat_template_kwargs``, several stop ids and given prompts' hash."""
+    key = {"target": target.name, "vocab": target.vocab_size, "dtype": str(target.dtype), **spec.__dict__}
+    for name in ("batch_size", "max_turns", "max_seq_tokens"):  # multi-turn fields: not part of single-turn data
+        key.pop(name)
+    for name in ("code_fraction", "chat_template_kwargs"):
+        if not key[name]:
+            key.pop(name)
+    if len(stops) > 1:
+        key["stop_ids"] = list(stops)
+    if prompts is not None:
+        key["prompts"] = _hash(prompts)
+    return key
+
+
 def regenerate_responses(
     target: Target,
     spec: DataSpec,
     out_dir: Path | None = None,
     *,
     prompts: list[list[int]] | None = None,
-    stop_id: int | None = None,
+    stop_id: int | Sequence[int] | None = None,
 ) -> Path:
     """Generate the target's greedy responses to ShareGPT prompts; return the path of ``responses.jsonl``.
 
-    Each line holds ``{"prompt_ids": [...], "response_ids": [...]}``; the response ends with the stop token when
+    Each line holds ``{"prompt_ids": [...], "response_ids": [...]}``; the response ends with a stop token when
     the target stopped. Rows are appended to ``responses.partial.jsonl`` as they finish (flushed every ~5 s),
     so a killed run resumes; the final file appears by atomic rename. Reused when the hash of (target, spec)
-    matches.
+    matches; the stop ids are part of that hash only when there are several (single-stop data sets keep their
+    folders).
 
+    Args:
+        stop_id: the end-of-turn id(s); None: every id at which the target's own ``generate`` stops
+            (:func:`resolve_stop_ids`).
     Raises:
-        ValueError: a target without a tokenizer and no ``stop_id``; ``spec.max_new_tokens < 1``;
-            ``spec.max_turns > 1`` (multi-turn data is :func:`build_dialogue_data`'s).
+        ValueError: no end id (none given and none in the target's configs); ``spec.max_new_tokens < 1``;
+            ``spec.max_turns > 1`` (multi-turn data is :func:`build_dialogue_data`'s); no chat template.
     """
     if spec.max_new_tokens < 1:
         raise ValueError(f"data.max_new_tokens must be >= 1 (got {spec.max_new_tokens})")
     if spec.max_turns != 1:
         raise ValueError(f"regenerate_responses makes single-turn data; data.max_turns={spec.max_turns} needs "
                          "build_dialogue_data")
-    key = {"target": target.name, "vocab": target.vocab_size, "dtype": str(target.dtype), **spec.__dict__}
-    for name in ("batch_size", "max_turns", "max_seq_tokens"):  # multi-turn fields: not part of single-turn data
-        key.pop(name)
-    if not key["code_fraction"]:
-        key.pop("code_fraction")  # data sets made before the option keep their hash
-    if prompts is not None:
-        key["prompts"] = _hash(prompts)
+    stops = resolve_stop_ids(target, stop_id, "regenerate_responses")
+    key = responses_key(target, spec, stops, prompts)
     folder = out_dir or (cache_root() / "data" / f"responses-{_hash(key)}")
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / "responses.jsonl"
     if final.exists():
         return final
     (folder / "spec.json").write_text(json.dumps(key, indent=1))
-    tok = target.tokenizer
-    if stop_id is None:
-        if tok is None:
-            raise ValueError("regenerate_responses: a target without a tokenizer needs stop_id")
-        stop_id = tok.eos_token_id
     if prompts is None:
-        prompts = chat_prompts(tok, spec.num_prompts, spec.seed, spec.max_prompt_tokens, spec.code_fraction)
+        prompts = chat_prompts(target.tokenizer, spec.num_prompts, spec.seed, spec.max_prompt_tokens,
+                               spec.code_fraction, spec.chat_template_kwargs)
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     partial = folder / "responses.partial.jsonl"
     log = _PartialLog(partial)
@@ -497,7 +591,7 @@ def regenerate_responses(
     todo = [i for i in order if i not in done]
     t0, n_tok = time.time(), 0
     bar = tqdm(total=len(todo), desc="regenerating responses", unit="resp")
-    for i, resp in continuous_greedy(target.model, prompts, max_new_tokens=spec.max_new_tokens, stop_id=stop_id,
+    for i, resp in continuous_greedy(target.model, prompts, max_new_tokens=spec.max_new_tokens, stop_ids=stops,
                                      slots=spec.batch_size, order=todo):
         n_tok += len(resp)
         log.add({"index": i, "prompt_ids": list(prompts[i]), "response_ids": resp})
@@ -516,7 +610,7 @@ def regenerate_responses(
 
 
 def regenerate_dialogues(target: Target, spec: DataSpec, dialogues: Sequence[Sequence[Sequence[int]]],
-                         folder: Path, *, stop_id: int, key: dict | None = None,
+                         folder: Path, *, stop_id: int | Sequence[int], key: dict | None = None,
                          deadline: float | None = None) -> Path | None:
     """Regenerate every assistant turn of ``dialogues`` with the target's greedy answers; returns the path of
     ``folder/responses.jsonl``.
@@ -538,7 +632,8 @@ def regenerate_dialogues(target: Target, spec: DataSpec, dialogues: Sequence[Seq
         spec: generation settings (``max_new_tokens``, ``max_seq_tokens``, ``batch_size``).
         dialogues: per conversation, its template segments (:func:`dialogue_segments` / :func:`random_dialogues`).
         folder: the cache folder (named by the caller's hash of everything that defines the data).
-        stop_id: the end-of-turn token. key: written to ``folder/spec.json`` for reference.
+        stop_id: the end-of-turn token, or several (a turn ends at the first; :func:`dialogue_tokens`).
+        key: written to ``folder/spec.json`` for reference.
         deadline: a ``time.time()`` value: past it the finished rows are flushed and None is returned (the
             next call resumes from them); None runs to the end.
     Raises:
@@ -597,9 +692,9 @@ def regenerate_dialogues(target: Target, spec: DataSpec, dialogues: Sequence[Seq
         return len(prompts) - 1, ids[base:]
 
     if queue:
-        for j, resp in continuous_greedy(target.model, prompts, max_new_tokens=spec.max_new_tokens, stop_id=stop_id,
-                                         slots=spec.batch_size, order=queue, feed=True, max_len=max_len,
-                                         follow=follow):
+        for j, resp in continuous_greedy(target.model, prompts, max_new_tokens=spec.max_new_tokens,
+                                         stop_ids=sorted(_stop_set(stop_id)), slots=spec.batch_size, order=queue,
+                                         feed=True, max_len=max_len, follow=follow):
             c, t = turn_of[j]
             done[(c, t)] = resp
             log.add({"index": c, "turn": t, "response_ids": resp})
@@ -629,9 +724,21 @@ def regenerate_dialogues(target: Target, spec: DataSpec, dialogues: Sequence[Seq
     return final
 
 
+def dialogue_key(target: Target, spec: DataSpec, source: str, stops: Sequence[int]) -> dict:
+    """The fields every cache key of :func:`build_dialogue_data` shares: the target, its dtype, the source, the
+    generation settings and the stop id (one id as ``stop_id``, several as a list), plus ``chat_template_kwargs``
+    only when non-empty (data sets made before the option keep their hash)."""
+    base = {"target": target.name, "vocab": target.vocab_size, "dtype": str(target.dtype), "source": source,
+            "max_new_tokens": spec.max_new_tokens, "max_turns": spec.max_turns,
+            "max_seq_tokens": spec.max_seq_tokens, "stop_id": stops[0] if len(stops) == 1 else list(stops), "v": 1}
+    if spec.chat_template_kwargs:
+        base["chat_template_kwargs"] = dict(spec.chat_template_kwargs)
+    return base
+
+
 def build_dialogue_data(target: Target, spec: DataSpec, *, source: str = "sharegpt", holdout: int = 0,
                         holdout_set: str = "tail", holdout_turns: int = 0, random_prompt_len: int = 12,
-                        stop_id: int | None = None) -> Path:
+                        stop_id: int | Sequence[int] | None = None) -> Path:
     """The data stage for multi-turn data (``spec.max_turns`` > 1) or a fixed held-out set; returns the path of
     the ``responses.jsonl`` that :class:`BlockData` reads (training rows first, held-out rows last).
 
@@ -644,24 +751,20 @@ def build_dialogue_data(target: Target, spec: DataSpec, *, source: str = "shareg
     sets of different ``max_turns`` on one held-out set), are regenerated into their own folder
     ``data/holdout-<hash>``, shared by every data set with the same target and generation settings, and
     ``spec.num_prompts`` training conversations are drawn from the rest; the two are joined in ``data/dataset-<hash>``. Training conversations are regenerated in
-    ``data/dialogues-<hash>``. Every hash covers the target, its dtype, the generation settings and the token
-    ids of the chosen conversations, so any change of these options makes a new folder; all stages resume
-    (:func:`regenerate_dialogues`).
+    ``data/dialogues-<hash>``. Every hash covers the target, its dtype, the generation settings (the stop ids,
+    and the chat-template options when there are any) and the token ids of the chosen conversations, so any change
+    of these options makes a new folder; all stages resume (:func:`regenerate_dialogues`). ``stop_id``: the
+    end-of-turn id(s); None: the target's own (:func:`resolve_stop_ids`); the random source's turn end is the first.
 
     Raises:
-        ValueError: an unknown source or holdout_set, a ShareGPT source with a target without a tokenizer, no
-            ``stop_id`` and no tokenizer, too few usable conversations.
+        ValueError: an unknown source or holdout_set, a ShareGPT source with a target without a tokenizer or chat
+            template, no end id, too few usable conversations.
     """
     if source not in ("sharegpt", "random") or holdout_set not in ("tail", "fixed"):
         raise ValueError(f"build_dialogue_data: source {source!r} / holdout_set {holdout_set!r} unknown")
     tok = target.tokenizer
-    if stop_id is None:
-        if tok is None:
-            raise ValueError("build_dialogue_data: a target without a tokenizer needs stop_id")
-        stop_id = int(tok.eos_token_id)
-    base = {"target": target.name, "vocab": target.vocab_size, "dtype": str(target.dtype), "source": source,
-            "max_new_tokens": spec.max_new_tokens, "max_turns": spec.max_turns,
-            "max_seq_tokens": spec.max_seq_tokens, "stop_id": stop_id, "v": 1}
+    stops = resolve_stop_ids(target, stop_id, "build_dialogue_data")
+    base = dialogue_key(target, spec, source, stops)
     hold: list = []
     hold_turns = holdout_turns or spec.max_turns
     if source == "sharegpt":
@@ -670,8 +773,10 @@ def build_dialogue_data(target: Target, spec: DataSpec, *, source: str = "shareg
         base["max_prompt_tokens"] = spec.max_prompt_tokens
         pool = sharegpt_dialogues(max(spec.max_turns, hold_turns))
 
+        check_chat_template(tok, spec.chat_template_kwargs)
+
         def segment(turns):
-            return dialogue_segments(tok, turns, spec.max_prompt_tokens)
+            return dialogue_segments(tok, turns, spec.max_prompt_tokens, spec.chat_template_kwargs)
 
         if holdout_set == "fixed":
             hold, keep = fixed_holdout([d[:hold_turns] for d in pool], holdout, segment)
@@ -681,20 +786,20 @@ def build_dialogue_data(target: Target, spec: DataSpec, *, source: str = "shareg
     else:
         base["random_prompt_len"] = random_prompt_len
         train = random_dialogues(spec.num_prompts, spec.max_turns, random_prompt_len, target.vocab_size, spec.seed,
-                                 stop_id)
+                                 stops[0])
         if holdout_set == "fixed":
             hold = random_dialogues(holdout, hold_turns, random_prompt_len, target.vocab_size, HOLDOUT_SEED,
-                                    stop_id)
+                                    stops[0])
     root = cache_root() / "data"
     train_key = {**base, "part": "train", "num_prompts": spec.num_prompts, "seed": spec.seed,
                  "code_fraction": spec.code_fraction, "dialogues": _hash(train)}
     if holdout_set == "tail":
-        return regenerate_dialogues(target, spec, train, root / f"dialogues-{_hash(train_key)}", stop_id=stop_id,
+        return regenerate_dialogues(target, spec, train, root / f"dialogues-{_hash(train_key)}", stop_id=stops,
                                     key=train_key)
     hold_key = {**base, "part": "holdout", "holdout": holdout, "max_turns": hold_turns, "dialogues": _hash(hold)}
     hold_path = regenerate_dialogues(target, replace(spec, max_turns=hold_turns), hold,
-                                     root / f"holdout-{_hash(hold_key)}", stop_id=stop_id, key=hold_key)
-    train_path = regenerate_dialogues(target, spec, train, root / f"dialogues-{_hash(train_key)}", stop_id=stop_id,
+                                     root / f"holdout-{_hash(hold_key)}", stop_id=stops, key=hold_key)
+    train_path = regenerate_dialogues(target, spec, train, root / f"dialogues-{_hash(train_key)}", stop_id=stops,
                                       key=train_key)
     folder = root / f"dataset-{_hash([train_key, hold_key])}"
     final = folder / "responses.jsonl"

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Dict, Optional
 
 import torch
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
@@ -88,6 +88,9 @@ class DataSection:
     max_turns: int = 1  # human turns per conversation; each assistant turn regenerated with the target's own history
     max_seq_tokens: int = 2048  # max_turns > 1: a turn is regenerated only if history + max_new_tokens fit in this
     random_prompt_len: int = 12  # "random" source only
+    # extra chat-template variables passed to apply_chat_template wherever training renders the template, e.g.
+    # {enable_thinking: false}; part of the data cache key only when non-empty (older caches keep their hash)
+    chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -178,6 +181,7 @@ def load_recipe(args: list[str]) -> DictConfig:
         raise RecipeError(f"recipe {name!r} not found ({path}); available: {names}")
     schema = OmegaConf.structured(Recipe)
     OmegaConf.set_struct(schema, True)
+    OmegaConf.set_struct(schema.data.chat_template_kwargs, False)  # template variables: any names
     cli.recipe = path.stem
     try:
         from_file = OmegaConf.load(path)

@@ -157,7 +157,8 @@ def continuous_greedy(
     prompts: Sequence[Sequence[int]],
     *,
     max_new_tokens: int,
-    stop_id: int,
+    stop_id: int | None = None,
+    stop_ids: Sequence[int] = (),
     slots: int = 48,
     order: Sequence[int] | None = None,
     linear: str = "auto",
@@ -166,7 +167,7 @@ def continuous_greedy(
     follow: Callable[[int, list[int]], tuple[int, list[int]] | None] | None = None,
 ) -> Iterator[tuple[int, list[int]]]:
     """Greedy responses of a Hugging Face causal LM to ``prompts``, yielded as ``(prompt index, response ids)``
-    in the order rows finish; a response ends with ``stop_id`` when the model stopped, else has
+    in the order rows finish; a response ends with a stop id when the model stopped, else has
     ``max_new_tokens`` tokens.
 
     Args:
@@ -174,7 +175,9 @@ def continuous_greedy(
             (Llama, Qwen2/3, Mistral families in transformers 5) and accept a 4D additive mask.
         prompts: token ids (each non-empty).
         max_new_tokens: response cap in tokens (>= 1).
-        stop_id: the end-of-turn token.
+        stop_id: one end-of-turn token (the older spelling of ``stop_ids=[stop_id]``).
+        stop_ids: the end-of-turn tokens (e.g. :func:`dartree.models.generation.stop_ids` of the target: every id
+            at which its own ``generate`` stops); a row ends at the first of them. Both may be given (the union).
         slots: rows decoded together (the batch size).
         order: the order in which prompts enter (default: shortest first, which keeps prefills small and
             similar); only these indices are generated.
@@ -192,8 +195,12 @@ def continuous_greedy(
             and values already there, so only ``extra`` is prefilled (not the whole history again). j2 must be
             an index of ``prompts`` (the caller appends it first).
     Raises:
-        ValueError: an empty prompt, ``max_new_tokens < 1`` or ``slots < 1``; ``onednn`` where it cannot run.
+        ValueError: an empty prompt, ``max_new_tokens < 1`` or ``slots < 1``; no stop id at all (neither
+            ``stop_id`` nor ``stop_ids``); ``onednn`` where it cannot run.
     """
+    stops = frozenset(int(s) for s in ([] if stop_id is None else [stop_id]) + list(stop_ids))
+    if not stops:
+        raise ValueError("continuous_greedy: give the end-of-turn token(s) as stop_ids (or stop_id)")
     if max_new_tokens < 1 or slots < 1:
         raise ValueError(f"continuous_greedy: max_new_tokens ({max_new_tokens}) and slots ({slots}) must be >= 1")
     if any(len(p) == 0 for p in prompts):
@@ -215,7 +222,7 @@ def continuous_greedy(
     for m in swapped:
         pack_linears(m, "onednn")
     try:
-        yield from _continuous_greedy(model, prompts, pending, max_new_tokens=max_new_tokens, stop_id=stop_id,
+        yield from _continuous_greedy(model, prompts, pending, max_new_tokens=max_new_tokens, stops=stops,
                                       slots=slots, max_len=max_len, feed=feed, follow=follow)
     finally:
         for m in swapped:
@@ -224,7 +231,7 @@ def continuous_greedy(
 
 
 @torch.no_grad()
-def _continuous_greedy(model, prompts, pending, *, max_new_tokens: int, stop_id: int, slots: int,
+def _continuous_greedy(model, prompts, pending, *, max_new_tokens: int, stops: frozenset, slots: int,
                        max_len: int | None = None, feed: bool = False, follow=None):
     """The body of :func:`continuous_greedy` (arguments checked there; ``pending`` is the entry order)."""
     from transformers import DynamicCache
@@ -282,7 +289,7 @@ def _continuous_greedy(model, prompts, pending, *, max_new_tokens: int, stop_id:
             last[s] = tok[r]
 
     def finished(s: int) -> bool:
-        return out[s][-1] == stop_id or len(out[s]) >= max_new_tokens
+        return out[s][-1] in stops or len(out[s]) >= max_new_tokens
 
     def extend(s: int, j: int, ids: list[int]) -> None:
         """Slot s continues as row j: prefill ``ids`` (the previous answer's last token, not yet fed, and the next

@@ -27,6 +27,7 @@ from tqdm.auto import tqdm
 from dartree.decode.report import plot_curve_file
 from dartree.models.checkpoint import cast_floats, write_folder_atomically
 from dartree.models.drafter import BlockAttention, DFlashDrafter, DrafterConfig, build_target_layer_ids
+from dartree.models.generation import stop_ids as target_stop_ids
 from dartree.models.heads import build_head
 from dartree.models.target import Target, load_target
 from dartree.training.data import (
@@ -49,6 +50,7 @@ from dartree.training.losses import (
     teacher_forced_tau,
     weight_sum,
 )
+from dartree.training.checks import template_kwargs
 from dartree.training.recipe import RecipeError, load_recipe
 
 TRAIN_FORMAT = "dartree-train"
@@ -167,6 +169,7 @@ def prepare_data(cfg: DictConfig, target: Target) -> BlockData:
         code_fraction=d.code_fraction,
         max_turns=int(d.get("max_turns", 1)),
         max_seq_tokens=int(d.get("max_seq_tokens", 2048)),
+        chat_template_kwargs=template_kwargs(cfg),
     )
     holdout_set = d.get("holdout_set", "tail")
     if d.source == "campaign":  # committed campaign shards, features recomputed online (no feature store)
@@ -184,22 +187,19 @@ def prepare_data(cfg: DictConfig, target: Target) -> BlockData:
         raise RecipeError(f"data.source {d.source!r} is not 'sharegpt', 'random' or 'campaign'")
     gen_dtype = _dtype(cfg.target.gen_dtype)
     gen_target = target if gen_dtype == target.dtype else load_recipe_target(cfg.target.path, gen_dtype)
-    if spec.max_turns > 1 or holdout_set != "tail":
-        stop = None if d.source == "sharegpt" else int(target.config.eos_token_id)
-        try:
+    # every stage stops where the target's own generate stops (dartree.models.generation.stop_ids)
+    try:
+        if spec.max_turns > 1 or holdout_set != "tail":
             responses = build_dialogue_data(gen_target, spec, source=d.source, holdout=d.holdout,
                                             holdout_set=holdout_set, holdout_turns=int(d.get("holdout_turns", 0)),
-                                            random_prompt_len=d.random_prompt_len, stop_id=stop)
-        except ValueError as exc:
-            raise RecipeError(f"data: {exc}") from None
-    elif cfg.data.source == "sharegpt":
-        responses = regenerate_responses(gen_target, spec)
-    elif cfg.data.source == "random":
-        prompts = random_prompts(spec.num_prompts, cfg.data.random_prompt_len, target.vocab_size, spec.seed)
-        stop = target.config.eos_token_id
-        responses = regenerate_responses(gen_target, spec, prompts=prompts, stop_id=int(stop))
-    else:
-        raise RecipeError(f"data.source {cfg.data.source!r} is not 'sharegpt' or 'random'")
+                                            random_prompt_len=d.random_prompt_len)
+        elif cfg.data.source == "sharegpt":
+            responses = regenerate_responses(gen_target, spec)
+        else:
+            prompts = random_prompts(spec.num_prompts, cfg.data.random_prompt_len, target.vocab_size, spec.seed)
+            responses = regenerate_responses(gen_target, spec, prompts=prompts)
+    except ValueError as exc:
+        raise RecipeError(f"data: {exc}") from None
     del gen_target
     feats = compute_features(target, responses)
     return BlockData(responses, feats, holdout=d.holdout)
@@ -599,9 +599,9 @@ def run(cfg: DictConfig) -> dict:
         raise RecipeError("no training sequence has a response token to predict; raise data.max_new_tokens")
     if drafter.cfg.draft_vocab_size:
         if not cfg.init_from:  # a fine-tuned drafter keeps the vocabulary it was trained with
-            stop = [target.config.eos_token_id] if isinstance(target.config.eos_token_id, int) else []
             try:
-                ids, cover = select_draft_vocab(data, drafter.cfg.draft_vocab_size, target.vocab_size, stop)
+                ids, cover = select_draft_vocab(data, drafter.cfg.draft_vocab_size, target.vocab_size,
+                                                target_stop_ids(target))
             except ValueError as exc:
                 raise RecipeError(f"drafter.draft_vocab_size: {exc}") from None
             drafter.draft_vocab.copy_(ids)
