@@ -443,8 +443,10 @@ def _regenerate(target, cfg: DictConfig, items: list, folder: Path, deadline: fl
                     max_new_tokens=int(d.max_new_tokens), batch_size=int(cfg.gen_slots), max_turns=int(d.max_turns),
                     max_seq_tokens=int(d.max_seq_tokens))
     t0 = time.time()
+    from dartree.models.generation import stop_ids
+
     path = regenerate_dialogues(target, spec, [s for _, s in items], folder,
-                                stop_id=int(target.tokenizer.eos_token_id),
+                                stop_id=stop_ids(target),  # every id at which the target's own generate stops
                                 key={"ids": [it.id for it, _ in items]}, deadline=deadline)
     if path is None:
         return None
