@@ -267,6 +267,8 @@ def speculative_generate(
         budget: tree nodes per round B (default: P, the proposals per block), or ``"auto"``: per round the
             builder drafts up to ``cost_model.max_budget`` nodes and the cost model keeps the number that
             maximises expected tokens per second, 0 meaning a plain AR step (:mod:`dartree.decode.budget`).
+            Its choices follow the round times it measures, so at T > 0 a seed fixes the output only under a
+            fixed budget (the output's distribution is the target's either way).
         cost_model: the calibrated :class:`~dartree.decode.budget.CostModel` for ``budget="auto"`` (shared
             across calls, so its acceptance calibration carries over); None calibrates one on this prompt.
         builder_params: extra keyword arguments for the builder (``k``, ``width``, ``beta``).

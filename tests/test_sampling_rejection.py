@@ -145,14 +145,21 @@ def test_rejection_generate_same_seed_same_output(target, prompts):
     assert max(short.stats.accept_lengths) <= 3 and len(short.tokens) <= 12
 
 
-def test_rejection_with_auto_budget_records_every_verified_node(target, prompts):
+def test_rejection_with_auto_budget_records_every_verified_node(target, prompts, monkeypatch):
     # budget="auto" at T > 0: the cost model sizes each sampled chain; the calibration counts exactly the
-    # verified nodes and the accepted ones; same seed, same output
+    # verified nodes and the accepted ones; same seed and same measured times, same output. The loop's clock is
+    # replaced by one that advances 1 ms per reading: the policy learns from the times it measures, so on the real
+    # clock two runs may size a round differently and draw a different (equally distributed) sample.
+    import types
+
+    from dartree.decode import generate
     from dartree.decode.budget import CostModel
 
     drafter, head = make_drafter(), make_markov()
     outs, models = [], []
     for _ in range(2):
+        ticks = iter(range(10**6))
+        monkeypatch.setattr(generate, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-3))
         cm = CostModel(t_ar=1.0, t_draft=0.1, verify_s={1: 1.0, 2: 1.02, 5: 1.1, 9: 1.2, 17: 1.5}, max_budget=8)
         outs.append(speculative_generate(target, drafter, head, prompts[1], builder="chain", budget="auto",
                                          cost_model=cm, max_new_tokens=30, temperature=0.8, acceptance="rejection",
