@@ -30,34 +30,13 @@ probe round drafts again (rarely when drafting loses by far, often when it loses
 least one node even where :meth:`CostModel.choose` would keep none, since a probe that verifies nothing measures
 only the draft's cost and teaches the acceptance calibration nothing.
 
-Why (issue 29): on a shared VM whose one-token step went from 34 ms at calibration to 80 ms later in the run, chain
-chose B = 0 in 2,457 of about 2,830 rounds where a quiet run of the same drafter gained 1.3x. Replaying the earlier
-rule on a fake clock (tests/test_decode_speed.py) showed three ways a slowdown biased it: each verify size's shape
-correction absorbed about a third of the slowdown at the sizes in use (no 1-token forward was timed beside them), so
-the budgets stayed different from a quiet run's for the rest of the run; drafted rounds timed in a slow stretch were
-compared in seconds with AR steps timed after it; and once a probe's choice fell to 0 nodes, nothing it did could
-raise the calibration again. Over 24 simulated drafter / verify-curve settings with slow stretches of 2-3x the
-rule below kept its choices identical to a quiet run's under a 2.35x or 4x slowdown, and gained 1.34x over AR on
-average where the earlier one gained 1.29x (worst setting 0.973x against 0.949x). The tokens are those the target accepted, not the calibrated
-promise: the calibration pools every context, so where the drafter does worse than on average it promises too
-much. A round barely predicts the next one: with the packaged drafter the next round accepted 0.59 drafts on average
-after a round that accepted none and 0.64 after one that accepted some, and 0.63-0.68 whatever the target's own
-top-1 probability at the last token (1,300 rounds), so a short memory only skips rounds that would have paid (on 6
-prompts an average over 2 rounds skipped the drafter in 2 of 3 rounds and ran at 1.06x AR, paired, where always
-drafting 8 nodes ran at 1.16x).
+The skip rule counts the tokens the target accepted, not the calibrated promise: the calibration pools every
+context, so where the drafter does worse than on average it promises too much.
 
-Replayed on recorded rounds (:mod:`dartree.decode.replay`, ``decode/bench.py --replay``; 1,762 pruned rounds recorded
-at B = 16 in fp32, 18 prompts x 200 tokens, under four verify-cost shapes of 1.06 to 1.53 AR steps at 9 tokens with
-0.12-0.20 AR steps of draft and build), the policy (anchor steps included) came 0.9-3.6% below the best fixed budget
-in hindsight, never above it. In a scratch replay, ranking nodes by a per-rank acceptance instead of the
-per-probability one, or maximising tokens - rate x seconds (Dinkelbach) instead of the round's own ratio, did not
-reach the best fixed budget either. The drafter's path probabilities say little about a single round (correlation 0.25
-between the predicted and the accepted drafts of the 8 best nodes), while a choice made knowing each round's outcome
-(:func:`~dartree.decode.replay.replay_hindsight`) would reach 16-30% more than the best fixed budget.
-
-This is the adaptive verification budget that DARTree (arXiv 2608.13524) leaves as future work; it generalises
-DSpark's confidence-scheduled chain length (ANCHORS.md 5b) from a chain to any tree builder. The timings are
-calibrated at start-up with a few forwards (:func:`calibrate`), in the process that decodes.
+The rule is the adaptive verification budget that DARTree (arXiv 2608.13524, conclusion) leaves as future work; it
+generalises DSpark's confidence-scheduled chain length (arXiv 2607.05147, Algorithm 1) from a chain to any tree
+builder. The timings are calibrated at start-up with a few forwards (:func:`calibrate`), in the process that
+decodes. The failures each safeguard answers and the replays behind the constants are in docs/budget.md.
 """
 
 from __future__ import annotations
@@ -81,23 +60,17 @@ SPEED_EMA = 0.1
 # Garivier & Moulines 2011, "On Upper-Confidence Bound Policies for Switching Bandit Problems").
 DRAFT_DISCOUNT = 0.99
 # Width of the upper confidence bound in standard errors of the mean committed tokens per drafted round, and the
-# prior standard deviation (tokens) with its weight in rounds, used while few rounds are in. Simulated on 1,300
-# recorded pruned B = 8 rounds of the packaged drafter at round costs of 1.2-2.0 AR steps: within 0.1% of always
-# drafting where drafting pays by 19% or more, 2-2.5% below it where it pays by 4-11% (an average over the last 20
-# rounds with probes after 1, 2, 4 .. 32 AR steps lost 6% at 19%), and within 1.5% of AR where drafting loses.
+# prior standard deviation (tokens) with its weight in rounds, used while few rounds are in (simulations:
+# docs/budget.md).
 UCB_Z = 1.0
 SD_PRIOR, SD_PRIOR_ROUNDS = 1.0, 2.0
 # At most this many drafted rounds in a row: then one round skips the drafter, a plain AR step (or a lookup chain)
-# whose 1-token forward measures what AR costs now, next to the drafted rounds in time. Without it a run that drafts
-# every round never times a 1-token forward, and a calibration taken in a noisy minute (its 1-token forward as slow as
-# its 9-token one) made 4-node chain rounds look free: 0.90x AR, paired, on MT-Bench. Costs at most 1/16 of
-# drafting's gain.
+# whose 1-token forward measures what AR costs now, next to the drafted rounds in time (a run that drafts every round
+# would never time one). Costs at most 1/16 of drafting's gain.
 ANCHOR_EVERY = 16
 # EMA weight of the per-size correction of the calibrated verify curve (observe_verify), per pair of consecutive
 # verifies of 1 and of T > 1 tokens: the pair's ratio t(T) / t(1) is free of the machine's speed, so a slowdown moves
-# only the scale; learning each size's correction from every verify instead (its residual after the scale's update)
-# let a slowdown inflate the sizes the loop was verifying by about a third of it, and the policy then verified
-# smaller trees, or none, long after the machine had calmed (simulated; tests/test_decode_speed.py)
+# only the scale, not the curve's shape
 SHAPE_EMA = 0.1
 # A pair's residual ratio is clipped to [1 / PAIR_CLIP, PAIR_CLIP]: a pair that straddles a jump of the machine's speed
 # (a 1-token forward in a slow stretch, the T-token verify right after it calmed) says nothing about the curve's shape
@@ -247,12 +220,11 @@ class CostModel:
     def observe_verify(self, tokens: int, seconds: float) -> None:
         """Fold one timed verify stage of ``tokens`` tree tokens (root included), ``seconds`` long, into the model.
 
-        The residual r = measured / predicted updates :attr:`speed` (EMA weight :data:`SPEED_EMA`): on a shared VM
-        the same forward drifts by 10-50% within minutes, and a calibration taken in a slow minute made every later
-        draft look cheap (a make run at 0.83x on one data set). A 1-token forward is also an AR step of this moment
-        (``ar_n``, ``ar_s``, ``ar_u``). The shape of the curve is learnt from pairs (:meth:`_learn_shape`): in a
-        bf16 make run the loop's 9-token verify stage cost about 1.4-1.8 AR steps where start-up calibration
-        measured 1.12, so the policy kept verifying 8-node trees that did not pay (0.89x on one data set)."""
+        The residual r = measured / predicted updates :attr:`speed` (EMA weight :data:`SPEED_EMA`), since on a shared
+        VM the same forward drifts within minutes and a start-up calibration alone goes stale. A 1-token forward is
+        also an AR step of this moment (``ar_n``, ``ar_s``, ``ar_u``). The shape of the curve is learnt from pairs
+        (:meth:`_learn_shape`), since the loop's verify stage can cost more AR steps than start-up calibration
+        measured."""
         if seconds <= 0:
             return
         ratio = seconds / max(self.verify_time(tokens), 1e-12)
@@ -515,8 +487,7 @@ def calibrate(target, drafter, context_ids, *, max_budget: int = 16, reps: int =
                      torch.arange(1, t, dtype=torch.long), torch.zeros(t - 1)) for t in sizes}
     times: dict[int, list[float]] = {t: [] for t in sizes}
     # sizes interleaved, one forward of each per pass (pass 0 warms up): a machine whose speed drifts during the
-    # calibration then shifts every size alike; measured size by size, a drift made t_verify(5) look no dearer
-    # than t_verify(2) and the policy verify 5-node trees that did not pay (a make run at 0.83x on humaneval)
+    # calibration then shifts every size alike instead of distorting the curve's shape
     for r in range(reps + 1):
         for t in sizes:
             t0 = time.perf_counter()
