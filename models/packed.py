@@ -1,18 +1,16 @@
 """Prepacked oneDNN linear layers for CPU decoding (the small-M matmuls of verify and draft forwards).
 
-On this project's AVX2 CPU, ``F.linear`` (MKL sgemm) re-reads and re-packs every weight on each call, so a
-verify forward of M tokens costs far more than one of a single token although both read the same weights
-(PERFORMANCE.md). oneDNN's linear with the weight reordered once into its blocked layout
-(``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, the path ``torch.compile`` takes on CPU
-with weight freezing) removes the per-call packing. Measured on the default target's 210 decoder linears
-(2 threads, fp32): M=2 65.9 -> 42.9 ms, M=9 114 -> 63 ms, M=17 134 -> 90 ms (``decode/bench.py`` prints the
-whole-forward figures). Each output row is also independent of the other rows in the call (a row computed
-alone equals the same row computed in a batch, bit for bit), so a verify forward and an AR step agree more
-closely than with MKL's gemv/gemm split.
+``F.linear`` (MKL sgemm) re-reads and re-packs every weight on each call, so on a CPU a verify forward of M
+tokens costs far more than one of a single token although both read the same weights. oneDNN's linear with the
+weight reordered once into its blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` /
+``_linear_pointwise``, the path ``torch.compile`` takes on CPU with weight freezing) removes the per-call packing
+(figures: docs/performance.md, "Prepacked oneDNN linears"; ``decode/bench.py`` prints the whole-forward ones).
+Each output row is also independent of the other rows in the call (a row computed alone equals the same row
+computed in a batch, bit for bit), so a verify forward and an AR step agree more closely than with MKL's
+gemv/gemm split.
 
-Which path wins for a few rows depends on the CPU (on an AVX-512 VM F.linear beat the packed call up to 3-12 rows
-depending on the shape), so :func:`tune_linears` measures both per weight shape and row count on the machine that
-decodes and sets one threshold per shape.
+Which path wins for a few rows depends on the CPU, so :func:`tune_linears` measures both per weight shape and row
+count on the machine that decodes and sets one threshold per shape.
 
 Packing swaps the class of ``nn.Linear`` modules in place to :class:`PackedLinear`: parameters, names,
 ``state_dict`` and weight tying are unchanged; the packed copy is a non-persistent attribute that is rebuilt
@@ -89,10 +87,9 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return _pointwise()(x, packed, bias, "none", [None], "")
 
 
-# Single-row inputs (an AR step) use F.linear for weights below this many elements: there MKL's gemv already
-# streams the weight once and costs ~45 us less per call than oneDNN's dispatch, measured on the default target
-# (an AR step took ~6% longer with every layer packed). The big lm_head (28M elements) stays packed: 12.9 ms
-# with F.linear, 6.7 ms packed, at one row.
+# Single-row inputs (an AR step) use F.linear for weights below this many elements, where MKL's gemv already
+# streams the weight once and skips oneDNN's per-call dispatch; a large lm_head stays packed, which is faster at one
+# row too (figures: docs/performance.md, "Prepacked oneDNN linears").
 SINGLE_ROW_PACKED_MIN = 1 << 22
 _LINEAR_POINTWISE = None
 
@@ -177,8 +174,7 @@ def pack_linears(module: nn.Module, backend: str = "onednn", *, row_invariant: b
 
 
 # Row counts tuned by tune_linears: 1 .. TUNE_MAX_ROWS covers an AR step, every verify of a budget <= 16 tree and a
-# 16-position draft block; larger inputs (prefill, big trees) keep the packed path, which wins there everywhere
-# measured.
+# 16-position draft block; larger inputs (prefill, big trees) keep the packed path, which wins there.
 TUNE_MAX_ROWS = 17
 # weights timed per shape group: enough to stream from memory as a forward does (16 x 576 x 576 fp32 = 21 MB)
 TUNE_MAX_MODULES = 16
@@ -189,17 +185,15 @@ def tune_linears(*modules: nn.Module, max_rows: int = TUNE_MAX_ROWS, reps: int =
     and every weight shape of the :class:`PackedLinear` layers inside ``modules``; each layer then takes the faster
     path for R rows (R > ``max_rows``: packed).
 
-    Why: which path wins at small R depends on the CPU. On one 2-vCPU VM the packed call took a 2-token verify of
-    the default target from 65.9 to 42.9 ms; on another (same image, a different host) F.linear was faster up to
-    R = 3 (2 tokens: 49.0 ms against 62.9 ms for the whole forward) and the packed call from R = 9 on. A fixed rule
-    is wrong on one of them.
+    Why: which path wins at small R depends on the CPU, even between hosts of one VM image, so a fixed rule is
+    wrong on some of them (figures: docs/performance.md, "Prepacked oneDNN linears").
 
     Method: the layers are grouped by (weight shape, dtype, bias); per group up to :data:`TUNE_MAX_MODULES` of its
     weights are run back to back (so they stream from memory, as in a forward) on a random [R, in] input, with
     both paths interleaved within each of ``reps`` passes after one warm-up pass, keeping each path's minimum.
     The group then uses F.linear for R = 1..R* rows and the packed call above, with R* the threshold that
-    maximises the summed measured saving (a noisy single row count cannot flip the choice: on a 2-vCPU VM whose
-    speed drifts by 10-30%, per-row decisions came out scattered, e.g. 1-3, 7-10, 13-17).
+    maximises the summed measured saving, so a noisy single row count cannot flip the choice on a VM whose speed
+    drifts.
     Both paths compute the same linear map (values equal up to float summation order), so the choice changes
     speed only; fp32 decoding stays equal to AR (tests/test_packed.py).
 
