@@ -1,6 +1,6 @@
 """Published drafter layouts: tensor names and config fields, both ways (read into dartree, write back).
 
-Layouts (facts from the public code, ANCHORS.md sections 1, 5a, 5b):
+Layouts (facts from the public code named with each layout):
 
 - ``zlab-dflash`` (z-lab/dflash ``dflash/model.py``): a Qwen3 config plus ``dflash_config.{mask_token_id,
   target_layer_ids}`` and ``block_size`` (top level or in ``dflash_config``); tensors ``fc``, ``hidden_norm``,
@@ -17,7 +17,8 @@ Layouts (facts from the public code, ANCHORS.md sections 1, 5a, 5b):
   ``markov_head.joint_proj.*`` (rnn), ``confidence_head.proj.*``; fields ``markov_rank``, ``markov_head_type``
   (vanilla | gated | rnn), ``enable_confidence_head``, ``confidence_head_with_markov`` in ``dflash_config`` (or
   at the top level, the older ``DSparkConfig`` layout). All B positions are proposals (offset 0): DSpark trains
-  on labels anchor+1..anchor+B (ANCHORS.md 5b trusts training over SpecForge's B-1 inference slice).
+  on labels anchor+1..anchor+B (SpecForge ``OnlineDSparkModel`` and DeepSpec; dartree follows training, not the
+  B-1 slice of SpecForge's DSpark ``spec_generate``).
 - ``deepspec-dspark`` (DeepSpec ``deepspec/modeling/dspark/qwen3/{config,modeling}.py``): the target's config
   with top-level ``target_layer_ids``, ``mask_token_id``, ``block_size``, ``num_anchors`` and the DSpark fields;
   tensors as SpecForge DSpark plus frozen copies ``embed_tokens.weight`` and ``lm_head.weight`` [V, D], which

@@ -2,7 +2,7 @@
 one reader/writer pair in the format registry of :mod:`dartree.convert.formats`.
 
 Facts (read from speculators 0.9.0 ``config.py``, ``models/dflash/{config,core}.py``, ``models/dflash2/*``,
-``models/dspark/*``, ``model.py``; ANCHORS.md section 9):
+``models/dspark/*``, ``model.py``; PyPI package ``speculators``):
 
 - config.json: ``speculators_model_type`` (``dflash`` | ``dflash2`` | ``dspark``; other types are refused by name),
   ``architectures`` (``DFlashSpeculator`` | ``DFlash2DraftModel`` | ``DSparkSpeculator``),

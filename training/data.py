@@ -5,9 +5,9 @@ Pipeline (each stage cached under ``cache_root()/data/<hash>`` and reused when i
 1. prompts: first human turns of the whole ShareGPT conversations (the packaged JSON is truncated, so it is
    decoded object by object and the partial tail is dropped), chat-templated by the target's tokenizer;
 2. responses: greedy continuations by the target itself (DFlash / DSpark practice: train on the target's own
-   outputs, ANCHORS.md section 2), generated shortest prompt first with continuous batching (a finished row's
-   slot takes the next prompt: :mod:`dartree.training.regen`) and appended as rows finish, so an interrupted
-   run resumes where it stopped;
+   outputs: SpecForge ``docs/basic_usage/data_preparation.md``, DSpark arXiv 2607.05147 Sec. 4.1), generated
+   shortest prompt first with continuous batching (a finished row's slot takes the next prompt:
+   :mod:`dartree.training.regen`) and appended as rows finish, so an interrupted run resumes where it stopped;
 3. features: one target forward per sequence storing the captured layer outputs [T, nL*D] and the final
    (normed) hidden state [T, D] in bf16, from which training recomputes the target distribution p_t.
 
@@ -1038,8 +1038,9 @@ def sample_anchors(prompt_len: int, seq_len: int, num_anchors: int, generator: t
     Without ``loss_mask`` an anchor p is valid when it is a response position with a label after it:
     ``prompt_len <= p <= T - 2`` (at inference the first anchor is the first generated token, whose context is
     the prompt). With ``loss_mask`` ([T] bool, True on tokens the target generated) p is valid when p and p + 1
-    are supervised (SpecForge ``OnlineDFlashModel._sample_anchor_positions``, ANCHORS.md section 2); for a mask
-    that is True exactly from ``prompt_len`` on, both rules give the same candidates and the same draw.
+    are supervised (SpecForge ``OnlineDFlashModel._sample_anchor_positions`` in
+    ``specforge/algorithms/common/dflash_family_model.py``); for a mask that is True exactly from ``prompt_len``
+    on, both rules give the same candidates and the same draw.
 
     Returns:
         [A] int64, A = min(num_anchors, number of valid positions) (may be 0).
@@ -1060,8 +1061,9 @@ def sample_anchors(prompt_len: int, seq_len: int, num_anchors: int, generator: t
 def select_draft_vocab(data: "BlockData", n: int, vocab_size: int, always: Sequence[int] = ()) -> tuple[torch.Tensor, float]:
     """The N most frequent response tokens of the training split, for a reduced draft vocabulary.
 
-    EAGLE-3's reduced draft vocabulary applied to DFlash drafters (DESIGN.md "Draft economics"): the drafter
-    scores only these N tokens with the target's own lm_head rows; verification keeps the full vocabulary.
+    EAGLE-3's reduced draft vocabulary (arXiv 2503.01840) applied to DFlash drafters (why: docs/performance.md,
+    "Draft economics"): the drafter scores only these N tokens with the target's own lm_head rows; verification
+    keeps the full vocabulary.
     Ties go to the lower token id; ids in ``always`` (the stop token) are included in any case. Response tokens
     are the supervised ones (``data.loss_mask`` where the data has it: the target's answers, not the user turns
     of multi-turn data), else every token after the prompt.

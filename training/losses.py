@@ -1,6 +1,7 @@
 """Block construction and losses for DFlash-family drafter training.
 
-``block_attention_mask`` is ANCHORS.md section 2: a query of block n sees context keys strictly before its
+``block_attention_mask`` is the DFlash training mask (SpecForge ``OnlineDFlashModel``,
+``specforge/algorithms/common/dflash_family_model.py``): a query of block n sees context keys strictly before its
 anchor and every key of its own block; blocks are isolated from one another. The three published losses,
 each over the P proposals of every block with position k weighted by ``exp(-k / gamma)`` (k = 0 for the first
 prediction; ``gamma=None``: weight 1, SpecForge's default) and normalised by the weight sum of the sequence
@@ -9,9 +10,9 @@ the step's weight sum over all processes, :func:`weight_sum`, as SpecForge pools
 
 - ``dflash``: CE of the base logits (DFlash / SpecForge ``OnlineDFlashModel``);
 - ``domino``: ``(1 - lambda) CE(corrected) + lambda CE(base)`` with the base-anchored linear curriculum for
-  lambda (Domino, SpecForge ``OnlineDominoModel``, ANCHORS.md 5a);
+  lambda (Domino, arXiv 2605.29707; SpecForge ``OnlineDominoModel``);
 - ``dspark``: ``alpha_ce CE + alpha_tv ||p_d - p_t||_1 + alpha_conf BCE(c, 1 - ||p_d - p_t||_1 / 2)``
-  (DSpark paper section 3.3, ANCHORS.md 5b), the BCE only when the head has a confidence head.
+  (DSpark, arXiv 2607.05147, Sec. 3.3), the BCE only when the head has a confidence head.
 
 Which predictions carry a loss is :func:`label_mask`: the label lies inside the sequence and, with a loss mask
 (assistant tokens only, multi-turn data), is a supervised token; DSpark's cumulative form drops every later label of
@@ -133,7 +134,7 @@ def _accuracy(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor):
 
 
 def lambda_schedule(step: int, total_steps: int, start: float = 1.0, ratio: float = 1.0) -> float:
-    """Domino's base-anchored curriculum, SpecForge ``linear_lambda_base`` (ANCHORS.md 5a, section 9):
+    """Domino's base-anchored curriculum (arXiv 2605.29707), as SpecForge 0.2.0's ``linear_lambda_base``:
     lambda = clamp(start * (1 - min(step / max(1, int(total * ratio)), 1)), 0, 1), ``step`` counting optimiser
     steps from 0. The int() rounds the decay horizon down (total 7, ratio 0.5: 0 at step 3); for an integer
     ``ratio * total`` (ratio 1.0) it is step / (ratio * total) exactly.

@@ -1,7 +1,7 @@
 """Recipe schema and loading: YAML recipes (``recipes/<name>.yaml``) merged with ``key=value`` overrides.
 
 The schema is an omegaconf structured config in struct mode, so a misspelt key is an error that lists the
-valid keys at that level (STYLE.md 5: recipes as data, torchtune-style).
+valid keys at that level (recipes as data, as torchtune's YAML configs: pytorch/torchtune ``recipes/configs/``).
 """
 
 from __future__ import annotations
