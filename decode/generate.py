@@ -4,7 +4,8 @@ Stages timed per round (seconds, in ``DecodeStats.stage_s``): ``draft`` (drafter
 ``tree_build``, ``tree_compile`` (ids, positions, ancestor mask), ``verify`` (one target forward, walk,
 KV compaction),
 ``commit`` (stop / length handling). The loop follows z-lab ``dflash_generate`` with DDTree's tree verify
-(ANCHORS.md sections 1 and 3). Prefill is timed separately and excluded from decode time.
+(``z-lab/dflash`` ``dflash/model.py``; ``liranringel/ddtree`` ``ddtree.py``). Prefill is timed separately and
+excluded from decode time.
 
 Both loops (and the draft) run under ``torch.inference_mode``, as z-lab's loop does: under plain ``no_grad`` the
 same 16-token verify forward of the default target took about 8% longer here (version counters and autograd

@@ -4,7 +4,7 @@
 * ``hf-prompt-lookup``: transformers prompt-lookup decoding (``generate(prompt_lookup_num_tokens=N)``), the free
   drafter-less speculative method a CPU user tries first.
 * ``ar-bf16``: dartree's own AR loop on a bfloat16 copy of the target, the fastest plain decoding on a CPU whose
-  memory-bound one-token step gains from half the weight bytes even without native bf16 arithmetic (PERFORMANCE.md,
+  memory-bound one-token step gains from half the weight bytes even without native bf16 arithmetic (docs/performance.md,
   "The honest baseline"). Its outputs are compared with the fp32 AR's like every row (near-ties may split).
 * ``zlab-dflash``: z-lab's ``dflash_generate`` (package ``dflash`` 0.1.0) on the drafter exported to z-lab's layout
   by :func:`dartree.convert.from_dartree.export`; a drafter that layout cannot express is skipped with the reason.
@@ -247,7 +247,8 @@ def load_zlab_drafter(checkpoint: str | Path, target: Target):
 @torch.no_grad()
 def zlab_dflash(target: Target, drafter, prompt_ids: Sequence[int], *, max_new_tokens: int,
                 stop_ids: Sequence[int]) -> PeerOutput:
-    """z-lab's ``dflash_generate`` (ANCHORS.md section 1), greedy, with ``drafter`` from :func:`load_zlab_drafter`.
+    """z-lab's ``dflash_generate`` (``z-lab/dflash`` ``dflash/model.py``), greedy, with ``drafter`` from
+    :func:`load_zlab_drafter`.
 
     Args:
         target: the dartree Target (its Hugging Face model is z-lab's target). drafter: z-lab ``DFlashDraftModel``

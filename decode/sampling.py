@@ -2,7 +2,8 @@
 
 Standard speculative sampling (Leviathan et al. 2023, "Fast Inference from Transformers via Speculative
 Decoding", Algorithm 1; Chen et al. 2023, "Accelerating Large Language Model Decoding with Speculative Sampling",
-Algorithm 2), as z-lab ``dflash_generate`` and DeepSpec's DSpark eval run it (ANCHORS.md section 3):
+Algorithm 2), as z-lab ``dflash_generate`` (``z-lab/dflash`` ``dflash/model.py``) and DeepSpec's DSpark eval
+(``deepspec/eval/base_evaluator.py``) run it:
 
 - drafting: at depth k the draft token x_k is sampled from q_k = softmax(g(C_k, H_k, r_{k-1}) / T) over the
   top-K candidates C_k of the base logits (tokens outside C_k have q_k = 0), and the head state advances along
@@ -18,7 +19,7 @@ matching of a deterministic draft (acceptance sum_x min(p(x), q(x)) instead of p
 recursive rejection over trees (SpecInfer-style) is not implemented; trees keep exact matching
 (:mod:`dartree.decode.verify`).
 
-Dimension letters as in DESIGN.md: N rows, P proposals per block, M drafted chain nodes (M <= P), K candidates
+Dimension letters as in docs/design.md: N rows, P proposals per block, M drafted chain nodes (M <= P), K candidates
 per depth, V vocabulary, D hidden size, S head-state width.
 """
 

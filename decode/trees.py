@@ -232,7 +232,8 @@ def build_chain(block: DraftBlock, head: CorrectionHead, root_id: int, budget: i
                 backend: str = "auto", **extra) -> Tree:
     """Greedy path through the corrected head: depth d takes argmax over C_d of g(C_d, H_d, r), r advances.
 
-    The DFlash chain for the identity head, DSpark/Domino chain drafting otherwise (ANCHORS.md 5a, 5b).
+    The DFlash chain for the identity head, DSpark/Domino chain drafting otherwise (Domino arXiv 2605.29707,
+    DSpark arXiv 2607.05147).
     Args:
         budget: maximum number of nodes (depths); the chain has min(budget, P) nodes.
         k: candidate count per depth (the argmax is taken over the top-K of the base logits).
@@ -264,7 +265,7 @@ def build_supertree(
     block: DraftBlock, head: CorrectionHead, root_id: int, *, k: int, quota: Callable[[int, int], int],
     backend: str = "auto", prune: tuple[int, float] | None = None,
 ) -> Tree:
-    """DARTree depth-wise batched expansion (DARTree ``build_dartree_supertree``, ANCHORS.md 5e).
+    """DARTree depth-wise batched expansion (arXiv 2608.13524, Algorithm 1; ``build_dartree_supertree``).
 
     At depth d every frontier parent p scores the K candidates C_d of the base logits with g(C_d, H_d, r_p),
     normalised over C_d: log q~(c | p) = g - logsumexp_C(g). Path scores S(p, c) = S(p) + log q~(c | p) form a
@@ -614,16 +615,17 @@ def build_pctree(
     block: DraftBlock, head: CorrectionHead, root_id: int, budget: int, *, k: int = 64, children: int = 4,
     backend: str = "auto", **extra,
 ) -> Tree:
-    """PCTree (arXiv 2608.02123, ANCHORS.md 5d): parent-conditioned drafting for Markov-style heads.
+    """PCTree (arXiv 2608.02123): parent-conditioned drafting for Markov-style heads.
 
     Depth by depth, every kept parent gets its top-``children`` (k) children from g(C_d, H_d, r_parent), i.e.
     conditioned on that parent's own token, and the layer keeps the ``children`` best of those by path score
     (the paper's within-layer top-k pruning), until ``budget`` (N) nodes exist. k = 1 is the DSpark chain.
     Reading of the paper (its code is not public): the kept set per layer is k nodes, because the reported
     acceptance lengths (tau 11.16 at block 16 with N = 64, k = 4) need trees about N / k deep; a full k-ary
-    tree would stop at depth 3. Candidates are the top-K of the base logits, normalised over the K (ANCHORS.md
-    section 8), so per-parent top-k then layer top-k equals one global top-k over the layer's parents x K
-    (a test pins that equivalence); the last layer is cut to the remaining budget by path score.
+    tree would stop at depth 3. Candidates are the top-K of the base logits, normalised over the K (as DARTree
+    does, arXiv 2608.13524, Algorithm 1, line 4), so per-parent top-k then layer top-k equals one global top-k
+    over the layer's parents x K (a test pins that equivalence); the last layer is cut to the remaining budget by
+    path score.
     Defaults k = 4, N = 32 (the paper's); this project passes N as ``budget``.
 
     Raises:

@@ -1,6 +1,7 @@
 """Lossless tree verification: tree attention inputs, one target forward, exact target-sample matching.
 
-ANCHORS.md section 3 (DDTree ``compile_ddtree_tree`` / ``follow_verified_tree`` / ``compact_dynamic_cache``):
+DDTree (arXiv 2604.12989; ``liranringel/ddtree`` ``ddtree.py``: ``compile_ddtree_tree`` /
+``follow_verified_tree`` / ``compact_dynamic_cache``):
 ids = [root] + tree tokens, position ids = start + depth, an additive 4-D float mask in which every node sees
 the whole committed prefix, itself and its ancestors only. The target's own token at every node (argmax at
 T = 0, a sample from softmax(z / T) at T > 0) decides the walk: from the root, move to the child whose token
@@ -51,7 +52,8 @@ def compile_tree(tree: Tree, root_id: int, start: int, dtype: torch.dtype, devic
                  backend: str = "auto") -> TreeInputs:
     """Build ids, positions and the additive ancestor mask for verifying ``tree`` rooted at position ``start``.
 
-    DDTree ``compile_ddtree_tree`` (ANCHORS.md section 3): position = start + depth (siblings share one).
+    DDTree ``compile_ddtree_tree`` (``liranringel/ddtree`` ``ddtree.py``): position = start + depth (siblings
+    share one).
     Args:
         tree: M nodes; ``tree.depth`` must equal the parent's depth + 1 (root depth 0).
         root_id: the root token (the last committed token, not yet in the target cache).
@@ -147,7 +149,8 @@ def verify(
 ) -> Verification:
     """Verify ``tree`` with one target forward, commit the accepted path to the KV cache and return it.
 
-    Exact target-sample matching (ANCHORS.md section 3): lossless at any temperature for deterministic drafts.
+    Exact target-sample matching (DDTree ``follow_verified_tree``): lossless at any temperature for deterministic
+    drafts, since every committed token is a target sample given the committed prefix.
     Args:
         target: the target model.
         tree: the draft tree (root = ``root_id`` at position ``start``).

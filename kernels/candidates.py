@@ -1,7 +1,8 @@
 """Per-depth candidate selection: top-K of the base logits plus log-sum-exp over the K candidates.
 
-DARTree (ANCHORS.md 5e, step 3; section 8): every depth d restricts drafting to C_d = top-K(U_d) and
-normalises scores over C_d, so the log-sum-exp over the K selected base logits is returned with them.
+DARTree (arXiv 2608.13524, Algorithm 1, line 4; ``magneto0124/DARTree`` ``eval_dartree.py``): every depth d
+restricts drafting to C_d = top-K(U_d) and normalises scores over C_d, so the log-sum-exp over the K selected
+base logits is returned with them.
 
 Order and ties: candidates are ordered by (logit descending, token id ascending); ties at the K-th value go
 to the lower token id, so the selected set and its order are deterministic on every backend.

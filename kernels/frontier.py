@@ -1,4 +1,5 @@
-"""Frontier scoring: one depth of DARTree's depth-wise batched expansion in one call (ANCHORS.md 5e).
+"""Frontier scoring: one depth of DARTree's depth-wise batched expansion in one call
+(DARTree, arXiv 2608.13524, Algorithm 1, lines 5-9).
 
 For the F parents of the frontier at depth d, all sharing the candidate set C_d (K tokens, base logits
 ``base`` = U_d[C_d]):

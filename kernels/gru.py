@@ -1,4 +1,5 @@
-"""Fused GRU cell for the Domino head's ``advance`` (Domino, ANCHORS.md 5a; DARTree's fused GRU-cell kernel).
+"""Fused GRU cell for the Domino head's ``advance`` (Domino, arXiv 2605.29707; DARTree's fused GRU-cell
+kernel, ``magneto0124/DARTree``).
 
 Domino advances its path state with ``r' = GRUCell(E[x], r)`` (``nn.GRU`` without bias, gate order r, z, n).
 The input projection E[x] · W_ih^T is a table lookup ``gi`` [N, 3G] precomputed once per target; the kernel

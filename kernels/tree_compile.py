@@ -1,8 +1,9 @@
 """Tree compile: parents -> depth, position ids and the additive ancestor mask of tree attention.
 
-DDTree ``compile_ddtree_tree`` (ANCHORS.md section 3): node 0 is the root (the last committed token at position
-``start``), nodes 1..M follow in topological order (parents[i] < i + 1). Node i sees itself and its ancestors
-only: vis[i, :i] = vis[parent(i), :i], vis[i, i] = True. Positions are start + depth (RoPE by depth).
+DDTree ``compile_ddtree_tree`` (``liranringel/ddtree`` ``ddtree.py``): node 0 is the root (the last committed
+token at position ``start``), nodes 1..M follow in topological order (parents[i] < i + 1). Node i sees itself
+and its ancestors only: vis[i, :i] = vis[parent(i), :i], vis[i, i] = True. Positions are start + depth (RoPE by
+depth).
 
 Returns the [M+1, M+1] tree block of the mask; callers prepend zeros for the committed prefix (every node sees
 all of it). Mask values are 0 (visible) and ``finfo(dtype).min`` (hidden): additive float, never boolean.

@@ -1,7 +1,7 @@
 """CPU kernels of the first-order tree builders (numba), with the NumPy code in ``dartree.decode.trees`` as twins.
 
 A first-order head (identity, Markov) scores a candidate from its parent's token alone, so a round's log q~ take
-K x K values per depth (``pair_log_probs``) and DARTree's depth-wise expansion (ANCHORS.md 5e; DARTree
+K x K values per depth (``pair_log_probs``) and DARTree's depth-wise expansion (arXiv 2608.13524, Algorithm 1;
 ``build_dartree_supertree``) is a loop over depths that picks the global top-q of parent score + log q~ from a
 [|F|, K] table. In NumPy that loop costs a dozen calls per depth (about 25-50 us per depth on the 2-core CPU, up
 to 0.6 ms per 16-deep block); compiled it costs a few microseconds in all.

@@ -1,4 +1,4 @@
-"""The dartree checkpoint format: ``config.json`` + ``model.safetensors`` in one folder (DESIGN.md).
+"""The dartree checkpoint format: ``config.json`` + ``model.safetensors`` in one folder.
 
 config.json::
 
@@ -6,7 +6,7 @@ config.json::
      "drafter": {DrafterConfig fields},
      "head": {"type": "markov", "vocab_size": V, "rank": R},
      "target": {"name": ..., "vocab_size": V, "hidden_size": D, "num_layers": n,
-                "max_position_embeddings": context length in tokens (recorded since issue 29; exports write it)},
+                "max_position_embeddings": context length in tokens (optional; exports write it)},
      "provenance": {...free-form: how it was made}}
 
 Tensors: ``backbone.<DFlashDrafter parameter>`` and ``head.<head parameter>`` (names in checkpoints/README.md).

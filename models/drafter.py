@@ -1,4 +1,4 @@
-"""The DFlash block-diffusion drafter backbone (ANCHORS.md section 1).
+"""The DFlash block-diffusion drafter backbone (DFlash; ``z-lab/dflash`` ``dflash/model.py``).
 
 One forward drafts a whole block: the input is ``[anchor, MASK x (L-1)]`` at positions ``start .. start+L-1``
 (``start`` = the anchor's position), attention inside the block is bidirectional, and every layer also attends
@@ -29,7 +29,7 @@ from dartree.models.packed import is_packed, pack_weight, packed_linear
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """DFlash default target layer ids: ``[n//2]`` for one draft layer, else ``round(1 + i*(n-4)/(k-1))``.
 
-    Source: z-lab/dflash ``build_target_layer_ids`` (ANCHORS.md section 1); 36 layers and 5 ids give [1, 9, 17, 25, 33].
+    Source: z-lab/dflash ``build_target_layer_ids`` (``dflash/model.py``); 36 layers and 5 ids give [1, 9, 17, 25, 33].
     Raises:
         ValueError: non-positive counts.
     """
@@ -181,7 +181,8 @@ class BlockAttention:
 def block_structured_attention(q, k_blk, v_blk, ctx_k, ctx_v, spec: BlockAttention, scale: float) -> torch.Tensor:
     """Attention of one row of A blocks: q [1, H, A*L, d], k_blk/v_blk [1, kv, A*L, d] (block keys),
     ctx_k/ctx_v [1, kv, S, d]; returns [1, H, A*L, d]. Query heads are grouped over their key/value head
-    (no repeated K/V); scores and softmax in fp32 (DFlash training attention, ANCHORS.md section 2).
+    (no repeated K/V); scores and softmax in fp32 (DFlash training attention, SpecForge
+    ``specforge/algorithms/common/dflash_family_model.py``).
     """
     _, h, al, d = q.shape
     kv = k_blk.shape[1]

@@ -1,4 +1,4 @@
-"""Causal-correction heads behind one interface, g(C, H, r) (DESIGN.md "Key interfaces").
+"""Causal-correction heads behind one interface, g(C, H, r) (docs/design.md, "Interfaces").
 
 A head corrects the drafter's per-position base logits U = lm_head(H) using the tokens drafted before:
 
@@ -145,7 +145,7 @@ class IdentityHead(CorrectionHead):
 
 
 class _ConfidenceMixin:
-    """DSpark's optional confidence head (``AcceptRatePredictor``; DSpark paper section 3.3, ANCHORS.md 5b).
+    """DSpark's optional confidence head (``AcceptRatePredictor``; DSpark, arXiv 2607.05147, Sec. 3.3).
 
     ``confidence.weight`` [1, D + R] and ``confidence.bias`` [1] when ``confidence_with_markov`` (input
     ``[h_k ; W1[x_{k-1}]]``, hidden first), else [1, D] (input h_k). It predicts the acceptance probability of
@@ -184,7 +184,7 @@ class _ConfidenceMixin:
 
 
 class MarkovHead(_ConfidenceMixin, CorrectionHead):
-    """DSpark vanilla Markov head: logits_k = U_k + W2 · W1[x_{k-1}] (DSpark paper section 3, ANCHORS.md 5b).
+    """DSpark vanilla Markov head: logits_k = U_k + W2 · W1[x_{k-1}] (DSpark, arXiv 2607.05147, Sec. 3).
 
     Parameters: ``w1.weight`` [V, R] (an embedding, DSpark ``markov_w1``), ``w2.weight`` [V, R] (a bias-free
     linear R -> V, DSpark ``markov_w2``), optionally ``confidence.{weight,bias}`` (see :class:`_ConfidenceMixin`).
@@ -251,7 +251,8 @@ class MarkovHead(_ConfidenceMixin, CorrectionHead):
 
 
 class GatedMarkovHead(MarkovHead):
-    """DSpark gated Markov head (ANCHORS.md 5b; SpecForge ``GatedMarkovHead``, DeepSpec ``markov_head_type="gated"``).
+    """DSpark gated Markov head (arXiv 2607.05147; SpecForge ``GatedMarkovHead``, DeepSpec
+    ``markov_head_type="gated"``).
 
     logits_k = U_k + W2 · (gate_k ⊙ W1[x_{k-1}]), gate_k = sigmoid(gate_proj([h_k ; W1[x_{k-1}]])).
     Parameters: ``w1.weight`` [V, R], ``w2.weight`` [V, R], ``gate_proj.weight`` [R, D + R] and
@@ -290,7 +291,7 @@ class GatedMarkovHead(MarkovHead):
 
 
 class RNNHead(MarkovHead):
-    """DSpark RNN head (ANCHORS.md 5b; SpecForge ``RNNMarkovHead``, DeepSpec ``markov_head_type="rnn"``).
+    """DSpark RNN head (arXiv 2607.05147, Sec. 4.3.2; SpecForge ``RNNMarkovHead``, DeepSpec ``markov_head_type="rnn"``).
 
     With e_k = W1[x_{k-1}] and (a, c, o) = joint_proj([s_{k-1} ; e_k ; h_k]) split in that order:
     s_k = sigmoid(a) ⊙ s_{k-1} + (1 - sigmoid(a)) ⊙ tanh(c), logits_k = U_k + W2 · tanh(o), s_{-1} = 0.
@@ -354,7 +355,7 @@ class RNNHead(MarkovHead):
 
 
 class GRUHead(CorrectionHead):
-    """Domino GRU head (Domino, ANCHORS.md 5a; SpecForge ``DominoDraftModel``).
+    """Domino GRU head (Domino, arXiv 2605.29707; SpecForge ``DominoDraftModel``).
 
     With s_k = GRU(E[x_0], ..., E[x_k]) over the target's frozen token embeddings E of the previous tokens
     (x_0 = the anchor; ``nn.GRU`` without bias, gate order r, z, n) and z_k the drafter's hidden state:

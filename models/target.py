@@ -1,12 +1,13 @@
 """Target-model adapter: loading, hidden-state capture and KV-cache surgery.
 
-This is the only module that touches Hugging Face cache internals (see STYLE.md). Dimension letters used
-throughout dartree: N rows, T tokens in one forward, L block length, P proposals per block, M tree nodes
-without the root, V vocabulary, D hidden size, K candidates per depth, S head-state width.
+This is the only module that touches Hugging Face cache internals (docs/design.md, "Hugging Face internals").
+Dimension letters used throughout dartree: N rows, T tokens in one forward, L block length, P proposals per
+block, M tree nodes without the root, V vocabulary, D hidden size, K candidates per depth, S head-state width.
 
 The captured feature for target layer id ``l`` is Hugging Face's ``hidden_states[l + 1]`` (``hidden_states[0]``
 is the embedding output): the output of decoder layer ``l``, except for the last layer, whose entry is taken after
-the model's final norm, as z-lab and SpecForge train with (``extract_context_feature``; ANCHORS.md section 1).
+the model's final norm, as z-lab and SpecForge train with (``extract_context_feature`` in ``z-lab/dflash``
+``dflash/model.py``).
 Target logits are the model's own output (its ``forward``), so model-specific scaling such as Granite's
 ``logits_scaling`` or a final logit softcap is applied exactly as the model defines it.
 """
@@ -345,7 +346,7 @@ def compact_cache(cache, past_len: int, keep: torch.Tensor) -> None:
     place and the tail cropped, so the cost is O(len(keep)), not O(cache length) (a copy of the whole cache of
     the default target at 600 positions took 3.4 ms in bf16 on a 2-core CPU, 6% of an AR step; in place 0.6 ms).
     The cache's tensors must be its own (as ``DynamicCache.update`` leaves them), not views shared with a caller.
-    DDTree ``compact_dynamic_cache`` (ANCHORS.md section 3).
+    DDTree ``compact_dynamic_cache`` (``liranringel/ddtree`` ``ddtree.py``).
 
     Args:
         cache: transformers ``DynamicCache`` whose layers hold ``keys``/``values`` [N, H, T, d].

@@ -208,7 +208,7 @@ def check_fields(values: Mapping, table: Mapping[str, Any], prefix: str = "", *,
         raise ValueError(problems[0])
 
 
-# The DrafterConfig fields (dartree checkpoint config ``drafter``; DESIGN.md "The dartree checkpoint format").
+# The DrafterConfig fields (dartree checkpoint config ``drafter``; checkpoints/README.md, "Format").
 DRAFTER_FIELDS = {
     "hidden_size": Range(1, note="D, the target's hidden size"),
     "intermediate_size": Range(1),
