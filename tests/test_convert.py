@@ -1,8 +1,8 @@
 """Converters: every published drafter layout into dartree's g(C, H, r), and exporters back.
 
 Sources are synthetic folders written here with the published tensor names and tiny shapes (no downloads).
-The oracle for each layout is its published math re-written below from the equations (ANCHORS.md 1, 5a, 5b),
-in plain fp32 torch, independent of dartree's heads and name maps.
+The oracle for each layout is its published math re-written below from the equations (DFlash: z-lab/dflash
+``dflash/model.py``; Domino: arXiv 2605.29707; DSpark: arXiv 2607.05147), in plain fp32 torch, independent of dartree's heads and name maps.
 """
 
 import json
@@ -159,7 +159,7 @@ def _rope(x, pos, theta=10000.0):  # x [T, h, d], rotate-half convention of Qwen
 
 
 def dflash_reference_hidden(t: dict, feats: torch.Tensor, block_emb: torch.Tensor, start: int) -> torch.Tensor:
-    """DFlash block forward from the published equations (ANCHORS.md 1): context = hidden_norm(fc(feats)); per
+    """DFlash block forward from the published equations (z-lab/dflash ``dflash/model.py``): context = hidden_norm(fc(feats)); per
     layer q from the block, k/v = k_norm/v of [k_proj(context) ; k_proj(block)], RoPE at absolute positions,
     non-causal attention, SwiGLU MLP; final norm. feats [C, nL*D], block_emb [B, D] -> [B, D]."""
     ctx = _rms(feats @ t["fc.weight"].T, t["hidden_norm.weight"])
@@ -184,7 +184,7 @@ def dflash_reference_hidden(t: dict, feats: torch.Tensor, block_emb: torch.Tenso
 
 
 def domino_reference(t: dict, emb: torch.Tensor, prev, hidden, base, prefix_len: int = 1):
-    """Domino (ANCHORS.md 5a): s_k = GRU(E[prev_0..k]) with torch.nn.GRU(bias=False) loaded from
+    """Domino (arXiv 2605.29707): s_k = GRU(E[prev_0..k]) with torch.nn.GRU(bias=False) loaded from
     prefix_gru.*; logits_k = U_k + embed_proj([z_k ; s_k]) for k >= prefix_len, U_k before."""
     gru = torch.nn.GRU(D, G, num_layers=1, batch_first=True, bias=False)
     proj = torch.nn.Sequential(torch.nn.Linear(D + G, E, bias=False), torch.nn.SiLU(), torch.nn.Linear(E, VOCAB, bias=False))
@@ -200,7 +200,7 @@ def domino_reference(t: dict, emb: torch.Tensor, prev, hidden, base, prefix_len:
 
 
 def dspark_reference(t: dict, kind: str, prev, hidden, base):
-    """DSpark heads (ANCHORS.md 5b) with x_{k-1} = prev[:, k] (the anchor first): vanilla W2 W1[x];
+    """DSpark heads (arXiv 2607.05147) with x_{k-1} = prev[:, k] (the anchor first): vanilla W2 W1[x];
     gated W2 (sigmoid(Wg [h ; W1[x]] + bg) * W1[x]); rnn s_k = sig(a) s + (1 - sig(a)) tanh(c),
     bias W2 tanh(o) with (a, c, o) = Wj [s ; W1[x] ; h] + bj. Returns (logits [N, P, V], confidence logits
     w . [h ; W1[x]] + b [N, P])."""

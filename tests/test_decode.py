@@ -1,6 +1,7 @@
 """Decoding: losslessness, tree positions and masks, KV bookkeeping, stop ids and length limits.
 
-TESTING.md classes A, B, D, H on a tiny random Qwen3 target in fp32.
+Several tokens committed per round, greedy bit-equality with AR, tree positions and the KV cache, and evaluation
+hygiene, on a tiny random Qwen3 target in fp32.
 """
 
 import pytest
@@ -51,7 +52,7 @@ def test_budget_1_and_32_give_identical_output(target, drafter, prompts):
 
 
 def test_tree_positions_and_logits_match_plain_forward():
-    # tree [root r; children a, b; c under b] (TESTING.md D), sdpa and eager
+    # tree [root r; children a, b; c under b] (siblings share a position), sdpa and eager
     for impl in ("sdpa", "eager"):
         tg = tiny_target(attn_implementation=impl)
         prefix = [5, 17, 33, 2, 60]

@@ -1,7 +1,7 @@
 """The decode speed paths stay exact: the cost-model budget (``budget="auto"``, decode/budget.py), the
 reduced-vocabulary draft path and the pruned builder's early stop (decode/trees.py).
 
-Lossless at T = 0 whatever budgets the model picks (TESTING.md B); the policy's choice is the argmax of its
+Lossless at T = 0 whatever budgets the model picks (output equals greedy AR); the policy's choice is the argmax of its
 stated objective; a reduced draft vocabulary gives the same trees as the full-vocabulary -inf form; stopping
 the supertree early gives the same top-B tree as expanding every depth.
 """

@@ -26,7 +26,7 @@ from dartree.training.recipe import RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 33, 2, 60]
-# derandomize: the same examples on every run (TESTING.md: fixed seeds); widen max_examples locally to search more
+# derandomize: the same examples on every run (tests use fixed seeds); widen max_examples locally to search more
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -1,4 +1,4 @@
-"""Triton kernels against their plain-torch twins (TESTING.md; issue 3 "Kernels").
+"""Triton kernels against their plain-torch twins.
 
 Without a GPU the kernels run in the Triton interpreter: TRITON_INTERPRET=1 is set here, before the kernel
 modules (imported lazily on the first Triton launch) define their @triton.jit functions. Ids and masks must be

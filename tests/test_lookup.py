@@ -1,6 +1,6 @@
 """Prompt-lookup chains grafted onto draft trees (decode/lookup.py): the n-gram match itself, the graft's tree
 invariants (shared prefixes merge, topological order, scores non-increasing along paths so top-B stays
-prefix-closed) and losslessness of every builder with the graft, fixed and auto budgets (TESTING.md B)."""
+prefix-closed) and losslessness of every builder with the graft, fixed and auto budgets (output equals greedy AR)."""
 
 import math
 

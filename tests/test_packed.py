@@ -1,6 +1,6 @@
 """Prepacked oneDNN linears (dartree.models.packed): same values as nn.Linear, safe fallbacks, lossless decoding.
 
-TESTING.md classes A (values against the reference op), B (losslessness), E (bad input named).
+Values against the reference op, losslessness, and bad input named in the error.
 """
 
 import pytest

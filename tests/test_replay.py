@@ -1,6 +1,6 @@
 """Replaying recorded rounds at smaller budgets (decode/replay.py) gives what a decode at that budget accepts.
 
-The claim the replay rests on (TESTING.md B: exactness): at T = 0 the top-b sub-tree of a verified tree accepts the
+The claim the replay rests on (exactness at T = 0): at T = 0 the top-b sub-tree of a verified tree accepts the
 longest prefix of the full tree's accepted path that lies inside it. Checked against real verification: a decode at
 budget b whose first round verifies exactly that sub-tree accepts what the replay says, for every b.
 """

@@ -1,4 +1,4 @@
-"""T > 0: exact target-sample matching is lossless (TESTING.md class C), and a seed fixes the output."""
+"""T > 0: exact target-sample matching is lossless, and a seed fixes the output."""
 
 import pytest
 import torch

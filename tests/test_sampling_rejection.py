@@ -1,4 +1,4 @@
-"""T > 0, acceptance="rejection": sampled chain drafts + standard speculative sampling (TESTING.md class C).
+"""T > 0, acceptance="rejection": sampled chain drafts + standard speculative sampling.
 
 Distribution tests (chi-square, fixed seeds, p > 1e-3), never exact-match tests: the emitted tokens must be
 distributed as the target's own samples softmax(z / T); plus "same seed, same output", the argument checks,

@@ -1,4 +1,4 @@
-"""Target adapter: feature capture convention and KV-cache compaction (TESTING.md classes D and E)."""
+"""Target adapter: feature capture convention and KV-cache compaction."""
 
 import pytest
 import torch

@@ -82,7 +82,7 @@ def test_block_mask_context_strictly_before_anchor_and_blocks_isolated():
 
 def test_training_block_equals_inference_block_and_sees_no_future(target):
     """The teacher-forced block (training mask) equals draft_block at inference, and changing the context at or
-    after the anchor or another block's tokens does not change it (TESTING.md F: no peeking)."""
+    after the anchor or another block's tokens does not change it (no peeking)."""
     drafter = make_drafter(block_size=8)
     seq = torch.randint(2, 96, (1, 30), generator=torch.Generator().manual_seed(3))
     feats = target.forward(seq).features

@@ -1,4 +1,4 @@
-"""Tree builders (TESTING.md class I): determinism, budgets, prefix closure, width, edge cases."""
+"""Tree builders: determinism, budgets, prefix closure, width, edge cases."""
 
 import numpy as np
 import pytest
