@@ -2,7 +2,8 @@
 
 Sources are synthetic folders written here with the published tensor names and tiny shapes (no downloads).
 The oracle for each layout is its published math re-written below from the equations (DFlash: z-lab/dflash
-``dflash/model.py``; Domino: arXiv 2605.29707; DSpark: arXiv 2607.05147), in plain fp32 torch, independent of dartree's heads and name maps.
+``dflash/model.py``; Domino: arXiv 2605.29707; DSpark: arXiv 2607.05147), in plain fp32 torch, independent of
+dartree's heads and name maps.
 """
 
 import json
@@ -159,7 +160,8 @@ def _rope(x, pos, theta=10000.0):  # x [T, h, d], rotate-half convention of Qwen
 
 
 def dflash_reference_hidden(t: dict, feats: torch.Tensor, block_emb: torch.Tensor, start: int) -> torch.Tensor:
-    """DFlash block forward from the published equations (z-lab/dflash ``dflash/model.py``): context = hidden_norm(fc(feats)); per
+    """DFlash block forward from the published equations (z-lab/dflash ``dflash/model.py``):
+    context = hidden_norm(fc(feats)); per
     layer q from the block, k/v = k_norm/v of [k_proj(context) ; k_proj(block)], RoPE at absolute positions,
     non-causal attention, SwiGLU MLP; final norm. feats [C, nL*D], block_emb [B, D] -> [B, D]."""
     ctx = _rms(feats @ t["fc.weight"].T, t["hidden_norm.weight"])

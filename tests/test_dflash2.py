@@ -1,5 +1,6 @@
 """DFlash 2 on the dartree side: the grouped dynamic causal convolution, the candidate-selector head and the
-decoders over them (stops inside a block, greedy equality with AR, tree positions). Parity with the publishers' own classes is in test_publishers.py.
+decoders over them (stops inside a block, greedy equality with AR, tree positions). Parity with the
+publishers' own classes is in test_publishers.py.
 
 Hand-computed values pin the convolution formula y[t, c] = sum_o (base[o, c] + dyn[t, o, group(c)]) x[t-o, c]
 inside each block; the rest compare dartree paths with each other (teacher-forced training rows vs per-block
