@@ -209,7 +209,7 @@ def grouped_dynamic_conv(x: torch.Tensor, dyn: torch.Tensor, base: torch.Tensor,
     y[t, c] = sum over o < k with o <= pos(t) of (base[o, c] + dyn[t, o, group(c)]) * x[t - o, c], where pos(t) =
     t mod block_len is the position inside the block (taps never reach into the previous block or the context)
     and group(c) = c // (D / G). Source: z-lab/dflash ``dflash/model.py`` (DFlash 2 ``GroupedDynamicCausalConv``),
-    speculators ``models/dflash2`` (its ``grouped_dynamic_conv``); the formula is restated in issue 12.
+    speculators ``models/dflash2`` (its ``grouped_dynamic_conv``).
 
     Args:
         x: [N, Q, D] block hidden states (Q = block_len at inference, A*block_len in training rows).

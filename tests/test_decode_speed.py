@@ -277,7 +277,7 @@ def test_pruned_early_stop_gives_the_full_supertree_top_b(target, head_name, bud
         assert torch.equal(built.tokens, full.tokens) and torch.equal(built.parents, full.parents)
 
 
-# ---- the policy under a machine whose speed changes (issue 29, kind 9): a fake clock --------------------------------
+# ---- the policy under a machine whose speed changes: a fake clock ---------------------------------------------------
 
 _ACCEPTED = [0, 1, 3, 2, 0, 5, 1, 2, 8, 0, 2, 4, 1, 0, 3, 6, 1, 2, 0, 3]  # drafts the target takes, round after round
 

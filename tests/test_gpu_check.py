@@ -1,5 +1,5 @@
 """``make gpu-check`` stays alive without a GPU: ``decode/gpu_check.py --dry`` runs every section small and writes
-the JSON report (issue 10 deliverable 7)."""
+the JSON report."""
 
 import json
 import os

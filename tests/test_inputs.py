@@ -1,4 +1,4 @@
-"""Inputs are checked where they enter, as kinds (issue 14): the Python decode API and the tree builders, recipe
+"""Inputs are checked where they enter, as kinds: the Python decode API and the tree builders, recipe
 and checkpoint-config ranges, values that depend on the target, re-entrant CLI mains, nothing lost on refusal."""
 
 import json
@@ -706,7 +706,7 @@ def test_corrupt_report_or_curve_json_names_the_file_and_the_fix(tmp_path, capsy
 
 
 def test_auto_dtypes_resolve_by_hardware_and_explicit_values_stay(monkeypatch):
-    """recipe dtype fields ``auto``: bf16 only where bf16 arithmetic is native (issue 11's AVX2 finding)."""
+    """recipe dtype fields ``auto``: bf16 only where bf16 arithmetic is native (emulated bf16 is slower: docs/performance.md)."""
     import dartree.training.recipe as recipe
 
     real_native_bf16 = recipe.native_bf16  # the stubs below replace it
