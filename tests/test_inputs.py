@@ -706,7 +706,7 @@ def test_corrupt_report_or_curve_json_names_the_file_and_the_fix(tmp_path, capsy
 
 
 def test_auto_dtypes_resolve_by_hardware_and_explicit_values_stay(monkeypatch):
-    """recipe dtype fields ``auto``: bf16 only where bf16 arithmetic is native (emulated bf16 is slower: docs/performance.md)."""
+    """recipe dtype fields ``auto``: bf16 only where bf16 arithmetic is native (emulated bf16 is slower)."""
     import dartree.training.recipe as recipe
 
     real_native_bf16 = recipe.native_bf16  # the stubs below replace it
