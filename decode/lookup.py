@@ -3,10 +3,10 @@
 Prompt-lookup decoding (Saxena 2023, "Prompt Lookup Decoding"; transformers' ``prompt_lookup_num_tokens``) drafts by
 string matching: find an earlier occurrence of the last n committed tokens (n = ``max_ngram`` .. 1) in the prompt and
 the text generated so far and propose the tokens that followed it. It costs no forward, and on code, edits and
-summaries it is often right for many tokens in a row (in ``make run`` it reached tau 2.2 where the block drafter
-reached 1.2). The block drafter and the lookup chain fail on different tokens, so one tree verifies both: the chain
-is grafted onto the drafter's tree (shared prefixes merge, as SpecInfer merges the token trees of several drafters,
-arXiv 2305.09781) and one tree-attention forward verifies the union. Verification is unchanged, so the output is
+summaries it is often right for many tokens in a row. The block drafter and the lookup chain fail on different
+tokens, so one tree verifies both: the chain is grafted onto the drafter's tree (shared prefixes merge, as
+SpecInfer merges the token trees of several drafters, arXiv 2305.09781) and one tree-attention forward verifies
+the union. Verification is unchanged, so the output is
 still exactly the target's.
 
 Acceptance estimates for the cost model (``budget="auto"``): a lookup node j deep in the chain gets the path

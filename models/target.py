@@ -343,8 +343,8 @@ def compact_cache(cache, past_len: int, keep: torch.Tensor) -> None:
     Used after tree verification: the verify forward appended M+1 tree entries after ``past_len`` committed
     ones; only the accepted path ``keep`` (tree-node indices, root = 0, ascending) stays. A contiguous
     ``keep == arange(len(keep))`` is a plain crop; otherwise the kept entries are copied down over the tail in
-    place and the tail cropped, so the cost is O(len(keep)), not O(cache length) (a copy of the whole cache of
-    the default target at 600 positions took 3.4 ms in bf16 on a 2-core CPU, 6% of an AR step; in place 0.6 ms).
+    place and the tail cropped, so the cost is O(len(keep)), not O(cache length) (a copy of the whole cache costs
+    a noticeable share of an AR step on a CPU: docs/performance.md, "KV compaction").
     The cache's tensors must be its own (as ``DynamicCache.update`` leaves them), not views shared with a caller.
     DDTree ``compact_dynamic_cache`` (``liranringel/ddtree`` ``ddtree.py``).
 

@@ -231,8 +231,8 @@ def load_recipe(args: list[str]) -> DictConfig:
 def native_bf16() -> tuple[bool, str]:
     """Whether this machine's CPU has native bf16 matrix arithmetic (oneDNN bf16: AVX512-BF16 / AMX), and why.
 
-    Training and regeneration run on the CPU. Where bf16 is emulated (AVX2 only), a bf16 matmul measured 5.5-7x
-    slower than fp32 on this project's machine (128x576 @ 576x1536: 83 ms bf16, 11 ms fp32).
+    Training and regeneration run on the CPU. Where bf16 is emulated (AVX2 only), a bf16 matmul is several times
+    slower than fp32 (figures: docs/performance.md, "bf16 on the AVX2 machine").
     """
     cap = torch.backends.cpu.get_cpu_capability()
     from dartree.models.packed import onednn_linear_supported

@@ -2,8 +2,8 @@
 
 ``transformers``' ``generate`` keeps a batch together until its longest row stops, grows its key/value cache
 by concatenation at every step and, on CPU, sends one-token queries through the flash-attention kernel; its
-own continuous-batching ``generate_batch`` runs about 90 tokens/s on this 2-core CPU for the default target
-(measured). This module keeps the Hugging Face model (every forward is the model's own), and replaces only
+own continuous-batching ``generate_batch`` is slower still on a small CPU (figures: docs/performance.md,
+"Regeneration"). This module keeps the Hugging Face model (every forward is the model's own), and replaces only
 the batching and the cache:
 
 - ``S`` slots, each a row of preallocated key/value slabs ``[S, H_kv, T_max, d]`` per layer (no concatenation);
@@ -15,20 +15,15 @@ the batching and the cache:
 - prefill attention is the model's own (``sdpa``); the one-token decode queries go through
   :func:`decode_attention` (registered with ``transformers``' ``AttentionInterface`` around each decode step):
   grouped-query attention as two batched matmuls in the model dtype with an fp32 softmax, on whole
-  (contiguous) slabs. The CPU ``sdpa`` kernel took half of the decode time on these shapes (64 slots, 9 query /
-  3 key-value heads, one query, ~400 keys: 9-12 ms against 1.9 ms per layer in isolation); end to end on 64
-  prompts: 368 tokens/s before, 364 with contiguous slabs alone, 480 with both (measured). Scores in fp32
-  (converting the bf16 slabs) measured 200 tokens/s: the conversion traffic costs more than it saves;
+  (contiguous) slabs, because the CPU ``sdpa`` kernel is slow for one query over many slots; scores stay in the
+  model dtype, since converting bf16 slabs to fp32 costs more traffic than it saves;
 - the model's linear layers run prepacked oneDNN weights for the duration of the call where the CPU supports
   them (:func:`dartree.models.packed.pack_linears`, ``linear="auto"``), restored afterwards: ``F.linear``
-  repacks every weight at every call. On a 2-vCPU AVX2 machine (fp32, 64 prompts, 48 new tokens) 21.8 -> 25.9
-  tokens/s with all 64 rows equal; most of the remaining time is the linears themselves (~30 GFLOP/s there).
+  repacks every weight at every call.
 
 The tokens are those of greedy decoding of the target (argmax at every step). In fp32 they equal plain
 one-prompt-at-a-time decoding (tested); in bf16 a row can differ where batched and single-row arithmetic round
-differently (a review measured 17 of 24 rows equal on a tiny bf16 target; on the default target, 16 prompts,
-96 tokens: 4 of 16 rows equal to one-at-a-time ``generate`` with this decode attention and 4 of 16 with
-``sdpa``), as with ``generate`` in batches.
+differently, as with ``generate`` in batches (how often: docs/performance.md, "Regeneration").
 """
 
 from __future__ import annotations
