@@ -320,8 +320,8 @@ def _fake_clock_rounds(verify, accepted, n, slow=lambda r: 1.0, draft_s=0.1):
 def test_a_slow_stretch_changes_no_choice_of_the_auto_budget(factor):
     """AR steps and verifies both ``factor`` times slower for rounds 300-699 (34 ms AR steps took 80 ms on a shared
     VM): drafting paid before, so every round of the stretch drafts as in a quiet run (one plain AR step after each
-    16 drafted rounds), and within a few dozen rounds of the machine calming the budgets are a quiet run's again.
-    Before the fix the verify curve's shape kept a third of the slowdown: other budgets for the rest of the run."""
+    16 drafted rounds), and within a few dozen rounds of the machine calming the budgets are a quiet run's again
+    (the verify curve's shape keeps none of the slowdown)."""
     curve = {1: 1.0, 2: 1.02, 3: 1.04, 5: 1.08, 9: 1.15, 17: 1.4}
     quiet, quiet_gain = _fake_clock_rounds(curve, _ACCEPTED, 1100)
     noisy, noisy_gain = _fake_clock_rounds(curve, _ACCEPTED, 1100, slow=lambda r: factor if 300 <= r < 700 else 1.0)
@@ -334,8 +334,8 @@ def test_a_slow_stretch_changes_no_choice_of_the_auto_budget(factor):
 def test_a_probe_verifies_a_node_so_two_unlucky_rounds_do_not_end_drafting():
     """The first two drafted rounds accept nothing; the calibration then says no node pays and the policy skips the
     drafter. Its probes verify at least one node, so they see the drafter accepting again and drafting resumes
-    within a few dozen rounds; before, each probe kept 0 nodes, learnt nothing, and the run stayed at 0.98x AR where
-    drafting pays 1.6x."""
+    within a few dozen rounds (a probe that kept 0 nodes would learn nothing, and the run would stay near AR where
+    drafting pays 1.6x)."""
     steep = {1: 1.0, 2: 1.3, 3: 1.45, 5: 1.6, 9: 2.0, 17: 3.0}
     lucky, lucky_gain = _fake_clock_rounds(steep, _ACCEPTED, 400)
     unlucky, gain = _fake_clock_rounds(steep, [0, 0] + _ACCEPTED * 20, 400)

@@ -714,7 +714,7 @@ def test_speculators_defaults_match_its_config_classes():
         assert DEFAULTS[kind] == {k: cls.model_fields[k].default for k in DEFAULTS[kind]}, kind
 
 
-# ------------------------------------------------------------------------------------- inputs that failed before
+# ---------------------------------------------------------------------------------------- inputs refused by name
 @pytest.mark.parametrize("extra,pattern", [
     ({"use_sliding_window": True, "sliding_window": 4, "max_window_layers": 0},
      r"use_sliding_window=true with max_window_layers=0.*\['sliding_attention'\]"),
