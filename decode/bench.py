@@ -1,6 +1,7 @@
 """Round-cost benchmark: where one speculative round spends its time, in units of one AR step.
 
-``python decode/bench.py [--tree chain pruned] [--budget 2 4 8 16] [--dtype float32 bfloat16] [--profile]``
+``python decode/bench.py [--tree chain pruned] [--budget 2 4 8 16] [--dtype float32 bfloat16] [--profile]
+[--datasets ... | --prompts FILE]``
 
 For every dtype the target (and drafter) is loaded once and, in that one process:
 
@@ -34,7 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dartree.decode.generate import STAGES, autoregressive_generate, speculative_generate
-from dartree.decode.prompts import DATASETS, load_prompts
+from dartree.decode.prompts import DATASETS, load_prompt_file, load_prompts, messages_prompt_ids
 from dartree.decode.trees import BUILDERS, Tree
 from dartree.decode.verify import compile_tree
 from dartree.models.checkpoint import write_file_atomically
@@ -64,8 +65,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "count (dartree.models.packed.tune_linears), for a before/after comparison")
     ap.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "dspark_b16"))
     ap.add_argument("--target", default=DEFAULT_TARGET)
-    ap.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS))
-    ap.add_argument("--limit", type=int, default=1, help="prompts per dataset")
+    source = ap.add_mutually_exclusive_group()
+    source.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS),
+                        help="packaged prompt sets")
+    source.add_argument("--prompts", metavar="FILE", default=None,
+                        help="your own prompts instead of the packaged sets: JSONL lines with a \"text\" string or a "
+                             "\"messages\" chat list, or a text file with one prompt per line (the first --limit, in "
+                             "file order; decode/prompts.py), rendered with the target's chat template")
+    ap.add_argument("--limit", type=int, default=1, help="prompts per data set (with --prompts: the first N of the file)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--context", type=int, default=400, help="context tokens for the verify cost curve")
     ap.add_argument("--reps", type=int, default=5, help="forwards per verify size (median)")
@@ -230,6 +237,13 @@ def main(argv=None) -> int:
     if min(args.budget) < 0 or args.limit < 1 or args.max_new_tokens < 2 or args.context < 2 or args.reps < 1:
         print("error: --budget >= 0, --limit >= 1, --max-new-tokens >= 2, --context >= 2, --reps >= 1", file=sys.stderr)
         return 2
+    prompt_file = None  # the --prompts file's record (path, sha256, ...), checked before any model loads
+    if args.prompts is not None:
+        try:
+            file_prompts, prompt_file = load_prompt_file(args.prompts, args.limit)
+        except ValueError as exc:
+            print(f"error: --prompts {exc}", file=sys.stderr)
+            return 2
     if args.threads:
         torch.set_num_threads(args.threads)
     from dartree.models.checkpoint import CheckpointError, load_dartree
@@ -238,7 +252,9 @@ def main(argv=None) -> int:
 
     console = Console(width=140)
     result = {"environment": {"torch": torch.__version__, "threads": torch.get_num_threads(),
-                              "checkpoint": args.checkpoint, "max_new_tokens": args.max_new_tokens}, "dtypes": {}}
+                              "checkpoint": args.checkpoint, "max_new_tokens": args.max_new_tokens,
+                              "datasets": [prompt_file["name"]] if prompt_file else args.datasets,
+                              "prompt_file": prompt_file}, "dtypes": {}}
     combos: dict = {}  # (dtype, backend) -> reason; auto and the backend it picks run once
     for dname in args.dtype:
         for lin in args.linear:
@@ -266,7 +282,9 @@ def main(argv=None) -> int:
         label = dname if len({b for d, b in combos if d == dname}) == 1 else f"{dname}/{linear}"
         tok = target.tokenizer
         stop = target_stop_ids(target)  # every id at which the target's own generate stops
-        prompts = [chat_prompt_ids(tok, p.text) for d in args.datasets for p in load_prompts(d, args.limit, 0)]
+        chosen = file_prompts if prompt_file else [p for d in args.datasets for p in load_prompts(d, args.limit, 0)]
+        prompts = [chat_prompt_ids(tok, p.text) if p.messages is None else messages_prompt_ids(tok, p.messages)
+                   for p in chosen]
         warm = chat_prompt_ids(tok, "Say hello.")
         autoregressive_generate(target, warm, max_new_tokens=8, stop_ids=stop)
         ar = [autoregressive_generate(target, ids, max_new_tokens=args.max_new_tokens, stop_ids=stop) for ids in prompts]

@@ -1,6 +1,6 @@
 """Acceptance length and speedup of tree decoders against plain autoregressive decoding of the target.
 
-``python decode/eval.py --tree pruned [--datasets humaneval mtbench gsm8k] [--limit N] [--budget B] ...``
+``python decode/eval.py --tree pruned [--datasets humaneval mtbench gsm8k | --prompts FILE] [--limit N] [--budget B] ...``
 
 For every prompt (chat-templated by the target's tokenizer) the target first decodes on its own (AR, the
 baseline and the losslessness oracle), then each requested method decodes the same prompt. Reported per
@@ -29,10 +29,11 @@ from typing import Callable
 import torch
 from rich.console import Console
 from rich.table import Table
+from tqdm.auto import tqdm
 
 from dartree.decode.generate import ARStepper, GenerateOutput, autoregressive_generate, speculative_generate
 from dartree.decode.peers import PEERS, load_bf16_twin, load_zlab_drafter, run_peer
-from dartree.decode.prompts import DATASETS, Prompt, load_prompts
+from dartree.decode.prompts import DATASETS, Prompt, load_prompt_file, load_prompts, messages_prompt_ids
 from dartree.decode.report import annotate_trees, write_figures
 from dartree.decode.trees import BUILDERS
 from dartree.models.checkpoint import CheckpointError, load_dartree, write_file_atomically
@@ -128,9 +129,10 @@ def sampling_problem(settings: dict, temperature: float, ignore: bool) -> str | 
             + (", or --temperature 0" if temperature > 0 and "repetition_penalty" not in acting else ""))
 
 
-def prompt_encoder(tok, mode: str, template_kwargs: dict) -> Callable[[str], list[int]]:
-    """text -> prompt token ids for ``--chat-template`` ``mode`` (``auto``: the tokenizer's chat template with
-    ``template_kwargs``; ``none``: the raw text).
+def prompt_encoder(tok, mode: str, template_kwargs: dict) -> Callable[[str | list[dict]], list[int]]:
+    """text (one user turn) or a chat's messages -> prompt token ids for ``--chat-template`` ``mode`` (``auto``: the
+    tokenizer's chat template with ``template_kwargs``; ``none``: the raw text, and messages raise ValueError, as
+    they need a template).
 
     Raises:
         ValueError: no tokenizer, no chat template in ``auto`` mode, template options with ``none`` or that
@@ -143,9 +145,15 @@ def prompt_encoder(tok, mode: str, template_kwargs: dict) -> Callable[[str], lis
     if mode == "none":
         if template_kwargs:
             raise ValueError("--chat-template-kwargs needs a chat template; drop it with --chat-template none")
-        return lambda text: text_prompt_ids(tok, text)
+
+        def raw(prompt: str | list[dict]) -> list[int]:
+            if not isinstance(prompt, str):
+                raise ValueError("chat messages need the chat template; drop --chat-template none")
+            return text_prompt_ids(tok, prompt)
+        return raw
     check_chat_template(tok, template_kwargs, fix="pass --chat-template none to feed each prompt's raw text")
-    return lambda text: chat_prompt_ids(tok, text, template_kwargs)
+    return lambda prompt: (chat_prompt_ids(tok, prompt, template_kwargs) if isinstance(prompt, str)
+                           else messages_prompt_ids(tok, prompt, template_kwargs))
 
 
 def encode_prompts(encode: Callable[[str], list[int]], prompts: list[Prompt], target, max_new_tokens: int
@@ -153,7 +161,8 @@ def encode_prompts(encode: Callable[[str], list[int]], prompts: list[Prompt], ta
     """The token ids of every prompt, checked against the target's context before any decoding.
 
     Args:
-        encode: text -> ids (:func:`prompt_encoder`). prompts: the data sets' prompts. target: the Target.
+        encode: text or messages -> ids (:func:`prompt_encoder`). prompts: the data sets' prompts (a prompt with
+            ``messages`` is encoded from them, else from its text). target: the Target.
         max_new_tokens: ``--max-new-tokens``.
     Returns:
         one [T_i] id list per prompt.
@@ -166,7 +175,7 @@ def encode_prompts(encode: Callable[[str], list[int]], prompts: list[Prompt], ta
     out = []
     for p in prompts:
         try:
-            ids = encode(p.text)
+            ids = encode(p.text if p.messages is None else p.messages)
         except Exception as exc:  # a template's own error (jinja2, ValueError, ...): one line naming the prompt
             raise ValueError(f"the chat template failed on prompt {p.dataset}:{p.id}: {type(exc).__name__}: "
                              f"{(str(exc).strip().splitlines() or [''])[0]}") from None
@@ -190,8 +199,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lookup", type=int, default=10,
                     help="tokens of the prompt-lookup chain of the +lookup methods (transformers' default, 10)")
     ap.add_argument("--lookup-ngram", type=int, default=3, help="longest n-gram the +lookup methods match")
-    ap.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS), help="prompt sets")
-    ap.add_argument("--limit", type=int, default=20, help="prompts per dataset")
+    source = ap.add_mutually_exclusive_group()
+    source.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS),
+                        help="packaged prompt sets")
+    source.add_argument("--prompts", metavar="FILE", default=None,
+                        help="your own prompts instead of the packaged sets: JSONL lines with a \"text\" string (one "
+                             "user turn) or a \"messages\" chat list (rendered with the target's chat template), or a "
+                             "text file with one prompt per line; the first --limit of them in file order; the report "
+                             "names the file and its sha256 as the data set")
+    ap.add_argument("--limit", type=int, default=20, help="prompts per data set (with --prompts: the first N of the file)")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
     ap.add_argument("--budget", type=budget_arg, nargs="+", default=["auto"],
                     help="tree nodes per round B, or auto: per round the cost model (calibrated at start-up) keeps the "
@@ -524,6 +540,19 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
     if problems:
         print("error: " + "; ".join(problems), file=sys.stderr)
         return 2
+    prompts: list[Prompt] = []
+    prompt_file = None  # the --prompts file's record (path, sha256, ...), checked before any model loads
+    if args.prompts is not None:
+        try:
+            prompts, prompt_file = load_prompt_file(args.prompts, args.limit)
+        except ValueError as exc:
+            print(f"error: --prompts {exc}", file=sys.stderr)
+            return 2
+        if args.chat_template == "none" and any(p.messages is not None for p in prompts):
+            print(f"error: --prompts {args.prompts} has \"messages\" lines, which need the chat template; drop "
+                  "--chat-template none, or give \"text\" lines", file=sys.stderr)
+            return 2
+        args.datasets = [prompt_file["name"]]
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
@@ -571,9 +600,8 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
         return 2
     if dm is not None:
         target.set_layer_ids(dm.drafter.cfg.target_layer_ids)
-    prompts: list[Prompt] = []
     try:
-        for d in args.datasets:
+        for d in args.datasets if prompt_file is None else []:
             prompts += load_prompts(d, args.limit, args.seed)
     except (RuntimeError, KeyError, OSError) as exc:  # a prompt package missing or unreadable
         print(f"error: --datasets {d}: {exc.args[0] if exc.args else exc}", file=sys.stderr)
@@ -704,6 +732,7 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
                 "cost_models": {m: cm.summary() for m, cm in cost_models.items()},
                 "proposals": dm.drafter.cfg.num_proposals if dm is not None else None,
                 "prompts": [{"dataset": p.dataset, "id": p.id, "text": p.text[:120]} for p in prompts[:done]],
+                "prompt_file": prompt_file,
                 "prompts_done": done, "prompts_planned": len(prompts), "interrupted": interrupted,
             },
         }
@@ -789,6 +818,9 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
     rows: dict[str, list[dict]] = {m: [] for m in ["ar", *methods, *peers]}
     trees: dict[str, dict] = {}
     progress.update(done=0, planned=len(prompts), out=str(out))
+    # one step per decode (every prompt's AR runs, methods and peers), so the bar's rate and time left count them all
+    per_prompt = len(_spread_repeats(["ar", *methods, *peers], "ar", args.ar_repeats))
+    bar = tqdm(total=len(prompts) * per_prompt, desc="decoding", unit="decode", file=sys.stderr, dynamic_ncols=True)
     try:
         for pi, p in enumerate(prompts):
             ids = prompt_ids[pi]
@@ -799,9 +831,13 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
             order = order[pi % len(order):] + order[:pi % len(order)]
             order = _spread_repeats(order, "ar", args.ar_repeats)
             row_of = {name: name.split("#")[0] for name in order}  # ar#2 .. are repeats of ar
-            outs = {name: run_peer_on(name, ids, args.max_new_tokens) if name in peers
-                    else run(row_of[name], ids, seed, args.max_new_tokens, record=pi == 0 and row_of[name] != "ar")
-                    for name in order}
+            outs = {}
+            for name in order:
+                bar.set_postfix_str(f"{p.dataset}:{p.id} {name}")
+                outs[name] = (run_peer_on(name, ids, args.max_new_tokens) if name in peers
+                              else run(row_of[name], ids, seed, args.max_new_tokens,
+                                       record=pi == 0 and row_of[name] != "ar"))
+                bar.update()
             ar = outs["ar"]
             ar_runs = [outs[n] for n in order if row_of[n] == "ar"]
             if any(o.tokens != ar.tokens for o in ar_runs):
@@ -845,7 +881,8 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
                 compare_with_ar(row, o.tokens, ids)
                 new[m] = row
                 line.append(f"{m} tau {o.tau:.2f}" + (" MISMATCH" if row["mismatch"] else ""))
-            console.print(", ".join(line))
+            with tqdm.external_write_mode(file=sys.stderr):
+                console.print(", ".join(line))
             with sig.held():  # the rows enter together with the report files that hold them
                 for name, row in new.items():
                     rows[name].append(row)
@@ -853,10 +890,12 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
                 write_report(pi + 1, show=False)
                 progress["done"] = pi + 1
     except Interrupted as exc:  # the finished prompts' report, marked as interrupted; then the one-line exit
+        bar.close()
         if progress["done"]:
             write_report(progress["done"], show=False, interrupted=str(exc))
         raise
 
+    bar.close()
     report = write_report(len(prompts), show=True)
     for w in report_warnings(report):
         console.print(f"[bold red]{w}[/bold red]")

@@ -405,3 +405,44 @@ def test_eval_cli_refuses_a_prompt_past_the_context_before_decoding(tiny_folder,
                     "positions, over the target's context of 128 (max_position_embeddings): lower --max-new-tokens to "
                     f"at most {128 - n} or shorten the prompt")
     assert "calibrated" not in r.stdout
+
+
+def test_eval_cli_prompts_file_replaces_the_packaged_sets(tiny_folder, tmp_path, capsys):
+    """--prompts FILE: "text" and "messages" lines decoded (the first --limit of them), the file and its sha256 the
+    report's one data set; a bad file, --datasets with it, and messages without a chat template: one line, exit 2."""
+    import hashlib
+
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to five."}]
+    f = tmp_path / "mine.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in ({"text": "Say hi."}, {"messages": chat}, {"text": "Unused."})) + "\n")
+    name = f"{f} sha256:{hashlib.sha256(f.read_bytes()).hexdigest()}"
+    out = tmp_path / "rep"
+    cmd = [sys.executable, "decode/eval.py", "--target", str(tiny_folder / "target"), "--checkpoint",
+           str(tiny_folder / "ckpt"), "--tree", "chain", "--prompts", str(f), "--limit", "2", "--max-new-tokens", "8",
+           "--budget", "4", "--ar-repeats", "1", "--no-plots", "--out", str(out)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    rep = json.loads((out / "report.json").read_text())
+    assert list(rep["datasets"]) == [name] and rep["datasets"][name]["chain"]["prompts"] == 2
+    assert rep["environment"]["prompt_file"] == {"path": str(f.resolve()), "sha256": name.split("sha256:")[1],
+                                                 "format": "jsonl", "name": name, "prompts": 2}
+    assert [(p["id"], p["text"]) for p in rep["environment"]["prompts"]] == [("1", "Say hi."), ("2", "Count to five.")]
+    assert rep["methods"]["chain"]["lossless"] is True and rep["methods"]["chain"]["mismatches"] == 0
+    assert "decode/s" in r.stderr and "4/4" in r.stderr  # the progress bar: 2 prompts x (AR + chain) decodes
+
+    from dartree.decode.eval import main
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "ok"}\n{"prompt": "no text"}\n')
+    assert main(["--prompts", str(bad), "--target", str(tiny_folder / "target"), "--tree", "ar"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"error: --prompts {bad}:2: neither a \"text\" string nor \"messages\"")
+    assert "Traceback" not in "".join(err)
+    with pytest.raises(SystemExit) as info:  # argparse: the two prompt sources are mutually exclusive
+        main(["--prompts", str(f), "--datasets", "gsm8k"])
+    assert info.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+    assert main(["--prompts", str(f), "--target", str(tiny_folder / "target"), "--tree", "ar",
+                 "--chat-template", "none", "--out", str(tmp_path / "rep2")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --prompts {f} has \"messages\" lines, which need the chat template; drop --chat-template none, "
+        "or give \"text\" lines")
