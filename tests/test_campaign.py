@@ -71,6 +71,7 @@ def test_a_shard_file_round_trips_token_ids_and_masks(tmp_path):
         read_shard(tmp_path / "bad.parquet")
 
 
+@pytest.mark.slow
 def test_the_data_stage_stops_at_its_deadline_and_resumes_to_the_same_shards(tmp_path):
     whole, cut = tmp_path / "whole", tmp_path / "cut"
     cfg = load_settings(SMALL + [f"dir={whole}"], folder=whole)
@@ -154,6 +155,7 @@ def test_online_features_equal_the_feature_file(tmp_path):
     assert online.forward_tokens == sum(len(t) for t in online.tokens)  # one forward per sequence (cached)
 
 
+@pytest.mark.slow
 def test_the_training_stage_trains_on_the_shards_resumes_and_records_its_runs(tmp_path, monkeypatch):
     import os
 

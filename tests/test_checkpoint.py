@@ -92,6 +92,7 @@ def test_truncated_file_unknown_format_and_target_mismatch(tmp_path, target, tra
         load_dartree(ok, target=other)
 
 
+@pytest.mark.slow
 def test_convert_cli_one_line_error_and_success(tmp_path, train_ckpt):
     src = train_ckpt[0]
     r = subprocess.run([sys.executable, "convert/to_dartree.py", str(src), "--out", str(tmp_path / "cli")],

@@ -410,6 +410,7 @@ def test_export_carries_the_targets_context_length(tmp_path, fmt):
     assert written(export(dt, tmp_path / "old_t", to=fmt, target=target)) == 131072
 
 
+@pytest.mark.slow
 def test_user_trains_with_train_py_exports_and_reimports_unchanged(tmp_path, monkeypatch, target):
     from dartree.training.recipe import load_recipe
     from dartree.training.train import build_models, run
@@ -492,6 +493,7 @@ def _cli(*args):
     return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_cli_detects_converts_and_exports(tmp_path):
     src = make_source(tmp_path, "specforge-domino")
     r = _cli("convert/to_dartree.py", str(src), "--out", str(tmp_path / "dt"))
@@ -510,6 +512,7 @@ def _edit(src: Path, fn):
     save_file(t, str(src / "model.safetensors"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case,pattern", [
     ("truncated", r"cannot read .*model\.safetensors.*truncated"),
     ("missing", r"missing tensor 'prefix_gru\.weight_hh_l0' \(expected shape \[15, 5\]\)"),
@@ -558,6 +561,7 @@ def test_wrong_target_pairing_is_named(tmp_path, other, pattern):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow
 def test_cli_target_pairing_error_is_one_line(tmp_path):
     src = make_source(tmp_path, "specforge-dspark")
     cfg = json.loads((src / "config.json").read_text())

@@ -22,6 +22,7 @@ def real():
     return target, dm
 
 
+@pytest.mark.slow
 def test_shipped_drafter_is_lossless_on_default_target(real):
     target, dm = real
     stop = [target.tokenizer.eos_token_id]
@@ -39,6 +40,7 @@ def test_shipped_drafter_is_lossless_on_default_target(real):
     assert committed / rounds > 1.1
 
 
+@pytest.mark.slow
 def test_prepacked_linears_are_lossless_on_default_target(real):
     """`--linear onednn` (eval's auto on this CPU): every output still equals AR's, AR itself unchanged."""
     from dartree.models.packed import onednn_linear_supported, pack_linears
@@ -63,6 +65,7 @@ def test_prepacked_linears_are_lossless_on_default_target(real):
             pack_linears(m, "aten")
 
 
+@pytest.mark.slow
 def test_shipped_zlab_drafter_runs_in_zlabs_loop_as_in_ours(real):
     """checkpoints/dflash_b16_zlab exports to z-lab's layout; z-lab's own dflash_generate on the default target
     commits exactly our chain loop's tokens (= AR's) in exactly the same rounds."""

@@ -39,6 +39,7 @@ def tiny_folder(tmp_path_factory):
     return root
 
 
+@pytest.mark.slow
 def test_eval_cli_writes_report(tiny_folder, tmp_path):
     out = tmp_path / "rep"
     cmd = [sys.executable, "decode/eval.py", "--target", str(tiny_folder / "target"), "--checkpoint",
@@ -96,6 +97,7 @@ def test_report_warnings_flag_tau_about_one_and_mismatches():
     assert "chain@auto took a plain AR step every round" in w[0] and "pruned@B0 drafted no tree nodes" in w[1]
 
 
+@pytest.mark.slow
 def test_eval_cli_bad_checkpoint_is_clear(tiny_folder, tmp_path):
     r = subprocess.run([sys.executable, "decode/eval.py", "--target", str(tiny_folder / "target"), "--checkpoint",
                         str(tmp_path), "--limit", "1"], cwd=REPO, capture_output=True, text=True, timeout=600)
@@ -116,6 +118,7 @@ def test_tree_all_expands_to_every_builder_once():
         resolve_methods(["beam+lookup"])
 
 
+@pytest.mark.slow
 def test_eval_cli_lookup_rows_side_by_side(tiny_folder, tmp_path):
     # pruned and pruned+lookup in one run, auto budget: both lossless, the lookup settings and its acceptance
     # by chain position in the report
@@ -153,12 +156,14 @@ def test_ar_repeats_spread_through_a_prompts_rows():
         _spread_repeats(["x"], "ar", 2)
 
 
+@pytest.mark.slow
 def test_eval_cli_rejects_zero_ar_repeats(tmp_path):
     r = subprocess.run([sys.executable, "decode/eval.py", "--ar-repeats", "0", "--out", str(tmp_path / "r")], cwd=REPO,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 2 and "--ar-repeats must be >= 1" in r.stderr
 
 
+@pytest.mark.slow
 def test_eval_cli_paired_rows_time_each_method_against_its_own_lockstep_ar(tiny_folder, tmp_path):
     """--paired: every method row carries the AR decode that ran in lockstep with it (same tokens as the AR row),
     and the report's paired speedup is the pooled time-per-token ratio of those pairs, in report.md's column too."""
@@ -186,6 +191,7 @@ def test_eval_cli_paired_rows_time_each_method_against_its_own_lockstep_ar(tiny_
     assert "| method | tau | tokens/s | speedup | paired x AR |" in md and "paired x AR: each method" in md
 
 
+@pytest.mark.slow
 def test_bench_replay_sweeps_budgets_from_one_recorded_decode(tiny_folder, tmp_path):
     # decode/bench.py --replay: the pruned rounds recorded at B = 6 replayed at every smaller budget, with the auto
     # policy and the hindsight bound; the replayed tau at the recorded budget is the measured one
@@ -210,6 +216,7 @@ def test_bench_replay_sweeps_budgets_from_one_recorded_decode(tiny_folder, tmp_p
     assert "pinned at T" in r.stdout and "hindsight" in r.stdout
 
 
+@pytest.mark.slow
 def test_report_writers_of_one_folder_never_share_a_temporary_file(tmp_path):
     """Two processes writing one report folder (two runs with the same --out) each write under their own temporary
     name: with a fixed ``report.md.tmp`` one writer's rename took the other's file and the other crashed
@@ -228,6 +235,7 @@ def test_report_writers_of_one_folder_never_share_a_temporary_file(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["report.json", "report.md"]  # no temporary file left
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig, status", [("SIGTERM", 143), ("SIGINT", 130)])
 def test_eval_cli_stopped_by_a_signal_exits_in_one_line_and_keeps_the_finished_prompts(tiny_folder, tmp_path, sig,
                                                                                       status):
@@ -294,6 +302,7 @@ def _one_error_line(r: subprocess.CompletedProcess) -> str:
     return r.stderr.strip().splitlines()[-1]
 
 
+@pytest.mark.slow
 def test_eval_cli_stops_at_every_end_id_of_the_generation_config(tiny_folder, tmp_path):
     """A generation_config naming two end ids (and top_k, which greedy decoding ignores): every row stops where
     the target's own generate(do_sample=False) stops; the report names the stop ids, the sampling rule and the
@@ -329,6 +338,7 @@ def test_eval_cli_stops_at_every_end_id_of_the_generation_config(tiny_folder, tm
             '{"enable_thinking": false}') in md
 
 
+@pytest.mark.slow
 def test_eval_cli_refuses_generation_config_sampling_it_does_not_apply(tiny_folder, tmp_path):
     """At T > 0 the target's top_k / top_p are refused by name with the flag that overrides them (was: sampled
     without them, silently); with --ignore-generation-config the run goes ahead and the report says so."""
@@ -346,6 +356,7 @@ def test_eval_cli_refuses_generation_config_sampling_it_does_not_apply(tiny_fold
     assert "target generation_config {'top_k': 20, 'top_p': 0.9} not applied" in (out / "report.md").read_text()
 
 
+@pytest.mark.slow
 def test_eval_cli_base_model_without_chat_template(tiny_folder, tmp_path):
     """A tokenizer without a chat template: one line naming --chat-template none (was a transformers traceback);
     with it, the raw prompt text is decoded and the report says so. Bad --chat-template-kwargs: one line."""
@@ -368,6 +379,7 @@ def test_eval_cli_base_model_without_chat_template(tiny_folder, tmp_path):
     assert r.returncode == 2 and "is a JSON list, not an object" in r.stderr
 
 
+@pytest.mark.slow
 def test_eval_cli_refuses_a_sliding_window_target_before_calibrating(tiny_folder, tmp_path):
     """A Mistral target with sliding_window set: one line, exit 2, right after loading (was a 25-line traceback
     after loading and calibrating)."""
@@ -388,6 +400,7 @@ def test_eval_cli_refuses_a_sliding_window_target_before_calibrating(tiny_folder
     assert "calibrated" not in r.stdout and "linear layers" not in r.stdout
 
 
+@pytest.mark.slow
 def test_eval_cli_refuses_a_prompt_past_the_context_before_decoding(tiny_folder, tmp_path):
     """A prompt plus --max-new-tokens past max_position_embeddings: one line naming the prompt, its length, the
     context and the fix, before calibration (was decoded past the context without a word)."""
@@ -407,6 +420,7 @@ def test_eval_cli_refuses_a_prompt_past_the_context_before_decoding(tiny_folder,
     assert "calibrated" not in r.stdout
 
 
+@pytest.mark.slow
 def test_eval_cli_prompts_file_replaces_the_packaged_sets(tiny_folder, tmp_path, capsys):
     """--prompts FILE: "text" and "messages" lines decoded (the first --limit of them), the file and its sha256 the
     report's one data set; a bad file, --datasets with it, and messages without a chat template: one line, exit 2."""

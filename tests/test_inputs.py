@@ -284,6 +284,7 @@ def _one_error_line(text: str) -> str:
     return lines[0]
 
 
+@pytest.mark.slow
 def test_negative_rank_exits_2_with_one_named_line_and_writes_nothing(tmp_path):
     """The issue's instance: ``recipe=tiny_dspark head.rank=-1`` ended in a "negative dimension" traceback."""
     out = tmp_path / "run"
@@ -488,6 +489,7 @@ print("codes", codes)
 """
 
 
+@pytest.mark.slow
 def test_train_main_runs_repeatedly_in_one_process_leaving_no_global_state(tmp_path):
     """The issue's instance: the second call failed with "Group ... is not registered"."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR",

@@ -5,6 +5,8 @@ import sys
 from importlib.metadata import version
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -12,6 +14,7 @@ def _run(code: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_kernels_package_is_cheap():
     r = _run("import sys; import dartree.kernels as k; "
              "print('torch' in sys.modules, 'triton' in sys.modules, hasattr(k, '__version__'))")
@@ -19,6 +22,7 @@ def test_kernels_package_is_cheap():
     assert r.stdout.split() == ["False", "False", "False"]
 
 
+@pytest.mark.slow
 def test_transformers_imports_with_repo_root_on_path():
     # the repository root holds a folder named `kernels`; transformers probes for that package name
     r = _run("import sys; sys.path.insert(0, '.'); import transformers; "
@@ -34,6 +38,7 @@ def test_version_outside_kernels_probe_range():
     assert not ((0, 18, 2) <= v < (0, 19, 0))
 
 
+@pytest.mark.slow
 def test_scripts_run_from_repo_root():
     for script in ("training/train.py", "convert/to_dartree.py", "decode/eval.py"):
         r = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True, timeout=300)

@@ -227,6 +227,7 @@ def test_merge_labels_and_comparison_tables(tmp_path):
         rpt.merge_reports({"a/b": a})
 
 
+@pytest.mark.slow
 def test_report_cli_redraws_one_and_overlays_several(tmp_path):
     for name, tau in (("dflash", 2.0), ("dspark", 2.5)):
         rep = synthetic_report()
@@ -253,6 +254,7 @@ def test_report_cli_redraws_one_and_overlays_several(tmp_path):
     assert bad.returncode == 2 and "holds no report.json" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.slow
 def test_report_cli_draws_the_reference_learning_curves(tmp_path):
     ck = [REPO / "checkpoints" / n for n in ("dflash_b16", "domino_b16", "dspark_b16")]
     png = tmp_path / "curves.png"
@@ -336,6 +338,7 @@ def test_decode_stats_record_depths_before_truncation_and_the_verify_trees(targe
     assert rec.stats.trees[0]["parents"] == [0, 0, 1, 3] and rec.stats.trees[0]["depth"] == [1, 1, 2, 3]
 
 
+@pytest.mark.slow
 def test_eval_writes_the_figures_beside_its_report_and_no_plots_skips_them(tiny_folder, tmp_path):
     base = [sys.executable, "decode/eval.py", "--target", str(tiny_folder / "target"), "--checkpoint",
             str(tiny_folder / "ckpt"), "--datasets", "gsm8k", "--limit", "1", "--max-new-tokens", "12"]

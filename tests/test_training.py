@@ -40,6 +40,7 @@ def tiny_runs(tmp_path_factory):
     return s1, s2, out1, r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_tiny_recipe_losses_finite_and_reproducible(tiny_runs):
     s1, s2, out1, log = tiny_runs
     assert s1["steps"] == 3 and len(s1["losses"]) == 3
@@ -209,6 +210,7 @@ def engine_runs(tmp_path_factory):
     return root, {"one": one, "two": two, "z3": z3}
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_shorter_run_and_another_world_size_by_name(engine_runs):
     """A state saved at step 4 resumed with train.max_steps=2 used to report success and keep the 4-step weights;
     ZeRO state of 2 processes resumed by 1 used to die in a DeepSpeed traceback. Both are one-line recipe errors."""
@@ -296,6 +298,7 @@ def test_a_deepspeed_op_load_waiting_on_a_dead_lock_goes_on(tmp_path):
     assert (live / "lock").exists()
 
 
+@pytest.mark.slow
 def test_two_processes_agree_with_each_other_and_with_one_process(engine_runs):
     root, logs = engine_runs
     s1 = json.loads((root / "one" / "summary.json").read_text())
@@ -311,6 +314,7 @@ def test_two_processes_agree_with_each_other_and_with_one_process(engine_runs):
     assert any(not torch.equal(a[k], init[k]) for k in a)  # training moved the weights
 
 
+@pytest.mark.slow
 def test_zero3_checkpoint_holds_full_tensors_equal_to_stage0(engine_runs):
     from dartree.models.checkpoint import expected_tensors
 
@@ -326,6 +330,7 @@ def test_zero3_checkpoint_holds_full_tensors_equal_to_stage0(engine_runs):
         torch.testing.assert_close(got[key], ref[key], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_sigkill_then_resume_logs_the_same_losses(tmp_path):
     cache = tmp_path / "cache"
     common = ["recipe=tiny_dspark", "train.max_steps=8", "train.save_every_steps=3", "train.eval_every_steps=2"]
@@ -367,6 +372,7 @@ def test_sigkill_then_resume_logs_the_same_losses(tmp_path):
     assert other.stderr.count("\n") <= 3 and "Traceback" not in other.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe,head_type", [("tiny_dflash", "identity"), ("tiny_domino", "gru"),
                                               ("tiny_dspark", "markov"), ("tiny_dflash2", "selector")])
 def test_each_recipe_trains_its_head_and_converts(tmp_path, monkeypatch, recipe, head_type):
@@ -389,6 +395,7 @@ def test_each_recipe_trains_its_head_and_converts(tmp_path, monkeypatch, recipe,
         assert dm.drafter.cfg.conv_kernel_size == 2 and float(kp.abs().sum()) > 0
 
 
+@pytest.mark.slow
 def test_init_from_a_dflash_drafter_adds_identity_convolutions_for_dflash2(tmp_path, monkeypatch):
     """recipe dflash2 with init_from= a DFlash checkpoint: the backbone gains DFlash 2 convolutions that start as the
     identity, so before any step the drafter computes exactly the DFlash checkpoint's hidden states."""
@@ -413,6 +420,7 @@ def test_init_from_a_dflash_drafter_adds_identity_convolutions_for_dflash2(tmp_p
     assert len(s["losses"]) == 3
 
 
+@pytest.mark.slow
 def test_init_from_widens_a_cpu_drafter_to_an_exportable_one(tmp_path, monkeypatch):
     """init_from with drafter.qk_norm=true / draft_vocab_size=0 on a drafter trained without q/k norms and with a
     draft vocabulary: the full vocabulary keeps the old ids' scores exactly; the added q/k norms start at the RMS
@@ -497,6 +505,7 @@ def test_confidence_bce_targets_one_minus_half_l1():
         assert float(out.bce) == pytest.approx(float(want), rel=1e-4) and float(out.loss) == pytest.approx(float(want), rel=1e-4)
 
 
+@pytest.mark.slow
 def test_init_from_dflash_drafter_with_frozen_backbone_trains_only_the_head(tmp_path, monkeypatch):
     from dartree.convert.to_dartree import convert
 
@@ -517,6 +526,7 @@ def test_init_from_dflash_drafter_with_frozen_backbone_trains_only_the_head(tmp_
         run(load_recipe(["recipe=tiny_dspark", f"output_dir={tmp_path / 'x'}", f"init_from={tmp_path / 'nope'}"]))
 
 
+@pytest.mark.slow
 def test_truncated_init_from_checkpoint_is_one_line(tmp_path):
     """A truncated model.safetensors given as init_from ends in one line and exit status 2, as eval and convert
     say it (it was an 18-line SafetensorError traceback)."""
@@ -621,6 +631,7 @@ def test_select_draft_vocab_counts_ties_and_required_ids():
         select_draft_vocab(D(), 11, 10)
 
 
+@pytest.mark.slow
 def test_draft_vocab_drafter_trains_converts_and_decodes_losslessly(tmp_path, monkeypatch, prompts):
     from dartree.convert.to_dartree import convert
     from dartree.decode.generate import autoregressive_generate, speculative_generate
@@ -660,6 +671,7 @@ def test_draft_vocab_drafter_trains_converts_and_decodes_losslessly(tmp_path, mo
     assert bool(torch.isin(proposed, vocab).all())  # nothing outside the draft vocabulary is ever drafted
 
 
+@pytest.mark.slow
 def test_a_draft_vocab_drafter_is_not_exported_to_published_layouts(tmp_path, monkeypatch):
     from dartree.convert.from_dartree import export
     from dartree.convert.to_dartree import convert
@@ -674,6 +686,7 @@ def test_a_draft_vocab_drafter_is_not_exported_to_published_layouts(tmp_path, mo
     assert not (tmp_path / "pub").exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("data", [[], ["data.max_turns=3", "data.max_seq_tokens=120", "data.holdout_set=fixed"]],
                          ids=["single-turn", "multi-turn"])
 def test_train_infer_parity_tool_agrees_within_two_points(tmp_path, monkeypatch, data):
@@ -1068,6 +1081,7 @@ def test_resume_accepts_a_recipe_saved_before_new_fields_at_their_defaults(tmp_p
         check_resumable(tmp_path, now)
 
 
+@pytest.mark.slow
 def test_batch_normalisation_all_reduces_its_denominator_across_processes(tmp_path):
     """loss.normalization=batch on multi-turn data: two processes (torchrun, gloo), each holding half of every
     step's sequences, log the same pooled losses and end with the same weights as one process (a rank-local
