@@ -39,8 +39,10 @@ from __future__ import annotations
 import re
 import warnings
 from dataclasses import dataclass
+from typing import Callable
 
 from dartree.models.checkpoint import FORMAT, CheckpointError
+from dartree.convert.registry import FORMAT_PAIRS
 from dartree.models.validate import Flag, Range
 
 SOURCE_FORMATS = ("zlab-dflash", "specforge-domino", "specforge-dspark", "deepspec-dspark")
@@ -585,52 +587,6 @@ def check_copy_of_target(name: str, tensor, target, where, rows=None) -> None:
             "drafter was trained for another target: convert it with the target it was trained for")
 
 
-@dataclass
-class FormatPair:
-    """One published layout as a reader/writer pair (the format registry, :data:`FORMAT_PAIRS`).
-
-    Attributes:
-        name: the ``--from`` / ``--to`` name.
-        detect: (config.json dict, tensor names) -> a reason string when the checkpoint is in this layout, else None.
-        read: (config.json dict, tensors by published name, where, target or None) -> (dartree config, tensors by
-            dartree name); raises CheckpointError naming any field or tensor it cannot honour.
-        write: (dartree config, tensors by dartree name, target or None) -> (config.json dict, tensors by published
-            name); raises CheckpointError naming what the layout cannot express.
-    """
-
-    name: str
-    detect: object
-    read: object
-    write: object
-
-    def reader(self, read_tensors):
-        """A ``to_dartree`` reader ``(src, config, target=None) -> (dartree config, tensors)`` over this pair."""
-
-        def reader(src, config: dict, target=None):
-            return self.read(config, read_tensors(src), src, target)
-
-        reader.__doc__ = f"Reader for the {self.name} layout (format registry)."
-        return reader
-
-
-FORMAT_PAIRS: dict[str, FormatPair] = {}
-
-
-def register_format(pair: FormatPair) -> FormatPair:
-    """Add a reader/writer pair to the registry under ``pair.name`` and to :data:`EXPORT_FORMATS` (here, not once at
-    the end of this module, so the list is whole whichever pair module is imported first).
-
-    Raises:
-        ValueError: the name is already taken (by a pair or a built-in layout).
-    """
-    global EXPORT_FORMATS
-    if pair.name in FORMAT_PAIRS or pair.name in SOURCE_FORMATS or pair.name in (FORMAT, "dartree-train"):
-        raise ValueError(f"format {pair.name!r} is already registered")
-    FORMAT_PAIRS[pair.name] = pair
-    EXPORT_FORMATS = EXPORT_FORMATS + (pair.name,)
-    return pair
-
-
 def _dflash2_seen(config: dict, names: set[str]) -> str | None:
     """What marks a DFlash 2 checkpoint (z-lab ``DFlash2DraftModel``), or None."""
     dc = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
@@ -649,7 +605,22 @@ def _dflash2_seen(config: dict, names: set[str]) -> str | None:
     return "; ".join(seen) or None
 
 
-from dartree.convert import vllm_speculators as _vllm_speculators  # noqa: E402  (registers "speculators")
-from dartree.convert import zlab_dflash2 as _zlab_dflash2  # noqa: E402  (registers "zlab-dflash2")
+def check_tensors(given: dict, expected: dict, where, rename: Callable[[str], str] = lambda n: n) -> None:
+    """Compare source tensors with the expected set, naming tensors in the source's own terms.
 
-del _vllm_speculators, _zlab_dflash2
+    Args:
+        given: source name -> tensor. expected: dartree name -> shape. rename: dartree name -> source name.
+    Raises:
+        CheckpointError: missing, mis-shaped or unexpected tensor (the first one, by name, with shapes).
+    """
+    want = {rename(k): shape for k, shape in expected.items()}
+    for name, shape in want.items():
+        if name not in given:
+            raise CheckpointError(f"{where}: missing tensor {name!r} (expected shape {list(shape)})")
+        if tuple(given[name].shape) != tuple(shape):
+            raise CheckpointError(
+                f"{where}: tensor {name!r} has shape {list(given[name].shape)}, expected {list(shape)}"
+            )
+    extra = sorted(set(given) - set(want))
+    if extra:
+        raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all)")

@@ -21,7 +21,8 @@ import json
 import sys
 from pathlib import Path
 
-from dartree.convert.formats import EXPORT_FORMATS, FORMAT_PAIRS, export_config, published_name, with_target_context
+from dartree.convert.formats import export_config, published_name, with_target_context
+from dartree.convert.publishers import EXPORT_FORMATS, FORMAT_PAIRS
 from dartree.models.checkpoint import CheckpointError, load_dartree, read_safetensors, write_folder_atomically
 
 

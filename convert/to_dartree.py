@@ -3,10 +3,11 @@
 ``python convert/to_dartree.py SRC [--out DST] [--from auto|dartree|dartree-train|zlab-dflash|specforge-domino|
 specforge-dspark|deepspec-dspark|speculators|zlab-dflash2] [--target SPEC] [--dtype auto|bfloat16|float16|float32]``
 
-Sources: ``dartree-train`` (written by ``training/train.py``), ``dartree`` (re-validated and re-written) and the
+Sources: ``dartree`` (re-validated and re-written; ``training/train.py`` writes this format, and its fp32 weights
+convert to bf16 by default), ``dartree-train`` (the older training layout) and the
 published layouts of :mod:`dartree.convert.formats` (z-lab DFlash, SpecForge Domino / DSpark, DeepSpec DSpark;
 config.json + safetensors, sharded or not), and the reader/writer pairs of the format registry
-(``formats.FORMAT_PAIRS``: vLLM speculators dflash / dflash2 / dspark, z-lab DFlash 2). ``auto`` detects the layout
+(:mod:`dartree.convert.publishers`: vLLM speculators dflash / dflash2 / dspark, z-lab DFlash 2). ``auto`` detects the layout
 from config fields and tensor names and says what it detected. Every source is validated strictly before anything is written: a missing, unexpected or
 mis-shaped tensor is an error naming it, an unknown config layout lists the expected fields, and with
 ``--target`` the vocab / hidden size / layer ids / mask id are checked against the target. The output folder
@@ -26,15 +27,16 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from dartree.convert.formats import (
-    FORMAT_PAIRS,
     SOURCE_FORMATS,
     check_copy_of_target,
+    check_tensors,
     detect,
     parse_config,
     published_name,
     strip_legacy,
     with_target_context,
 )
+from dartree.convert.publishers import FORMAT_PAIRS
 from dartree.models.checkpoint import (
     CheckpointError,
     cast_floats,
@@ -111,27 +113,6 @@ def _read_tensors(src: Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _check_tensors(given: dict, expected: dict, where, rename: Callable[[str], str] = lambda n: n) -> None:
-    """Compare source tensors with the expected set, naming tensors in the source's own terms.
-
-    Args:
-        given: source name -> tensor. expected: dartree name -> shape. rename: dartree name -> source name.
-    Raises:
-        CheckpointError: missing, mis-shaped or unexpected tensor (the first one, by name, with shapes).
-    """
-    want = {rename(k): shape for k, shape in expected.items()}
-    for name, shape in want.items():
-        if name not in given:
-            raise CheckpointError(f"{where}: missing tensor {name!r} (expected shape {list(shape)})")
-        if tuple(given[name].shape) != tuple(shape):
-            raise CheckpointError(
-                f"{where}: tensor {name!r} has shape {list(given[name].shape)}, expected {list(shape)}"
-            )
-    extra = sorted(set(given) - set(want))
-    if extra:
-        raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all)")
-
-
 def read_dartree_train(src: Path, config: dict, target=None) -> tuple[dict, dict]:
     """Reader for ``training/train.py`` checkpoints (tensors ``drafter.*`` and ``head.*``, fp32; ``target`` unused).
 
@@ -157,7 +138,7 @@ def read_dartree_train(src: Path, config: dict, target=None) -> tuple[dict, dict
     except KeyError as exc:
         raise CheckpointError(f"{src / 'config.json'}: missing entry {exc}") from None
     expected = expected_tensors(out, src / "config.json")
-    _check_tensors(tensors, expected, src, rename=lambda n: "drafter." + n[len("backbone."):] if n.startswith("backbone.") else n)
+    check_tensors(tensors, expected, src, rename=lambda n: "drafter." + n[len("backbone."):] if n.startswith("backbone.") else n)
     mapped = {("backbone." + k[len("drafter."):] if k.startswith("drafter.") else k): v for k, v in tensors.items()}
     return out, mapped
 
@@ -184,7 +165,7 @@ def read_published(fmt: str) -> Callable:
             if tuple(given[name].shape) != shape:
                 raise CheckpointError(f"{where}: tensor {name!r} has shape {list(given[name].shape)}, expected {list(shape)}")
             check_copy_of_target(name, given.pop(name), target, where)
-        _check_tensors(given, expected, where, rename=lambda n: published_name(n, fmt))
+        check_tensors(given, expected, where, rename=lambda n: published_name(n, fmt))
         tensors = {k: given[published_name(k, fmt)] for k in expected}
         if parsed.dropped:
             out["provenance"]["dropped"] = sorted(parsed.dropped)
@@ -233,8 +214,8 @@ def convert(
         src: checkpoint folder (config.json + *.safetensors).
         out: output folder; replaced only if it is a dartree checkpoint.
         source_format: ``auto`` or one of :data:`READERS`.
-        dtype: cast every tensor to this dtype; None keeps published and dartree tensors as stored and writes
-            ``dartree-train`` checkpoints (fp32) in bf16.
+        dtype: cast every tensor to this dtype; None keeps published tensors as stored and writes the checkpoints
+            of ``training/train.py`` (fp32; provenance ``source_format`` ``dartree-train``) in bf16.
         target: optional :class:`~dartree.models.target.Target` to validate the pairing against.
     Raises:
         CheckpointError: unreadable or invalid source (named tensor / field), unknown format, target mismatch.
@@ -249,7 +230,8 @@ def convert(
     if target is not None:
         check_target_pairing(dconfig, target)
         dconfig = with_target_context(dconfig, target)  # recorded, so an export writes the target's context length
-    if dtype is None and fmt == "dartree-train":
+    trained_here = fmt == "dartree-train" or (dconfig.get("provenance") or {}).get("source_format") == "dartree-train"
+    if dtype is None and trained_here:  # a training run's fp32 weights ship in bf16
         dtype = torch.bfloat16
     if dtype is not None:
         tensors = {k: cast_floats(v, dtype) for k, v in tensors.items()}

@@ -45,6 +45,7 @@ from __future__ import annotations
 import torch
 
 from dartree.convert import formats as F
+from dartree.convert.registry import FormatPair, register_format
 from dartree.models.checkpoint import CheckpointError, dartree_config, expected_tensors
 
 NAME = "speculators"
@@ -338,4 +339,4 @@ def write(config: dict, tensors: dict, target=None) -> tuple[dict, dict]:
     return out, mapped
 
 
-F.register_format(F.FormatPair(name=NAME, detect=detect, read=read, write=write))
+register_format(FormatPair(name=NAME, detect=detect, read=read, write=write))

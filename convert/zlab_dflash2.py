@@ -29,6 +29,7 @@ Facts (read from z-lab/dflash ``dflash/model.py``; speculators 0.9.0 ``models/df
 from __future__ import annotations
 
 from dartree.convert import formats as F
+from dartree.convert.registry import FormatPair, register_format
 from dartree.models.checkpoint import CheckpointError, dartree_config, expected_tensors
 
 NAME = "zlab-dflash2"
@@ -113,9 +114,8 @@ def take_tensors(given: dict, want: dict, rename, where) -> dict:
     Raises:
         CheckpointError: a missing or mis-shaped tensor (its published name and both shapes), or an unexpected one.
     """
-    from dartree.convert.to_dartree import _check_tensors  # the converters' one strict check (lazy: no import cycle)
 
-    _check_tensors(given, want, where, rename)
+    F.check_tensors(given, want, where, rename)
     return {name: given[rename(name)] for name in want}
 
 
@@ -233,4 +233,4 @@ def write(config: dict, tensors: dict, target=None) -> tuple[dict, dict]:
     return out, mapped
 
 
-F.register_format(F.FormatPair(name=NAME, detect=detect, read=read, write=write))
+register_format(FormatPair(name=NAME, detect=detect, read=read, write=write))

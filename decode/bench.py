@@ -13,7 +13,7 @@ For every dtype the target (and drafter) is loaded once and, in that one process
    tree_compile, verify, commit) and each as a multiple of t_AR, tau, speedup over AR, and the break-even
    tau = t_round / t_AR (the acceptance length at which the method would match AR).
 
-speedup = tau x t_AR / t_round (PERFORMANCE.md). ``--replay`` also replays each method's rounds at its largest budget
+speedup = tau x t_AR / t_round (docs/performance.md). ``--replay`` also replays each method's rounds at its largest budget
 for every smaller budget, under the ``--budget auto`` policy and under a hindsight per-round choice
 (:mod:`dartree.decode.replay`), with round times modelled from this run's stages and verify curve: a budget sweep and
 a check of the auto policy from one decode per method. ``--profile`` adds a torch.profiler table of the ops of one

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dartree.decode.draft import draft_block
 from dartree.decode.lookup import LookupStats
 from dartree.decode.trees import Tree
 
@@ -468,7 +469,6 @@ def calibrate(target, drafter, context_ids, *, max_budget: int = 16, reps: int =
     Raises:
         ValueError: fewer than 2 context tokens, or max_budget < 1.
     """
-    from dartree.decode.generate import draft_block
     from dartree.decode.verify import compile_tree
     from dartree.models.drafter import DraftCache
     from dartree.models.target import compact_cache

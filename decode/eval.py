@@ -45,19 +45,15 @@ from dartree.models.target import DEFAULT_TARGET, check_speculative_target, load
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "dspark_b16"
-# Budget B for tree builders on a CPU, chosen from the sweep in checkpoints/README.md: B=8 was fastest (a 9-token
-# verify costs ~1.8 AR steps in fp32 here, a 65-token one ~4; verify cost grows fast
-# with tree size on a CPU; GPUs prefer 64+).
-DEFAULT_CPU_BUDGET = 8
 
 
 def choose_dtype(requested: str, device: str = "cpu") -> tuple[str, str]:
     """The dtype a run uses, and why (printed and recorded in the report).
 
     ``auto`` takes bfloat16 only where bf16 matrix arithmetic is native (CUDA, or a CPU whose oneDNN build
-    supports bf16: AVX512-BF16 / AMX); elsewhere bf16 is emulated, and on such a CPU a bf16 verify forward of 9+
-    tokens measured 1.5-4x slower than fp32 (PERFORMANCE.md), so float32, the exact mode (every output equal
-    to AR's), is also the faster one.
+    supports bf16: AVX512-BF16 / AMX); elsewhere bf16 is emulated and a bf16 verify forward of 9+ tokens is
+    slower than fp32 (figures: docs/performance.md, "bf16 on the AVX2 machine"), so float32, the exact mode
+    (every output equal to AR's), is also the faster one.
 
     Args:
         requested: ``auto`` or a key of the dtype table (``float32``, ``bfloat16``, ``float16``).
@@ -212,7 +208,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--budget", type=budget_arg, nargs="+", default=["auto"],
                     help="tree nodes per round B, or auto: per round the cost model (calibrated at start-up) keeps the "
                          "tree size that maximises expected tokens per second, 0 = a plain AR step, and chain is "
-                         f"shortened the same way (the fixed CPU choice was {DEFAULT_CPU_BUDGET}); several values run a budget sweep, "
+                         "shortened the same way; several values run a budget sweep, "
                          "reported as METHOD@B<n> (METHOD@auto) for every tree builder other than chain (which runs at full "
                          "length, and as chain@auto when auto is among the values)")
     ap.add_argument("--width", type=int, default=12, help="supertree width W per depth (pruned)")

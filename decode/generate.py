@@ -24,8 +24,9 @@ import torch
 from dartree.decode.inputs import check_generate_args, check_speculative_args
 from dartree.decode.sampling import check_acceptance, rejection_verify, sample_chain
 from dartree.decode.budget import CostModel, calibrate, prune_to
+from dartree.decode.draft import draft_block
 from dartree.decode.lookup import LookupStats, graft_chain, lookup_match
-from dartree.decode.trees import DraftBlock, Tree, get_builder
+from dartree.decode.trees import BUILDERS, Tree, get_builder
 from dartree.decode.verify import compile_tree, target_tokens, verify
 from dartree.models.drafter import DFlashDrafter, DraftCache
 from dartree.models.heads import CorrectionHead
@@ -200,38 +201,6 @@ def autoregressive_generate(
 
 
 @torch.inference_mode()
-def draft_block(
-    target: Target, drafter: DFlashDrafter, anchor: int, start: int, ctx_feats: torch.Tensor, dcache: DraftCache
-) -> DraftBlock:
-    """One drafter forward: block [anchor, MASK x (L-1)] at positions start..start+L-1.
-
-    ``ctx_feats`` [C, nL*D] are the target features of positions ``dcache.length .. start-1`` (not yet in the
-    drafter's cache); they are appended to ``dcache``, which never holds block entries.
-    Returns:
-        DraftBlock(hidden [P, D], base_logits [P, V'] fp32 over the drafter's vocabulary ``vocab`` (all V ids
-        when it has none), ``bf16_values`` True when they were computed in bf16) for proposals predicting
-        positions start+1..start+P.
-    Raises:
-        ValueError: the context does not end right before the anchor.
-    """
-    cfg = drafter.cfg
-    c0 = dcache.length
-    if c0 + ctx_feats.shape[0] != start:
-        raise ValueError(f"drafter context covers {c0 + ctx_feats.shape[0]} positions but the anchor is at {start}")
-    dev = target.device
-    block = torch.full((1, cfg.block_size), cfg.mask_token_id, dtype=torch.long, device=dev)
-    block[0, 0] = anchor
-    x = target.embed(block).to(drafter.fc.weight.dtype)  # raw lookup, as z-lab (no module scale)
-    q_pos = torch.arange(start, start + cfg.block_size, device=dev)[None]
-    ctx_pos = torch.arange(c0, start, device=dev)[None]
-    h = drafter(x, q_pos, ctx_feats[None], ctx_pos, cache=dcache)[0, cfg.proposal_offset :]
-    base, vocab = drafter.draft_logits(h, target.lm_head)  # [P, V'] fp32 over the draft vocabulary (or V)
-    # base is a bf16 matmul's output cast up when the target's lm_head is bf16 (draft_logits casts the hidden to it)
-    return DraftBlock(hidden=h, base_logits=base, vocab=vocab,
-                      bf16_values=target.lm_head.weight.dtype == torch.bfloat16)
-
-
-@torch.inference_mode()
 def speculative_generate(
     target: Target,
     drafter: DFlashDrafter,
@@ -301,7 +270,8 @@ def speculative_generate(
         KeyError: unknown builder (lists the available ones).
     """
     prompt_ids, stop_ids = _check_args(target, prompt_ids, max_new_tokens, temperature, stop_ids, generator)
-    check_speculative_args(target, drafter, head, builder=builder, budget=budget, builder_params=builder_params)
+    check_speculative_args(target, drafter, head, builder=builder, budget=budget, builder_params=builder_params,
+                           builders=BUILDERS)
     rejection = check_acceptance(acceptance, builder, temperature) == "rejection"
     if lockstep is not None and not callable(lockstep):
         raise TypeError(f"lockstep must be a callable taking the generated token count (e.g. ARStepper.run_to) or "

@@ -287,7 +287,7 @@ def main(argv=None) -> int:
     models: dict = {}
 
     def load() -> dict:
-        from dartree.decode.generate import draft_block
+        from dartree.decode.draft import draft_block
         from dartree.models.drafter import DraftCache
 
         if dry:

@@ -169,13 +169,17 @@ def check_context(target, prompt_len: int, max_new_tokens: int, what: str = "pro
                      f"(max_position_embeddings): {room}")
 
 
-def check_speculative_args(target, drafter, head, *, builder, budget, builder_params) -> None:
+# the parameters every tree builder takes (dartree.decode.trees registers the builders)
+COMMON_PARAMS = frozenset({"k", "width", "beta", "children", "backend"})
+
+
+def check_speculative_args(target, drafter, head, *, builder, budget, builder_params, builders=()) -> None:
     """Check the arguments only ``speculative_generate`` takes, before the prefill.
 
     Args:
         drafter: a :class:`~dartree.models.drafter.DFlashDrafter` fitting ``target``.
         head: a :class:`~dartree.models.heads.CorrectionHead` fitting both.
-        builder: a registered tree-builder name.
+        builder: a registered tree-builder name, one of ``builders`` (the registry's names).
         budget: None, ``"auto"`` (the cost-model budget) or an integer >= 0.
         builder_params: None or a dict of the builders' parameters (``k``, ``width``, ``beta``, ``children``,
             ``backend``) with valid values.
@@ -186,7 +190,6 @@ def check_speculative_args(target, drafter, head, *, builder, budget, builder_pa
         ValueError: drafter / head / target mismatch (:func:`dartree.models.validate.check_pairing`), target
             capture layers that differ from the drafter's, a negative budget or an out-of-range parameter.
     """
-    from dartree.decode.trees import BUILDERS
     from dartree.models.drafter import DFlashDrafter
     from dartree.models.heads import CorrectionHead
     from dartree.models.validate import check_pairing
@@ -204,9 +207,9 @@ def check_speculative_args(target, drafter, head, *, builder, budget, builder_pa
             "call target.set_layer_ids(drafter.cfg.target_layer_ids)"
         )
     if not isinstance(builder, str):
-        raise TypeError(f"builder is {_describe(builder)}; give a builder name, one of {sorted(BUILDERS)}")
-    if builder not in BUILDERS:
-        raise KeyError(f"unknown tree builder {builder!r}; available: {sorted(BUILDERS)}")
+        raise TypeError(f"builder is {_describe(builder)}; give a builder name, one of {sorted(builders)}")
+    if builder not in builders:
+        raise KeyError(f"unknown tree builder {builder!r}; available: {sorted(builders)}")
     if budget is not None and budget != "auto":
         if not is_int(budget):
             raise TypeError(f"budget={budget!r} must be an integer >= 0 (tree nodes per round), 'auto' or None")
@@ -225,8 +228,6 @@ def check_builder_params(params) -> None:
         TypeError: not a dict, an unknown key, or a value of the wrong type.
         ValueError: a value out of range.
     """
-    from dartree.decode.trees import COMMON_PARAMS
-
     if params is None:
         return
     if not isinstance(params, dict):

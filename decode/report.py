@@ -279,18 +279,6 @@ def load_curve(path: str | Path) -> list[dict]:
     raise FileNotFoundError(f"{path} holds no curve.json or learning_curve.json")
 
 
-def plot_curve_file(curve: list[dict], png: str | Path, label: str = "run") -> Path | None:
-    """Write the learning-curve picture of one run (held-out tau and training loss against tokens seen) to
-    ``png``; for training: a plotting problem is printed as a warning and returns None, never raises."""
-    try:
-        from dartree.decode import plots
-
-        return plots.save_figure(plots.fig_curves({label: curve}), png)
-    except Exception as exc:  # never fail training over a picture
-        print(f"WARNING: learning-curve picture {png} not written: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return None
-
-
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="dartree-report", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -336,9 +324,9 @@ def main(argv=None) -> int:
             return 2
         try:
             curves = {lab: load_curve(p) for lab, p in zip(labels, args.curves)}
-            from dartree.decode import plots
+            from dartree.training.curves import fig_curves, save_png
 
-            png = plots.save_figure(plots.fig_curves(curves), args.out or "curves.png")
+            png = save_png(fig_curves(curves), args.out or "curves.png")
         except (FileNotFoundError, ValueError, json.JSONDecodeError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 2

@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from dartree.decode.inputs import check_build_args
+from dartree.decode.inputs import COMMON_PARAMS, check_build_args
 from dartree.kernels._backend import resolve
 from dartree.kernels.candidates import topk_candidates
 from dartree.kernels.frontier import frontier_topk
@@ -39,7 +39,7 @@ class DraftBlock:
     is [P, V'] over those ids only (column j scores token ``vocab[j]``; every other token is out of the
     draft, i.e. -inf); builders map candidate columns to token ids through :func:`block_candidates`.
     ``bf16_values`` is True when the fp32 base logits are a bf16 matmul's output cast up (the drafter in bf16,
-    :func:`dartree.decode.generate.draft_block`): candidate selection then keys them without checking their low bits
+    :func:`dartree.decode.draft.draft_block`): candidate selection then keys them without checking their low bits
     (``dartree.kernels.candidates``). Leave it False for logits of any other origin.
     """
 
@@ -137,9 +137,6 @@ def _stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
     """Indices of the k largest entries of a 1-D tensor; ties go to the lower index."""
     k = min(int(k), scores.numel())
     return torch.sort(scores, descending=True, stable=True).indices[:k]
-
-
-COMMON_PARAMS = {"k", "width", "beta", "children", "backend"}
 
 
 def _check_params(name: str, extra: dict) -> None:

@@ -84,3 +84,23 @@ def head(request, target):
 def prompts():
     g = torch.Generator().manual_seed(7)
     return [torch.randint(2, VOCAB, (4 + i,), generator=g).tolist() for i in range(12)]
+
+
+def write_legacy_training_checkpoint(folder, drafter, head, target, recipe: str, state: dict):
+    """A checkpoint in the older training layout (format ``dartree-train``: ``drafter.*`` / ``head.*`` fp32 tensors,
+    recipe and state inside config.json), which load_init and convert/to_dartree.py still read."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True)
+    tensors = {f"drafter.{k}": v.detach().float().contiguous() if v.is_floating_point() else v.contiguous()
+               for k, v in drafter.state_dict().items()}
+    tensors.update({f"head.{k}": v.detach().float().contiguous() for k, v in head.state_dict().items()})
+    save_file(tensors, str(folder / "model.safetensors"))
+    config = {"format": "dartree-train", "drafter": drafter.cfg.to_dict(), "head": {"type": head.type_name,
+              **head.hparams()}, "target": target.identity(), "recipe": {"recipe": recipe}, "state": state}
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return folder

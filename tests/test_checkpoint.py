@@ -9,23 +9,44 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from conftest import make_drafter, make_markov
+from conftest import make_drafter, make_markov, write_legacy_training_checkpoint
 from dartree.convert.to_dartree import convert
 from dartree.decode.generate import draft_block
 from dartree.models.checkpoint import CheckpointError, load_dartree
 from dartree.models.drafter import DraftCache
 from dartree.models.target import tiny_target
-from dartree.training.train import save_training_checkpoint
+from dartree.training.build import TRAINING_FILE, save_training_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture
 def train_ckpt(tmp_path, target):
+    """A checkpoint of the older training layout (``dartree-train``), the converter's own source format."""
     drafter, head = make_drafter(), make_markov()
-    cfg = __import__("omegaconf").OmegaConf.create({"recipe": "unit"})
-    save_training_checkpoint(tmp_path / "ckpt", drafter, head, target, cfg, {"step": 3, "final_loss": 1.5})
+    write_legacy_training_checkpoint(tmp_path / "ckpt", drafter, head, target, "unit", {"step": 3, "final_loss": 1.5})
     return tmp_path / "ckpt", drafter, head
+
+
+def test_training_writes_a_dartree_checkpoint_that_loads_as_it_is(tmp_path, target):
+    # training/train.py's checkpoint is the dartree format (fp32) with the run's recipe and summary beside it: it
+    # loads without conversion and drafts the same logits; converting it ships bf16 by default
+    drafter, head = make_drafter(), make_markov()
+    cfg = __import__("omegaconf").OmegaConf.create({"recipe": "unit", "train": {"lr": 0.001}})
+    save_training_checkpoint(tmp_path / "ckpt", drafter, head, target, cfg,
+                             {"steps": 3, "final_loss": 1.5, "losses": [2.0, 1.7, 1.5]})
+    dm = load_dartree(tmp_path / "ckpt", target=target)
+    prov = dm.config["provenance"]
+    assert prov == {"source_format": "dartree-train", "recipe": "unit", "steps": 3, "final_loss": 1.5}
+    assert torch.equal(_block(target, drafter).base_logits, _block(target, dm.drafter).base_logits)
+    st = load_file(str(tmp_path / "ckpt" / "model.safetensors"))
+    assert {t.dtype for t in st.values()} == {torch.float32} and "backbone.fc.weight" in st
+    training = json.loads((tmp_path / "ckpt" / TRAINING_FILE).read_text())
+    assert training == {"recipe": {"recipe": "unit", "train": {"lr": 0.001}},
+                        "state": {"steps": 3, "final_loss": 1.5, "losses": [2.0, 1.7, 1.5]}}
+    out = convert(tmp_path / "ckpt", tmp_path / "dt")
+    assert {t.dtype for t in load_file(str(out / "model.safetensors")).values()} == {torch.bfloat16}
+    assert load_dartree(out).config["provenance"]["steps"] == 3
 
 
 def _block(target, drafter, head_unused=None):
@@ -129,7 +150,7 @@ def test_load_with_target_binds_the_gru_heads_embeddings(tmp_path, target):
     torch.nn.init.normal_(head.fc2.weight)
     cfg = __import__("omegaconf").OmegaConf.create({"recipe": "unit"})
     save_training_checkpoint(tmp_path / "ckpt", make_drafter(), head, target, cfg, {"step": 1})
-    out = convert(tmp_path / "ckpt", tmp_path / "dt", dtype=torch.float32)
+    out = tmp_path / "ckpt"
     with pytest.raises(RuntimeError, match="bind_embeddings"):
         load_dartree(out).head.init_state(torch.tensor([5]))
     head.bind_embeddings(target.embed_tokens.weight)

@@ -26,7 +26,7 @@ from dartree.models.checkpoint import CheckpointError, load_dartree
 from dartree.models.drafter import DraftCache
 from dartree.models.heads import GRUHead, MarkovHead, RNNHead
 from dartree.models.target import tiny_target
-from dartree.training.train import save_training_checkpoint
+from dartree.training.build import save_training_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
 D, I, NH, NKV, HD, BLOCK, NT = 32, 64, 4, 2, 8, 8, 4  # tiny target: hidden 32, 4 layers, 4/2 heads of 8
@@ -413,15 +413,16 @@ def test_export_carries_the_targets_context_length(tmp_path, fmt):
 @pytest.mark.slow
 def test_user_trains_with_train_py_exports_and_reimports_unchanged(tmp_path, monkeypatch, target):
     from dartree.training.recipe import load_recipe
-    from dartree.training.train import build_models, run
+    from dartree.training.build import build_models
+    from dartree.training.train import run
 
     for recipe, kind in (("tiny_dspark", "gated_markov"), ("tiny_dspark", "rnn"), ("tiny_domino", "gru")):
         _, head = build_models(load_recipe([f"recipe={recipe}", f"head.type={kind}"]), target)
         assert head.type_name == kind  # build_models takes every head type
     monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
     run(load_recipe(["recipe=tiny_domino", f"output_dir={tmp_path / 'run'}"]))
-    dt = convert(tmp_path / "run" / "checkpoint", tmp_path / "dt", dtype=torch.float32)
-    again = convert(export(dt, tmp_path / "pub", to="specforge-domino"), tmp_path / "again")
+    dt = tmp_path / "run" / "checkpoint"  # a dartree checkpoint already: it exports as it is
+    again = convert(export(dt, tmp_path / "pub", to="specforge-domino"), tmp_path / "again", dtype=torch.float32)
     c0, c1 = (json.loads((x / "config.json").read_text()) for x in (dt, again))
     assert c0["head"]["type"] == "gru" and (c0["drafter"], c0["head"]) == (c1["drafter"], c1["head"])
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())  # what train.py ran is recorded

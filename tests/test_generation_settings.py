@@ -210,7 +210,7 @@ def test_recipe_chat_template_kwargs_enter_the_data_hash_only_when_set():
 def test_training_passes_chat_template_kwargs_and_refuses_a_base_model(monkeypatch, smollm2_tok):
     """prepare_data hands data.chat_template_kwargs to the data stage (which renders the template with them), and
     check_against_target refuses ShareGPT data for a tokenizer without a chat template in one line."""
-    import dartree.training.train as train_mod
+    import dartree.training.build as train_mod
     from dartree.models.target import tiny_target
     from dartree.training.checks import check_against_target
     from dartree.training.data import dialogue_segments

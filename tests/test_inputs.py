@@ -431,10 +431,10 @@ def test_every_configuration_the_trainer_accepts_exports_and_reimports_or_is_ref
 
     from safetensors.torch import load_file
 
-    from dartree.convert.formats import EXPORT_FORMATS
+    from dartree.convert.publishers import EXPORT_FORMATS
     from dartree.convert.from_dartree import export
     from dartree.convert.to_dartree import convert
-    from dartree.training.train import build_models
+    from dartree.training.build import build_models
 
     exported = refused = 0
     grid = [("tiny_dspark", h) for h in ("markov", "gated_markov", "rnn")] + [("tiny_domino", "gru"),
@@ -635,7 +635,7 @@ def test_published_config_numbers_are_type_checked_naming_file_and_field(tmp_pat
 def test_export_with_a_target_checks_the_pairing_for_every_format(tmp_path, saved, capsys, monkeypatch):
     """``from_dartree.py --target`` checks the drafter against the target (as to_dartree.py --target does) for every
     layout, before anything is written: a drafter built for another target is exit 2 naming both values."""
-    from dartree.convert.formats import EXPORT_FORMATS
+    from dartree.convert.publishers import EXPORT_FORMATS
     from dartree.convert.from_dartree import main as export_main
     from dartree.models import target as target_mod
 

@@ -11,6 +11,7 @@ import pytest
 
 from dartree.decode import plots
 from dartree.decode import report as rpt
+from dartree.training import curves as curves_mod
 from test_eval_cli import tiny_folder  # noqa: F401  (fixture: the tiny target and drafter folders)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -164,15 +165,15 @@ def test_curves_figure_draws_tau_and_loss_against_tokens():
     a = [{"train_tokens": 100, "holdout_chain_tau": 1.1, "holdout_tf_tau": 1.05, "train_loss": 5.0},
          {"train_tokens": 250, "holdout_chain_tau": 1.3, "holdout_tf_tau": 1.2, "train_loss": 4.0}]
     b = [{"train_tokens": 120, "holdout_chain_tau": 1.2, "holdout_tf_tau": 1.1}]
-    fig = plots.fig_curves({"a": a, "b": b})
+    fig = curves_mod.fig_curves({"a": a, "b": b})
     ax_tau, ax_loss = fig.axes
     t = _lines(ax_tau)
     assert list(t["a"].get_xdata()) == [100, 250] and list(t["a"].get_ydata()) == [1.1, 1.3]
     assert list(t["a:tf"].get_ydata()) == [1.05, 1.2] and list(t["b"].get_ydata()) == [1.2]
     assert list(_lines(ax_loss)["a:loss"].get_ydata()) == [5.0, 4.0] and "b:loss" not in _lines(ax_loss)
-    assert len(plots.fig_curves({"b": b}).axes) == 1  # no loss recorded: no loss panel
+    assert len(curves_mod.fig_curves({"b": b}).axes) == 1  # no loss recorded: no loss panel
     with pytest.raises(ValueError, match="no learning-curve points"):
-        plots.fig_curves({"a": []})
+        curves_mod.fig_curves({"a": []})
 
 
 def test_write_figures_embeds_pngs_and_a_broken_figure_is_only_a_warning(tmp_path, monkeypatch):
@@ -263,7 +264,7 @@ def test_report_cli_draws_the_reference_learning_curves(tmp_path):
     assert r.returncode == 0, r.stderr
     assert png.read_bytes()[:4] == b"\x89PNG"
     curves = {p.name: rpt.load_curve(p) for p in ck}
-    fig = plots.fig_curves(curves)
+    fig = curves_mod.fig_curves(curves)
     lines = _lines(fig.axes[0])
     for name, pts in curves.items():
         assert list(lines[name].get_ydata()) == [p["holdout_chain_tau"] for p in pts]
@@ -283,10 +284,10 @@ def test_annotate_trees_decodes_each_distinct_id_once():
 
 def test_plot_curve_file_never_raises(tmp_path, capsys):
     assert plots is not None
-    assert rpt.plot_curve_file([], tmp_path / "c.png") is None
+    assert curves_mod.plot_curve_file([], tmp_path / "c.png") is None
     assert "not written" in capsys.readouterr().err
     pts = [{"train_tokens": 1, "holdout_chain_tau": 1.2, "train_loss": 3.0}]
-    assert rpt.plot_curve_file(pts, tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
+    assert curves_mod.plot_curve_file(pts, tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
 
 
 # ------------------------------------------------------------------ the per-round data behind the figures

@@ -781,7 +781,7 @@ def test_dflash2_detection_names_what_it_saw(tmp_path):
 ], ids=["group", "kernel>block", "kernel0", "top_k>V", "no-rank", "kernel-string", "sliding", "softcap", "multiplier",
         "causal"])
 def test_dflash2_what_dartree_cannot_honour_is_refused_by_name(dc, top, pattern):
-    from dartree.convert.formats import FORMAT_PAIRS
+    from dartree.convert.publishers import FORMAT_PAIRS
 
     with pytest.raises(CheckpointError, match=pattern):
         FORMAT_PAIRS["zlab-dflash2"].read({**_d2_published(**dc), **top}, {}, "x")
@@ -790,7 +790,7 @@ def test_dflash2_what_dartree_cannot_honour_is_refused_by_name(dc, top, pattern)
 def test_dflash2_tensor_spellings_and_speculators_vocabulary(target):
     """Both codebook spellings read (one at a time); a speculators dflash2 config with a reduced vocabulary (which its
     own model class refuses) is refused by name."""
-    from dartree.convert.formats import FORMAT_PAIRS
+    from dartree.convert.publishers import FORMAT_PAIRS
     from dartree.convert.zlab_dflash2 import selector_spelling
 
     a = {"candidate_selector.predecessor_codebook.weight": torch.zeros(V, 8)}
@@ -838,7 +838,8 @@ def _d2_dartree(head=None, **drafter) -> dict:
 ], ids=["z2-identity", "z2-no-conv", "z2-offset0", "z2-vocab", "z2-markov-conv", "spec-markov-conv", "spec-no-conv",
         "spec-vocab", "zlab-conv", "zlab-selector", "dspark-conv"])
 def test_dflash2_exports_refuse_what_the_layout_cannot_express(fmt, cfg, pattern):
-    from dartree.convert.formats import FORMAT_PAIRS, export_config
+    from dartree.convert.formats import export_config
+    from dartree.convert.publishers import FORMAT_PAIRS
 
     with pytest.raises(CheckpointError, match=pattern) as err:
         FORMAT_PAIRS[fmt].write(cfg, {}, None) if fmt in FORMAT_PAIRS else export_config(cfg, fmt)

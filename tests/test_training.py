@@ -169,9 +169,24 @@ def _env(cache):
 _EXT_DIR = {k: os.environ[k] for k in ("TORCH_EXTENSIONS_DIR",) if k in os.environ}
 
 
-def _train(args, cache, launcher=(), extra_env=None, check=True):
+# training/train.py whose run is SIGKILLed right after step 5 (the fault injected from outside the training loop)
+KILL_AT_STEP_5 = """
+import os, signal, sys
+from dartree.training import train, trainer
+after_step = trainer.Trainer.after_step
+def after_step_then_kill(self):
+    stop = after_step(self)
+    if self.state.step == 5:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return stop
+trainer.Trainer.after_step = after_step_then_kill
+sys.exit(train.main(sys.argv[1:]))
+"""
+
+
+def _train(args, cache, launcher=(), extra_env=None, check=True, script=("training/train.py",)):
     cmd = [*launcher] if launcher else [sys.executable]
-    r = subprocess.run([*cmd, "training/train.py", *args], cwd=REPO, env={**_env(cache), **(extra_env or {})},
+    r = subprocess.run([*cmd, *script, *args], cwd=REPO, env={**_env(cache), **(extra_env or {})},
                        capture_output=True, text=True, timeout=300)
     if check:  # the lines that name a rank's failure first (torchrun's summary alone does not say why)
         why = [ln for ln in r.stderr.splitlines() if any(w in ln for w in ("Error", "error:", "terminate", "what()"))]
@@ -324,8 +339,7 @@ def test_zero3_checkpoint_holds_full_tensors_equal_to_stage0(engine_runs):
     got = _ckpt(root / "z3")
     ref = _ckpt(root / "one")
     assert len(got) == len(want)
-    for name, shape in want.items():
-        key = "drafter." + name[len("backbone."):] if name.startswith("backbone.") else name
+    for key, shape in want.items():
         assert tuple(got[key].shape) == tuple(shape) and got[key].numel() == torch.Size(shape).numel(), key
         torch.testing.assert_close(got[key], ref[key], rtol=1e-4, atol=1e-5)
 
@@ -335,8 +349,7 @@ def test_sigkill_then_resume_logs_the_same_losses(tmp_path):
     cache = tmp_path / "cache"
     common = ["recipe=tiny_dspark", "train.max_steps=8", "train.save_every_steps=3", "train.eval_every_steps=2"]
     _train([*common, f"output_dir={tmp_path / 'full'}"], cache)
-    killed = _train([*common, f"output_dir={tmp_path / 'cut'}"], cache, extra_env={"DARTREE_KILL_AT_STEP": "5"},
-                    check=False)
+    killed = _train([*common, f"output_dir={tmp_path / 'cut'}"], cache, script=("-c", KILL_AT_STEP_5), check=False)
     assert killed.returncode == -9  # SIGKILL mid-epoch (5 steps per epoch), after the save at step 3
     assert (tmp_path / "cut" / "resume" / "last").is_dir() and not (tmp_path / "cut" / "resume.tmp").exists()
     assert not (tmp_path / "cut" / "summary.json").exists()
@@ -384,8 +397,9 @@ def test_each_recipe_trains_its_head_and_converts(tmp_path, monkeypatch, recipe,
     assert len(s["losses"]) == 4 and all(l > 0 for l in s["losses"])
     acc = json.loads((tmp_path / "run" / "acceptance.json").read_text())
     assert len(acc["train_acc_per_pos"]) == (7 if recipe in ("tiny_dflash", "tiny_dflash2") else 8)
-    dm = load_dartree(convert(tmp_path / "run" / "checkpoint", tmp_path / "dt"))
+    dm = load_dartree(tmp_path / "run" / "checkpoint")  # a dartree checkpoint: eval loads it as it is
     assert dm.head.type_name == head_type
+    assert load_dartree(convert(tmp_path / "run" / "checkpoint", tmp_path / "dt")).head.type_name == head_type
     if recipe == "tiny_dspark":
         assert dm.head.confidence_head  # the confidence head is trained and stored
     if recipe == "tiny_domino":
@@ -402,7 +416,7 @@ def test_init_from_a_dflash_drafter_adds_identity_convolutions_for_dflash2(tmp_p
     from dartree.convert.to_dartree import convert
     from dartree.models.checkpoint import load_dartree
     from dartree.models.target import tiny_target
-    from dartree.training.train import load_init
+    from dartree.training.build import load_init
 
     monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
     run(load_recipe(["recipe=tiny_dflash", f"output_dir={tmp_path / 'dflash'}", "train.max_steps=2"]))
@@ -429,7 +443,7 @@ def test_init_from_widens_a_cpu_drafter_to_an_exportable_one(tmp_path, monkeypat
     from dartree.convert.to_dartree import convert
     from dartree.models.checkpoint import load_dartree
     from dartree.models.target import tiny_target
-    from dartree.training.train import load_init
+    from dartree.training.build import load_init
 
     monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
     narrow = ["drafter.qk_norm=false", "drafter.draft_vocab_size=32"]
@@ -520,7 +534,7 @@ def test_init_from_dflash_drafter_with_frozen_backbone_trains_only_the_head(tmp_
     before = load_file(str(src / "model.safetensors"))
     after = _ckpt(tmp_path / "ft")
     for k, v in before.items():
-        assert torch.equal(after["drafter." + k[len("backbone."):]], v), k  # backbone untouched
+        assert torch.equal(after[k], v), k  # backbone untouched
     assert float(after["head.w2.weight"].abs().sum()) > 0  # the new Markov head (zero-initialised) trained
     with pytest.raises(RecipeError, match="init_from"):
         run(load_recipe(["recipe=tiny_dspark", f"output_dir={tmp_path / 'x'}", f"init_from={tmp_path / 'nope'}"]))
@@ -801,7 +815,8 @@ def test_fused_loss_refuses_bad_arguments():
 def test_sequence_loss_fused_equals_the_reference_path(recipe, target, tmp_path):
     """One training sequence through sequence_loss: train.fused_loss=true and =false give the same loss and
     the same gradients on every drafter and head parameter (fp32 tiny recipes)."""
-    from dartree.training.train import build_models, sequence_loss
+    from dartree.training.build import build_models
+    from dartree.training.step import sequence_loss
 
     class _Data:  # one sequence: prompt of 6 tokens, 26 in all; features and final states random
         def __init__(self, n_feat, d):

@@ -38,10 +38,10 @@ def bench_regeneration(recipe: str, n: int, hf_baseline: bool) -> dict:
     from dartree.training.data import chat_prompts
     from dartree.training.recipe import load_recipe
     from dartree.training.regen import continuous_greedy
-    from dartree.training.train import _dtype
+    from dartree.training.build import parse_recipe_dtype
 
     cfg = load_recipe([f"recipe={recipe}"])
-    target = load_target(cfg.target.path, dtype=_dtype(cfg.target.gen_dtype))
+    target = load_target(cfg.target.path, dtype=parse_recipe_dtype(cfg.target.gen_dtype, "target.gen_dtype"))
     prompts = chat_prompts(target.tokenizer, n, cfg.data.seed, cfg.data.max_prompt_tokens, cfg.data.code_fraction,
                            template_kwargs(cfg))
     stops = stop_ids(target)  # every id at which the target's own generate stops, as the data stage

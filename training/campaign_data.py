@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from dartree.models.target import Target
-from dartree.training.campaign import CampaignError, read_manifest, read_shard
+from dartree.training.campaign_store import CampaignError, read_manifest, read_shard
 
 
 def campaign_rows(folder: Path, max_shards: int | None = None) -> tuple[list[dict], list[dict]]:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from dartree.training.campaign import REPO, CampaignError, cpu_model, read_manifest
+from dartree.training.campaign_store import REPO, CampaignError, cpu_model, read_manifest
 
 
 def _state_path(cfg: DictConfig) -> Path:
@@ -107,8 +107,8 @@ def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -
     return read_state(cfg)
 
 
-# Published growth of acceptance with target-regenerated training data, in tau per doubling of the data (the
-# range issue 32 quotes from small-compute runs: +0.3 to +0.45 tau per doubling).
+# Published growth of acceptance with target-regenerated training data, in tau per doubling of the data (public
+# small-compute runs: docs/design.md, "Acceptance against training data").
 PUBLISHED_SLOPES = (0.30, 0.45)
 # What the shipped drafters were trained on (checkpoints/README.md): 1,504 sequences, 324,110 response tokens,
 # 3,008 steps of 2 sequences x ~1,024 predictions.
@@ -128,7 +128,8 @@ def holdout_baseline(cfg: DictConfig, recipe: str, checkpoint: str | None = None
     from dartree.models.checkpoint import write_file_atomically
     from dartree.training.campaign_data import CampaignData, campaign_rows
     from dartree.training.recipe import RecipeError, load_recipe
-    from dartree.training.train import _dtype, evaluate_holdout, load_init, load_recipe_target
+    from dartree.training.build import load_init, load_recipe_target, parse_recipe_dtype
+    from dartree.training.step import evaluate_holdout
 
     checkpoint = checkpoint or str(REPO / "checkpoints" / recipe)
     m = read_manifest(Path(cfg.dir))
@@ -138,7 +139,7 @@ def holdout_baseline(cfg: DictConfig, recipe: str, checkpoint: str | None = None
     torch.set_num_threads(int(cfg.threads))
     try:
         rc = load_recipe([f"recipe={recipe}", "data.source=campaign", f"data.campaign_dir={cfg.dir}"])
-        target = load_recipe_target(rc.target.path, _dtype(rc.target.dtype))
+        target = load_recipe_target(rc.target.path, parse_recipe_dtype(rc.target.dtype, "target.dtype"))
         drafter, head = load_init(checkpoint, target, rc)
     except RecipeError as exc:
         raise CampaignError(str(exc)) from None
@@ -160,7 +161,7 @@ def holdout_baseline(cfg: DictConfig, recipe: str, checkpoint: str | None = None
 
 
 def _holdout_only(cfg: DictConfig) -> list:
-    from dartree.training.campaign import read_shard
+    from dartree.training.campaign_store import read_shard
 
     m = read_manifest(Path(cfg.dir))
     return read_shard(Path(cfg.dir) / m["holdout"]["file"])

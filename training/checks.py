@@ -15,9 +15,15 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
+from dartree.models.dtypes import DTYPES as DTYPE_TABLE
 from dartree.models.validate import Choice, Flag, IdList, Range, field_problems
 
-DTYPES = ("float32", "bfloat16", "float16")
+
+class RecipeError(ValueError):
+    """A recipe or an override is invalid; the message names the key and the valid choices."""
+
+
+DTYPES = tuple(DTYPE_TABLE)
 
 # Allowed values of every numeric (and enumerated) recipe field; keys as in dartree.training.recipe.Recipe.
 RECIPE_FIELDS = {
@@ -132,8 +138,6 @@ def check_recipe(cfg: DictConfig) -> None:
     Raises:
         RecipeError: the first problem, one line naming the key, the value and the allowed range.
     """
-    from dartree.training.recipe import RecipeError
-
     problems = recipe_problems(cfg)
     if problems:
         raise RecipeError(problems[0])
@@ -161,8 +165,6 @@ def check_against_target(cfg: DictConfig, target) -> list[int]:
             width that differs from the copied layers'.
     """
     from dartree.models.drafter import build_target_layer_ids
-    from dartree.training.recipe import RecipeError
-
     d = cfg.drafter
     n, v = target.num_layers, target.vocab_size
     rows = int(target.embed_tokens.weight.shape[0])
@@ -215,8 +217,6 @@ def check_output_dir(path: str | os.PathLike) -> None:
             :func:`dartree.models.validate.folder_problem`).
     """
     from dartree.models.validate import folder_problem
-    from dartree.training.recipe import RecipeError
-
     if int(os.environ.get("RANK", "0") or 0) != 0:
         # only rank 0 tries to create the folder: ranks trying at once race on mkdir / rmdir ("File exists");
         # rank 0 refuses the run for all of them

@@ -4,9 +4,9 @@
 the cache), and for the held-out sequences at the anchors the training metric uses computes, per block position,
 how often the drafter's draft equals the true next token, twice:
 
-- training path: :func:`dartree.training.train.evaluate_holdout` (one masked forward over all blocks of a
+- training path: :func:`dartree.training.step.evaluate_holdout` (one masked forward over all blocks of a
   sequence, ``head.block_logits``, argmax over the drafting vocabulary);
-- inference path: for every anchor, ``decode.generate.draft_block`` with the drafter's own context cache, then
+- inference path: for every anchor, ``decode.draft.draft_block`` with the drafter's own context cache, then
   the head's ``init_state`` / ``score`` / ``advance`` along the true tokens and the top-1 of
   ``decode.trees.expand_frontier`` over the top-K candidates, exactly as the tree builders draft.
 
@@ -37,14 +37,14 @@ def inference_metrics(drafter, head, target, data, cfg, *, k: int = 64) -> tuple
     correct proposals, bonus included) through the inference path (``draft_block`` + ``expand_frontier`` over
     the top-k candidates) on ``data.holdout_ids``.
 
-    Anchors are drawn as :func:`~dartree.training.train.evaluate_holdout` draws them, so both see the same blocks;
+    Anchors are drawn as :func:`~dartree.training.step.evaluate_holdout` draws them, so both see the same blocks;
     a prediction whose label carries no loss (past the end, or not a target-written token of multi-turn data:
-    :func:`~dartree.training.train.block_targets`) is not counted and ends the leading run, as in training.
+    :func:`~dartree.training.step.block_targets`) is not counted and ends the leading run, as in training.
     """
-    from dartree.decode.generate import draft_block
+    from dartree.decode.draft import draft_block
     from dartree.decode.trees import block_candidates, expand_frontier
     from dartree.models.drafter import DraftCache
-    from dartree.training.train import _seed, block_targets
+    from dartree.training.step import block_targets, seed_mix
 
     p_len = drafter.cfg.num_proposals
     hits = torch.zeros(p_len)
@@ -54,7 +54,7 @@ def inference_metrics(drafter, head, target, data, cfg, *, k: int = 64) -> tuple
         tokens, feats, _, plen = data.sequence(i)
         s = tokens.numel()
         anchors, _, valid = block_targets(tokens, plen, data.mask_of(i), cfg, p_len,
-                                          torch.Generator().manual_seed(_seed(1234, i)))
+                                          torch.Generator().manual_seed(seed_mix(1234, i)))
         for n, a in enumerate(anchors.tolist()):
             block = draft_block(target, drafter, int(tokens[a]), a, feats[:a].float(), DraftCache(1))
             ids, vals = block_candidates(block, k)
@@ -93,26 +93,16 @@ def parity(run_dir: str | Path, split: str = "holdout") -> dict:
         raise RecipeError(f"split must be 'holdout' or 'train', got {split!r}")
     from omegaconf import OmegaConf
 
-    from dartree.models.checkpoint import build_from_config, load_strict
     from dartree.models.target import load_target
-    from dartree.training.train import _dtype, evaluate_holdout, prepare_data
+    from dartree.training.build import load_init, parse_recipe_dtype, prepare_data, run_recipe
+    from dartree.training.step import evaluate_holdout
 
     ckpt = Path(run_dir) / "checkpoint"
-    try:
-        config = json.loads((ckpt / "config.json").read_text())
-    except FileNotFoundError:
-        raise RecipeError(f"{ckpt} holds no training checkpoint (config.json); give a training run folder") from None
-    cfg = OmegaConf.create(config["recipe"])
-    target = load_target(cfg.target.path, dtype=_dtype(cfg.target.dtype))
-    drafter, head = build_from_config(config, ckpt / "config.json")
-    from safetensors.torch import load_file
-
-    tensors = load_file(str(ckpt / "model.safetensors"))
-    load_strict(drafter, tensors, "drafter.", ckpt)
-    load_strict(head, tensors, "head.", ckpt)
-    head.bind_embeddings(target.embed_tokens.weight)
-    drafter.float().eval()
-    head.float().eval()
+    cfg = OmegaConf.create(run_recipe(ckpt))
+    target = load_target(cfg.target.path, dtype=parse_recipe_dtype(cfg.target.dtype, "target.dtype"))
+    drafter, head = load_init(str(ckpt), target, cfg)  # the run's own recipe: loaded as saved
+    drafter.eval()
+    head.eval()
     target.set_layer_ids(drafter.cfg.target_layer_ids)
     data = prepare_data(cfg, target)
     if drafter.cfg.draft_vocab_size:

@@ -26,10 +26,10 @@ def prepare(cfg: DictConfig) -> dict:
         RecipeError: invalid recipe values (for example layer ids outside the target).
     """
     from dartree.training.checks import check_against_target
-    from dartree.training.train import _dtype, load_recipe_target, prepare_data
+    from dartree.training.build import load_recipe_target, parse_recipe_dtype, prepare_data
 
     t0 = time.time()
-    target = load_recipe_target(cfg.target.path, _dtype(cfg.target.dtype))
+    target = load_recipe_target(cfg.target.path, parse_recipe_dtype(cfg.target.dtype, "target.dtype"))
     check_against_target(cfg, target)
     d = cfg.drafter
     layer_ids = list(d.target_layer_ids) or build_target_layer_ids(target.num_layers, d.num_target_features)

@@ -15,6 +15,8 @@ import torch
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
+from dartree.training.checks import RecipeError, check_recipe  # noqa: F401  (RecipeError: this module's error)
+
 RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
 
 
@@ -142,10 +144,6 @@ class Recipe:
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
 
 
-class RecipeError(ValueError):
-    """A recipe or an override is invalid; the message names the key and the valid choices."""
-
-
 def _valid_keys(schema: DictConfig, dotted: str) -> list[str]:
     node: Any = schema
     parts = dotted.split(".")
@@ -219,8 +217,6 @@ def load_recipe(args: list[str]) -> DictConfig:
         raise RecipeError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {schema.deepspeed.zero_stage}")
     if schema.data.source not in ("sharegpt", "random", "campaign"):
         raise RecipeError(f"data.source {schema.data.source!r} is unknown; use 'sharegpt', 'random' or 'campaign'")
-    from dartree.training.checks import check_recipe
-
     check_recipe(schema)  # every numeric field in range, no combination that trains nothing (one line, named)
     for line in resolve_auto_dtypes(schema):
         if os.environ.get("RANK", "0") == "0":

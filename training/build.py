@@ -1,0 +1,334 @@
+"""What a recipe builds and writes: the target, the drafter and head (fresh or from ``init_from``), the training
+data, and the training checkpoint.
+
+The checkpoint a run writes (``<output_dir>/checkpoint``) is a dartree checkpoint (:mod:`dartree.models.checkpoint`:
+config.json + model.safetensors, tensors in fp32) that ``decode/eval.py --checkpoint`` loads as it is, with the
+run's recipe and summary beside it in ``training.json``. Checkpoints of the older training layout (format
+``dartree-train``: ``drafter.*`` tensors, recipe and state inside config.json) still load here and convert with
+``convert/to_dartree.py``.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from dartree.models.checkpoint import cast_floats, dartree_config, write_folder_atomically
+from dartree.models.drafter import DFlashDrafter, DrafterConfig, build_target_layer_ids
+from dartree.models.dtypes import parse_dtype
+from dartree.models.heads import build_head
+from dartree.models.target import Target, load_target
+from dartree.training.campaign_data import CampaignData, campaign_rows
+from dartree.training.campaign_store import DEFAULT_DIR, CampaignError
+from dartree.training.checks import template_kwargs
+from dartree.training.data import (
+    BlockData,
+    DataSpec,
+    build_dialogue_data,
+    compute_features,
+    random_prompts,
+    regenerate_responses,
+)
+from dartree.training.recipe import RecipeError
+
+# format of the older training checkpoints (read by load_init and convert/to_dartree.py)
+TRAIN_FORMAT = "dartree-train"
+# the run's recipe and summary, beside the dartree checkpoint's config.json and model.safetensors
+TRAINING_FILE = "training.json"
+# training.json fields copied into the checkpoint's provenance (what convert/to_dartree.py recorded before)
+PROVENANCE_FIELDS = ("steps", "final_loss", "train_min", "data_prep_min", "train_sequences", "train_tokens",
+                     "holdout_tf_tau", "holdout_chain_tau")
+
+
+def parse_recipe_dtype(name: str, key: str) -> torch.dtype:
+    """The dtype a recipe key names (:func:`~dartree.models.dtypes.parse_dtype`).
+
+    Raises:
+        RecipeError: an unknown name, with the key and the known names.
+    """
+    try:
+        return parse_dtype(name, key)
+    except ValueError as exc:
+        raise RecipeError(str(exc)) from None
+
+
+def load_recipe_target(path: str, dtype: torch.dtype) -> Target:
+    """:func:`~dartree.models.target.load_target` for a recipe's ``target.path``.
+
+    Raises:
+        RecipeError: the target cannot be loaded (missing folder, no config.json, a missing package), named.
+    """
+    try:
+        return load_target(path, dtype=dtype)
+    except (OSError, RuntimeError, ValueError) as exc:
+        reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise RecipeError(f"target.path={path!r} cannot be loaded: {reason}") from None
+
+
+def build_models(cfg: DictConfig, target: Target):
+    """Create the drafter backbone and head for ``target`` from the recipe; returns (drafter, head).
+
+    Raises:
+        RecipeError: invalid layer ids, head type or sizes (message names the key).
+    """
+    d = cfg.drafter
+    n_t = target.num_layers
+    layer_ids = list(d.target_layer_ids) or build_target_layer_ids(n_t, d.num_target_features)
+    tcfg = target.config
+    mask_id = d.mask_token_id
+    if mask_id is None:
+        tok = target.tokenizer
+        mask_id = tok.unk_token_id if tok is not None and tok.unk_token_id is not None else 0
+    dcfg = DrafterConfig(
+        hidden_size=target.hidden_size,
+        intermediate_size=d.intermediate_size or tcfg.intermediate_size,
+        num_layers=d.num_layers,
+        num_heads=tcfg.num_attention_heads,
+        num_kv_heads=getattr(tcfg, "num_key_value_heads", None) or tcfg.num_attention_heads,
+        head_dim=getattr(tcfg, "head_dim", None) or target.hidden_size // tcfg.num_attention_heads,
+        target_layer_ids=layer_ids,
+        mask_token_id=int(mask_id),
+        block_size=d.block_size,
+        proposal_offset=d.proposal_offset,
+        qk_norm=d.qk_norm,
+        rms_norm_eps=float(tcfg.rms_norm_eps),
+        rope_theta=float(rope_theta(tcfg)),
+        draft_vocab_size=int(d.draft_vocab_size),
+        conv_kernel_size=int(d.conv_kernel_size),
+        conv_group_size=int(d.conv_group_size),
+    )
+    try:
+        drafter = DFlashDrafter(dcfg)
+        if d.init_from_target:
+            drafter.init_from_target_layers(target.model, list(range(n_t - d.num_layers, n_t)))
+        head = build_head(cfg.head.type, **head_params(cfg.head, target))
+        head.bind_embeddings(target.embed_tokens.weight)  # the gru head reads the target's token embeddings
+    except (ValueError, KeyError) as exc:
+        raise RecipeError(f"cannot build the drafter from the recipe: {exc}") from None
+    return drafter, head
+
+
+def head_params(h: DictConfig, target: Target) -> dict:
+    """Constructor arguments of the recipe's head type: ``markov`` / ``gated_markov`` / ``rnn`` take ``rank``
+    (and optional ``confidence_head``, ``confidence_with_markov``); ``gru`` takes ``emb_dim`` (default: ``rank``),
+    ``gru_hidden_dim`` (default 4 x emb_dim) and ``prefix_len`` (default 1, Domino's pure_draft_prefix_len).
+    Keys the recipe schema does not hold yet fall back to these defaults."""
+    params = {"vocab_size": target.vocab_size}
+    if h.type in ("markov", "gated_markov", "rnn"):
+        params["rank"] = h.rank
+        if h.type != "markov" or h.get("confidence_head", False):
+            params["hidden_size"] = target.hidden_size
+        if h.get("confidence_head", False):
+            params.update(confidence_head=True, confidence_with_markov=bool(h.get("confidence_with_markov", True)))
+    elif h.type == "selector":
+        params.update(rank=h.rank, hidden_size=target.hidden_size, top_k=int(h.get("top_k", 16)))
+    elif h.type == "gru":
+        emb = int(h.get("emb_dim", None) or h.rank)
+        params.update(hidden_size=target.hidden_size, emb_dim=emb,
+                      gru_hidden_dim=int(h.get("gru_hidden_dim", None) or 4 * emb),
+                      prefix_len=int(h.get("prefix_len", 1)))
+    return params
+
+
+def rope_theta(tcfg) -> float:
+    rp = getattr(tcfg, "rope_parameters", None) or {}
+    return rp.get("rope_theta") or getattr(tcfg, "rope_theta", None) or 10000.0
+
+
+def prepare_data(cfg: DictConfig, target: Target) -> BlockData:
+    """Regenerate responses (cached) and cache features for ``target``'s layer ids; return BlockData.
+
+    Single-turn data with the tail held-out set (``data.max_turns=1``, ``data.holdout_set=tail``, the shipped
+    recipes) is :func:`~dartree.training.data.regenerate_responses` (unchanged cache folders); multi-turn data or
+    a fixed held-out set is :func:`~dartree.training.data.build_dialogue_data`.
+
+    Raises:
+        RecipeError: an unknown ``data.source``, or a data problem (too few usable prompts), named.
+    """
+    d = cfg.data
+    spec = DataSpec(
+        num_prompts=d.num_prompts,
+        max_prompt_tokens=d.max_prompt_tokens,
+        max_new_tokens=d.max_new_tokens,
+        seed=d.seed,
+        batch_size=d.gen_batch_size,
+        code_fraction=d.code_fraction,
+        max_turns=int(d.get("max_turns", 1)),
+        max_seq_tokens=int(d.get("max_seq_tokens", 2048)),
+        chat_template_kwargs=template_kwargs(cfg),
+    )
+    holdout_set = d.get("holdout_set", "tail")
+    if d.source == "campaign":  # committed campaign shards, features recomputed online (no feature store)
+
+        try:
+            train_rows, hold_rows = campaign_rows(Path(d.campaign_dir or DEFAULT_DIR), int(d.campaign_shards) or None)
+        except CampaignError as exc:
+            raise RecipeError(f"data.source=campaign: {exc}") from None
+        data = CampaignData(target, train_rows, hold_rows)
+        data.need_lse = bool(cfg.drafter.draft_vocab_size)
+        return data
+    if d.source not in ("sharegpt", "random"):
+        raise RecipeError(f"data.source {d.source!r} is not 'sharegpt', 'random' or 'campaign'")
+    gen_dtype = parse_recipe_dtype(cfg.target.gen_dtype, "target.gen_dtype")
+    gen_target = target if gen_dtype == target.dtype else load_recipe_target(cfg.target.path, gen_dtype)
+    # every stage stops where the target's own generate stops (dartree.models.generation.stop_ids)
+    try:
+        if spec.max_turns > 1 or holdout_set != "tail":
+            responses = build_dialogue_data(gen_target, spec, source=d.source, holdout=d.holdout,
+                                            holdout_set=holdout_set, holdout_turns=int(d.get("holdout_turns", 0)),
+                                            random_prompt_len=d.random_prompt_len)
+        elif cfg.data.source == "sharegpt":
+            responses = regenerate_responses(gen_target, spec)
+        else:
+            prompts = random_prompts(spec.num_prompts, cfg.data.random_prompt_len, target.vocab_size, spec.seed)
+            responses = regenerate_responses(gen_target, spec, prompts=prompts)
+    except ValueError as exc:
+        raise RecipeError(f"data: {exc}") from None
+    del gen_target
+    feats = compute_features(target, responses)
+    return BlockData(responses, feats, holdout=d.holdout)
+
+
+def save_training_checkpoint(folder: Path, drafter, head, target: Target, cfg: DictConfig, state: dict,
+                             state_dicts: tuple[dict, dict] | None = None) -> Path:
+    """Write the run's drafter as a dartree checkpoint, atomically: config.json (format ``dartree``; provenance
+    ``source_format`` ``dartree-train`` with the recipe name and :data:`PROVENANCE_FIELDS` of ``state``),
+    model.safetensors (``backbone.*`` and ``head.*`` full tensors in fp32) and :data:`TRAINING_FILE` (the recipe
+    and ``state``, the run's summary).
+
+    Args:
+        folder: the checkpoint folder (``<output_dir>/checkpoint``), replaced as a whole.
+        state: the run's summary (JSON-serialisable).
+        state_dicts: (drafter, head) full state dicts when the modules' own hold partitions (ZeRO-3).
+    Returns:
+        ``folder``.
+    """
+    drafter_sd, head_sd = state_dicts if state_dicts is not None else (drafter.state_dict(), head.state_dict())
+    tensors = {f"backbone.{k}": cast_floats(v.detach(), torch.float32).contiguous() for k, v in drafter_sd.items()}
+    tensors.update({f"head.{k}": cast_floats(v.detach(), torch.float32).contiguous() for k, v in head_sd.items()})
+    provenance = {"source_format": TRAIN_FORMAT, "recipe": cfg.recipe,
+                  **{k: state.get(k) for k in PROVENANCE_FIELDS if k in state}}
+    config = dartree_config(drafter.cfg.to_dict(), {"type": head.type_name, **head.hparams()}, target.identity(),
+                            provenance)
+    training = {"recipe": OmegaConf.to_container(cfg), "state": state}
+    write_folder_atomically(Path(folder), {
+        "config.json": json.dumps(config, indent=2).encode(),
+        "model.safetensors": {"tensors": tensors, "metadata": {"format": config["format"]}},
+        TRAINING_FILE: json.dumps(training, indent=1).encode(),
+    })
+    return Path(folder)
+
+
+def run_recipe(folder: Path) -> dict:
+    """The recipe a training checkpoint was trained with: ``training.json``'s, or (older layout) config.json's.
+
+    Raises:
+        RecipeError: the folder holds no training checkpoint, or one without its recipe (named).
+    """
+    folder = Path(folder)
+    for name, key in ((TRAINING_FILE, "recipe"), ("config.json", "recipe")):
+        try:
+            recipe = json.loads((folder / name).read_text()).get(key)
+        except FileNotFoundError:
+            continue
+        except json.JSONDecodeError as exc:
+            raise RecipeError(f"{folder / name} is not valid JSON ({exc.msg}); give a training run's checkpoint") from None
+        if isinstance(recipe, dict):
+            return recipe
+    raise RecipeError(f"{folder} holds no training checkpoint with its recipe (training.json or config.json); give a "
+                      "training run folder")
+
+
+def qk_norm_init(tensors: dict, prefix: str, dcfg) -> dict:
+    """q/k norm weights that keep a checkpoint's attention scale when ``load_init`` adds Qwen3 q/k norms.
+
+    Args:
+        tensors: the checkpoint's tensors (``{prefix}layers.{i}.{q,k}_proj.weight`` [heads * head_dim, hidden] and
+            ``input_layernorm.weight`` [hidden]). prefix: their name prefix. dcfg: the drafter's DrafterConfig.
+    Returns:
+        ``{prefix}layers.{i}.{q,k}_norm.weight`` -> [head_dim] fp32, each filled with the estimated RMS of the
+        projection's output for a unit-RMS input with uncorrelated channels (see :func:`load_init`).
+    """
+    out = {}
+    for i in range(dcfg.num_layers):
+        g = tensors[f"{prefix}layers.{i}.input_layernorm.weight"].float()
+        for name in ("q", "k"):
+            w = tensors[f"{prefix}layers.{i}.{name}_proj.weight"].float() * g
+            c = float(w.pow(2).sum(dim=1).mean().sqrt())
+            out[f"{prefix}layers.{i}.{name}_norm.weight"] = torch.full((dcfg.head_dim,), c)
+    return out
+
+
+def load_init(path: str, target: Target, cfg: DictConfig):
+    """Drafter and head to fine-tune from ``init_from=PATH`` (a dartree checkpoint, e.g. a converted published
+    drafter, or a ``training/train.py`` checkpoint). The backbone architecture comes from the checkpoint; a
+    checkpoint whose head is ``identity`` (a plain DFlash drafter) gets a fresh head of the recipe's type, and a
+    recipe with ``drafter.conv_kernel_size`` > 0 turns a DFlash backbone into a DFlash 2 one whose convolutions
+    start as the identity (the same function as the checkpoint's). Two more widenings make a CPU-tuned drafter
+    exportable to the published layouts (:func:`dartree.convert.formats.export_config`), which all have Qwen3
+    layers over the full vocabulary:
+
+    * ``drafter.qk_norm=true`` on a checkpoint without q/k norms adds them (``layers.{i}.{q,k}_norm.weight``, [head_dim]),
+      each weight a constant c = sqrt(mean_j sum_k (W[j, k] g[k])^2) over the rows j of ``q_proj`` / ``k_proj`` (W)
+      and the layer's ``input_layernorm`` weight g: the RMS a head's q (k) has for a unit-RMS input with
+      uncorrelated channels, so q_norm(q) ~ q and the attention scores start near the checkpoint's (an estimate, not
+      an identity: RMSNorm rescales every head to the same RMS).
+    * ``drafter.draft_vocab_size=0`` on a checkpoint with a draft vocabulary drops it: the drafter scores the full
+      vocabulary with the same (target's) ``lm_head``, so the base scores of the old draft-vocabulary ids are
+      unchanged and the other ids are scored too.
+
+    The recipe never narrows a checkpoint: ``qk_norm=false`` or a draft vocabulary in the recipe keep the
+    checkpoint's q/k norms and vocabulary.
+
+    Raises:
+        RecipeError: the folder is not a drafter checkpoint, does not fit the target, or holds a different head
+            type than the recipe trains (other than identity).
+    """
+    from dartree.models.checkpoint import (CheckpointError, build_from_config, check_target_pairing, load_strict,
+                                          read_safetensors)
+
+    folder = Path(path)
+    cfg_path = folder / "config.json"
+    try:
+        config = json.loads(cfg_path.read_text())
+        fmt = config.get("format")
+        if fmt not in ("dartree", TRAIN_FORMAT):
+            raise CheckpointError(f"{cfg_path}: format {fmt!r} is not a dartree or training checkpoint; convert it "
+                                  "first: python convert/to_dartree.py SRC --out DST, then init_from=DST")
+        check_target_pairing(config, target)
+        dsec = config.get("drafter", {})
+        add_conv = int(cfg.drafter.conv_kernel_size) > 0 and not dsec.get("conv_kernel_size")
+        if add_conv:  # DFlash -> DFlash 2: the convolutions start as the identity, so the function is unchanged
+            config = {**config, "drafter": {**dsec, "conv_kernel_size": int(cfg.drafter.conv_kernel_size),
+                                            "conv_group_size": int(cfg.drafter.conv_group_size)}}
+        add_qk = bool(cfg.drafter.qk_norm) and not dsec.get("qk_norm", False)
+        full_vocab = int(cfg.drafter.draft_vocab_size) == 0 and bool(dsec.get("draft_vocab_size", 0))
+        if add_qk or full_vocab:
+            config = {**config, "drafter": {**config["drafter"], **({"qk_norm": True} if add_qk else {}),
+                                            **({"draft_vocab_size": 0} if full_vocab else {})}}
+        drafter, head = build_from_config(config, cfg_path)
+        tensors = read_safetensors(folder / "model.safetensors")  # a truncated file: one line, as eval and convert
+        prefix = "backbone." if fmt == "dartree" else "drafter."
+        if add_conv:
+            tensors = {**{prefix + k: v for k, v in drafter.state_dict().items() if "_conv." in k}, **tensors}
+        if full_vocab:
+            tensors.pop(prefix + "draft_vocab", None)
+        if add_qk:
+            tensors = {**tensors, **qk_norm_init(tensors, prefix, drafter.cfg)}
+        load_strict(drafter, tensors, prefix, folder)
+        if head.type_name == cfg.head.type:
+            load_strict(head, tensors, "head.", folder)
+            head.bind_embeddings(target.embed_tokens.weight)
+        elif head.type_name == "identity":
+            _, head = build_models(cfg, target)
+        else:
+            raise CheckpointError(f"init_from {folder} holds a {head.type_name!r} head but the recipe trains "
+                                  f"{cfg.head.type!r}; set head.type={head.type_name} or start from a DFlash drafter")
+    except FileNotFoundError as exc:
+        raise RecipeError(f"init_from={path}: {exc.strerror or exc}: {exc.filename}") from None
+    except (CheckpointError, ValueError, KeyError) as exc:
+        raise RecipeError(f"init_from={path}: {exc}") from None
+    return drafter.float(), head.float()

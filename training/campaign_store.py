@@ -1,0 +1,109 @@
+"""The campaign's committed data: the manifest and the shard files under ``campaign/`` (see docs/campaign.md).
+
+A shard is one Parquet file (zstd) of regenerated conversations: columns ``id``, ``kind`` (chat / code / math),
+``turns``, ``prompt_ids``, ``response_ids`` and ``loss_mask`` (True on the target's own tokens), ids as uint32.
+``manifest.json`` records the pool, the held-out set and every shard (pool range, tokens, dtype, seconds, CPU,
+sha256), with totals.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import platform
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_DIR = REPO / "campaign"
+
+
+class CampaignError(ValueError):
+    """A campaign setting or state problem; the message names it and the fix."""
+
+def cpu_model() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), with the torch CPU capability (``AVX2``, ``AVX512``, ...)."""
+    import torch
+
+    name = platform.processor() or "unknown CPU"
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name} ({torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs)"
+
+def read_manifest(folder: Path) -> dict:
+    """``<folder>/manifest.json``, or an empty manifest (no shards) when there is none.
+
+    Raises:
+        CampaignError: the file does not parse (fix: restore it from git).
+    """
+    path = Path(folder) / "manifest.json"
+    if not path.exists():
+        return {"data": None, "holdout": None, "shards": []}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise CampaignError(f"{path} does not parse ({exc.msg}); restore it with `git checkout {path}`") from None
+
+def write_manifest(folder: Path, manifest: dict) -> None:
+    """Write ``<folder>/manifest.json`` atomically, with totals over the training shards."""
+    from dartree.models.checkpoint import write_file_atomically
+
+    shards = manifest["shards"]
+    manifest["totals"] = {
+        "shards": len(shards),
+        "conversations": sum(s["conversations"] for s in shards),
+        "response_tokens": sum(s["response_tokens"] for s in shards),
+        "tokens": sum(s["tokens"] for s in shards),
+        "regeneration_seconds": round(sum(s["seconds"] for s in shards), 1),
+    }
+    write_file_atomically(Path(folder) / "manifest.json", json.dumps(manifest, indent=1) + "\n")
+
+def shard_table(rows: list[dict], items: list) -> bytes:
+    """One shard as Parquet bytes (zstd): columns id, kind (chat / code / math), turns, prompt_ids,
+    response_ids, loss_mask (1 on the target's tokens, one entry per response id), ids as uint32."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    by_index = {int(r["index"]): r for r in rows}
+    cols = {k: [] for k in ("id", "kind", "turns", "prompt_ids", "response_ids", "loss_mask")}
+    for c, (item, _) in enumerate(items):
+        r = by_index.get(c)
+        if r is None:
+            continue
+        cols["id"].append(item.id)
+        cols["kind"].append(item.kind)
+        cols["turns"].append(int(r["turns"]))
+        cols["prompt_ids"].append(r["prompt_ids"])
+        cols["response_ids"].append(r["response_ids"])
+        cols["loss_mask"].append([bool(x) for x in r["loss_mask"]])
+    table = pa.table({
+        "id": pa.array(cols["id"], pa.string()),
+        "kind": pa.array(cols["kind"], pa.string()),
+        "turns": pa.array(cols["turns"], pa.int16()),
+        "prompt_ids": pa.array(cols["prompt_ids"], pa.list_(pa.uint32())),
+        "response_ids": pa.array(cols["response_ids"], pa.list_(pa.uint32())),
+        "loss_mask": pa.array(cols["loss_mask"], pa.list_(pa.bool_())),
+    })
+    buf = io.BytesIO()
+    pq.write_table(table, buf, compression="zstd", compression_level=19)
+    return buf.getvalue()
+
+def read_shard(path: Path) -> list[dict]:
+    """The rows of one shard file (:func:`shard_table`) as dicts of Python lists.
+
+    Raises:
+        CampaignError: the file is missing or not a readable Parquet file (fix: ``git checkout`` it, or delete it
+            and its manifest entry to regenerate it).
+    """
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.read_table(str(path)).to_pylist()
+    except (OSError, ValueError) as exc:
+        raise CampaignError(f"campaign shard {path} cannot be read ({str(exc).splitlines()[0]}); restore it with "
+                            "`git checkout` or delete it and its manifest entry to regenerate it") from None

@@ -1,0 +1,225 @@
+"""One training step's arithmetic: anchors and labels of a sequence, its forward under the recipe's loss, and the
+held-out evaluation.
+
+A training sequence gets random anchors (DFlash, Chen et al. 2025, Sec. 3: blocks of ``block_size`` tokens whose
+first token is the anchor, the rest mask tokens, attending to the target's context features and to their own block);
+proposal j of an anchor predicts the token j + 1 after it. The loss is the recipe's: DFlash's decay-weighted CE,
+Domino's curriculum CE over base and corrected scores, DFlash 2's selector CE, or DSpark's 0.1 CE + 0.9 L1 to the
+target distribution (DSpark, Sec. 3.3), fused with the lm_head (:mod:`dartree.training.losses`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from omegaconf import DictConfig
+
+from dartree.models.drafter import BlockAttention, DFlashDrafter
+from dartree.models.target import Target
+from dartree.training.data import BlockData, sample_anchors
+from dartree.training.losses import (
+    domino_loss,
+    dspark_loss,
+    fused_block_loss,
+    label_mask,
+    teacher_forced_tau,
+    weight_sum,
+)
+
+# loss.type dflash2: weight of the base (unary) CE beside the selector-corrected CE, (1 - w) CE(U + A W^T) + w CE(U);
+# 0.5 weights them equally, as speculators' DFlash 2 trainer does (selector_loss_alpha 1.0 beside the unary loss).
+DFLASH2_BASE_WEIGHT = 0.5
+
+
+def seed_mix(*parts: int) -> int:
+    """A 63-bit seed mixed from integers (the anchor RNG of one sequence at one step; rank- and resume-free)."""
+    h = 1469598103934665603
+    for p in parts:
+        h = ((h ^ (int(p) & 0xFFFFFFFFFFFF)) * 1099511628211) % (1 << 63)
+    return h
+
+
+class TrainModule(torch.nn.Module):
+    """The trainable drafter backbone and correction head as one module (what the DeepSpeed engine wraps).
+
+    ``forward(target, data, i, cfg, gen, lam, denom)`` is :func:`sequence_loss` for training sequence i, returned
+    as a tuple of tensors (loss, ce, l1, bce, acc_per_pos, count_per_pos), or None: ZeRO-3's backward hooks find
+    their tensors only in plain containers.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, head):
+        super().__init__()
+        self.drafter, self.head = drafter, head
+
+    def forward(self, target: Target, data: BlockData, i: int, cfg: DictConfig, gen: torch.Generator, lam: float = 0.0,
+                denom: float | None = None):
+        out = sequence_loss(self.drafter, self.head, target, data, i, cfg, gen, lam, denom)
+        if out is None:
+            return None
+        return out.loss, out.ce, out.l1, out.bce, out.acc_per_pos, out.count_per_pos
+
+
+def output_rows(target: Target, vocab: torch.Tensor | None,
+                 dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The frozen lm_head rows the drafter is trained on ([V, D] or the draft vocabulary's [N, D]), in ``dtype``
+    (default: the target's), and the map token id -> draft-vocabulary index (-1 outside; None without a
+    vocabulary), computed once per (target, vocabulary, dtype) and reused."""
+    w = target.lm_head.weight
+    dtype = w.dtype if dtype is None else dtype
+    key = (w.data_ptr(), w._version, tuple(w.shape), dtype, None if vocab is None else vocab.data_ptr(),
+           None if vocab is None else vocab._version)
+    cache = target.__dict__.setdefault("_draft_rows", {})
+    hit = cache.get(key)
+    if hit is None or (vocab is not None and not torch.equal(hit[2], vocab)):
+        if vocab is None:
+            hit = (w.detach().to(dtype), None, None)
+        else:
+            inv = torch.full((target.vocab_size,), -1, dtype=torch.long)
+            inv[vocab] = torch.arange(vocab.numel())
+            hit = (w.detach()[vocab].to(dtype).contiguous(), inv, vocab.clone())
+        if len(cache) > 4:
+            cache.clear()
+        cache[key] = hit
+    return hit[0], hit[1]
+
+
+def block_targets(tokens: torch.Tensor, prompt_len: int, loss_mask: torch.Tensor | None, cfg: DictConfig,
+                  num_proposals: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Anchors and label positions of one training sequence, and which predictions carry a loss.
+
+    Args:
+        tokens: [T] int64. prompt_len: tokens before the first response token. loss_mask: [T] bool (True on the
+            target's own tokens) or None (everything after the prompt). num_proposals: P. gen: the sequence's
+            anchor RNG (seeded per (seed, step, sequence): the same draw wherever it is made).
+    Returns:
+        (anchors [A] int64, label positions [A, P] int64 = anchor + 1 + j, valid [A, P] bool): in range and,
+        with a loss mask, supervised (``loss.cumulative_mask``: DSpark's in-block cumulative rule,
+        :func:`~dartree.training.losses.label_mask`).
+    """
+    s = tokens.numel()
+    anchors = sample_anchors(prompt_len, s, cfg.train.num_anchors, gen, loss_mask=loss_mask)
+    lp = anchors[:, None] + 1 + torch.arange(num_proposals)
+    valid = label_mask(lp, s, loss_mask, cumulative=bool(cfg.loss.get("cumulative_mask", True)))
+    return anchors, lp, valid
+
+
+def sequence_weight(data: BlockData, i: int, cfg: DictConfig, num_proposals: int, gen: torch.Generator) -> float:
+    """Sequence i's share of the batch denominator (``loss.normalization=batch``): the decay weights summed over
+    its valid predictions at the anchors ``gen`` draws (:func:`block_targets`,
+    :func:`~dartree.training.losses.weight_sum`); no forward pass. Give it a generator seeded as the one
+    :func:`sequence_loss` gets for the same sequence and step."""
+    _, _, valid = block_targets(data.tokens[i], data.prompt_len[i], data.mask_of(i), cfg, num_proposals, gen)
+    return weight_sum(valid, cfg.loss.gamma)
+
+
+def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: DictConfig, gen: torch.Generator,
+                  lam: float = 0.0, denom: float | None = None):
+    """Forward one training sequence with random anchors under the recipe's loss; returns LossOut or None
+    when it has no anchor.
+
+    Block n = [t[a_n], MASK x (L-1)] at positions a_n + arange(L); proposal j (at block position
+    proposal_offset + j) predicts t[a_n + 1 + j]; the head's previous token for proposal j is t[a_n + j].
+    Predictions whose label is past the end or (with the data's loss mask) not a target-written token carry no
+    loss (:func:`block_targets`). ``denom``: None normalises the loss by this sequence's weight sum; else by this
+    shared batch denominator (``loss.normalization=batch``: the step's weight sum over all processes divided by
+    ``train.seqs_per_step``, so that after DeepSpeed's averaging the step's gradient is that of
+    sum(weighted terms) / sum(weights), SpecForge's pooled loss).
+    ``lam`` is Domino's curriculum weight on the base CE (loss.type domino); loss.type dflash2 uses the fixed
+    :data:`DFLASH2_BASE_WEIGHT`.
+    """
+    tokens, feats, final, plen = data.sequence(i)
+    s = tokens.numel()
+    dc = drafter.cfg
+    L, off, P = dc.block_size, dc.proposal_offset, dc.num_proposals
+    mask = data.mask_of(i) if hasattr(data, "mask_of") else None
+    anchors, lp, valid = block_targets(tokens, plen, mask, cfg, P, gen)
+    a = anchors.numel()
+    if a == 0:
+        return None
+    block = torch.full((a, L), dc.mask_token_id, dtype=torch.long)
+    block[:, 0] = tokens[anchors]
+    q_pos = (anchors[:, None] + torch.arange(L)).reshape(1, -1)
+    x = target.embed(block.reshape(1, -1)).to(torch.float32)  # raw lookup, as z-lab embeds the block
+    mask = BlockAttention.from_anchors(anchors, s, L)  # = block_attention_mask, over each block's own keys
+    lc = cfg.loss
+    bf16 = bool(cfg.train.bf16)
+    fused = bool(cfg.train.get("fused_loss", True))
+    vocab = drafter.draft_vocab if dc.draft_vocab_size else None
+    # [V or N, D] frozen rows (bf16 once, not per call, for the fused loss); token id -> draft index (-1 outside)
+    w_out, inv = output_rows(target, vocab, torch.bfloat16 if fused and bf16 else None)
+    feats = feats[None] if bf16 and feats.dtype == torch.bfloat16 else feats[None].float()
+    lpc = lp.clamp(max=s - 1)
+    labels = tokens[lpc]
+    prev = tokens[(lp - 1).clamp(max=s - 1)]
+    if vocab is not None:  # label index within the draft vocabulary, -1 outside it (a sure miss)
+        labels = inv[labels]
+    with_target = lc.type == "dspark" and (lc.l1_weight or getattr(head, "confidence_head", False))
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        hidden = drafter(x, q_pos, feats, torch.arange(s)[None], mask=mask)
+        hidden = hidden.view(a, L, -1)[:, off:]  # [A, P, D]
+        factors = None if lc.type == "dflash" else head.block_factors(prev, hidden, vocab)
+        conf = None
+        if lc.type == "dspark" and getattr(head, "confidence_head", False):
+            states = head.block_states(prev, hidden.float())
+            d = hidden.shape[-1]
+            conf = head.confidence_logits(hidden.float().reshape(-1, d), states.reshape(a * P, -1)).view(a, P)
+    t_hidden = final[(lp - 1).clamp(max=s - 1)] if with_target else None
+    t_lse = data.lse_of(i)[(lp - 1).clamp(max=s - 1)] if with_target and vocab is not None else None
+    if lc.type == "dflash2":  # base (unary) and selector-corrected CE weighted equally (speculators' alpha = 1)
+        lam = DFLASH2_BASE_WEIGHT
+    if fused:
+        if lc.type in ("domino", "dflash2"):
+            return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, factors=factors, lam=lam,
+                                    denom=denom)
+        if lc.type == "dflash":
+            return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, denom=denom)
+        return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, factors=factors,
+                                target_hidden=t_hidden, target_lse=t_lse, ce_weight=lc.ce_weight,
+                                l1_weight=lc.l1_weight, conf_logits=conf,
+                                conf_weight=lc.conf_weight if conf is not None else 0.0, denom=denom)
+    # the reference path: materialised [A, P, V'] logits through autograd (train.fused_loss=false)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+        base = F.linear(hidden, w_out)  # [A, P, V] (or [A, P, N] on a draft vocabulary)
+        if lc.type == "dflash":
+            return dspark_loss(base, labels, valid, None, gamma=lc.gamma, ce_weight=1.0, l1_weight=0.0, denom=denom)
+        logits = base.float() if factors is None else base.float() + F.linear(factors[0], factors[1])
+        if lc.type in ("domino", "dflash2"):
+            return domino_loss(logits, base, labels, valid, gamma=lc.gamma, lam=lam, denom=denom)
+        t_logits = t_probs = None
+        if with_target:
+            with torch.no_grad():
+                z = F.linear(t_hidden.to(w_out.dtype), w_out).float()
+                if vocab is None:
+                    t_logits = z
+                else:  # p_t on the draft vocabulary from the cached full-vocabulary log-sum-exp
+                    p_sub = torch.exp(z - t_lse[..., None])
+                    t_probs = (p_sub, (1 - p_sub.sum(-1)).clamp(min=0))
+    return dspark_loss(logits, labels, valid, t_logits, gamma=lc.gamma, ce_weight=lc.ce_weight,
+                       l1_weight=lc.l1_weight, conf_logits=conf, conf_weight=lc.conf_weight if conf is not None else 0.0,
+                       target_probs=t_probs, denom=denom)
+
+
+@torch.no_grad()
+def evaluate_holdout(drafter, head, target, data: BlockData, cfg: DictConfig) -> dict:
+    """Teacher-forced accuracy per block position on the held-out sequences ([P] fractions), the chain tau
+    those imply (``holdout_tf_tau``, positions treated as independent) and the measured chain acceptance
+    ``holdout_chain_tau``: the mean over held-out anchors of 1 + the number of leading correct proposals
+    (bonus included). The responses are the target's greedy output, so at T=0 a chain decoder drafting at
+    those anchors accepts exactly that run (for every head: while the run lasts, its drafted previous tokens
+    are the true ones)."""
+    if not data.holdout_ids:
+        return {}
+    hits, cnts, runs = None, None, []
+    for i in data.holdout_ids:
+        out = sequence_loss(drafter, head, target, data, i, cfg, torch.Generator().manual_seed(seed_mix(1234, i)))
+        if out is None:
+            continue
+        h = out.acc_per_pos * out.count_per_pos
+        hits = h if hits is None else hits + h
+        cnts = out.count_per_pos if cnts is None else cnts + out.count_per_pos
+        runs.append(1 + torch.cumprod(out.hit.long(), dim=1).sum(1))
+    if hits is None:
+        return {}
+    acc = hits / cnts.clamp_min(1)
+    return {"holdout_acc_per_pos": [round(float(x), 4) for x in acc], "holdout_tf_tau": teacher_forced_tau(acc),
+            "holdout_chain_tau": float(torch.cat(runs).float().mean())}
