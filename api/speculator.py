@@ -1,0 +1,199 @@
+"""Load a target and a drafter once, then generate with speculative decoding: :func:`load` and
+:class:`SpeculativeDecoder`.
+
+What the library does for one request, behind one call: the prompt through the target's chat template, the drafter's
+block and the correction head's scores into a draft tree (DARTree-pruned by default), one target forward verifying
+the tree with tree attention, and the longest path that matches the target's own tokens committed with its bonus
+token. At temperature 0 the output equals the target's greedy output (:meth:`SpeculativeDecoder.generate_ar` gives
+that baseline to compare with); above 0 it is distributed as the target's samples. The stats say how many tokens
+each target forward committed (the acceptance length tau) and how fast it went.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from dartree.decode.generate import DecodeStats, autoregressive_generate, speculative_generate
+from dartree.models.checkpoint import DraftModel, load_dartree
+from dartree.models.dtypes import parse_dtype
+from dartree.models.generation import sampling_settings, stop_ids
+from dartree.models.packed import choose_linear, pack_linears
+from dartree.models.target import DEFAULT_TARGET, Target, load_target
+
+REPO = Path(__file__).resolve().parent.parent
+DEFAULT_DRAFTER = REPO / "checkpoints" / "dspark_b16"  # the packaged DSpark drafter for the default target
+
+
+@dataclass
+class Generation:
+    """One generated answer.
+
+    Attributes:
+        text: the generated tokens decoded (special tokens kept, so an end-of-turn token shows).
+        tokens: generated token ids (prompt excluded; ends at the first of the target's end ids, inclusive).
+        prompt_ids: the prompt's token ids as fed to the target (after the chat template).
+        stats: :class:`~dartree.decode.generate.DecodeStats` (``tau``, ``accept_lengths``, ``rounds``, per-stage
+            seconds, ``prefill_s``, ``decode_s``).
+        seconds: wall time of the call (prefill, decode and any budget calibration).
+    """
+
+    text: str
+    tokens: list[int]
+    prompt_ids: list[int]
+    stats: DecodeStats
+    seconds: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generated tokens per second of wall time (``len(tokens) / seconds``)."""
+        return len(self.tokens) / self.seconds if self.seconds > 0 else float("nan")
+
+
+class SpeculativeDecoder:
+    """A target and a drafter (backbone + correction head) loaded once, generating one request at a time.
+
+    Build it with :func:`load`. Attributes: ``target`` (:class:`~dartree.models.target.Target`), ``draft``
+    (:class:`~dartree.models.checkpoint.DraftModel`), ``stop_ids`` (the target's end ids: where its own
+    ``generate`` stops), ``linear`` (the linear-layer backend, ``onednn`` or ``aten``).
+    """
+
+    def __init__(self, target: Target, draft: DraftModel, *, linear: str = "aten",
+                 chat_template_kwargs: dict | None = None):
+        self.target, self.draft, self.linear = target, draft, linear
+        self.stop_ids = stop_ids(target)
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
+
+    def prompt_ids(self, prompt: str | Sequence[dict] | Sequence[int], *, chat: bool = True) -> list[int]:
+        """The token ids a prompt is fed to the target as.
+
+        Args:
+            prompt: text (one user turn), a chat as a list of ``{"role", "content"}`` messages, or token ids
+                (taken as they are).
+            chat: render text through the tokenizer's chat template with the generation prompt added (default);
+                False feeds the raw text (a base model without a template).
+        Raises:
+            ValueError: text or messages with no tokenizer, messages with ``chat=False``, or a chat template
+                that is missing or cannot take the ``chat_template_kwargs`` given to :func:`load`.
+        """
+        from dartree.training.data import chat_prompt_ids, check_chat_template, text_prompt_ids
+
+        if not isinstance(prompt, str) and all(isinstance(t, int) for t in prompt):
+            return [int(t) for t in prompt]
+        tok = self.target.tokenizer
+        if tok is None:
+            raise ValueError("the target has no tokenizer; pass the prompt as token ids")
+        if not chat:
+            if not isinstance(prompt, str):
+                raise ValueError("chat messages need the chat template; pass chat=True or the text itself")
+            return text_prompt_ids(tok, prompt)
+        if isinstance(prompt, str):
+            return chat_prompt_ids(tok, prompt, self.chat_template_kwargs)
+        check_chat_template(tok, self.chat_template_kwargs)
+        text = tok.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True,
+                                       **self.chat_template_kwargs)
+        return tok(text, add_special_tokens=False)["input_ids"]
+
+    def _check_sampling(self, temperature: float, ignore_generation_config: bool) -> None:
+        acting = {k: v for k, v in sampling_settings(self.target).items()
+                  if temperature > 0 or k == "repetition_penalty"}
+        if acting and not ignore_generation_config:
+            named = ", ".join(f"{k}={v}" for k, v in acting.items())
+            raise ValueError(f"the target's generation_config sets {named}, which dartree's decoders do not apply; "
+                             "pass ignore_generation_config=True to decode without them"
+                             + (", or temperature=0" if "repetition_penalty" not in acting else ""))
+
+    def _finish(self, out, prompt_ids: list[int], t0: float) -> Generation:
+        tok = self.target.tokenizer
+        text = tok.decode(out.tokens) if tok is not None else ""
+        return Generation(text, list(out.tokens), prompt_ids, out.stats, time.perf_counter() - t0)
+
+    def generate(self, prompt: str | Sequence[dict] | Sequence[int], *, max_new_tokens: int = 256,
+                 tree: str = "pruned", budget: int | str | None = None, temperature: float = 0.0, seed: int = 0,
+                 lookup: int = 0, chat: bool = True, ignore_generation_config: bool = False,
+                 **builder_params) -> Generation:
+        """Generate an answer with speculative decoding (:func:`~dartree.decode.generate.speculative_generate`).
+
+        Args:
+            prompt: text, chat messages or token ids (:meth:`prompt_ids`). max_new_tokens: cap on generated tokens.
+            tree: the tree builder: ``pruned`` (DARTree-pruned, default), ``chain``, ``ddtree``, ``pctree``,
+                ``dartree-fixed`` (:data:`dartree.decode.trees.BUILDERS`).
+            budget: tree nodes verified per round B: None (the drafter's proposals P), an int, or ``"auto"`` (a
+                cost model measured on this machine picks B per round, 0 meaning a plain AR step).
+            temperature: 0 for greedy (output equal to the target's), > 0 to sample (``seed`` seeds it).
+            lookup: > 0 grafts a prompt-lookup chain of up to this many tokens onto each round's tree.
+            chat: feed text through the chat template (default) or raw.
+            ignore_generation_config: sample without the target's generation-config sampling settings (top_k,
+                top_p, ...), which the decoders do not apply; without it such a target is refused at T > 0.
+            builder_params: the builder's parameters (``k`` candidates, ``width`` W, ``beta`` depth bonus).
+        Returns:
+            :class:`Generation`.
+        Raises:
+            ValueError / TypeError / KeyError: a bad argument, named (the checks of
+                :func:`~dartree.decode.generate.speculative_generate`), or sampling settings as above.
+        """
+        self._check_sampling(temperature, ignore_generation_config)
+        ids = self.prompt_ids(prompt, chat=chat)
+        gen = torch.Generator(device=self.target.device.type).manual_seed(seed) if temperature > 0 else None
+        t0 = time.perf_counter()
+        out = speculative_generate(self.target, self.draft.drafter, self.draft.head, ids, builder=tree,
+                                   max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=self.stop_ids,
+                                   budget=budget, generator=gen, lookup=lookup,
+                                   builder_params=builder_params or None)
+        return self._finish(out, ids, t0)
+
+    def generate_ar(self, prompt: str | Sequence[dict] | Sequence[int], *, max_new_tokens: int = 256,
+                    temperature: float = 0.0, seed: int = 0, chat: bool = True,
+                    ignore_generation_config: bool = False) -> Generation:
+        """The target alone, one token per forward (:func:`~dartree.decode.generate.autoregressive_generate`): the
+        baseline :meth:`generate` equals at temperature 0 and is timed against. Arguments as :meth:`generate`."""
+        self._check_sampling(temperature, ignore_generation_config)
+        ids = self.prompt_ids(prompt, chat=chat)
+        gen = torch.Generator(device=self.target.device.type).manual_seed(seed) if temperature > 0 else None
+        t0 = time.perf_counter()
+        out = autoregressive_generate(self.target, ids, max_new_tokens=max_new_tokens, temperature=temperature,
+                                      stop_ids=self.stop_ids, generator=gen)
+        return self._finish(out, ids, t0)
+
+
+def load(drafter: str | os.PathLike = DEFAULT_DRAFTER, target: str | os.PathLike = DEFAULT_TARGET, *,
+         dtype: str = "float32", linear: str = "auto", threads: int | None = None,
+         chat_template_kwargs: dict | None = None) -> SpeculativeDecoder:
+    """Load a target and a dartree drafter checkpoint for speculative decoding.
+
+    Args:
+        drafter: a dartree checkpoint folder (default: the packaged ``checkpoints/dspark_b16``); a published one
+            converts with ``python convert/to_dartree.py``, and ``training/train.py`` writes this format.
+        target: ``smollm2`` (the packaged SmolLM2-135M-Instruct, default), ``tiny-qwen3`` or a local Hugging Face
+            model folder.
+        dtype: ``float32`` (default), ``bfloat16`` or ``float16`` for both models.
+        linear: linear-layer backend: ``auto`` (prepacked oneDNN where the CPU supports it, else ``F.linear``),
+            ``onednn`` or ``aten``.
+        threads: torch CPU threads (None keeps torch's setting).
+        chat_template_kwargs: extra chat-template variables (e.g. ``{"enable_thinking": False}`` for Qwen3).
+    Returns:
+        :class:`SpeculativeDecoder`.
+    Raises:
+        ValueError: an unknown dtype or linear backend, or a target that cannot be loaded (its reason).
+        dartree.models.checkpoint.CheckpointError: the drafter folder is not a dartree checkpoint or does not
+            fit the target (named).
+    """
+    torch_dtype = parse_dtype(dtype, "dtype")
+    if threads is not None:
+        torch.set_num_threads(int(threads))
+    try:
+        tgt = load_target(str(target), dtype=torch_dtype)
+    except (OSError, RuntimeError) as exc:
+        raise ValueError(f"cannot load the target {str(target)!r}: "
+                         f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0]}") from None
+    draft = load_dartree(drafter, target=tgt, dtype=torch_dtype)
+    tgt.set_layer_ids(draft.drafter.cfg.target_layer_ids)
+    backend, _ = choose_linear(linear, torch_dtype, tgt.device)
+    for module in (tgt.model, draft.drafter, draft.head):
+        pack_linears(module, backend)
+    return SpeculativeDecoder(tgt, draft, linear=backend, chat_template_kwargs=chat_template_kwargs)

@@ -1,0 +1,76 @@
+"""The Python API (``dartree.load`` -> ``SpeculativeDecoder.generate``): the README's example runs as written, the
+output equals the target's greedy output, and bad arguments are named."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+import dartree
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def spec():
+    return dartree.load(threads=1)
+
+
+def test_the_readmes_python_example_runs(capsys):
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    example = next(b for b in blocks if "dartree.load(" in b)
+    exec(compile(example, "README.md", "exec"), {})
+    printed = capsys.readouterr().out
+    assert printed.strip(), "the example prints the answer and its stats"
+
+
+def test_generate_equals_the_targets_greedy_output_with_stats(spec):
+    prompt = "List three uses of a paperclip."
+    ar = spec.generate_ar(prompt, max_new_tokens=40)
+    for tree in ("pruned", "chain"):
+        out = spec.generate(prompt, max_new_tokens=40, tree=tree)
+        assert out.tokens == ar.tokens, tree
+        assert out.text == spec.target.tokenizer.decode(out.tokens)
+        assert out.stats.rounds == len(out.stats.accept_lengths) > 0
+        assert out.stats.tau == pytest.approx(sum(out.stats.accept_lengths) / out.stats.rounds)
+        assert sum(out.stats.accept_lengths) == len(out.tokens) - 1  # the first token comes from the prefill
+        assert out.tokens_per_s == pytest.approx(len(out.tokens) / out.seconds)
+    assert set(ar.stats.accept_lengths) == {1} and ar.prompt_ids == out.prompt_ids  # one token per AR step
+
+
+def test_prompts_as_text_messages_or_ids_agree(spec):
+    text = "Name a prime number."
+    ids = spec.prompt_ids(text)
+    assert spec.prompt_ids([{"role": "user", "content": text}]) == ids
+    assert spec.prompt_ids(ids) == ids
+    raw = spec.prompt_ids(text, chat=False)
+    assert raw == spec.target.tokenizer(text)["input_ids"] and raw != ids
+    a = spec.generate(ids, max_new_tokens=12)
+    b = spec.generate([{"role": "user", "content": text}], max_new_tokens=12, tree="chain", budget=4)
+    assert a.tokens == b.tokens
+
+
+def test_sampling_is_seeded_and_bad_arguments_are_named(spec):
+    a = spec.generate("Tell me a fact.", max_new_tokens=16, temperature=0.8, seed=5, budget=6)
+    b = spec.generate("Tell me a fact.", max_new_tokens=16, temperature=0.8, seed=5, budget=6)
+    assert a.tokens == b.tokens
+    with pytest.raises(KeyError, match="chain"):
+        spec.generate("x", max_new_tokens=4, tree="no-such-tree")
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        spec.generate("x", max_new_tokens=-1)
+    with pytest.raises(ValueError, match="chat messages need the chat template"):
+        spec.prompt_ids([{"role": "user", "content": "x"}], chat=False)
+    with pytest.raises(ValueError, match="unknown dtype 'fp8'"):
+        dartree.load(dtype="fp8")
+    with pytest.raises(ValueError, match="cannot load the target"):
+        dartree.load(target=str(REPO / "no-such-target"))
+    with pytest.raises(AttributeError, match="no attribute 'lod'"):
+        dartree.lod  # noqa: B018
+
+
+def test_generation_config_sampling_is_refused_by_name(spec, monkeypatch):
+    monkeypatch.setattr(spec.target.model.generation_config, "top_k", 20, raising=False)
+    with pytest.raises(ValueError, match="top_k=20.*ignore_generation_config=True"):
+        spec.generate("x", max_new_tokens=4, temperature=1.0)
+    out = spec.generate("x", max_new_tokens=4, temperature=1.0, ignore_generation_config=True)
+    assert 1 <= len(out.tokens) <= 4
