@@ -20,6 +20,7 @@ from typing import Sequence
 import torch
 
 from dartree.decode.generate import DecodeStats, autoregressive_generate, speculative_generate
+from dartree.models.chat import chat_prompt_ids, messages_prompt_ids, text_prompt_ids
 from dartree.models.checkpoint import DraftModel, load_dartree
 from dartree.models.dtypes import parse_dtype
 from dartree.models.generation import sampling_settings, stop_ids
@@ -81,8 +82,6 @@ class SpeculativeDecoder:
             ValueError: text or messages with no tokenizer, messages with ``chat=False``, or a chat template
                 that is missing or cannot take the ``chat_template_kwargs`` given to :func:`load`.
         """
-        from dartree.training.data import chat_prompt_ids, check_chat_template, text_prompt_ids
-
         if not isinstance(prompt, str) and all(isinstance(t, int) for t in prompt):
             return [int(t) for t in prompt]
         tok = self.target.tokenizer
@@ -94,10 +93,7 @@ class SpeculativeDecoder:
             return text_prompt_ids(tok, prompt)
         if isinstance(prompt, str):
             return chat_prompt_ids(tok, prompt, self.chat_template_kwargs)
-        check_chat_template(tok, self.chat_template_kwargs)
-        text = tok.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True,
-                                       **self.chat_template_kwargs)
-        return tok(text, add_special_tokens=False)["input_ids"]
+        return messages_prompt_ids(tok, list(prompt), self.chat_template_kwargs)
 
     def _check_sampling(self, temperature: float, ignore_generation_config: bool) -> None:
         acting = {k: v for k, v in sampling_settings(self.target).items()

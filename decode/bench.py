@@ -35,7 +35,8 @@ from rich.console import Console
 from rich.table import Table
 
 from dartree.decode.generate import STAGES, autoregressive_generate, speculative_generate
-from dartree.decode.prompts import DATASETS, load_prompt_file, load_prompts, messages_prompt_ids
+from dartree.decode.prompts import DATASETS, load_prompt_file, load_prompts
+from dartree.models.chat import chat_prompt_ids, messages_prompt_ids
 from dartree.decode.trees import BUILDERS, Tree
 from dartree.decode.verify import compile_tree
 from dartree.models.checkpoint import write_file_atomically
@@ -248,7 +249,6 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     from dartree.models.checkpoint import CheckpointError, load_dartree
     from dartree.models.target import load_target
-    from dartree.training.data import chat_prompt_ids
 
     console = Console(width=140)
     result = {"environment": {"torch": torch.__version__, "threads": torch.get_num_threads(),

@@ -33,7 +33,8 @@ from tqdm.auto import tqdm
 
 from dartree.decode.generate import ARStepper, GenerateOutput, autoregressive_generate, speculative_generate
 from dartree.decode.peers import PEERS, load_bf16_twin, load_zlab_drafter, run_peer
-from dartree.decode.prompts import DATASETS, Prompt, load_prompt_file, load_prompts, messages_prompt_ids
+from dartree.decode.prompts import DATASETS, Prompt, load_prompt_file, load_prompts
+from dartree.models.chat import chat_prompt_ids, check_chat_template, messages_prompt_ids, text_prompt_ids
 from dartree.decode.report import annotate_trees, write_figures
 from dartree.decode.trees import BUILDERS
 from dartree.models.checkpoint import CheckpointError, load_dartree, write_file_atomically
@@ -132,10 +133,8 @@ def prompt_encoder(tok, mode: str, template_kwargs: dict) -> Callable[[str | lis
 
     Raises:
         ValueError: no tokenizer, no chat template in ``auto`` mode, template options with ``none`` or that
-            ``apply_chat_template`` cannot take (:func:`dartree.training.data.check_chat_template`); one line each.
+            ``apply_chat_template`` cannot take (:func:`dartree.models.chat.check_chat_template`); one line each.
     """
-    from dartree.training.data import chat_prompt_ids, check_chat_template, text_prompt_ids
-
     if tok is None:
         raise ValueError("the target has no tokenizer; eval needs it to tokenize the prompts")
     if mode == "none":

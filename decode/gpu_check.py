@@ -307,7 +307,7 @@ def main(argv=None) -> int:
         else:
             from dartree.models.checkpoint import load_dartree
             from dartree.models.target import load_target
-            from dartree.training.data import chat_prompt_ids
+            from dartree.models.chat import chat_prompt_ids
 
             target = load_target("smollm2", dtype=torch.bfloat16)
             target.model.to(dev)

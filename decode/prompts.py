@@ -184,22 +184,3 @@ def load_prompt_file(path: str | Path, limit: int | None = None) -> tuple[list[P
     return prompts, record
 
 
-def messages_prompt_ids(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
-    """Token ids of a chat through the tokenizer's chat template, with the generation prompt added (the many-turn
-    form of :func:`dartree.training.data.chat_prompt_ids`, which renders a single user turn the same way).
-
-    Args:
-        tokenizer: a Hugging Face tokenizer with a chat template. messages: ``[{"role": str, "content": str}, ...]``.
-        template_kwargs: extra template variables passed to ``apply_chat_template``, or None.
-    Returns:
-        [T] int token ids.
-    Raises:
-        ValueError: no chat template, or unusable ``template_kwargs``
-            (:func:`dartree.training.data.check_chat_template`).
-    """
-    from dartree.training.data import check_chat_template
-
-    check_chat_template(tokenizer, template_kwargs)
-    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                             **(template_kwargs or {}))
-    return tokenizer(rendered, add_special_tokens=False)["input_ids"]

@@ -186,7 +186,7 @@ def check_against_target(cfg: DictConfig, target) -> list[int]:
         raise RecipeError(f"data.source=sharegpt needs a target with a tokenizer (to chat-template the prompts); "
                           f"target {target.name!r} has none: use data.source=random")
     if cfg.data.source == "sharegpt":
-        from dartree.training.data import check_chat_template
+        from dartree.models.chat import check_chat_template
 
         try:
             check_chat_template(target.tokenizer, template_kwargs(cfg), fix="data.source=sharegpt renders prompts "
