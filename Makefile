@@ -47,7 +47,8 @@ run: setup
 eval-full: setup
 	$(PY) decode/eval.py --tree chain pruned chain+lookup pruned+lookup --peers hf-generate hf-prompt-lookup ar-bf16 zlab-dflash --limit 5 --max-new-tokens 256 --paired --out reports/full
 
-# The 20-prompt evaluation (20 prompts per data set, chain and DARTree-pruned, 256 new tokens; about an hour on 2 cores).
+# The 20-prompt evaluation: chain and DARTree-pruned, 20 prompts per data set, 256 new tokens (about an hour on 2
+# cores).
 eval-20: setup
 	$(PY) decode/eval.py --tree chain pruned --limit 20 --max-new-tokens 256 --out reports/eval-20
 
