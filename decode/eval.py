@@ -239,6 +239,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="matmul path of the target's and drafter's linear layers: onednn (weights prepacked once, "
                          "the fast small-M path on CPU), aten (plain F.linear), auto (onednn where it can run); "
                          "every row of the run, AR and peers included, uses the same one")
+    ap.add_argument("--invariant", action="store_true",
+                    help="row-invariant target forwards (dartree.models.invariant): every verify row computes the bits "
+                         "an AR step computes for it, so the output equals AR's by construction in bf16 too; costs "
+                         "time per verify (docs/invariance.md)")
     ap.add_argument("--no-tune", dest="tune", action="store_false",
                     help="with onednn: keep the fixed single-row rule instead of timing F.linear against the packed "
                          "call per weight shape and row count at start-up (a few seconds) and taking the faster")
@@ -432,7 +436,32 @@ def _agg(rows: list[dict], ar_rows: list[dict]) -> dict:
     mism = [r for r in rows if r.get("mismatch")]
     out["mismatches"] = len(mism)
     out["lossless"] = (len(mism) == 0) if rows and rows[0].get("mismatch") is not None else None
+    if rows and rows[0].get("mismatch") is not None:  # a split only counts as a loss where the arithmetic is exact
+        out["exact"] = all(r.get("exact", True) for r in rows)
     return out
+
+
+def split_label(row: dict) -> str:
+    """How one prompt's output that differs from AR's is named: ``MISMATCH`` where the run's arithmetic makes a
+    verify row equal an AR step (fp32, or ``--invariant``), so the split is a real loss of exactness; else
+    ``split@N (top-2 margin M)``, the first differing token N and the target's margin there (a near-tie that bf16
+    verify rows may round the other way; a peer's own arithmetic splits the same way). Empty when equal."""
+    if not row.get("mismatch"):
+        return ""
+    if row.get("exact", True):
+        return "MISMATCH"
+    return f"split@{row.get('first_divergence')} (top-2 margin {row.get('margin_at_divergence', float('nan')):.3f})"
+
+
+def lossless_cell(r: dict, peer: bool = False) -> str:
+    """The report table's lossless column for a method's aggregate ``r`` (:func:`_agg`)."""
+    if r.get("lossless") is None:
+        return "n/a"
+    if r["lossless"]:
+        return "yes"
+    if r.get("exact", True):
+        return f"NO ({r['mismatches']})"
+    return f"split ({r['mismatches']}){', own arithmetic' if peer else ', near-ties'}"
 
 
 def report_warnings(report: dict, tau_floor: float = 1.05) -> list[str]:
@@ -452,9 +481,14 @@ def report_warnings(report: dict, tau_floor: float = 1.05) -> list[str]:
         elif not peer and r["tau"] < tau_floor:
             out.append(f"WARNING: {m} tau = {r['tau']:.3f} is about 1: the drafter contributes nothing "
                        "(untrained, mismatched to the target, or the wrong checkpoint)")
-        if r["lossless"] is False:
-            out.append(f"WARNING: {m} differs from AR on {r['mismatches']} prompts "
-                       "(see per_prompt margins; only bf16 near-ties may differ)")
+        if r["lossless"] is False and r.get("exact", True):
+            out.append(f"WARNING: {m} differs from AR on {r['mismatches']} prompts: MISMATCH, a loss of exactness "
+                       "where verify rows and AR steps compute the same bits (see per_prompt first_divergence)")
+        elif r["lossless"] is False:
+            out.append(f"note: {m} splits from AR on {r['mismatches']} prompts at near-ties (per_prompt: "
+                       "first_divergence, margin_at_divergence): "
+                       + ("its own arithmetic" if peer else "bf16 verify rows round differently from AR steps; "
+                          "--invariant makes them equal"))
     return out
 
 
@@ -487,8 +521,8 @@ def main(argv=None) -> int:
     threads = torch.get_num_threads()
     progress = {"done": 0, "planned": 0, "out": None}
     try:
-        with Signals() as sig:
-            return _eval_main(argv, sig, progress)
+        with Signals() as sig, contextlib.ExitStack() as modes:
+            return _eval_main(argv, sig, progress, modes)
     except Interrupted as exc:  # one line, never a traceback; the report of the finished prompts stays
         print(f"interrupted by {exc}: {_progress_text(progress)}", file=sys.stderr)
         return 128 + exc.signum
@@ -504,10 +538,13 @@ def _progress_text(progress: dict) -> str:
             "prompts that finished")
 
 
-def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = None) -> int:
+def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = None,
+               modes: contextlib.ExitStack | None = None) -> int:
     """:func:`main` without the thread-count restore and the signal handlers (``sig``: the active
-    :class:`Signals`; ``progress``: updated with the prompts done and the report folder)."""
+    :class:`Signals`; ``progress``: updated with the prompts done and the report folder; ``modes``: holds the
+    row-invariant mode until the caller closes it)."""
     sig = sig if sig is not None else Signals()
+    modes = modes if modes is not None else contextlib.ExitStack()
     progress = progress if progress is not None else {}
     args = parse_args(argv)
     console = Console(width=120)
@@ -624,6 +661,18 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
         linear_tuning = tune_linears(*ours)
         console.print(f"linear paths tuned in {time.time() - tt0:.1f}s; F.linear wins at rows: "
                       + "; ".join(f"{k}: {_rows_text(v)}" for k, v in linear_tuning.items()))
+    invariant = None
+    if args.invariant:  # after packing and tuning: the mode re-packs the target for row invariance
+        from dartree.models.invariant import row_invariant
+
+        try:
+            mode = modes.enter_context(row_invariant(target))
+        except ValueError as exc:
+            print(f"error: --invariant: {exc}", file=sys.stderr)
+            return 2
+        invariant = {"linear": mode.linear, "why": mode.why}
+        console.print(f"row-invariant verify: on (linear {mode.linear}: {mode.why}; attention one row per call)")
+    exact_rows = dtype == torch.float32 or invariant is not None  # a split from AR is then a loss of exactness
     tok = target.tokenizer
     console.print(f"target {target.name} ({args.dtype}), {len(prompts)} prompts, methods: ar + {methods}, "
                   f"budget {budget}; loaded in {time.time() - t0:.1f}s")
@@ -714,7 +763,7 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
             "datasets": {},
             "environment": {
                 "device": str(target.device), "dtype": args.dtype, "dtype_reason": dtype_reason,
-                "linear": linear, "linear_reason": linear_reason, "linear_aten_rows": linear_tuning, "attn_implementation": target.config._attn_implementation,
+                "linear": linear, "linear_reason": linear_reason, "linear_aten_rows": linear_tuning, "row_invariant": invariant, "attn_implementation": target.config._attn_implementation,
                 "torch": torch.__version__, "transformers": __import__("transformers").__version__,
                 "python": platform.python_version(), "platform": platform.platform(), "threads": torch.get_num_threads(),
                 "target": target.name, "checkpoint": str(args.checkpoint) if methods else None,
@@ -757,7 +806,12 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
                  if sampling_record["ignored"] else "")
               + ("; prompts: the tokenizer's chat template" if args.chat_template == "auto" else
                  "; prompts: raw text, no chat template (--chat-template none)")
-              + (f" with {json.dumps(args.chat_template_kwargs)}" if args.chat_template_kwargs else ""),
+              + (f" with {json.dumps(args.chat_template_kwargs)}" if args.chat_template_kwargs else ""), "",
+              ("exactness: row-invariant verify (--invariant): a verify row computes an AR step's bits, so any "
+               "split from AR is a MISMATCH" if invariant else
+               "exactness: fp32, so any split from AR is a MISMATCH" if exact_rows else
+               f"exactness: {args.dtype} without --invariant: a verify row may round a near-tie the other way from "
+               "an AR step, so a split is reported with its first differing token and top-2 margin, not as a MISMATCH"),
               ""]
         for scope, data in [("all", report["methods"])] + [(d, report["datasets"][d]) for d in args.datasets]:
             table = Table(title=f"{scope}")
@@ -767,7 +821,7 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
                 table.add_column(col, justify="right")
             md += [f"## {scope}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
             for m, r in data.items():
-                loss = "n/a" if r["lossless"] is None else ("yes" if r["lossless"] else f"NO ({r['mismatches']})")
+                loss = lossless_cell(r, r.get("peer", False))
                 if m == "ar":
                     loss = "baseline"
                 paired_cell = ([f"{r['paired_speedup']:.3f}x" if "paired_speedup" in r else ""] if paired_cols else [])
@@ -846,10 +900,11 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
                          "decode_s_repeats": ar_times, "accept_lengths": ar.stats.accept_lengths}
             line = [f"[{pi + 1}/{len(prompts)}] {p.dataset}:{p.id} ar {ar.stats.new_tokens} tok"]
 
-            def compare_with_ar(row: dict, tokens: list, ids: list, ref: list = ar.tokens) -> None:
+            def compare_with_ar(row: dict, tokens: list, ids: list, ref: list = ar.tokens, exact: bool = True) -> None:
                 """Record in ``row`` whether ``tokens`` differ from AR's and, if so, the first divergence and the
-                target's top-2 logit margin there (a near-tie check)."""
-                row["mismatch"] = tokens != ref
+                target's top-2 logit margin there (a near-tie check); ``exact``: whether a split is a loss of
+                exactness (:func:`split_label`)."""
+                row["mismatch"], row["exact"] = tokens != ref, exact
                 if row["mismatch"]:
                     idx = _first_divergence(tokens, ref)
                     row["first_divergence"] = idx
@@ -866,16 +921,16 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
                 if pi == 0:
                     new_trees[m] = {**base, "rounds": annotate_trees(o.stats.trees, lambda i: tok.decode([i]))}
                 if args.temperature == 0:
-                    compare_with_ar(row, o.tokens, ids)
+                    compare_with_ar(row, o.tokens, ids, exact=exact_rows)
                 new[m] = row
-                line.append(f"{m} tau {o.stats.tau:.2f}" + (" MISMATCH" if row["mismatch"] else ""))
+                line.append(f"{m} tau {o.stats.tau:.2f} {split_label(row)}".rstrip())
             for m in peers:
                 o = outs[m]
                 row = {**base, "new_tokens": len(o.tokens), "decode_s": o.decode_s, "prefill_s": o.prefill_s,
                        "accept_lengths": o.accept_lengths}
-                compare_with_ar(row, o.tokens, ids)
+                compare_with_ar(row, o.tokens, ids, exact=False)  # a peer's own arithmetic may split at near-ties
                 new[m] = row
-                line.append(f"{m} tau {o.tau:.2f}" + (" MISMATCH" if row["mismatch"] else ""))
+                line.append(f"{m} tau {o.tau:.2f} {split_label(row)}".rstrip())
             with tqdm.external_write_mode(file=sys.stderr):
                 console.print(", ".join(line))
             with sig.held():  # the rows enter together with the report files that hold them

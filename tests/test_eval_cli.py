@@ -460,3 +460,39 @@ def test_eval_cli_prompts_file_replaces_the_packaged_sets(tiny_folder, tmp_path,
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         f"error: --prompts {f} has \"messages\" lines, which need the chat template; drop --chat-template none, "
         "or give \"text\" lines")
+
+
+def test_splits_are_named_mismatch_only_where_the_arithmetic_is_exact():
+    from dartree.decode.eval import lossless_cell, split_label
+
+    real = {"mismatch": True, "exact": True, "first_divergence": 7, "margin_at_divergence": 0.01}
+    tie = {**real, "exact": False}
+    assert split_label(real) == "MISMATCH" and split_label({"mismatch": False}) == ""
+    assert split_label(tie) == "split@7 (top-2 margin 0.010)"
+    assert lossless_cell({"lossless": False, "mismatches": 2, "exact": True}) == "NO (2)"
+    assert lossless_cell({"lossless": False, "mismatches": 2, "exact": False}) == "split (2), near-ties"
+    assert lossless_cell({"lossless": False, "mismatches": 1, "exact": False}, peer=True) == "split (1), own arithmetic"
+    assert lossless_cell({"lossless": True, "mismatches": 0}) == "yes" and lossless_cell({"lossless": None}) == "n/a"
+    rep = {"methods": {"ar": {"tau": 1.0, "lossless": None},
+                       "pruned": {"tau": 2.1, "lossless": False, "mismatches": 3, "exact": False},
+                       "hf-prompt-lookup": {"tau": 1.5, "lossless": False, "mismatches": 1, "exact": False,
+                                            "peer": True}}}
+    w = report_warnings(rep)
+    assert len(w) == 2 and not any(x.startswith("WARNING") for x in w)
+    assert "pruned splits from AR on 3 prompts" in w[0] and "--invariant" in w[0] and "own arithmetic" in w[1]
+
+
+@pytest.mark.slow
+def test_eval_cli_invariant_mode_in_bf16_equals_ar_and_says_so(tiny_folder, tmp_path):
+    """--invariant in bf16: every speculative output equals bf16 AR's by construction, and the report records the
+    mode (its linear path) and states that a split would be a MISMATCH."""
+    out = tmp_path / "rep"
+    r = _eval_cli(tiny_folder / "target", tiny_folder / "ckpt", out, "--dtype", "bfloat16", "--invariant",
+                  "--tree", "chain", "pruned", "--limit", "2", "--max-new-tokens", "24")
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads((out / "report.json").read_text())
+    assert rep["environment"]["row_invariant"]["linear"] in ("onednn", "aten")
+    for m in ("chain", "pruned"):
+        assert rep["methods"][m]["lossless"] is True and rep["methods"][m]["exact"] is True, m
+    assert "row-invariant verify (--invariant)" in (out / "report.md").read_text()
+    assert "row-invariant verify: on" in r.stdout
