@@ -23,19 +23,19 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
 from rich.console import Console
-from rich.table import Table
 from tqdm.auto import tqdm
 
 from dartree.decode.generate import ARStepper, GenerateOutput, autoregressive_generate, speculative_generate
 from dartree.decode.peers import PEERS, load_bf16_twin, load_zlab_drafter, run_peer
 from dartree.decode.prompts import DATASETS, Prompt, load_prompt_file, load_prompts
 from dartree.models.chat import chat_prompt_ids, check_chat_template, messages_prompt_ids, text_prompt_ids
-from dartree.decode.report import annotate_trees, write_figures
+from dartree.decode.report import annotate_trees, lossless_cell, report_console, report_markdown, write_figures
 from dartree.decode.trees import BUILDERS
 from dartree.models.checkpoint import CheckpointError, load_dartree, write_file_atomically
 from dartree.models.packed import (LINEAR_BACKENDS, choose_linear, onednn_linear_supported, pack_linears,
@@ -184,9 +184,9 @@ LOOKUP_SUFFIX = "+lookup"  # BUILDER+lookup: the builder's tree with a prompt-lo
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="dartree-eval", description=__doc__.split("\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+def _add_method_args(ap: argparse.ArgumentParser) -> None:
+    """The arguments that choose the decoders, their trees, the prompts and the sampling rule (before the target's
+    own generation settings)."""
     ap.add_argument("--tree", nargs="+", default=["pruned"],
                     help=f"methods besides the AR baseline: ar, {', '.join(sorted(BUILDERS))}, or all "
                          "(every builder once; heap-sequential is the slow exact reference); BUILDER+lookup also "
@@ -218,6 +218,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--acceptance", default="match", choices=["match", "rejection"],
                     help="T > 0 rule: exact target-sample matching of deterministic drafts (every tree), or sampled "
                          "chain drafts + speculative rejection sampling (--tree chain only)")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="dartree-eval", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_method_args(ap)
     ap.add_argument("--ignore-generation-config", action="store_true",
                     help="at --temperature > 0, sample softmax(logits / T) even where the target's generation_config "
                          "sets top_k / top_p / min_p / typical_p / repetition_penalty, which dartree's samplers do "
@@ -453,17 +459,6 @@ def split_label(row: dict) -> str:
     return f"split@{row.get('first_divergence')} (top-2 margin {row.get('margin_at_divergence', float('nan')):.3f})"
 
 
-def lossless_cell(r: dict, peer: bool = False) -> str:
-    """The report table's lossless column for a method's aggregate ``r`` (:func:`_agg`)."""
-    if r.get("lossless") is None:
-        return "n/a"
-    if r["lossless"]:
-        return "yes"
-    if r.get("exact", True):
-        return f"NO ({r['mismatches']})"
-    return f"split ({r['mismatches']}){', own arithmetic' if peer else ', near-ties'}"
-
-
 def report_warnings(report: dict, tau_floor: float = 1.05) -> list[str]:
     """Loud warnings for a report: a method whose tau is about 1 (the drafter contributes nothing) and a
     method whose T = 0 output differs from AR's."""
@@ -538,17 +533,13 @@ def _progress_text(progress: dict) -> str:
             "prompts that finished")
 
 
-def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = None,
-               modes: contextlib.ExitStack | None = None) -> int:
-    """:func:`main` without the thread-count restore and the signal handlers (``sig``: the active
-    :class:`Signals`; ``progress``: updated with the prompts done and the report folder; ``modes``: holds the
-    row-invariant mode until the caller closes it)."""
-    sig = sig if sig is not None else Signals()
-    modes = modes if modes is not None else contextlib.ExitStack()
-    progress = progress if progress is not None else {}
-    args = parse_args(argv)
-    console = Console(width=120)
-    problems = [msg for bad, msg in (
+class _Refused(Exception):
+    """A run refused before any decoding: ``args[0]`` is its one stderr line; the CLI exits with 2."""
+
+
+def _arg_problems(args: argparse.Namespace) -> list[str]:
+    """Every bad argument value that needs no model to see, one message each (empty: the arguments are fine)."""
+    return [msg for bad, msg in (
         (args.threads < 0, f"--threads must be >= 0 (0: torch's default), got {args.threads}"),
         (not math.isfinite(args.beta) or args.beta > 0, f"--beta {args.beta} must be a finite number <= 0 "
                                                          "(beta > 0 breaks prefix closure)"),
@@ -569,37 +560,33 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
         (out_problem(args.out) is not None, out_problem(args.out)),
         (args.draw_round is not None and args.draw_round < 1, f"--draw-round is 1-based, got {args.draw_round}"),
     ) if bad]
-    if problems:
-        print("error: " + "; ".join(problems), file=sys.stderr)
-        return 2
-    prompts: list[Prompt] = []
-    prompt_file = None  # the --prompts file's record (path, sha256, ...), checked before any model loads
-    if args.prompts is not None:
-        try:
-            prompts, prompt_file = load_prompt_file(args.prompts, args.limit)
-        except ValueError as exc:
-            print(f"error: --prompts {exc}", file=sys.stderr)
-            return 2
-        if args.chat_template == "none" and any(p.messages is not None for p in prompts):
-            print(f"error: --prompts {args.prompts} has \"messages\" lines, which need the chat template; drop "
-                  "--chat-template none, or give \"text\" lines", file=sys.stderr)
-            return 2
-        args.datasets = [prompt_file["name"]]
-    if args.threads:
-        torch.set_num_threads(args.threads)
+
+
+def _read_prompt_file(args: argparse.Namespace) -> tuple[list[Prompt], dict | None]:
+    """The ``--prompts`` file's prompts and record (path, sha256, ...), checked before any model loads; with it,
+    ``args.datasets`` becomes the file's name. ([], None) without ``--prompts``.
+
+    Raises:
+        _Refused: the file is unreadable or malformed, or has messages lines under ``--chat-template none``.
+    """
+    if args.prompts is None:
+        return [], None
     try:
-        methods = resolve_methods(args.tree)
-    except KeyError as exc:
-        print(f"error: {exc.args[0]}", file=sys.stderr)
-        return 2
-    args.dtype, dtype_reason = choose_dtype(args.dtype)
-    dtype = _DTYPES[args.dtype]
-    console.print(f"mode: {args.dtype}; {dtype_reason}")
-    budgets = list(args.budget)
-    budget = budgets[0] if len(budgets) == 1 else budgets
-    # one run per (method, budget); chain drafts one node per proposal, so a numeric budget does not size it: in a
-    # sweep it runs once at full length, and once more as METHOD@auto when the sweep has auto
-    runs: dict[str, tuple[str, int | None]] = {}
+        prompts, prompt_file = load_prompt_file(args.prompts, args.limit)
+    except ValueError as exc:
+        raise _Refused(f"error: --prompts {exc}") from None
+    if args.chat_template == "none" and any(p.messages is not None for p in prompts):
+        raise _Refused(f"error: --prompts {args.prompts} has \"messages\" lines, which need the chat template; drop "
+                       "--chat-template none, or give \"text\" lines")
+    args.datasets = [prompt_file["name"]]
+    return prompts, prompt_file
+
+
+def _plan_runs(methods: list[str], budgets: list) -> dict[str, tuple[str, int | str | None]]:
+    """One run per (method, budget): run name -> (tree builder, budget). Chain drafts one node per proposal, so a
+    numeric budget does not size it: in a sweep it runs once at full length, and once more as METHOD@auto when the
+    sweep has auto."""
+    runs: dict[str, tuple[str, int | str | None]] = {}
     for m in methods:
         builder = m.removesuffix(LOOKUP_SUFFIX)
         if builder == "chain" or len(budgets) == 1:
@@ -609,13 +596,21 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
         else:
             for b in budgets:
                 runs[f"{m}@auto" if b == "auto" else f"{m}@B{b}"] = (builder, b)
-    t0 = time.time()
+    return runs
+
+
+def _load_target(args: argparse.Namespace, dtype: torch.dtype):
+    """The target with its stop ids, generation-config sampling settings and prompt encoder, checked before
+    anything else is loaded or timed.
+
+    Raises:
+        _Refused: the target does not load, or its sampling settings or chat template do not fit the run.
+    """
     try:
         target = load_target(args.target, dtype=dtype)
     except (FileNotFoundError, RuntimeError, OSError, ValueError) as exc:
-        print(f"error: cannot load --target {args.target!r}: {(str(exc).strip().splitlines() or [type(exc).__name__])[0]}",
-              file=sys.stderr)
-        return 2
+        raise _Refused(f"error: cannot load --target {args.target!r}: "
+                       f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0]}") from None
     try:  # the target's own generation settings and prompt format, before anything else is loaded or timed
         stop_ids, sampling = target_stop_ids(target), sampling_settings(target)
         why = sampling_problem(sampling, args.temperature, args.ignore_generation_config)
@@ -623,34 +618,54 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
             raise ValueError(why)
         encode = prompt_encoder(target.tokenizer, args.chat_template, args.chat_template_kwargs)
     except ValueError as exc:
-        print(f"error: --target {args.target}: {exc}", file=sys.stderr)
-        return 2
+        raise _Refused(f"error: --target {args.target}: {exc}") from None
+    return target, stop_ids, sampling, encode
+
+
+def _load_drafter_and_prompts(args: argparse.Namespace, target, dtype: torch.dtype, methods: list[str],
+                              prompts: list[Prompt], prompt_file: dict | None, encode: Callable):
+    """The checkpoint (None when only AR runs; the target then captures its layers), the packaged prompts (unless
+    ``--prompts`` gave them) and every prompt's ids, checked against the context and the decoder's needs.
+
+    Returns:
+        (dm, prompts, prompt_ids).
+    Raises:
+        _Refused: a bad checkpoint, a missing prompt package, a prompt that does not fit, an unsupported target.
+    """
     try:
         dm = load_dartree(args.checkpoint, target=target, dtype=dtype) if methods else None
     except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        raise _Refused(f"error: {exc}") from None
     if dm is not None:
         target.set_layer_ids(dm.drafter.cfg.target_layer_ids)
     try:
         for d in args.datasets if prompt_file is None else []:
             prompts += load_prompts(d, args.limit, args.seed)
     except (RuntimeError, KeyError, OSError) as exc:  # a prompt package missing or unreadable
-        print(f"error: --datasets {d}: {exc.args[0] if exc.args else exc}", file=sys.stderr)
-        return 2
+        raise _Refused(f"error: --datasets {d}: {exc.args[0] if exc.args else exc}") from None
     try:  # every prompt fits the context, and the decoder supports the target, before calibration and decoding
         prompt_ids = encode_prompts(encode, prompts, target, args.max_new_tokens)
         if dm is not None:  # a verify tree reaches a proposal (depth <= P) or a lookup token (depth <= --lookup)
             depth = max(dm.drafter.cfg.num_proposals, args.lookup if any(LOOKUP_SUFFIX in m for m in methods) else 0)
             check_speculative_target(target, max(map(len, prompt_ids), default=0) + args.max_new_tokens + depth)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        raise _Refused(f"error: {exc}") from None
+    return dm, prompts, prompt_ids
+
+
+def _pack_models(args: argparse.Namespace, console: Console, target, dm, dtype: torch.dtype):
+    """Pack the target's and drafter's linear layers on the ``--linear`` path and (onednn, unless ``--no-tune``)
+    time F.linear against it per weight shape.
+
+    Returns:
+        (linear, why, {weight shape: row counts where F.linear wins}).
+    Raises:
+        _Refused: the requested path cannot run here.
+    """
     try:
         linear, linear_reason = choose_linear(args.linear, dtype, target.device)
     except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        raise _Refused(f"error: {exc}") from None
     ours = (target.model, *((dm.drafter, dm.head) if dm is not None else ()))
     for module in ours:
         pack_linears(module, linear)
@@ -661,39 +676,103 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
         linear_tuning = tune_linears(*ours)
         console.print(f"linear paths tuned in {time.time() - tt0:.1f}s; F.linear wins at rows: "
                       + "; ".join(f"{k}: {_rows_text(v)}" for k, v in linear_tuning.items()))
-    invariant = None
-    if args.invariant:  # after packing and tuning: the mode re-packs the target for row invariance
-        from dartree.models.invariant import row_invariant
+    return linear, linear_reason, linear_tuning
 
-        try:
-            mode = modes.enter_context(row_invariant(target))
-        except ValueError as exc:
-            print(f"error: --invariant: {exc}", file=sys.stderr)
-            return 2
-        invariant = {"linear": mode.linear, "why": mode.why}
-        console.print(f"row-invariant verify: on (linear {mode.linear}: {mode.why}; attention one row per call)")
-    exact_rows = dtype == torch.float32 or invariant is not None  # a split from AR is then a loss of exactness
-    tok = target.tokenizer
-    console.print(f"target {target.name} ({args.dtype}), {len(prompts)} prompts, methods: ar + {methods}, "
-                  f"budget {budget}; loaded in {time.time() - t0:.1f}s")
-    methods = list(runs)
-    params = {"k": args.candidates, "width": args.width, "beta": args.beta, "children": args.children}
 
-    def run(method: str, ids: list, seed: int, max_new: int, record: bool = False) -> GenerateOutput:
+def _enter_invariant(args: argparse.Namespace, console: Console, target, modes: contextlib.ExitStack) -> dict | None:
+    """With ``--invariant``: enter the row-invariant mode in ``modes`` (after packing and tuning: the mode re-packs
+    the target for row invariance) and return its record; else None.
+
+    Raises:
+        _Refused: the target has no row-invariant path.
+    """
+    if not args.invariant:
+        return None
+    from dartree.models.invariant import row_invariant
+
+    try:
+        mode = modes.enter_context(row_invariant(target))
+    except ValueError as exc:
+        raise _Refused(f"error: --invariant: {exc}") from None
+    console.print(f"row-invariant verify: on (linear {mode.linear}: {mode.why}; attention one row per call)")
+    return {"linear": mode.linear, "why": mode.why}
+
+
+@dataclass
+class EvalSession:
+    """Everything one evaluation run decodes with, built once from the parsed arguments by :func:`open_session`:
+    the target and checkpoint, the prompts and their ids, the matmul path, the row-invariant mode, the runs
+    (name -> (builder, budget)), their cost models, the peers, the stop ids and the sampling settings."""
+
+    args: argparse.Namespace
+    console: Console
+    target: object
+    dm: object | None
+    dtype: torch.dtype
+    dtype_reason: str
+    runs: dict
+    budget: object
+    prompts: list
+    prompt_ids: list
+    prompt_file: dict | None
+    encode: Callable
+    stop_ids: list
+    sampling: dict
+    t0: float
+    linear: str = "aten"
+    linear_reason: str = ""
+    linear_tuning: dict = field(default_factory=dict)
+    invariant: dict | None = None
+    cost_models: dict = field(default_factory=dict)
+    peers: list = field(default_factory=list)
+    peers_skipped: dict = field(default_factory=dict)
+    zlab: object = None
+    twin: object = None
+
+    @property
+    def methods(self) -> list[str]:
+        """The run names besides AR (METHOD, METHOD@B<n>, METHOD@auto)."""
+        return list(self.runs)
+
+    @property
+    def names(self) -> list[str]:
+        """Every row of the report: ar, the methods, then the peers that run."""
+        return ["ar", *self.methods, *self.peers]
+
+    @property
+    def params(self) -> dict:
+        a = self.args
+        return {"k": a.candidates, "width": a.width, "beta": a.beta, "children": a.children}
+
+    @property
+    def exact_rows(self) -> bool:
+        """Whether a split from AR is a loss of exactness (fp32, or the row-invariant mode)."""
+        return self.dtype == torch.float32 or self.invariant is not None
+
+    @property
+    def sampling_record(self) -> dict:
+        """What this run's samplers do, and the target's own settings it did not apply."""
+        t = self.args.temperature
+        return {"temperature": t, "rule": "greedy (argmax)" if t == 0 else f"softmax(logits / {t}) samples",
+                "ignored": {k: v for k, v in self.sampling.items() if t > 0 or k == "repetition_penalty"},
+                "generation_config": self.sampling}
+
+    def run(self, method: str, ids: list, seed: int, max_new: int, record: bool = False) -> GenerateOutput:
         """One decode of ``ids``; with --paired a method's output carries ``paired_ar``, the ARStepper that ran in
         lockstep with it (then run to its end)."""
+        a, target = self.args, self.target
         gen = torch.Generator().manual_seed(seed)
         if method == "ar":
-            return autoregressive_generate(target, ids, max_new_tokens=max_new, temperature=args.temperature,
-                                           stop_ids=stop_ids, generator=gen)
-        builder, b = runs[method]
-        pair = ARStepper(target, ids, max_new_tokens=max_new, temperature=args.temperature, stop_ids=stop_ids,
-                         generator=torch.Generator().manual_seed(seed)) if args.paired else None
+            return autoregressive_generate(target, ids, max_new_tokens=max_new, temperature=a.temperature,
+                                           stop_ids=self.stop_ids, generator=gen)
+        builder, b = self.runs[method]
+        pair = ARStepper(target, ids, max_new_tokens=max_new, temperature=a.temperature, stop_ids=self.stop_ids,
+                         generator=torch.Generator().manual_seed(seed)) if a.paired else None
         o = speculative_generate(
-            target, dm.drafter, dm.head, ids, builder=builder, max_new_tokens=max_new,
-            temperature=args.temperature, stop_ids=stop_ids, budget=b, generator=gen, builder_params=params,
-            record_trees=record, cost_model=cost_models.get(method), acceptance=args.acceptance,
-            lookup=args.lookup if LOOKUP_SUFFIX in method else 0, lookup_ngram=args.lookup_ngram,
+            target, self.dm.drafter, self.dm.head, ids, builder=builder, max_new_tokens=max_new,
+            temperature=a.temperature, stop_ids=self.stop_ids, budget=b, generator=gen, builder_params=self.params,
+            record_trees=record, cost_model=self.cost_models.get(method), acceptance=a.acceptance,
+            lookup=a.lookup if LOOKUP_SUFFIX in method else 0, lookup_ngram=a.lookup_ngram,
             lockstep=pair.run_to if pair is not None else None,
         )
         if pair is not None:
@@ -701,258 +780,291 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
             o.paired_ar = pair
         return o
 
-    cost_models: dict = {}
-    if any(b == "auto" for _, b in runs.values()):
+    def run_peer_on(self, name: str, ids: list, max_new: int):
+        """One decode of ``ids`` by the peer ``name`` (:func:`dartree.decode.peers.run_peer`)."""
+        return run_peer(name, self.target, ids, max_new_tokens=max_new, stop_ids=self.stop_ids,
+                        zlab_drafter=self.zlab, bf16_twin=self.twin)
+
+    def calibrate(self) -> None:
+        """The cost models of the ``--budget auto`` runs, calibrated on the first prompt."""
+        if not any(b == "auto" for _, b in self.runs.values()):
+            return
         from dartree.decode.budget import calibrate
 
         tc0 = time.time()
-        cal = calibrate(target, dm.drafter, prompt_ids[0] if prompts else [1, 2, 3],
-                        max_budget=dm.drafter.cfg.num_proposals)
-        cost_models = {m: cal.fresh() for m, (_, b) in runs.items() if b == "auto"}
-        console.print(f"cost model calibrated in {time.time() - tc0:.1f}s: AR step {1000 * cal.t_ar:.1f} ms, draft "
-                      f"{1000 * cal.t_draft:.1f} ms, verify " + ", ".join(f"{t}: {1000 * v:.1f}" for t, v in
-                                                                         sorted(cal.verify_s.items())) + " ms")
-    peers, peers_skipped, zlab, twin = [], {}, None, None  # peers that run; {peer: why not}; z-lab's drafter; bf16 target
-    for name in dict.fromkeys(args.peers):
-        if args.temperature != 0:
-            peers_skipped[name] = f"peers run greedy only; --temperature is {args.temperature}"
-            continue
-        if name == "zlab-dflash":
-            zlab, why = load_zlab_drafter(args.checkpoint, target)
-            if why is not None:
-                peers_skipped[name] = why
+        drafter = self.dm.drafter
+        cal = calibrate(self.target, drafter, self.prompt_ids[0] if self.prompts else [1, 2, 3],
+                        max_budget=drafter.cfg.num_proposals)
+        self.cost_models = {m: cal.fresh() for m, (_, b) in self.runs.items() if b == "auto"}
+        self.console.print(f"cost model calibrated in {time.time() - tc0:.1f}s: AR step {1000 * cal.t_ar:.1f} ms, "
+                           f"draft {1000 * cal.t_draft:.1f} ms, verify " + ", ".join(
+                               f"{t}: {1000 * v:.1f}" for t, v in sorted(cal.verify_s.items())) + " ms")
+
+    def load_peers(self) -> None:
+        """The ``--peers`` that can run (greedy only), each with what it needs; the others in ``peers_skipped``."""
+        a = self.args
+        for name in dict.fromkeys(a.peers):
+            if a.temperature != 0:
+                self.peers_skipped[name] = f"peers run greedy only; --temperature is {a.temperature}"
                 continue
-            pack_linears(zlab, linear)  # z-lab's drafter gets the same matmul path as ours
-            if linear_tuning:
-                tune_linears(zlab)
-        if name == "ar-bf16":
-            if dtype == torch.bfloat16:
-                peers_skipped[name] = "the run is bfloat16 already: its AR row is bf16 AR"
-                continue
-            twin = load_bf16_twin(args.target)
-            twin_linear = choose_linear("aten" if args.linear == "aten" else "auto", torch.bfloat16, twin.device)[0]
-            pack_linears(twin.model, twin_linear)
-        peers.append(name)
-    for name, why in peers_skipped.items():
-        console.print(f"[bold yellow]peer {name} skipped: {why}[/bold yellow]")
+            if name == "zlab-dflash":
+                self.zlab, why = load_zlab_drafter(a.checkpoint, self.target)
+                if why is not None:
+                    self.peers_skipped[name] = why
+                    continue
+                pack_linears(self.zlab, self.linear)  # z-lab's drafter gets the same matmul path as ours
+                if self.linear_tuning:
+                    tune_linears(self.zlab)
+            if name == "ar-bf16":
+                if self.dtype == torch.bfloat16:
+                    self.peers_skipped[name] = "the run is bfloat16 already: its AR row is bf16 AR"
+                    continue
+                self.twin = load_bf16_twin(a.target)
+                twin_linear = choose_linear("aten" if a.linear == "aten" else "auto", torch.bfloat16,
+                                            self.twin.device)[0]
+                pack_linears(self.twin.model, twin_linear)
+            self.peers.append(name)
+        for name, why in self.peers_skipped.items():
+            self.console.print(f"[bold yellow]peer {name} skipped: {why}[/bold yellow]")
 
-    def run_peer_on(name: str, ids: list, max_new: int):
-        return run_peer(name, target, ids, max_new_tokens=max_new, stop_ids=stop_ids, zlab_drafter=zlab,
-                        bf16_twin=twin)
+    def warm_up(self) -> None:
+        """One short decode per row (AR, every method, every peer) before any timing."""
+        warm_ids = self.encode("Say hello.")
+        for m in ["ar", *self.methods]:
+            self.run(m, warm_ids, 0, 16)
+        for name in self.peers:
+            self.run_peer_on(name, warm_ids, 16)
 
-    warm_ids = encode("Say hello.")
-    for m in ["ar", *methods]:
-        run(m, warm_ids, 0, 16)
-    for name in peers:
-        run_peer_on(name, warm_ids, 16)
+    def prompt_order(self, pi: int) -> list[str]:
+        """The decodes of prompt ``pi``, back to back in an order rotated per prompt (this machine's speed drifts
+        over minutes, and a fixed order would hand the same share of that drift to the same rows on every prompt),
+        with the AR repeats spread through it (ar#2, ...; :func:`_spread_repeats`)."""
+        order = self.names
+        order = order[pi % len(order):] + order[:pi % len(order)]
+        return _spread_repeats(order, "ar", self.args.ar_repeats)
 
-    out = Path(args.out)
-    sampling_record = {  # what this run's samplers do, and the target's own settings it did not apply
-        "temperature": args.temperature,
-        "rule": "greedy (argmax)" if args.temperature == 0 else f"softmax(logits / {args.temperature}) samples",
-        "ignored": {k: v for k, v in sampling.items() if args.temperature > 0 or k == "repetition_penalty"},
-        "generation_config": sampling,
-    }
+    def decode_prompt(self, pi: int, bar=None) -> tuple[dict[str, dict], dict[str, dict]]:
+        """Decode prompt ``pi`` with AR (``--ar-repeats`` times), every method and every peer (``bar``: a tqdm bar
+        stepped once per decode) and print its one-line summary.
 
-    def write_report(done: int, show: bool, interrupted: str | None = None) -> dict:
-        """Aggregate the rows of the first ``done`` prompts; write report.json/md atomically (after every prompt,
-        so a long run can be read, or survive an interruption, before it ends); ``interrupted``: the signal's
-        name when the run was stopped."""
-        report = {
-            "methods": {},
-            "datasets": {},
-            "environment": {
-                "device": str(target.device), "dtype": args.dtype, "dtype_reason": dtype_reason,
-                "linear": linear, "linear_reason": linear_reason, "linear_aten_rows": linear_tuning, "row_invariant": invariant, "attn_implementation": target.config._attn_implementation,
-                "torch": torch.__version__, "transformers": __import__("transformers").__version__,
-                "python": platform.python_version(), "platform": platform.platform(), "threads": torch.get_num_threads(),
-                "target": target.name, "checkpoint": str(args.checkpoint) if methods else None,
-                "max_new_tokens": args.max_new_tokens, "temperature": args.temperature, "seed": args.seed,
-                "acceptance": args.acceptance, "lookup": args.lookup, "lookup_ngram": args.lookup_ngram,
-                "stop_ids": stop_ids, "sampling": sampling_record,
-                "chat_template": "tokenizer" if args.chat_template == "auto" else "none (raw prompt text)",
-                "chat_template_kwargs": args.chat_template_kwargs,
-                "budget": budget, "builder_params": params, "ar_repeats": args.ar_repeats, "paired": args.paired,
-                "cost_models": {m: cm.summary() for m, cm in cost_models.items()},
-                "proposals": dm.drafter.cfg.num_proposals if dm is not None else None,
-                "prompts": [{"dataset": p.dataset, "id": p.id, "text": p.text[:120]} for p in prompts[:done]],
-                "prompt_file": prompt_file,
-                "prompts_done": done, "prompts_planned": len(prompts), "interrupted": interrupted,
-            },
+        Returns:
+            (that prompt's row per method, its recorded verify trees per method: the first prompt's only).
+        """
+        p, ids = self.prompts[pi], self.prompt_ids[pi]
+        seed = self.args.seed * 100003 + pi
+        order = self.prompt_order(pi)
+        row_of = {name: name.split("#")[0] for name in order}  # ar#2 .. are repeats of ar
+        outs = {}
+        for name in order:
+            if bar is not None:
+                bar.set_postfix_str(f"{p.dataset}:{p.id} {name}")
+            outs[name] = (self.run_peer_on(name, ids, self.args.max_new_tokens) if name in self.peers
+                          else self.run(row_of[name], ids, seed, self.args.max_new_tokens,
+                                        record=pi == 0 and row_of[name] != "ar"))
+            if bar is not None:
+                bar.update()
+        ar_runs = [outs[n] for n in order if row_of[n] == "ar"]
+        if any(o.tokens != outs["ar"].tokens for o in ar_runs):
+            self.console.print(f"[bold yellow]{p.dataset}:{p.id}: the AR repeats disagree (a non-deterministic "
+                               "kernel?); the first one is the reference[/bold yellow]")
+        new, new_trees, line = self.prompt_rows(pi, outs, ar_runs)
+        with tqdm.external_write_mode(file=sys.stderr):
+            self.console.print(", ".join(line))
+        return new, new_trees
+
+    def prompt_rows(self, pi: int, outs: dict, ar_runs: list) -> tuple[dict[str, dict], dict[str, dict], list[str]]:
+        """Prompt ``pi``'s row per method from its decodes ``outs`` (``ar_runs``: the AR repeats, first one the
+        reference), its recorded trees, and the parts of its console line."""
+        p, ids, ar = self.prompts[pi], self.prompt_ids[pi], outs["ar"]
+        base = {"dataset": p.dataset, "id": p.id}
+        new: dict[str, dict] = {}
+        new_trees: dict[str, dict] = {}
+        ar_times = [o.stats.decode_s for o in ar_runs]
+        new["ar"] = {**base, "new_tokens": ar.stats.new_tokens, "decode_s": sum(ar_times) / len(ar_times),
+                     "decode_s_repeats": ar_times, "accept_lengths": ar.stats.accept_lengths}
+        line = [f"[{pi + 1}/{len(self.prompts)}] {p.dataset}:{p.id} ar {ar.stats.new_tokens} tok"]
+        for m in self.methods:
+            o = outs[m]
+            row = {**base, "new_tokens": o.stats.new_tokens, "decode_s": o.stats.decode_s,
+                   "accept_lengths": o.stats.accept_lengths, "stage_s": o.stats.stage_s,
+                   "tree_nodes": o.stats.tree_nodes, "budgets": o.stats.budgets, "depth_nodes": o.stats.depth_nodes,
+                   "accepted_depths": o.stats.accepted_depths, "mismatch": None}
+            pair = getattr(o, "paired_ar", None)
+            if pair is not None:  # the AR decode that ran in lockstep with this one
+                row["paired_ar_decode_s"], row["paired_ar_new_tokens"] = pair.stats.decode_s, pair.stats.new_tokens
+            if pi == 0:
+                tok = self.target.tokenizer
+                new_trees[m] = {**base, "rounds": annotate_trees(o.stats.trees, lambda i: tok.decode([i]))}
+            if self.args.temperature == 0:
+                self.compare_with_ar(row, o.tokens, ids, ar.tokens, exact=self.exact_rows)
+            new[m] = row
+            line.append(f"{m} tau {o.stats.tau:.2f} {split_label(row)}".rstrip())
+        for m in self.peers:
+            o = outs[m]
+            row = {**base, "new_tokens": len(o.tokens), "decode_s": o.decode_s, "prefill_s": o.prefill_s,
+                   "accept_lengths": o.accept_lengths}
+            self.compare_with_ar(row, o.tokens, ids, ar.tokens, exact=False)  # a peer's own arithmetic may split
+            new[m] = row
+            line.append(f"{m} tau {o.tau:.2f} {split_label(row)}".rstrip())
+        return new, new_trees, line
+
+    def compare_with_ar(self, row: dict, tokens: list, ids: list, ref: list, exact: bool = True) -> None:
+        """Record in ``row`` whether ``tokens`` differ from AR's ``ref`` and, if so, the first divergence and the
+        target's top-2 logit margin there (a near-tie check); ``exact``: whether a split is a loss of exactness
+        (:func:`split_label`)."""
+        row["mismatch"], row["exact"] = tokens != ref, exact
+        if row["mismatch"]:
+            idx = _first_divergence(tokens, ref)
+            row["first_divergence"] = idx
+            row["margin_at_divergence"] = _margin_at(self.target, ids, ref, idx)
+
+    def environment(self, done: int, interrupted: str | None = None) -> dict:
+        """report.json's ``environment``: the machine, versions and every setting of the run, with the first
+        ``done`` prompts; ``interrupted``: the signal's name when the run was stopped."""
+        a, target, dm = self.args, self.target, self.dm
+        return {
+            "device": str(target.device), "dtype": a.dtype, "dtype_reason": self.dtype_reason,
+            "linear": self.linear, "linear_reason": self.linear_reason, "linear_aten_rows": self.linear_tuning,
+            "row_invariant": self.invariant, "attn_implementation": target.config._attn_implementation,
+            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+            "python": platform.python_version(), "platform": platform.platform(), "threads": torch.get_num_threads(),
+            "target": target.name, "checkpoint": str(a.checkpoint) if self.methods else None,
+            "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "seed": a.seed,
+            "acceptance": a.acceptance, "lookup": a.lookup, "lookup_ngram": a.lookup_ngram,
+            "stop_ids": self.stop_ids, "sampling": self.sampling_record,
+            "chat_template": "tokenizer" if a.chat_template == "auto" else "none (raw prompt text)",
+            "chat_template_kwargs": a.chat_template_kwargs,
+            "budget": self.budget, "builder_params": self.params, "ar_repeats": a.ar_repeats, "paired": a.paired,
+            "cost_models": {m: cm.summary() for m, cm in self.cost_models.items()},
+            "proposals": dm.drafter.cfg.num_proposals if dm is not None else None,
+            "prompts": [{"dataset": p.dataset, "id": p.id, "text": p.text[:120]} for p in self.prompts[:done]],
+            "prompt_file": self.prompt_file,
+            "prompts_done": done, "prompts_planned": len(self.prompts), "interrupted": interrupted,
         }
-        ar_all = rows["ar"]
-        report["methods"]["ar"] = _agg(ar_all, ar_all)
-        for m in [*methods, *peers]:
-            report["methods"][m] = _agg(rows[m], ar_all)
-        for d in args.datasets:
-            ar_d = [r for r in ar_all if r["dataset"] == d]
-            report["datasets"][d] = {m: _agg([r for r in rows[m] if r["dataset"] == d], ar_d)
-                                     for m in ["ar", *methods, *peers]}
-        for m in peers:  # dartree.decode.peers rows: tau = committed tokens per target forward, prefill excluded
-            for agg in [report["methods"][m]] + [report["datasets"][d][m] for d in args.datasets]:
-                agg["peer"] = True
-        report["peers_skipped"] = peers_skipped
-        report["per_prompt"] = rows
-        report["trees"] = trees  # every verify tree of the first prompt, per method, for drawing
 
-        paired_cols = args.paired and bool(methods)  # --tree ar alone has no method to pair
-        md = ["# dartree eval report", "",
-              f"target `{target.name}` ({args.dtype}, {linear} linears, {report['environment']['device']}), checkpoint `{args.checkpoint if methods else None}`, "
-              f"T={args.temperature}, max_new_tokens={args.max_new_tokens}, budget B={budget}, "
-              f"K={args.candidates}, W={args.width}, beta={args.beta}, children={args.children}, {done} of {len(prompts)} prompts"
-              + (f" (interrupted by {interrupted})" if interrupted else ""), "",
-              f"stop ids {stop_ids}; sampling: {sampling_record['rule']}"
-              + (f" (target generation_config {sampling_record['ignored']} not applied: --ignore-generation-config)"
-                 if sampling_record["ignored"] else "")
-              + ("; prompts: the tokenizer's chat template" if args.chat_template == "auto" else
-                 "; prompts: raw text, no chat template (--chat-template none)")
-              + (f" with {json.dumps(args.chat_template_kwargs)}" if args.chat_template_kwargs else ""), "",
-              ("exactness: row-invariant verify (--invariant): a verify row computes an AR step's bits, so any "
-               "split from AR is a MISMATCH" if invariant else
-               "exactness: fp32, so any split from AR is a MISMATCH" if exact_rows else
-               f"exactness: {args.dtype} without --invariant: a verify row may round a near-tie the other way from "
-               "an AR step, so a split is reported with its first differing token and top-2 margin, not as a MISMATCH"),
-              ""]
-        for scope, data in [("all", report["methods"])] + [(d, report["datasets"][d]) for d in args.datasets]:
-            table = Table(title=f"{scope}")
-            cols = ["method", "tau", "tokens/s", "speedup", *(["paired x AR"] if paired_cols else []), "lossless",
-                    "nodes", "draft ms", "tree ms", "verify ms"]
-            for col in cols:
-                table.add_column(col, justify="right")
-            md += [f"## {scope}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
-            for m, r in data.items():
-                loss = lossless_cell(r, r.get("peer", False))
-                if m == "ar":
-                    loss = "baseline"
-                paired_cell = ([f"{r['paired_speedup']:.3f}x" if "paired_speedup" in r else ""] if paired_cols else [])
-                cells = [m, f"{r['tau']:.3f}", f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.3f}x", *paired_cell, loss,
-                         f"{r.get('mean_tree_nodes', 1.0):.1f}", f"{r.get('draft_ms_per_round', 0):.1f}", f"{r.get('tree_build_ms_per_round', 0):.1f}",
-                         f"{r.get('verify_ms_per_round', 0):.1f}"]
-                table.add_row(*cells)
-                md.append("| " + " | ".join(cells) + " |")
-            md.append("")
-            spread = data["ar"].get("repeat_spread")
-            if spread is not None:
-                note = (f"AR timing spread over its {args.ar_repeats} runs per prompt ({scope}): {100 * spread:.1f}% "
-                        "(mean of (slowest - fastest) / mean); speedup differences of that size are this machine's "
-                        "noise")
-                md += [note, ""]
-            if paired_cols:
-                pnote = ("paired x AR: each method's time per token against an AR decode of the same prompt that ran "
-                         "in lockstep with it (one AR step after another until level with each round), pooled over "
-                         "the prompts")
-                md += [pnote, ""]
-            if show:
-                console.print(table)
-                if spread is not None:
-                    console.print(note)
-                if paired_cols:
-                    console.print(pnote)
-        if peers_skipped:
-            md += ["## peers skipped", ""] + [f"- {m}: {why}" for m, why in peers_skipped.items()] + [""]
-        hists = {m: r["budget_histogram"] for m, r in report["methods"].items() if r.get("budget_histogram")
-                 and runs.get(m, (None, None))[1] == "auto"}
-        if hists:
-            md += ["## budgets chosen by the cost model (--budget auto; rounds per budget, 0 = plain AR step)", ""]
-            for m, h in hists.items():
-                line = f"{m}: " + ", ".join(f"B={b}: {n}" for b, n in h.items())
-                md.append(f"- {line}")
-                if show:
-                    console.print(f"budgets chosen, {line}")
-            md.append("")
+    def write_report(self, rows: dict, trees: dict, done: int, sig: "Signals", show: bool,
+                     interrupted: str | None = None) -> dict:
+        """Aggregate the rows of the first ``done`` prompts; write report.json/md atomically (after every prompt,
+        so a long run can be read, or survive an interruption, before it ends), inside ``sig.held()``; ``show``:
+        print the tables too."""
+        report = build_report(self.environment(done, interrupted), rows, trees, self.methods, self.peers,
+                              self.args.datasets, self.peers_skipped)
+        md = report_markdown(report)
+        if show:
+            for item in report_console(report):
+                self.console.print(item)
         with sig.held():
-            write_report_files(out, report, "\n".join(md) + "\n")
+            write_report_files(Path(self.args.out), report, md)
         return report
 
-    rows: dict[str, list[dict]] = {m: [] for m in ["ar", *methods, *peers]}
-    trees: dict[str, dict] = {}
-    progress.update(done=0, planned=len(prompts), out=str(out))
-    # one step per decode (every prompt's AR runs, methods and peers), so the bar's rate and time left count them all
-    per_prompt = len(_spread_repeats(["ar", *methods, *peers], "ar", args.ar_repeats))
-    bar = tqdm(total=len(prompts) * per_prompt, desc="decoding", unit="decode", file=sys.stderr, dynamic_ncols=True)
-    try:
-        for pi, p in enumerate(prompts):
-            ids = prompt_ids[pi]
-            seed = args.seed * 100003 + pi
-            # a prompt's rows run back to back in an order rotated per prompt: this machine's speed drifts over minutes,
-            # and a fixed order would hand the same share of that drift to the same rows on every prompt
-            order = ["ar", *methods, *peers]
-            order = order[pi % len(order):] + order[:pi % len(order)]
-            order = _spread_repeats(order, "ar", args.ar_repeats)
-            row_of = {name: name.split("#")[0] for name in order}  # ar#2 .. are repeats of ar
-            outs = {}
-            for name in order:
-                bar.set_postfix_str(f"{p.dataset}:{p.id} {name}")
-                outs[name] = (run_peer_on(name, ids, args.max_new_tokens) if name in peers
-                              else run(row_of[name], ids, seed, args.max_new_tokens,
-                                       record=pi == 0 and row_of[name] != "ar"))
-                bar.update()
-            ar = outs["ar"]
-            ar_runs = [outs[n] for n in order if row_of[n] == "ar"]
-            if any(o.tokens != ar.tokens for o in ar_runs):
-                console.print(f"[bold yellow]{p.dataset}:{p.id}: the AR repeats disagree (a non-deterministic "
-                              "kernel?); the first one is the reference[/bold yellow]")
-            base = {"dataset": p.dataset, "id": p.id}
-            new: dict[str, dict] = {}  # this prompt's row per method, committed below with the report that holds them
-            new_trees: dict[str, dict] = {}
-            ar_times = [o.stats.decode_s for o in ar_runs]
-            new["ar"] = {**base, "new_tokens": ar.stats.new_tokens, "decode_s": sum(ar_times) / len(ar_times),
-                         "decode_s_repeats": ar_times, "accept_lengths": ar.stats.accept_lengths}
-            line = [f"[{pi + 1}/{len(prompts)}] {p.dataset}:{p.id} ar {ar.stats.new_tokens} tok"]
 
-            def compare_with_ar(row: dict, tokens: list, ids: list, ref: list = ar.tokens, exact: bool = True) -> None:
-                """Record in ``row`` whether ``tokens`` differ from AR's and, if so, the first divergence and the
-                target's top-2 logit margin there (a near-tie check); ``exact``: whether a split is a loss of
-                exactness (:func:`split_label`)."""
-                row["mismatch"], row["exact"] = tokens != ref, exact
-                if row["mismatch"]:
-                    idx = _first_divergence(tokens, ref)
-                    row["first_divergence"] = idx
-                    row["margin_at_divergence"] = _margin_at(target, ids, ref, idx)
-            for m in methods:
-                o = outs[m]
-                row = {**base, "new_tokens": o.stats.new_tokens, "decode_s": o.stats.decode_s,
-                       "accept_lengths": o.stats.accept_lengths, "stage_s": o.stats.stage_s,
-                       "tree_nodes": o.stats.tree_nodes, "budgets": o.stats.budgets, "depth_nodes": o.stats.depth_nodes,
-                       "accepted_depths": o.stats.accepted_depths, "mismatch": None}
-                pair = getattr(o, "paired_ar", None)
-                if pair is not None:  # the AR decode that ran in lockstep with this one
-                    row["paired_ar_decode_s"], row["paired_ar_new_tokens"] = pair.stats.decode_s, pair.stats.new_tokens
-                if pi == 0:
-                    new_trees[m] = {**base, "rounds": annotate_trees(o.stats.trees, lambda i: tok.decode([i]))}
-                if args.temperature == 0:
-                    compare_with_ar(row, o.tokens, ids, exact=exact_rows)
-                new[m] = row
-                line.append(f"{m} tau {o.stats.tau:.2f} {split_label(row)}".rstrip())
-            for m in peers:
-                o = outs[m]
-                row = {**base, "new_tokens": len(o.tokens), "decode_s": o.decode_s, "prefill_s": o.prefill_s,
-                       "accept_lengths": o.accept_lengths}
-                compare_with_ar(row, o.tokens, ids, exact=False)  # a peer's own arithmetic may split at near-ties
-                new[m] = row
-                line.append(f"{m} tau {o.tau:.2f} {split_label(row)}".rstrip())
-            with tqdm.external_write_mode(file=sys.stderr):
-                console.print(", ".join(line))
+def open_session(args: argparse.Namespace, console: Console, modes: contextlib.ExitStack) -> EvalSession:
+    """Load and check everything a run needs, in the order the CLI always has (prompt file, methods, dtype, target,
+    checkpoint, prompts, matmul path, row-invariant mode, cost models, peers), printing each choice.
+
+    Raises:
+        _Refused: a bad argument, target, checkpoint or prompt set (one line; exit 2).
+    """
+    prompts, prompt_file = _read_prompt_file(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        methods = resolve_methods(args.tree)
+    except KeyError as exc:
+        raise _Refused(f"error: {exc.args[0]}") from None
+    args.dtype, dtype_reason = choose_dtype(args.dtype)
+    dtype = _DTYPES[args.dtype]
+    console.print(f"mode: {args.dtype}; {dtype_reason}")
+    budgets = list(args.budget)
+    budget = budgets[0] if len(budgets) == 1 else budgets
+    runs = _plan_runs(methods, budgets)
+    t0 = time.time()
+    target, stop_ids, sampling, encode = _load_target(args, dtype)
+    dm, prompts, prompt_ids = _load_drafter_and_prompts(args, target, dtype, methods, prompts, prompt_file, encode)
+    s = EvalSession(args=args, console=console, target=target, dm=dm, dtype=dtype, dtype_reason=dtype_reason,
+                    runs=runs, budget=budget, prompts=prompts, prompt_ids=prompt_ids, prompt_file=prompt_file,
+                    encode=encode, stop_ids=stop_ids, sampling=sampling, t0=t0)
+    s.linear, s.linear_reason, s.linear_tuning = _pack_models(args, console, target, dm, dtype)
+    s.invariant = _enter_invariant(args, console, target, modes)
+    console.print(f"target {target.name} ({args.dtype}), {len(prompts)} prompts, methods: ar + {methods}, "
+                  f"budget {budget}; loaded in {time.time() - t0:.1f}s")
+    s.calibrate()
+    s.load_peers()
+    return s
+
+
+def build_report(environment: dict, rows: dict[str, list[dict]], trees: dict, methods: list[str], peers: list[str],
+                 datasets: list[str], peers_skipped: dict) -> dict:
+    """report.json from the per-prompt ``rows`` (method -> rows) and the run's ``environment``: every method's and
+    peer's aggregate (:func:`_agg`) over all prompts and per data set, the skipped peers, the rows themselves and
+    the first prompt's verify ``trees``."""
+    report = {"methods": {}, "datasets": {}, "environment": environment}
+    ar_all = rows["ar"]
+    report["methods"]["ar"] = _agg(ar_all, ar_all)
+    for m in [*methods, *peers]:
+        report["methods"][m] = _agg(rows[m], ar_all)
+    for d in datasets:
+        ar_d = [r for r in ar_all if r["dataset"] == d]
+        report["datasets"][d] = {m: _agg([r for r in rows[m] if r["dataset"] == d], ar_d)
+                                 for m in ["ar", *methods, *peers]}
+    for m in peers:  # dartree.decode.peers rows: tau = committed tokens per target forward, prefill excluded
+        for agg in [report["methods"][m]] + [report["datasets"][d][m] for d in datasets]:
+            agg["peer"] = True
+    report["peers_skipped"] = peers_skipped
+    report["per_prompt"] = rows
+    report["trees"] = trees  # every verify tree of the first prompt, per method, for drawing
+    return report
+
+
+def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = None,
+               modes: contextlib.ExitStack | None = None) -> int:
+    """:func:`main` without the thread-count restore and the signal handlers (``sig``: the active
+    :class:`Signals`; ``progress``: updated with the prompts done and the report folder; ``modes``: holds the
+    row-invariant mode until the caller closes it)."""
+    sig = sig if sig is not None else Signals()
+    modes = modes if modes is not None else contextlib.ExitStack()
+    progress = progress if progress is not None else {}
+    args = parse_args(argv)
+    console = Console(width=120)
+    problems = _arg_problems(args)
+    if problems:
+        print("error: " + "; ".join(problems), file=sys.stderr)
+        return 2
+    try:
+        s = open_session(args, console, modes)
+    except _Refused as exc:
+        print(exc.args[0], file=sys.stderr)
+        return 2
+    s.warm_up()
+    out = Path(args.out)
+    rows: dict[str, list[dict]] = {m: [] for m in s.names}
+    trees: dict[str, dict] = {}
+    progress.update(done=0, planned=len(s.prompts), out=str(out))
+    # one step per decode (every prompt's AR runs, methods and peers), so the bar's rate and time left count them all
+    per_prompt = len(_spread_repeats(s.names, "ar", args.ar_repeats))
+    bar = tqdm(total=len(s.prompts) * per_prompt, desc="decoding", unit="decode", file=sys.stderr, dynamic_ncols=True)
+    try:
+        for pi in range(len(s.prompts)):
+            new, new_trees = s.decode_prompt(pi, bar)
             with sig.held():  # the rows enter together with the report files that hold them
                 for name, row in new.items():
                     rows[name].append(row)
                 trees.update(new_trees)
-                write_report(pi + 1, show=False)
+                s.write_report(rows, trees, pi + 1, sig, show=False)
                 progress["done"] = pi + 1
     except Interrupted as exc:  # the finished prompts' report, marked as interrupted; then the one-line exit
         bar.close()
         if progress["done"]:
-            write_report(progress["done"], show=False, interrupted=str(exc))
+            s.write_report(rows, trees, progress["done"], sig, show=False, interrupted=str(exc))
         raise
-
     bar.close()
-    report = write_report(len(prompts), show=True)
+    report = s.write_report(rows, trees, len(s.prompts), sig, show=True)
     for w in report_warnings(report):
         console.print(f"[bold red]{w}[/bold red]")
     if not args.no_plots:  # after report.json and the tables: a figure problem is a warning, never a lost report
         for w in write_figures(report, out, args.draw_round):
             console.print(f"[bold yellow]{w}[/bold yellow]")
-    console.print(f"wrote {out / 'report.json'} and {out / 'report.md'} ({(time.time() - t0) / 60:.1f} min)")
+    console.print(f"wrote {out / 'report.json'} and {out / 'report.md'} ({(time.time() - s.t0) / 60:.1f} min)")
     return 0
 
 

@@ -5,6 +5,8 @@
 ``dartree-report DIR DIR ... --out OUT`` overlays several reports (different checkpoints, targets, dtypes or
 runs) in one side-by-side ``OUT/report.md``: tau / speedup tables with a column pair per run, and every figure
 with one line or bar per (run, method), methods named ``RUN/METHOD``.
+:func:`report_markdown` and :func:`report_console` render one eval report's tables (report.md, the console)
+from its report dict alone.
 ``dartree-report --curves RUN_OR_CKPT ... --out curves.png`` draws learning curves (``curve.json`` of a training
 run, ``learning_curve.json`` of a checkpoint folder, or the JSON files themselves) in one picture.
 
@@ -172,6 +174,121 @@ def write_figures(report: dict, out_dir: str | Path, draw_round: int | None = No
     except Exception as exc:  # the report was written before; a figure problem must not lose it
         notes = [f"WARNING: figures not written: {type(exc).__name__}: {exc}"]
     return notes
+
+
+# the eval report's tables: report.md and the console, from report.json alone
+
+
+def lossless_cell(r: dict, peer: bool = False) -> str:
+    """The report table's lossless column for a method's aggregate ``r`` (:func:`dartree.decode.eval._agg`)."""
+    if r.get("lossless") is None:
+        return "n/a"
+    if r["lossless"]:
+        return "yes"
+    if r.get("exact", True):
+        return f"NO ({r['mismatches']})"
+    return f"split ({r['mismatches']}){', own arithmetic' if peer else ', near-ties'}"
+
+
+def _paired_cols(report: dict) -> bool:
+    """Whether the tables have a paired x AR column: --paired with a method to pair (--tree ar alone has none)."""
+    return bool(report["environment"]["paired"]) and any(
+        m != "ar" and not r.get("peer", False) for m, r in report["methods"].items())
+
+
+def _report_header(report: dict) -> list[str]:
+    """report.md's title and the lines above the tables (the run's settings, sampling and exactness)."""
+    env = report["environment"]
+    bp, rec, done, planned = env["builder_params"], env["sampling"], env["prompts_done"], env["prompts_planned"]
+    exact_rows = env["dtype"] == "float32" or env["row_invariant"] is not None
+    return ["# dartree eval report", "",
+            f"target `{env['target']}` ({env['dtype']}, {env['linear']} linears, {env['device']}), checkpoint "
+            f"`{env['checkpoint']}`, T={env['temperature']}, max_new_tokens={env['max_new_tokens']}, "
+            f"budget B={env['budget']}, K={bp['k']}, W={bp['width']}, beta={bp['beta']}, children={bp['children']}, "
+            f"{done} of {planned} prompts" + (f" (interrupted by {env['interrupted']})" if env["interrupted"] else ""),
+            "",
+            f"stop ids {env['stop_ids']}; sampling: {rec['rule']}"
+            + (f" (target generation_config {rec['ignored']} not applied: --ignore-generation-config)"
+               if rec["ignored"] else "")
+            + ("; prompts: the tokenizer's chat template" if env["chat_template"] == "tokenizer" else
+               "; prompts: raw text, no chat template (--chat-template none)")
+            + (f" with {json.dumps(env['chat_template_kwargs'])}" if env["chat_template_kwargs"] else ""), "",
+            ("exactness: row-invariant verify (--invariant): a verify row computes an AR step's bits, so any "
+             "split from AR is a MISMATCH" if env["row_invariant"] else
+             "exactness: fp32, so any split from AR is a MISMATCH" if exact_rows else
+             f"exactness: {env['dtype']} without --invariant: a verify row may round a near-tie the other way from "
+             "an AR step, so a split is reported with its first differing token and top-2 margin, not as a MISMATCH"),
+            ""]
+
+
+def _report_tables(report: dict) -> list[tuple[str, list[str], list[list[str]], list[str]]]:
+    """Every table of the report, all prompts first, then one per data set: (scope, columns, rows of cells, the
+    notes under it: the AR timing spread, the paired x AR column)."""
+    paired_cols = _paired_cols(report)
+    out = []
+    for scope, data in [("all", report["methods"])] + list(report["datasets"].items()):
+        cols = ["method", "tau", "tokens/s", "speedup", *(["paired x AR"] if paired_cols else []), "lossless",
+                "nodes", "draft ms", "tree ms", "verify ms"]
+        cells = []
+        for m, r in data.items():
+            loss = "baseline" if m == "ar" else lossless_cell(r, r.get("peer", False))
+            paired_cell = ([f"{r['paired_speedup']:.3f}x" if "paired_speedup" in r else ""] if paired_cols else [])
+            cells.append([m, f"{r['tau']:.3f}", f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.3f}x", *paired_cell,
+                          loss, f"{r.get('mean_tree_nodes', 1.0):.1f}", f"{r.get('draft_ms_per_round', 0):.1f}",
+                          f"{r.get('tree_build_ms_per_round', 0):.1f}", f"{r.get('verify_ms_per_round', 0):.1f}"])
+        notes = []
+        spread = data["ar"].get("repeat_spread")
+        if spread is not None:
+            notes.append(f"AR timing spread over its {report['environment']['ar_repeats']} runs per prompt ({scope}): "
+                         f"{100 * spread:.1f}% (mean of (slowest - fastest) / mean); speedup differences of that size "
+                         "are this machine's noise")
+        if paired_cols:
+            notes.append("paired x AR: each method's time per token against an AR decode of the same prompt that ran "
+                         "in lockstep with it (one AR step after another until level with each round), pooled over "
+                         "the prompts")
+        out.append((scope, cols, cells, notes))
+    return out
+
+
+def _budget_lines(report: dict) -> list[str]:
+    """Per ``--budget auto`` row, the rounds at each budget the cost model chose."""
+    auto = report["environment"]["cost_models"]
+    return [f"{m}: " + ", ".join(f"B={b}: {n}" for b, n in r["budget_histogram"].items())
+            for m, r in report["methods"].items() if r.get("budget_histogram") and m in auto]
+
+
+def report_markdown(report: dict) -> str:
+    """report.md for an eval report (:func:`dartree.decode.eval.build_report`): the settings, one table per scope
+    with its notes, the skipped peers and the cost model's budget choices."""
+    md = _report_header(report)
+    for scope, cols, cells, notes in _report_tables(report):
+        md += [f"## {scope}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        md += ["| " + " | ".join(c) + " |" for c in cells] + [""]
+        for note in notes:
+            md += [note, ""]
+    if report["peers_skipped"]:
+        md += ["## peers skipped", ""] + [f"- {m}: {why}" for m, why in report["peers_skipped"].items()] + [""]
+    lines = _budget_lines(report)
+    if lines:
+        md += ["## budgets chosen by the cost model (--budget auto; rounds per budget, 0 = plain AR step)", ""]
+        md += [f"- {line}" for line in lines] + [""]
+    return "\n".join(md) + "\n"
+
+
+def report_console(report: dict) -> list:
+    """What the end of a run prints for ``report``, in order: per scope a rich table and its notes, then the
+    cost model's budget choices."""
+    from rich.table import Table
+
+    out: list = []
+    for scope, cols, cells, notes in _report_tables(report):
+        table = Table(title=f"{scope}")
+        for col in cols:
+            table.add_column(col, justify="right")
+        for c in cells:
+            table.add_row(*c)
+        out += [table, *notes]
+    return out + [f"budgets chosen, {line}" for line in _budget_lines(report)]
 
 
 def load_report(path: str | Path) -> dict:

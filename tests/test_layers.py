@@ -134,3 +134,20 @@ def test_no_file_cites_design_notes_outside_the_repository():
             cited += [f"{f}: {m.group(0)}" for m in notes.finditer(text) if m.group(0) not in present]
     assert scanned > 100 and "design.md" in present
     assert cited == []
+
+
+def _longest_functions(path: Path, limit: int) -> list[str]:
+    """Every function (methods and nested functions included) of ``path`` over ``limit`` lines, with its length."""
+    tree = ast.parse(path.read_text(), str(path))
+    return [f"{path.relative_to(REPO)}:{node.lineno} {node.name} ({node.end_lineno - node.lineno + 1} lines)"
+            for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.end_lineno - node.lineno + 1 > limit]
+
+
+def test_the_eval_cli_and_the_trainer_have_no_function_over_80_lines():
+    # the evaluation CLI is named stages (a session, a per-prompt decode, pure report building and rendering) and
+    # the trainer stays so: no one function that holds a whole run's state in closures
+    files = [REPO / "decode" / "eval.py", REPO / "training" / "trainer.py", REPO / "training" / "train.py"]
+    assert all(f.is_file() for f in files)
+    assert [line for f in files for line in _longest_functions(f, 80)] == []
+    assert _longest_functions(REPO / "decode" / "eval.py", 1)  # the walk sees the functions
