@@ -35,7 +35,7 @@ from rich.console import Console
 from rich.table import Table
 
 from dartree.decode.generate import STAGES, autoregressive_generate, speculative_generate
-from dartree.decode.prompts import DATASETS, load_prompt_file, load_prompts
+from dartree.decode.prompts import add_prompt_source_args, load_prompt_file, load_prompts
 from dartree.models.chat import chat_prompt_ids, messages_prompt_ids
 from dartree.decode.trees import BUILDERS, Tree
 from dartree.decode.verify import compile_tree
@@ -66,13 +66,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "count (dartree.models.packed.tune_linears), for a before/after comparison")
     ap.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "dspark_b16"))
     ap.add_argument("--target", default=DEFAULT_TARGET)
-    source = ap.add_mutually_exclusive_group()
-    source.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS),
-                        help="packaged prompt sets")
-    source.add_argument("--prompts", metavar="FILE", default=None,
-                        help="your own prompts instead of the packaged sets: JSONL lines with a \"text\" string or a "
-                             "\"messages\" chat list, or a text file with one prompt per line (the first --limit, in "
-                             "file order; decode/prompts.py), rendered with the target's chat template")
+    add_prompt_source_args(ap)
     ap.add_argument("--limit", type=int, default=1, help="prompts per data set (with --prompts: the first N of the file)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--context", type=int, default=400, help="context tokens for the verify cost curve")

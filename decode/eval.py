@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 
 from dartree.decode.generate import ARStepper, GenerateOutput, autoregressive_generate, speculative_generate
 from dartree.decode.peers import PEERS, load_bf16_twin, load_zlab_drafter, run_peer
-from dartree.decode.prompts import DATASETS, Prompt, load_prompt_file, load_prompts
+from dartree.decode.prompts import add_prompt_source_args, Prompt, load_prompt_file, load_prompts
 from dartree.models.chat import chat_prompt_ids, check_chat_template, messages_prompt_ids, text_prompt_ids
 from dartree.decode.report import annotate_trees, lossless_cell, report_console, report_markdown, write_figures
 from dartree.decode.trees import BUILDERS
@@ -194,14 +194,7 @@ def _add_method_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--lookup", type=int, default=10,
                     help="tokens of the prompt-lookup chain of the +lookup methods (transformers' default, 10)")
     ap.add_argument("--lookup-ngram", type=int, default=3, help="longest n-gram the +lookup methods match")
-    source = ap.add_mutually_exclusive_group()
-    source.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS),
-                        help="packaged prompt sets")
-    source.add_argument("--prompts", metavar="FILE", default=None,
-                        help="your own prompts instead of the packaged sets: JSONL lines with a \"text\" string (one "
-                             "user turn) or a \"messages\" chat list (rendered with the target's chat template), or a "
-                             "text file with one prompt per line; the first --limit of them in file order; the report "
-                             "names the file and its sha256 as the data set")
+    add_prompt_source_args(ap)
     ap.add_argument("--limit", type=int, default=20, help="prompts per data set (with --prompts: the first N of the file)")
     ap.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
     ap.add_argument("--budget", type=budget_arg, nargs="+", default=["auto"],

@@ -184,3 +184,14 @@ def load_prompt_file(path: str | Path, limit: int | None = None) -> tuple[list[P
     return prompts, record
 
 
+def add_prompt_source_args(ap) -> None:
+    """Add the mutually exclusive ``--datasets`` (packaged sets, default all) / ``--prompts FILE`` (your own,
+    :func:`load_prompt_file`) options to an ``argparse.ArgumentParser``; eval and bench take their prompts this way."""
+    source = ap.add_mutually_exclusive_group()
+    source.add_argument("--datasets", nargs="+", default=list(DATASETS), choices=list(DATASETS),
+                        help="packaged prompt sets")
+    source.add_argument("--prompts", metavar="FILE", default=None,
+                        help="your own prompts instead of the packaged sets: JSONL lines with a \"text\" string (one "
+                             "user turn) or a \"messages\" chat list (rendered with the target's chat template), or a "
+                             "text file with one prompt per line; the first --limit of them in file order; the report "
+                             "names the file and its sha256 as the data set")
