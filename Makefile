@@ -55,7 +55,7 @@ eval-20: setup
 # On a CUDA machine (<= 8 min): Triton kernels vs torch twins, tree-build ms (pruned vs heap-sequential), a bf16 eval
 # of every builder; exits non-zero on a kernel mismatch. Without CUDA it runs the small --dry check.
 gpu-check: $(VENV_DEP)
-	$(PY) decode/gpu_check.py --out reports/gpu_check.json
+	$(PY) kernels/gpu_check.py --out reports/gpu_check.json
 
 test: setup
 	$(PY) -m pytest -q tests

@@ -23,7 +23,7 @@ from dartree.decode.generate import DecodeStats, autoregressive_generate, specul
 from dartree.models.chat import chat_prompt_ids, messages_prompt_ids, text_prompt_ids
 from dartree.models.checkpoint import DraftModel, load_dartree
 from dartree.models.dtypes import parse_dtype
-from dartree.models.generation import sampling_settings, stop_ids
+from dartree.models.generation import sampling_problem, sampling_settings, stop_ids
 from dartree.models.packed import choose_linear, pack_linears
 from dartree.models.target import DEFAULT_TARGET, Target, load_target
 
@@ -96,13 +96,10 @@ class SpeculativeDecoder:
         return messages_prompt_ids(tok, list(prompt), self.chat_template_kwargs)
 
     def _check_sampling(self, temperature: float, ignore_generation_config: bool) -> None:
-        acting = {k: v for k, v in sampling_settings(self.target).items()
-                  if temperature > 0 or k == "repetition_penalty"}
-        if acting and not ignore_generation_config:
-            named = ", ".join(f"{k}={v}" for k, v in acting.items())
-            raise ValueError(f"the target's generation_config sets {named}, which dartree's decoders do not apply; "
-                             "pass ignore_generation_config=True to decode without them"
-                             + (", or temperature=0" if "repetition_penalty" not in acting else ""))
+        why = sampling_problem(sampling_settings(self.target), temperature, ignore_generation_config,
+                               ignore_hint="ignore_generation_config=True", zero_hint="temperature=0")
+        if why is not None:
+            raise ValueError(why)
 
     def _finish(self, out, prompt_ids: list[int], t0: float) -> Generation:
         tok = self.target.tokenizer

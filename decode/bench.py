@@ -35,18 +35,18 @@ from rich.console import Console
 from rich.table import Table
 
 from dartree.decode.generate import STAGES, autoregressive_generate, speculative_generate
-from dartree.decode.prompts import add_prompt_source_args, load_prompt_file, load_prompts
+from dartree.decode.harness.prompts import add_prompt_source_args, load_prompt_file, load_prompts
 from dartree.models.chat import chat_prompt_ids, messages_prompt_ids
-from dartree.decode.trees import BUILDERS, Tree
+from dartree.decode.trees import Tree, builder_name
 from dartree.decode.verify import compile_tree
 from dartree.models.checkpoint import write_file_atomically
+from dartree.models.dtypes import DTYPES
 from dartree.models.generation import stop_ids as target_stop_ids
 from dartree.models.packed import LINEAR_BACKENDS, choose_linear, pack_linears, tune_linears
 from dartree.models.target import DEFAULT_TARGET, compact_cache
 
 REPO = Path(__file__).resolve().parents[1]
 VERIFY_SIZES = (1, 2, 5, 9, 17, 33, 65)
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -57,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--budget", type=int, nargs="+", default=[2, 4, 8, 16],
                     help="budgets B for tree builders (chain runs once, with its full length)")
     ap.add_argument("--auto", action="store_true", help="also run every method with budget auto (cost model)")
-    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=sorted(_DTYPES))
+    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=sorted(DTYPES))
     ap.add_argument("--linear", nargs="+", default=["auto"], choices=list(LINEAR_BACKENDS),
                     help="linear-layer matmul paths to measure (dartree.models.packed); several give a before/after "
                          "table per dtype, e.g. --linear aten onednn")
@@ -225,9 +225,10 @@ def replay_tables(console: Console, label: str, entry: dict, recorded: dict, cur
 def main(argv=None) -> int:
     """Console entry point; returns the exit status (2 on bad arguments)."""
     args = parse_args(argv)
-    bad = [n for n in args.tree if n not in BUILDERS]
-    if bad:
-        print(f"error: unknown --tree {bad}; available: {sorted(BUILDERS)}", file=sys.stderr)
+    try:
+        args.tree = list(dict.fromkeys(builder_name(n) for n in args.tree))
+    except KeyError as exc:
+        print(f"error: --tree: {exc.args[0]}", file=sys.stderr)
         return 2
     if min(args.budget) < 0 or args.limit < 1 or args.max_new_tokens < 2 or args.context < 2 or args.reps < 1:
         print("error: --budget >= 0, --limit >= 1, --max-new-tokens >= 2, --context >= 2, --reps >= 1", file=sys.stderr)
@@ -253,13 +254,13 @@ def main(argv=None) -> int:
     for dname in args.dtype:
         for lin in args.linear:
             try:
-                backend, why = choose_linear(lin, _DTYPES[dname])
+                backend, why = choose_linear(lin, DTYPES[dname])
             except ValueError as exc:
                 print(f"error: {exc}", file=sys.stderr)
                 return 2
             combos.setdefault((dname, backend), why)
     for (dname, linear), linear_reason in combos.items():
-        dtype = _DTYPES[dname]
+        dtype = DTYPES[dname]
         target = load_target(args.target, dtype=dtype)
         try:
             dm = load_dartree(args.checkpoint, target=target, dtype=dtype)

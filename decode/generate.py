@@ -26,14 +26,14 @@ from dartree.decode.sampling import check_acceptance, rejection_verify, sample_c
 from dartree.decode.budget import CostModel, calibrate, prune_to
 from dartree.decode.draft import draft_block
 from dartree.decode.lookup import LookupStats, graft_chain, lookup_match
-from dartree.decode.trees import BUILDERS, Tree, get_builder
+from dartree.decode.trees import BUILDER_ALIASES, BUILDERS, Tree, builder_name, get_builder
 from dartree.decode.verify import compile_tree, target_tokens, verify
 from dartree.models.drafter import DFlashDrafter, DraftCache
 from dartree.models.heads import CorrectionHead
 from dartree.models.target import Target, check_speculative_target
 
 STAGES = ("draft", "tree_build", "tree_compile", "verify", "commit")
-BETA_BUILDERS = ("pruned", "dartree-pruned", "heap-sequential")  # builders that rank nodes by score + beta * depth
+BETA_BUILDERS = ("pruned", "heap-sequential")  # builders that rank nodes by score + beta * depth
 
 
 @dataclass
@@ -271,7 +271,8 @@ def speculative_generate(
     """
     prompt_ids, stop_ids = _check_args(target, prompt_ids, max_new_tokens, temperature, stop_ids, generator)
     check_speculative_args(target, drafter, head, builder=builder, budget=budget, builder_params=builder_params,
-                           builders=BUILDERS)
+                           builders=(*BUILDERS, *BUILDER_ALIASES))
+    builder = builder_name(builder)
     rejection = check_acceptance(acceptance, builder, temperature) == "rejection"
     if lockstep is not None and not callable(lockstep):
         raise TypeError(f"lockstep must be a callable taking the generated token count (e.g. ARStepper.run_to) or "

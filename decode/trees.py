@@ -166,32 +166,47 @@ TreeBuilder = Callable[..., Tree]
 BUILDERS: dict[str, TreeBuilder] = {}
 
 
-def register_builder(*names: str):
-    """Decorator registering a builder under one or more names.
+# the names the papers use for DARTree's two builders, accepted wherever a builder is named
+BUILDER_ALIASES: dict[str, str] = {"dartree-pruned": "pruned", "dartree-fixed": "fixed"}
+
+
+def register_builder(name: str):
+    """Decorator registering a builder in :data:`BUILDERS` under its one name.
 
     Raises:
-        ValueError: a name is taken.
+        ValueError: the name is taken (by a builder or an alias of :data:`BUILDER_ALIASES`).
     """
 
     def wrap(fn: TreeBuilder) -> TreeBuilder:
-        for n in names:
-            if n in BUILDERS:
-                raise ValueError(f"tree builder {n!r} is already registered")
-            BUILDERS[n] = fn
+        if name in BUILDERS or name in BUILDER_ALIASES:
+            raise ValueError(f"tree builder {name!r} is already registered")
+        BUILDERS[name] = fn
         return fn
 
     return wrap
 
 
+def builder_name(name: str) -> str:
+    """The registered name of a builder called ``name`` (itself, or what its alias in :data:`BUILDER_ALIASES`
+    stands for: ``dartree-pruned`` -> ``pruned``).
+
+    Raises:
+        KeyError: unknown name; the message lists the registered names and the aliases.
+    """
+    name = BUILDER_ALIASES.get(name, name)
+    if name not in BUILDERS:
+        raise KeyError(f"unknown tree builder {name!r}; available: {sorted(BUILDERS)} (aliases: "
+                       + ", ".join(f"{a} = {b}" for a, b in sorted(BUILDER_ALIASES.items())) + ")")
+    return name
+
+
 def get_builder(name: str) -> TreeBuilder:
-    """Look a builder up by name.
+    """Look a builder up by its name or an alias (:func:`builder_name`).
 
     Raises:
         KeyError: unknown name; the message lists the registered names.
     """
-    if name not in BUILDERS:
-        raise KeyError(f"unknown tree builder {name!r}; available: {sorted(BUILDERS)}")
-    return BUILDERS[name]
+    return BUILDERS[builder_name(name)]
 
 
 def expand_frontier(head: CorrectionHead, hidden: torch.Tensor, state, cand: torch.Tensor, base: torch.Tensor,
@@ -545,7 +560,7 @@ def select_top_b_keep(tree: Tree, budget: int, beta: float) -> tuple[Tree, torch
     return Tree(tree.tokens[keep], parents, tree.depth[keep], tree.score[keep]), keep
 
 
-@register_builder("dartree-pruned", "pruned")
+@register_builder("pruned")
 def build_dartree_pruned(
     block: DraftBlock,
     head: CorrectionHead,
@@ -565,7 +580,7 @@ def build_dartree_pruned(
         ValueError: k < 1, width < 1 or beta > 0 (prefix closure needs beta <= 0).
         TypeError: an unknown parameter.
     """
-    _check_params("dartree-pruned", extra)
+    _check_params("pruned", extra)
     budget = check_build_args(block, root_id, budget, head)
     _check_k(k)
     if int(width) < 1:
@@ -578,7 +593,7 @@ def build_dartree_pruned(
     return select_top_b(sup, int(budget), float(beta))
 
 
-@register_builder("dartree-fixed", "fixed")
+@register_builder("fixed")
 def build_dartree_fixed(
     block: DraftBlock, head: CorrectionHead, root_id: int, budget: int, *, k: int = 64, backend: str = "auto",
     **extra,
@@ -590,7 +605,7 @@ def build_dartree_fixed(
         ValueError: k < 1. TypeError: an unknown parameter (``width``/``beta``/``children`` are accepted and
             ignored).
     """
-    _check_params("dartree-fixed", extra)
+    _check_params("fixed", extra)
     budget = check_build_args(block, root_id, budget, head)
     _check_k(k)
     budget = int(budget)

@@ -19,3 +19,52 @@ def parse_dtype(name: str, what: str = "dtype") -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"{what}: unknown dtype {name!r}; use one of {', '.join(sorted(DTYPES))}")
     return DTYPES[name]
+
+
+def native_bf16() -> tuple[bool, str]:
+    """Whether this machine's CPU has native bf16 matrix arithmetic (oneDNN bf16: AVX512-BF16 / AMX), and why.
+
+    Where bf16 is emulated (AVX2 only), a bf16 matmul is several times slower than fp32 (figures:
+    docs/performance.md, "bf16 on the AVX2 machine"), so the ``auto`` dtypes of training, regeneration and
+    decoding pick float32 there.
+
+    Returns:
+        (native, a one-line reason naming the CPU capability).
+    """
+    from dartree.models.packed import onednn_linear_supported
+
+    cap = torch.backends.cpu.get_cpu_capability()
+    if onednn_linear_supported(torch.bfloat16)[0]:  # the same oneDNN bf16 check the packed linears use
+        return True, f"this CPU ({cap}) has native bf16 matrix arithmetic"
+    return False, f"this CPU ({cap}) has no native bf16 matrix arithmetic (bf16 matmuls run 5-7x slower than fp32)"
+
+
+def choose_dtype(requested: str, device: str = "cpu") -> tuple[str, str]:
+    """The dtype a decode run uses, and why (printed and recorded in the report).
+
+    ``auto`` takes bfloat16 only where bf16 matrix arithmetic is native (CUDA, or :func:`native_bf16` on the CPU);
+    elsewhere bf16 is emulated and a bf16 verify forward of 9+ tokens is slower than fp32, so float32, the exact
+    mode (every output equal to AR's), is also the faster one.
+
+    Args:
+        requested: ``auto`` or a key of :data:`DTYPES`.
+        device: ``cpu`` or ``cuda``.
+    Returns:
+        (dtype name, reason).
+    Raises:
+        ValueError: an unknown dtype name (:func:`parse_dtype`).
+    """
+    if requested != "auto":
+        parse_dtype(requested, "--dtype")
+        exact = " (the exact mode: every T=0 output must equal AR's)" if requested == "float32" else (
+            " (near-ties may flip between a verify forward and an AR step: divergences are reported with the "
+            "target's top-2 margin)")
+        return requested, f"--dtype {requested} requested{exact}"
+    if device.startswith("cuda"):
+        return "bfloat16", "auto: CUDA has native bf16 matrix arithmetic"
+    cap = torch.backends.cpu.get_cpu_capability()
+    if native_bf16()[0]:
+        return "bfloat16", f"auto: this CPU ({cap}) has native bf16 matrix arithmetic (oneDNN bf16)"
+    return "float32", (f"auto: this CPU ({cap}) has no native bf16 matrix arithmetic (oneDNN bf16 unsupported), where "
+                       "bf16 multi-token verify forwards are slower than fp32; float32 is both the exact mode "
+                       "(every output equal to AR's) and the faster one here")

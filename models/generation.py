@@ -83,3 +83,29 @@ def context_length(target) -> int | None:
     """The target's context in tokens (``config.max_position_embeddings``); None when its config gives none."""
     limit = getattr(target.config, "max_position_embeddings", None)
     return int(limit) if is_int(limit) and limit > 0 else None
+
+
+def sampling_problem(settings: dict, temperature: float, ignore: bool, *,
+                     ignore_hint: str = "--ignore-generation-config", zero_hint: str = "--temperature 0") -> str | None:
+    """Why a run cannot sample as the target's own ``generate`` would, or None when it may go ahead.
+
+    The decoders take the argmax at T = 0 and ``softmax(logits / T)`` samples at T > 0, exactly. The target's
+    generation-config settings (:func:`sampling_settings`: top_k, top_p, min_p, typical_p act at T > 0;
+    repetition_penalty at any T) would change that distribution, so a run where any of them acts is refused
+    unless the caller chose to ignore them.
+
+    Args:
+        settings: :func:`sampling_settings` of the target. temperature: the run's T >= 0.
+        ignore: the caller asked to decode without the settings (the CLI's ``--ignore-generation-config``).
+        ignore_hint, zero_hint: how the caller spells "ignore them" and "use T = 0" in the message.
+    Returns:
+        one line naming the acting settings and both fixes, or None.
+    """
+    acting = {k: v for k, v in settings.items() if temperature > 0 or k == "repetition_penalty"}
+    if not acting or ignore:
+        return None
+    named = ", ".join(f"{k}={v}" for k, v in acting.items())
+    return (f"the target's generation_config sets {named}, which dartree's decoders do not apply (they take "
+            f"{'softmax(logits / T) samples' if temperature > 0 else 'the argmax'} exactly); pass "
+            f"{ignore_hint} to decode without them"
+            + (f", or {zero_hint}" if temperature > 0 and "repetition_penalty" not in acting else ""))

@@ -7,7 +7,7 @@ runs one row; where the kernels round differently, a near-tie can flip and the o
 fp32 rarely). The cure is batch invariance (He et al., "Defeating Nondeterminism in LLM Inference", Thinking
 Machines Lab, 2025): every operation computes a row the same way whatever else is in the call.
 
-Measured per operation with ``python decode/invariance.py`` (default target, fp32, AMD EPYC AVX2): the RMSNorms,
+Measured per operation with ``python decode/harness/invariance.py`` (default target, fp32, AMD EPYC AVX2): the RMSNorms,
 rotary embedding and elementwise ops are row invariant already; the linear layers are not under the default
 packing (one row goes through ``F.linear``'s gemv, several rows through the packed oneDNN gemm), but the packed
 call itself is, for every row count; the attention is not (M queries over P + M keys with a mask against one query

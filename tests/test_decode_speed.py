@@ -230,7 +230,7 @@ def test_calibrate_measures_every_size(target, prompts):
         calibrate(target, drafter, [5])
 
 
-@pytest.mark.parametrize("builder", sorted(set(BUILDERS) - {"dartree-pruned", "dartree-fixed"}))
+@pytest.mark.parametrize("builder", sorted(BUILDERS))
 def test_draft_vocabulary_block_builds_the_same_tree_as_the_full_minus_inf_form(builder):
     g = torch.Generator().manual_seed(3)
     p, d = 6, 32

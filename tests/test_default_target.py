@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dartree.decode.generate import autoregressive_generate, speculative_generate
-from dartree.decode.prompts import load_prompts
+from dartree.decode.harness.prompts import load_prompts
 from dartree.models.checkpoint import load_dartree
 from dartree.models.target import load_target
 from dartree.training.data import chat_prompt_ids
@@ -70,7 +70,7 @@ def test_shipped_zlab_drafter_runs_in_zlabs_loop_as_in_ours(real):
     """checkpoints/dflash_b16_zlab exports to z-lab's layout; z-lab's own dflash_generate on the default target
     commits exactly our chain loop's tokens (= AR's) in exactly the same rounds."""
     pytest.importorskip("dflash")
-    from dartree.decode.peers import load_zlab_drafter, zlab_dflash
+    from dartree.decode.harness.peers import load_zlab_drafter, zlab_dflash
 
     target, _ = real
     ckpt = CKPT.parent / "dflash_b16_zlab"

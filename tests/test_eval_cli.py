@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dartree.decode.eval import report_warnings
+from dartree.decode.harness.report import report_warnings
 from dartree.models.checkpoint import save_dartree
 from dartree.models.drafter import DFlashDrafter, DrafterConfig
 from dartree.models.heads import MarkovHead
@@ -105,7 +105,7 @@ def test_eval_cli_bad_checkpoint_is_clear(tiny_folder, tmp_path):
 
 
 def test_tree_all_expands_to_every_builder_once():
-    from dartree.decode.eval import resolve_methods
+    from dartree.decode.harness.session import resolve_methods
 
     got = resolve_methods(["all"])
     assert got == ["chain", "ddtree", "fixed", "heap-sequential", "pctree", "pruned"]
@@ -145,15 +145,15 @@ def test_negative_threads_is_a_one_line_error(capsys):
 
 
 def test_ar_repeats_spread_through_a_prompts_rows():
-    from dartree.decode.eval import _spread_repeats
+    from dartree.decode.harness.session import spread_repeats
 
-    assert _spread_repeats(["b", "ar", "c", "d"], "ar", 2) == ["b", "ar", "c", "ar#2", "d"]
-    assert _spread_repeats(["ar", "m1", "m2", "m3", "p1", "p2"], "ar", 3) == [
+    assert spread_repeats(["b", "ar", "c", "d"], "ar", 2) == ["b", "ar", "c", "ar#2", "d"]
+    assert spread_repeats(["ar", "m1", "m2", "m3", "p1", "p2"], "ar", 3) == [
         "ar", "m1", "ar#2", "m2", "m3", "ar#3", "p1", "p2"]
-    assert _spread_repeats(["m1", "m2", "ar"], "ar", 3) == ["ar#2", "m1", "ar#3", "m2", "ar"]  # wraps to the front
-    assert _spread_repeats(["ar", "x"], "ar", 1) == ["ar", "x"]
+    assert spread_repeats(["m1", "m2", "ar"], "ar", 3) == ["ar#2", "m1", "ar#3", "m2", "ar"]  # wraps to the front
+    assert spread_repeats(["ar", "x"], "ar", 1) == ["ar", "x"]
     with pytest.raises(ValueError, match="repeats >= 1"):
-        _spread_repeats(["x"], "ar", 2)
+        spread_repeats(["x"], "ar", 2)
 
 
 @pytest.mark.slow
@@ -221,8 +221,8 @@ def test_report_writers_of_one_folder_never_share_a_temporary_file(tmp_path):
     """Two processes writing one report folder (two runs with the same --out) each write under their own temporary
     name: with a fixed ``report.md.tmp`` one writer's rename took the other's file and the other crashed
     (FileNotFoundError)."""
-    script = ("import sys; from pathlib import Path; from dartree.decode.eval import write_report_files; "
-              "from dartree.decode.report import attach_figures; out, k = Path(sys.argv[1]), sys.argv[2]\n"
+    script = ("import sys; from pathlib import Path; from dartree.decode.harness.report import write_report_files; "
+              "from dartree.decode.harness.report import attach_figures; out, k = Path(sys.argv[1]), sys.argv[2]\n"
               "for i in range(300):\n"
               "    write_report_files(out, {'writer': k, 'i': i}, f'# writer {k} row {i}\\n')\n"
               "    attach_figures(out / 'report.md', [])\n")
@@ -308,7 +308,7 @@ def test_eval_cli_stops_at_every_end_id_of_the_generation_config(tiny_folder, tm
     the target's own generate(do_sample=False) stops; the report names the stop ids, the sampling rule and the
     chat-template options."""
     from dartree.decode.generate import autoregressive_generate
-    from dartree.decode.prompts import load_prompts
+    from dartree.decode.harness.prompts import load_prompts
     from dartree.models.target import load_target
     from dartree.training.data import chat_prompt_ids
 
@@ -404,7 +404,7 @@ def test_eval_cli_refuses_a_sliding_window_target_before_calibrating(tiny_folder
 def test_eval_cli_refuses_a_prompt_past_the_context_before_decoding(tiny_folder, tmp_path):
     """A prompt plus --max-new-tokens past max_position_embeddings: one line naming the prompt, its length, the
     context and the fix, before calibration (was decoded past the context without a word)."""
-    from dartree.decode.prompts import load_prompts
+    from dartree.decode.harness.prompts import load_prompts
     from dartree.models.target import load_target
     from dartree.training.data import chat_prompt_ids
 
@@ -463,7 +463,7 @@ def test_eval_cli_prompts_file_replaces_the_packaged_sets(tiny_folder, tmp_path,
 
 
 def test_splits_are_named_mismatch_only_where_the_arithmetic_is_exact():
-    from dartree.decode.eval import lossless_cell, split_label
+    from dartree.decode.harness.report import lossless_cell, split_label
 
     real = {"mismatch": True, "exact": True, "first_divergence": 7, "margin_at_divergence": 0.01}
     tie = {**real, "exact": False}

@@ -1,4 +1,4 @@
-"""``make gpu-check`` stays alive without a GPU: ``decode/gpu_check.py --dry`` runs every section small and writes
+"""``make gpu-check`` stays alive without a GPU: ``kernels/gpu_check.py --dry`` runs every section small and writes
 the JSON report."""
 
 import json
@@ -35,6 +35,6 @@ def test_gpu_check_dry_writes_a_complete_report(tmp_path):
 
 
 def test_gpu_check_bad_time_limit_is_an_argument_error(tmp_path):
-    from dartree.decode.gpu_check import main
+    from dartree.kernels.gpu_check import main
 
     assert main(["--dry", "--time-limit", "0", "--out", str(tmp_path / "x.json")]) == 2

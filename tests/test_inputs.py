@@ -581,7 +581,7 @@ def test_an_output_folder_that_cannot_be_written_is_refused_before_any_work(tmp_
 
 
 def test_load_prompts_refuses_a_negative_limit():
-    from dartree.decode.prompts import load_prompts
+    from dartree.decode.harness.prompts import load_prompts
 
     with pytest.raises(ValueError, match=r"limit=-1 must be an integer >= 0"):
         load_prompts("mtbench", -1)  # items[:-1] used to drop the last prompt silently
@@ -655,7 +655,7 @@ def test_export_with_a_target_checks_the_pairing_for_every_format(tmp_path, save
 
 
 def test_report_out_under_a_file_is_refused_up_front(tmp_path, capsys):
-    from dartree.decode.report import main as report_main
+    from dartree.decode.harness.report import main as report_main
 
     afile = tmp_path / "afile"
     afile.write_text("keep me")
@@ -680,7 +680,7 @@ def test_report_out_under_a_file_is_refused_up_front(tmp_path, capsys):
 
 
 def test_corrupt_report_or_curve_json_names_the_file_and_the_fix(tmp_path, capsys):
-    from dartree.decode.report import main as report_main
+    from dartree.decode.harness.report import main as report_main
 
     rep = tmp_path / "rep"
     rep.mkdir()

@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from dartree.decode.invariance import _tree_mask, row_invariance_map
+from dartree.decode.harness.invariance import _tree_mask, row_invariance_map
 from dartree.models.invariant import invariant_attention, row_invariant
 
 

@@ -10,7 +10,7 @@ from conftest import VOCAB, make_drafter, make_markov
 from test_eval_cli import tiny_folder  # noqa: F401  (fixture: a tiny Llama target folder with a tokenizer)
 
 from dartree.decode.generate import autoregressive_generate, speculative_generate
-from dartree.decode.peers import hf_generate, hf_prompt_lookup, load_zlab_drafter, run_peer, zlab_dflash
+from dartree.decode.harness.peers import hf_generate, hf_prompt_lookup, load_zlab_drafter, run_peer, zlab_dflash
 from dartree.models.checkpoint import load_dartree, save_dartree
 from dartree.models.heads import IdentityHead
 from dartree.models.target import tiny_target
@@ -104,7 +104,7 @@ def test_unexportable_drafter_is_skipped_with_its_reason(tmp_path, target):
 
 
 def test_ar_bf16_peer_is_the_ar_loop_on_a_bf16_copy(target):
-    from dartree.decode.peers import ar_bf16
+    from dartree.decode.harness.peers import ar_bf16
 
     twin = tiny_target(vocab_size=VOCAB, dtype=torch.bfloat16)
     assert twin.dtype == torch.bfloat16

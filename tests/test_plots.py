@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dartree.decode import plots
-from dartree.decode import report as rpt
+from dartree.decode.harness import plots
+from dartree.decode.harness import report as rpt
 from dartree.training import curves as curves_mod
 from test_eval_cli import tiny_folder  # noqa: F401  (fixture: the tiny target and drafter folders)
 
@@ -235,13 +235,13 @@ def test_report_cli_redraws_one_and_overlays_several(tmp_path):
         rep["methods"]["chain"]["tau"] = tau
         (tmp_path / name).mkdir()
         (tmp_path / name / "report.json").write_text(json.dumps(rep))
-    one = subprocess.run([sys.executable, "decode/report.py", str(tmp_path / "dflash")], cwd=REPO,
+    one = subprocess.run([sys.executable, "decode/harness/report.py", str(tmp_path / "dflash")], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr
     assert (tmp_path / "dflash" / "tree_shape.png").is_file()
     assert "](acceptance.png)" in (tmp_path / "dflash" / "report.md").read_text()
     out = tmp_path / "cmp"
-    both = subprocess.run([sys.executable, "decode/report.py", str(tmp_path / "dflash"), str(tmp_path / "dspark"),
+    both = subprocess.run([sys.executable, "decode/harness/report.py", str(tmp_path / "dflash"), str(tmp_path / "dspark"),
                            "--out", str(out), "--draw-round", "1"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert both.returncode == 0, both.stderr
     md = (out / "report.md").read_text()
@@ -250,7 +250,7 @@ def test_report_cli_redraws_one_and_overlays_several(tmp_path):
     assert "round 1 of 3" in md
     merged = json.loads((out / "report.json").read_text())
     assert merged["methods"]["dspark/chain"]["tau"] == 2.5
-    bad = subprocess.run([sys.executable, "decode/report.py", str(tmp_path / "nothing")], cwd=REPO,
+    bad = subprocess.run([sys.executable, "decode/harness/report.py", str(tmp_path / "nothing")], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "holds no report.json" in bad.stderr and "Traceback" not in bad.stderr
 
@@ -259,7 +259,7 @@ def test_report_cli_redraws_one_and_overlays_several(tmp_path):
 def test_report_cli_draws_the_reference_learning_curves(tmp_path):
     ck = [REPO / "checkpoints" / n for n in ("dflash_b16", "domino_b16", "dspark_b16")]
     png = tmp_path / "curves.png"
-    r = subprocess.run([sys.executable, "decode/report.py", "--curves", *map(str, ck), "--out", str(png)], cwd=REPO,
+    r = subprocess.run([sys.executable, "decode/harness/report.py", "--curves", *map(str, ck), "--out", str(png)], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert png.read_bytes()[:4] == b"\x89PNG"

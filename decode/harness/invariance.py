@@ -1,6 +1,6 @@
 """Which operations of the target's forward give a row different bits alone than inside a larger call.
 
-``python decode/invariance.py [--dtype float32 bfloat16] [--rows 9 17] [--linear aten onednn]`` prints, for the
+``python decode/harness/invariance.py [--dtype float32 bfloat16] [--rows 9 17] [--linear aten onednn]`` prints, for the
 default target on the CPU at hand, a map of row invariance: a verify forward computes the logits of its first row
 (the root, whose context is exactly the committed prefix) in a call of M rows, the AR step computes the same row
 in a call of one; speculative decoding is lossless by construction only where they are bit-equal (the

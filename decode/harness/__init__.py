@@ -1,0 +1,10 @@
+"""The evaluation harness: what ``decode/eval.py`` and ``decode/bench.py`` stand on, kept apart from the decoding
+library in ``decode/`` (which never imports it).
+
+- :mod:`.session`: one evaluation session (target, drafter, packing, row-invariant mode, runs, cost models,
+  peers) and its per-prompt decode;
+- :mod:`.report`: report.json to report.md and the console (pure renderers) and the figures; :mod:`.plots` draws them;
+- :mod:`.peers`: the loops a user would otherwise run (transformers generate and prompt lookup, z-lab's DFlash);
+- :mod:`.prompts`: the packaged prompt sets and ``--prompts FILE``;
+- :mod:`.invariance`: the per-operation map of row invariance (``python decode/harness/invariance.py``).
+"""

@@ -1,0 +1,596 @@
+"""One evaluation session of ``decode/eval.py``: everything a run decodes with, built once (:func:`open_session`:
+target, checkpoint, prompts and their ids, matmul path and tuning, row-invariant mode, runs, cost models, peers,
+stop ids, sampling record), and the per-prompt decode that turns each prompt into report rows
+(:meth:`EvalSession.decode_prompt`). Rendering the rows is :mod:`dartree.decode.harness.report`'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from rich.console import Console
+from tqdm.auto import tqdm
+
+from dartree.decode.generate import ARStepper, GenerateOutput, autoregressive_generate, speculative_generate
+from dartree.decode.harness.peers import load_bf16_twin, load_zlab_drafter, run_peer
+from dartree.decode.harness.prompts import Prompt, load_prompt_file, load_prompts
+from dartree.decode.harness.report import (annotate_trees, build_report, report_console, report_markdown, split_label,
+                                           write_report_files)
+from dartree.decode.trees import BUILDERS, builder_name
+from dartree.models.chat import chat_prompt_ids, check_chat_template, messages_prompt_ids, text_prompt_ids
+from dartree.models.checkpoint import CheckpointError, load_dartree
+from dartree.models.dtypes import DTYPES, choose_dtype
+from dartree.models.generation import sampling_problem, sampling_settings
+from dartree.models.generation import stop_ids as target_stop_ids
+from dartree.models.packed import choose_linear, pack_linears, tune_linears
+from dartree.models.target import check_speculative_target, load_target
+
+LOOKUP_SUFFIX = "+lookup"  # BUILDER+lookup: the builder's tree with a prompt-lookup chain grafted on (decode/lookup.py)
+
+
+def resolve_methods(names: list[str]) -> list[str]:
+    """Expand ``all`` (every builder once) and the builders' aliases (:func:`dartree.decode.trees.builder_name`);
+    drop duplicates; ``ar`` means the baseline only. ``BUILDER+lookup`` keeps its suffix.
+
+    Raises:
+        KeyError: an unknown method name (lists the available ones).
+    """
+    out: list[str] = []
+    for n in names:
+        for m in (sorted(BUILDERS) if n == "all" else [n]):
+            base, plus = (m[: -len(LOOKUP_SUFFIX)], LOOKUP_SUFFIX) if m.endswith(LOOKUP_SUFFIX) else (m, "")
+            if base != "ar" or plus:
+                try:
+                    base = builder_name(base)
+                except KeyError:
+                    raise KeyError(f"unknown --tree {n!r}; available: ar, all, {', '.join(sorted(BUILDERS))}, each "
+                                   f"also as NAME{LOOKUP_SUFFIX}") from None
+            if base + plus not in out:
+                out.append(base + plus)
+    return [m for m in out if m != "ar"]
+
+
+def prompt_encoder(tok, mode: str, template_kwargs: dict) -> Callable[[str | list[dict]], list[int]]:
+    """text (one user turn) or a chat's messages -> prompt token ids for ``--chat-template`` ``mode`` (``auto``: the
+    tokenizer's chat template with ``template_kwargs``; ``none``: the raw text, and messages raise ValueError, as
+    they need a template).
+
+    Raises:
+        ValueError: no tokenizer, no chat template in ``auto`` mode, template options with ``none`` or that
+            ``apply_chat_template`` cannot take (:func:`dartree.models.chat.check_chat_template`); one line each.
+    """
+    if tok is None:
+        raise ValueError("the target has no tokenizer; eval needs it to tokenize the prompts")
+    if mode == "none":
+        if template_kwargs:
+            raise ValueError("--chat-template-kwargs needs a chat template; drop it with --chat-template none")
+
+        def raw(prompt: str | list[dict]) -> list[int]:
+            if not isinstance(prompt, str):
+                raise ValueError("chat messages need the chat template; drop --chat-template none")
+            return text_prompt_ids(tok, prompt)
+        return raw
+    check_chat_template(tok, template_kwargs, fix="pass --chat-template none to feed each prompt's raw text")
+    return lambda prompt: (chat_prompt_ids(tok, prompt, template_kwargs) if isinstance(prompt, str)
+                           else messages_prompt_ids(tok, prompt, template_kwargs))
+
+
+def encode_prompts(encode: Callable[[str], list[int]], prompts: list[Prompt], target, max_new_tokens: int
+                   ) -> list[list[int]]:
+    """The token ids of every prompt, checked against the target's context before any decoding.
+
+    Args:
+        encode: text or messages -> ids (:func:`prompt_encoder`). prompts: the data sets' prompts (a prompt with
+            ``messages`` is encoded from them, else from its text). target: the Target.
+        max_new_tokens: ``--max-new-tokens``.
+    Returns:
+        one [T_i] id list per prompt.
+    Raises:
+        ValueError: the chat template fails on a prompt, or a prompt plus ``max_new_tokens`` does not fit the
+            target's context (:func:`dartree.decode.inputs.check_context`); one line naming the prompt.
+    """
+    from dartree.decode.inputs import check_context
+
+    out = []
+    for p in prompts:
+        try:
+            ids = encode(p.text if p.messages is None else p.messages)
+        except Exception as exc:  # a template's own error (jinja2, ValueError, ...): one line naming the prompt
+            raise ValueError(f"the chat template failed on prompt {p.dataset}:{p.id}: {type(exc).__name__}: "
+                             f"{(str(exc).strip().splitlines() or [''])[0]}") from None
+        check_context(target, len(ids), max_new_tokens, f"prompt {p.dataset}:{p.id}", "lower --max-new-tokens")
+        out.append(ids)
+    return out
+
+
+def _first_divergence(a: list, b: list) -> int:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+@torch.no_grad()
+def _margin_at(target, prompt_ids: list, ref: list, idx: int) -> float:
+    """Target's top-2 logit margin when predicting ref[idx] after prompt + ref[:idx] (a near-tie check)."""
+    ids = torch.tensor([prompt_ids + ref[:idx]], device=target.device)
+    logits = target.forward(ids, logits_slice=slice(-1, None)).logits[0, -1]
+    top = torch.topk(logits.float(), 2).values
+    return float(top[0] - top[1])
+
+
+def spread_repeats(order: list[str], name: str, repeats: int) -> list[str]:
+    """``order`` with ``repeats - 1`` more runs of ``name`` (``name#2``, ``name#3``, ..): run j + 1 goes before the
+    row that comes ``round(j * n / repeats)`` rows after the first run (cyclically, n = ``len(order)``), so the
+    repeats spread over the prompt's rows and a drift of the machine's speed during them reaches the baseline
+    the way it reaches the other rows. E.g. (["b", "ar", "c", "d"], "ar", 2) -> ["b", "ar", "c", "ar#2", "d"].
+
+    Raises:
+        ValueError: ``name`` is not in ``order`` or ``repeats`` < 1.
+    """
+    if repeats < 1 or name not in order:
+        raise ValueError(f"need repeats >= 1 and {name!r} in the order, got {repeats} and {order}")
+    n, first = len(order), order.index(name)
+    before: dict[int, list[str]] = {}
+    for j in range(1, repeats):
+        before.setdefault((first + round(j * n / repeats)) % n, []).append(f"{name}#{j + 1}")
+    out: list[str] = []
+    for i, row in enumerate(order):
+        out += before.get(i, [])
+        out.append(row)
+    return out
+
+
+def _rows_text(rows: list[int]) -> str:
+    """Row counts as ranges for the console: [1, 2, 3, 9] -> "1-3, 9"; [] -> "none"."""
+    if not rows:
+        return "none"
+    parts, lo = [], rows[0]
+    for a, b in zip(rows, rows[1:] + [None]):
+        if b != a + 1:
+            parts.append(str(lo) if lo == a else f"{lo}-{a}")
+            lo = b
+    return ", ".join(parts)
+
+
+class Refused(Exception):
+    """A run refused before any decoding: ``args[0]`` is its one stderr line; the CLI exits with 2."""
+
+
+def read_prompt_file(args: argparse.Namespace) -> tuple[list[Prompt], dict | None]:
+    """The ``--prompts`` file's prompts and record (path, sha256, ...), checked before any model loads; with it,
+    ``args.datasets`` becomes the file's name. ([], None) without ``--prompts``.
+
+    Raises:
+        Refused: the file is unreadable or malformed, or has messages lines under ``--chat-template none``.
+    """
+    if args.prompts is None:
+        return [], None
+    try:
+        prompts, prompt_file = load_prompt_file(args.prompts, args.limit)
+    except ValueError as exc:
+        raise Refused(f"error: --prompts {exc}") from None
+    if args.chat_template == "none" and any(p.messages is not None for p in prompts):
+        raise Refused(f"error: --prompts {args.prompts} has \"messages\" lines, which need the chat template; drop "
+                       "--chat-template none, or give \"text\" lines")
+    args.datasets = [prompt_file["name"]]
+    return prompts, prompt_file
+
+
+def plan_runs(methods: list[str], budgets: list) -> dict[str, tuple[str, int | str | None]]:
+    """One run per (method, budget): run name -> (tree builder, budget). Chain drafts one node per proposal, so a
+    numeric budget does not size it: in a sweep it runs once at full length, and once more as METHOD@auto when the
+    sweep has auto."""
+    runs: dict[str, tuple[str, int | str | None]] = {}
+    for m in methods:
+        builder = m.removesuffix(LOOKUP_SUFFIX)
+        if builder == "chain" or len(budgets) == 1:
+            runs[m] = (builder, "auto" if budgets == ["auto"] else (None if builder == "chain" else budgets[0]))
+            if builder == "chain" and len(budgets) > 1 and "auto" in budgets:
+                runs[f"{m}@auto"] = (builder, "auto")
+        else:
+            for b in budgets:
+                runs[f"{m}@auto" if b == "auto" else f"{m}@B{b}"] = (builder, b)
+    return runs
+
+
+def _load_target(args: argparse.Namespace, dtype: torch.dtype):
+    """The target with its stop ids, generation-config sampling settings and prompt encoder, checked before
+    anything else is loaded or timed.
+
+    Raises:
+        Refused: the target does not load, or its sampling settings or chat template do not fit the run.
+    """
+    try:
+        target = load_target(args.target, dtype=dtype)
+    except (FileNotFoundError, RuntimeError, OSError, ValueError) as exc:
+        raise Refused(f"error: cannot load --target {args.target!r}: "
+                       f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0]}") from None
+    try:  # the target's own generation settings and prompt format, before anything else is loaded or timed
+        stop_ids, sampling = target_stop_ids(target), sampling_settings(target)
+        why = sampling_problem(sampling, args.temperature, args.ignore_generation_config)
+        if why is not None:
+            raise ValueError(why)
+        encode = prompt_encoder(target.tokenizer, args.chat_template, args.chat_template_kwargs)
+    except ValueError as exc:
+        raise Refused(f"error: --target {args.target}: {exc}") from None
+    return target, stop_ids, sampling, encode
+
+
+def _load_drafter_and_prompts(args: argparse.Namespace, target, dtype: torch.dtype, methods: list[str],
+                              prompts: list[Prompt], prompt_file: dict | None, encode: Callable):
+    """The checkpoint (None when only AR runs; the target then captures its layers), the packaged prompts (unless
+    ``--prompts`` gave them) and every prompt's ids, checked against the context and the decoder's needs.
+
+    Returns:
+        (dm, prompts, prompt_ids).
+    Raises:
+        Refused: a bad checkpoint, a missing prompt package, a prompt that does not fit, an unsupported target.
+    """
+    try:
+        dm = load_dartree(args.checkpoint, target=target, dtype=dtype) if methods else None
+    except CheckpointError as exc:
+        raise Refused(f"error: {exc}") from None
+    if dm is not None:
+        target.set_layer_ids(dm.drafter.cfg.target_layer_ids)
+    try:
+        for d in args.datasets if prompt_file is None else []:
+            prompts += load_prompts(d, args.limit, args.seed)
+    except (RuntimeError, KeyError, OSError) as exc:  # a prompt package missing or unreadable
+        raise Refused(f"error: --datasets {d}: {exc.args[0] if exc.args else exc}") from None
+    try:  # every prompt fits the context, and the decoder supports the target, before calibration and decoding
+        prompt_ids = encode_prompts(encode, prompts, target, args.max_new_tokens)
+        if dm is not None:  # a verify tree reaches a proposal (depth <= P) or a lookup token (depth <= --lookup)
+            depth = max(dm.drafter.cfg.num_proposals, args.lookup if any(LOOKUP_SUFFIX in m for m in methods) else 0)
+            check_speculative_target(target, max(map(len, prompt_ids), default=0) + args.max_new_tokens + depth)
+    except ValueError as exc:
+        raise Refused(f"error: {exc}") from None
+    return dm, prompts, prompt_ids
+
+
+def _pack_models(args: argparse.Namespace, console: Console, target, dm, dtype: torch.dtype):
+    """Pack the target's and drafter's linear layers on the ``--linear`` path and (onednn, unless ``--no-tune``)
+    time F.linear against it per weight shape.
+
+    Returns:
+        (linear, why, {weight shape: row counts where F.linear wins}).
+    Raises:
+        Refused: the requested path cannot run here.
+    """
+    try:
+        linear, linear_reason = choose_linear(args.linear, dtype, target.device)
+    except ValueError as exc:
+        raise Refused(f"error: {exc}") from None
+    ours = (target.model, *((dm.drafter, dm.head) if dm is not None else ()))
+    for module in ours:
+        pack_linears(module, linear)
+    console.print(f"linear layers: {linear}; {linear_reason}")
+    linear_tuning = {}
+    if linear == "onednn" and args.tune:  # per weight shape, the row counts at which F.linear beats the packed call here
+        tt0 = time.time()
+        linear_tuning = tune_linears(*ours)
+        console.print(f"linear paths tuned in {time.time() - tt0:.1f}s; F.linear wins at rows: "
+                      + "; ".join(f"{k}: {_rows_text(v)}" for k, v in linear_tuning.items()))
+    return linear, linear_reason, linear_tuning
+
+
+def _enter_invariant(args: argparse.Namespace, console: Console, target, modes: contextlib.ExitStack) -> dict | None:
+    """With ``--invariant``: enter the row-invariant mode in ``modes`` (after packing and tuning: the mode re-packs
+    the target for row invariance) and return its record; else None.
+
+    Raises:
+        Refused: the target has no row-invariant path.
+    """
+    if not args.invariant:
+        return None
+    from dartree.models.invariant import row_invariant
+
+    try:
+        mode = modes.enter_context(row_invariant(target))
+    except ValueError as exc:
+        raise Refused(f"error: --invariant: {exc}") from None
+    console.print(f"row-invariant verify: on (linear {mode.linear}: {mode.why}; attention one row per call)")
+    return {"linear": mode.linear, "why": mode.why}
+
+
+@dataclass
+class EvalSession:
+    """Everything one evaluation run decodes with, built once from the parsed arguments by :func:`open_session`:
+    the target and checkpoint, the prompts and their ids, the matmul path, the row-invariant mode, the runs
+    (name -> (builder, budget)), their cost models, the peers, the stop ids and the sampling settings."""
+
+    args: argparse.Namespace
+    console: Console
+    target: object
+    dm: object | None
+    dtype: torch.dtype
+    dtype_reason: str
+    runs: dict
+    budget: object
+    prompts: list
+    prompt_ids: list
+    prompt_file: dict | None
+    encode: Callable
+    stop_ids: list
+    sampling: dict
+    t0: float
+    linear: str = "aten"
+    linear_reason: str = ""
+    linear_tuning: dict = field(default_factory=dict)
+    invariant: dict | None = None
+    cost_models: dict = field(default_factory=dict)
+    peers: list = field(default_factory=list)
+    peers_skipped: dict = field(default_factory=dict)
+    zlab: object = None
+    twin: object = None
+
+    @property
+    def methods(self) -> list[str]:
+        """The run names besides AR (METHOD, METHOD@B<n>, METHOD@auto)."""
+        return list(self.runs)
+
+    @property
+    def names(self) -> list[str]:
+        """Every row of the report: ar, the methods, then the peers that run."""
+        return ["ar", *self.methods, *self.peers]
+
+    @property
+    def params(self) -> dict:
+        a = self.args
+        return {"k": a.candidates, "width": a.width, "beta": a.beta, "children": a.children}
+
+    @property
+    def exact_rows(self) -> bool:
+        """Whether a split from AR is a loss of exactness (fp32, or the row-invariant mode)."""
+        return self.dtype == torch.float32 or self.invariant is not None
+
+    @property
+    def sampling_record(self) -> dict:
+        """What this run's samplers do, and the target's own settings it did not apply."""
+        t = self.args.temperature
+        return {"temperature": t, "rule": "greedy (argmax)" if t == 0 else f"softmax(logits / {t}) samples",
+                "ignored": {k: v for k, v in self.sampling.items() if t > 0 or k == "repetition_penalty"},
+                "generation_config": self.sampling}
+
+    def run(self, method: str, ids: list, seed: int, max_new: int, record: bool = False) -> GenerateOutput:
+        """One decode of ``ids``; with --paired a method's output carries ``paired_ar``, the ARStepper that ran in
+        lockstep with it (then run to its end)."""
+        a, target = self.args, self.target
+        gen = torch.Generator().manual_seed(seed)
+        if method == "ar":
+            return autoregressive_generate(target, ids, max_new_tokens=max_new, temperature=a.temperature,
+                                           stop_ids=self.stop_ids, generator=gen)
+        builder, b = self.runs[method]
+        pair = ARStepper(target, ids, max_new_tokens=max_new, temperature=a.temperature, stop_ids=self.stop_ids,
+                         generator=torch.Generator().manual_seed(seed)) if a.paired else None
+        o = speculative_generate(
+            target, self.dm.drafter, self.dm.head, ids, builder=builder, max_new_tokens=max_new,
+            temperature=a.temperature, stop_ids=self.stop_ids, budget=b, generator=gen, builder_params=self.params,
+            record_trees=record, cost_model=self.cost_models.get(method), acceptance=a.acceptance,
+            lookup=a.lookup if LOOKUP_SUFFIX in method else 0, lookup_ngram=a.lookup_ngram,
+            lockstep=pair.run_to if pair is not None else None,
+        )
+        if pair is not None:
+            pair.run_to(max_new)
+            o.paired_ar = pair
+        return o
+
+    def run_peer_on(self, name: str, ids: list, max_new: int):
+        """One decode of ``ids`` by the peer ``name`` (:func:`dartree.decode.harness.peers.run_peer`)."""
+        return run_peer(name, self.target, ids, max_new_tokens=max_new, stop_ids=self.stop_ids,
+                        zlab_drafter=self.zlab, bf16_twin=self.twin)
+
+    def calibrate(self) -> None:
+        """The cost models of the ``--budget auto`` runs, calibrated on the first prompt."""
+        if not any(b == "auto" for _, b in self.runs.values()):
+            return
+        from dartree.decode.budget import calibrate
+
+        tc0 = time.time()
+        drafter = self.dm.drafter
+        cal = calibrate(self.target, drafter, self.prompt_ids[0] if self.prompts else [1, 2, 3],
+                        max_budget=drafter.cfg.num_proposals)
+        self.cost_models = {m: cal.fresh() for m, (_, b) in self.runs.items() if b == "auto"}
+        self.console.print(f"cost model calibrated in {time.time() - tc0:.1f}s: AR step {1000 * cal.t_ar:.1f} ms, "
+                           f"draft {1000 * cal.t_draft:.1f} ms, verify " + ", ".join(
+                               f"{t}: {1000 * v:.1f}" for t, v in sorted(cal.verify_s.items())) + " ms")
+
+    def load_peers(self) -> None:
+        """The ``--peers`` that can run (greedy only), each with what it needs; the others in ``peers_skipped``."""
+        a = self.args
+        for name in dict.fromkeys(a.peers):
+            if a.temperature != 0:
+                self.peers_skipped[name] = f"peers run greedy only; --temperature is {a.temperature}"
+                continue
+            if name == "zlab-dflash":
+                self.zlab, why = load_zlab_drafter(a.checkpoint, self.target)
+                if why is not None:
+                    self.peers_skipped[name] = why
+                    continue
+                pack_linears(self.zlab, self.linear)  # z-lab's drafter gets the same matmul path as ours
+                if self.linear_tuning:
+                    tune_linears(self.zlab)
+            if name == "ar-bf16":
+                if self.dtype == torch.bfloat16:
+                    self.peers_skipped[name] = "the run is bfloat16 already: its AR row is bf16 AR"
+                    continue
+                self.twin = load_bf16_twin(a.target)
+                twin_linear = choose_linear("aten" if a.linear == "aten" else "auto", torch.bfloat16,
+                                            self.twin.device)[0]
+                pack_linears(self.twin.model, twin_linear)
+            self.peers.append(name)
+        for name, why in self.peers_skipped.items():
+            self.console.print(f"[bold yellow]peer {name} skipped: {why}[/bold yellow]")
+
+    def warm_up(self) -> None:
+        """One short decode per row (AR, every method, every peer) before any timing."""
+        warm_ids = self.encode("Say hello.")
+        for m in ["ar", *self.methods]:
+            self.run(m, warm_ids, 0, 16)
+        for name in self.peers:
+            self.run_peer_on(name, warm_ids, 16)
+
+    def prompt_order(self, pi: int) -> list[str]:
+        """The decodes of prompt ``pi``, back to back in an order rotated per prompt (this machine's speed drifts
+        over minutes, and a fixed order would hand the same share of that drift to the same rows on every prompt),
+        with the AR repeats spread through it (ar#2, ...; :func:`spread_repeats`)."""
+        order = self.names
+        order = order[pi % len(order):] + order[:pi % len(order)]
+        return spread_repeats(order, "ar", self.args.ar_repeats)
+
+    def decode_prompt(self, pi: int, bar=None) -> tuple[dict[str, dict], dict[str, dict]]:
+        """Decode prompt ``pi`` with AR (``--ar-repeats`` times), every method and every peer (``bar``: a tqdm bar
+        stepped once per decode) and print its one-line summary.
+
+        Returns:
+            (that prompt's row per method, its recorded verify trees per method: the first prompt's only).
+        """
+        p, ids = self.prompts[pi], self.prompt_ids[pi]
+        seed = self.args.seed * 100003 + pi
+        order = self.prompt_order(pi)
+        row_of = {name: name.split("#")[0] for name in order}  # ar#2 .. are repeats of ar
+        outs = {}
+        for name in order:
+            if bar is not None:
+                bar.set_postfix_str(f"{p.dataset}:{p.id} {name}")
+            outs[name] = (self.run_peer_on(name, ids, self.args.max_new_tokens) if name in self.peers
+                          else self.run(row_of[name], ids, seed, self.args.max_new_tokens,
+                                        record=pi == 0 and row_of[name] != "ar"))
+            if bar is not None:
+                bar.update()
+        ar_runs = [outs[n] for n in order if row_of[n] == "ar"]
+        if any(o.tokens != outs["ar"].tokens for o in ar_runs):
+            self.console.print(f"[bold yellow]{p.dataset}:{p.id}: the AR repeats disagree (a non-deterministic "
+                               "kernel?); the first one is the reference[/bold yellow]")
+        new, new_trees, line = self.prompt_rows(pi, outs, ar_runs)
+        with tqdm.external_write_mode(file=sys.stderr):
+            self.console.print(", ".join(line))
+        return new, new_trees
+
+    def prompt_rows(self, pi: int, outs: dict, ar_runs: list) -> tuple[dict[str, dict], dict[str, dict], list[str]]:
+        """Prompt ``pi``'s row per method from its decodes ``outs`` (``ar_runs``: the AR repeats, first one the
+        reference), its recorded trees, and the parts of its console line."""
+        p, ids, ar = self.prompts[pi], self.prompt_ids[pi], outs["ar"]
+        base = {"dataset": p.dataset, "id": p.id}
+        new: dict[str, dict] = {}
+        new_trees: dict[str, dict] = {}
+        ar_times = [o.stats.decode_s for o in ar_runs]
+        new["ar"] = {**base, "new_tokens": ar.stats.new_tokens, "decode_s": sum(ar_times) / len(ar_times),
+                     "decode_s_repeats": ar_times, "accept_lengths": ar.stats.accept_lengths}
+        line = [f"[{pi + 1}/{len(self.prompts)}] {p.dataset}:{p.id} ar {ar.stats.new_tokens} tok"]
+        for m in self.methods:
+            o = outs[m]
+            row = {**base, "new_tokens": o.stats.new_tokens, "decode_s": o.stats.decode_s,
+                   "accept_lengths": o.stats.accept_lengths, "stage_s": o.stats.stage_s,
+                   "tree_nodes": o.stats.tree_nodes, "budgets": o.stats.budgets, "depth_nodes": o.stats.depth_nodes,
+                   "accepted_depths": o.stats.accepted_depths, "mismatch": None}
+            pair = getattr(o, "paired_ar", None)
+            if pair is not None:  # the AR decode that ran in lockstep with this one
+                row["paired_ar_decode_s"], row["paired_ar_new_tokens"] = pair.stats.decode_s, pair.stats.new_tokens
+            if pi == 0:
+                tok = self.target.tokenizer
+                new_trees[m] = {**base, "rounds": annotate_trees(o.stats.trees, lambda i: tok.decode([i]))}
+            if self.args.temperature == 0:
+                self.compare_with_ar(row, o.tokens, ids, ar.tokens, exact=self.exact_rows)
+            new[m] = row
+            line.append(f"{m} tau {o.stats.tau:.2f} {split_label(row)}".rstrip())
+        for m in self.peers:
+            o = outs[m]
+            row = {**base, "new_tokens": len(o.tokens), "decode_s": o.decode_s, "prefill_s": o.prefill_s,
+                   "accept_lengths": o.accept_lengths}
+            self.compare_with_ar(row, o.tokens, ids, ar.tokens, exact=False)  # a peer's own arithmetic may split
+            new[m] = row
+            line.append(f"{m} tau {o.tau:.2f} {split_label(row)}".rstrip())
+        return new, new_trees, line
+
+    def compare_with_ar(self, row: dict, tokens: list, ids: list, ref: list, exact: bool = True) -> None:
+        """Record in ``row`` whether ``tokens`` differ from AR's ``ref`` and, if so, the first divergence and the
+        target's top-2 logit margin there (a near-tie check); ``exact``: whether a split is a loss of exactness
+        (:func:`split_label`)."""
+        row["mismatch"], row["exact"] = tokens != ref, exact
+        if row["mismatch"]:
+            idx = _first_divergence(tokens, ref)
+            row["first_divergence"] = idx
+            row["margin_at_divergence"] = _margin_at(self.target, ids, ref, idx)
+
+    def environment(self, done: int, interrupted: str | None = None) -> dict:
+        """report.json's ``environment``: the machine, versions and every setting of the run, with the first
+        ``done`` prompts; ``interrupted``: the signal's name when the run was stopped."""
+        a, target, dm = self.args, self.target, self.dm
+        return {
+            "device": str(target.device), "dtype": a.dtype, "dtype_reason": self.dtype_reason,
+            "linear": self.linear, "linear_reason": self.linear_reason, "linear_aten_rows": self.linear_tuning,
+            "row_invariant": self.invariant, "attn_implementation": target.config._attn_implementation,
+            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+            "python": platform.python_version(), "platform": platform.platform(), "threads": torch.get_num_threads(),
+            "target": target.name, "checkpoint": str(a.checkpoint) if self.methods else None,
+            "max_new_tokens": a.max_new_tokens, "temperature": a.temperature, "seed": a.seed,
+            "acceptance": a.acceptance, "lookup": a.lookup, "lookup_ngram": a.lookup_ngram,
+            "stop_ids": self.stop_ids, "sampling": self.sampling_record,
+            "chat_template": "tokenizer" if a.chat_template == "auto" else "none (raw prompt text)",
+            "chat_template_kwargs": a.chat_template_kwargs,
+            "budget": self.budget, "builder_params": self.params, "ar_repeats": a.ar_repeats, "paired": a.paired,
+            "cost_models": {m: cm.summary() for m, cm in self.cost_models.items()},
+            "proposals": dm.drafter.cfg.num_proposals if dm is not None else None,
+            "prompts": [{"dataset": p.dataset, "id": p.id, "text": p.text[:120]} for p in self.prompts[:done]],
+            "prompt_file": self.prompt_file,
+            "prompts_done": done, "prompts_planned": len(self.prompts), "interrupted": interrupted,
+        }
+
+    def write_report(self, rows: dict, trees: dict, done: int, sig, show: bool,
+                     interrupted: str | None = None) -> dict:
+        """Aggregate the rows of the first ``done`` prompts; write report.json/md atomically (after every prompt,
+        so a long run can be read, or survive an interruption, before it ends), inside ``sig.held()``; ``show``:
+        print the tables too."""
+        report = build_report(self.environment(done, interrupted), rows, trees, self.methods, self.peers,
+                              self.args.datasets, self.peers_skipped)
+        md = report_markdown(report)
+        if show:
+            for item in report_console(report):
+                self.console.print(item)
+        with sig.held():
+            write_report_files(Path(self.args.out), report, md)
+        return report
+
+
+def open_session(args: argparse.Namespace, console: Console, modes: contextlib.ExitStack) -> EvalSession:
+    """Load and check everything a run needs, in the order the CLI always has (prompt file, methods, dtype, target,
+    checkpoint, prompts, matmul path, row-invariant mode, cost models, peers), printing each choice.
+
+    Raises:
+        Refused: a bad argument, target, checkpoint or prompt set (one line; exit 2).
+    """
+    prompts, prompt_file = read_prompt_file(args)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        methods = resolve_methods(args.tree)
+    except KeyError as exc:
+        raise Refused(f"error: {exc.args[0]}") from None
+    args.dtype, dtype_reason = choose_dtype(args.dtype)
+    dtype = DTYPES[args.dtype]
+    console.print(f"mode: {args.dtype}; {dtype_reason}")
+    budgets = list(args.budget)
+    budget = budgets[0] if len(budgets) == 1 else budgets
+    runs = plan_runs(methods, budgets)
+    t0 = time.time()
+    target, stop_ids, sampling, encode = _load_target(args, dtype)
+    dm, prompts, prompt_ids = _load_drafter_and_prompts(args, target, dtype, methods, prompts, prompt_file, encode)
+    s = EvalSession(args=args, console=console, target=target, dm=dm, dtype=dtype, dtype_reason=dtype_reason,
+                    runs=runs, budget=budget, prompts=prompts, prompt_ids=prompt_ids, prompt_file=prompt_file,
+                    encode=encode, stop_ids=stop_ids, sampling=sampling, t0=t0)
+    s.linear, s.linear_reason, s.linear_tuning = _pack_models(args, console, target, dm, dtype)
+    s.invariant = _enter_invariant(args, console, target, modes)
+    console.print(f"target {target.name} ({args.dtype}), {len(prompts)} prompts, methods: ar + {methods}, "
+                  f"budget {budget}; loaded in {time.time() - t0:.1f}s")
+    s.calibrate()
+    s.load_peers()
+    return s
