@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from dartree.decode.generate import autoregressive_generate
-from dartree.training.data import DataSpec, looks_like_code, regenerate_responses, sharegpt_prompts
+from dartree.training.data import (DataSpec, draw_conversations, looks_like_code, regenerate_responses,
+                                   sharegpt_dialogues)
 from dartree.training.regen import continuous_greedy
 
 MAX_NEW = 10
@@ -119,24 +120,36 @@ def test_regenerate_responses_resumes_after_a_torn_write(target, stop_and_refere
     rows = [json.loads(line) for line in whole.read_text().splitlines()]
     assert [r["index"] for r in rows] == list(range(len(prompts)))
     assert [r["response_ids"] for r in rows] == ref and [r["prompt_ids"] for r in rows] == prompts
-    # a killed run: four complete lines, then half a line
+    assert [r["loss_mask"] for r in rows] == [[1] * len(x) for x in ref] and {r["turns"] for r in rows} == {1}
+    # a killed run: four complete lines, then half a line (rows without "turn", as single-turn runs wrote them
+    # before the one pipeline: turn 0)
     cut = tmp_path / "cut"
     cut.mkdir()
-    lines = whole.read_text().splitlines()
+    lines = [json.dumps({"index": r["index"], "prompt_ids": r["prompt_ids"], "response_ids": r["response_ids"]})
+             for r in rows]
     (cut / "responses.partial.jsonl").write_text("\n".join(lines[:4]) + "\n" + lines[4][:17])
     again = regenerate_responses(target, spec, cut, prompts=prompts, stop_id=stop)
     assert again.read_text() == whole.read_text()
     assert not (cut / "responses.partial.jsonl").exists()
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         regenerate_responses(target, DataSpec(max_new_tokens=0), tmp_path / "z", prompts=prompts, stop_id=stop)
+    with pytest.raises(ValueError, match="holdout_set=fixed draws its own held-out conversations"):
+        regenerate_responses(target, spec, prompts=prompts, stop_id=stop, holdout_set="fixed", holdout=2)
+    with pytest.raises(ValueError, match="source 'hf' / holdout_set 'tail' unknown; use data.source=sharegpt"):
+        regenerate_responses(target, spec, source="hf", stop_id=stop)
 
 
-def test_sharegpt_prompts_mix_code_prompts_beside_chat():
-    mixed = sharegpt_prompts(40, 0, code_fraction=0.25)
+def test_the_draw_mixes_code_conversations_beside_chat():
+    pool = sharegpt_dialogues(1)
+    mixed = draw_conversations(pool, 40, 0, code_fraction=0.25)
     assert len(mixed) == 40 == len(set(mixed))
-    assert sum(map(looks_like_code, mixed)) == 10
-    assert mixed == sharegpt_prompts(40, 0, code_fraction=0.25)  # deterministic
+    assert sum(looks_like_code(pool[i][0]) for i in mixed) == 10
+    assert mixed == draw_conversations(pool, 40, 0, code_fraction=0.25)  # deterministic
+    assert draw_conversations(pool, 40, 3) == draw_conversations(pool, 80, 3)[:40]  # no code share: a prefix
     assert looks_like_code("Write a Python function that reverses a list")
     assert not looks_like_code("What is the capital of France?")
     with pytest.raises(ValueError, match="code_fraction"):
-        sharegpt_prompts(4, 0, code_fraction=1.5)
+        draw_conversations(pool, 4, 0, code_fraction=1.5)
+    with pytest.raises(ValueError, match=f"asked for {len(pool) + 1} ShareGPT prompts but only {len(pool)} are "
+                                         "usable; lower data.num_prompts"):
+        draw_conversations(pool, len(pool) + 1, 0)

@@ -24,14 +24,7 @@ from dartree.models.target import Target, load_target
 from dartree.training.campaign_data import CampaignData, campaign_rows
 from dartree.training.campaign_store import DEFAULT_DIR, CampaignError
 from dartree.training.checks import template_kwargs
-from dartree.training.data import (
-    BlockData,
-    DataSpec,
-    build_dialogue_data,
-    compute_features,
-    random_prompts,
-    regenerate_responses,
-)
+from dartree.training.data import BlockData, DataSpec, compute_features, regenerate_responses
 from dartree.training.recipe import RecipeError
 
 # format of the older training checkpoints (read by load_init and convert/to_dartree.py)
@@ -141,9 +134,9 @@ def rope_theta(tcfg) -> float:
 def prepare_data(cfg: DictConfig, target: Target) -> BlockData:
     """Regenerate responses (cached) and cache features for ``target``'s layer ids; return BlockData.
 
-    Single-turn data with the tail held-out set (``data.max_turns=1``, ``data.holdout_set=tail``, the shipped
-    recipes) is :func:`~dartree.training.data.regenerate_responses` (unchanged cache folders); multi-turn data or
-    a fixed held-out set is :func:`~dartree.training.data.build_dialogue_data`.
+    Every ShareGPT or random data set, single-turn (``data.max_turns=1``, the shipped recipes) or multi-turn, with
+    either held-out set, is :func:`~dartree.training.data.regenerate_responses` (one pipeline; single-turn data
+    keeps its cache folders).
 
     Raises:
         RecipeError: an unknown ``data.source``, or a data problem (too few usable prompts), named.
@@ -176,15 +169,9 @@ def prepare_data(cfg: DictConfig, target: Target) -> BlockData:
     gen_target = target if gen_dtype == target.dtype else load_recipe_target(cfg.target.path, gen_dtype)
     # every stage stops where the target's own generate stops (dartree.models.generation.stop_ids)
     try:
-        if spec.max_turns > 1 or holdout_set != "tail":
-            responses = build_dialogue_data(gen_target, spec, source=d.source, holdout=d.holdout,
-                                            holdout_set=holdout_set, holdout_turns=int(d.get("holdout_turns", 0)),
-                                            random_prompt_len=d.random_prompt_len)
-        elif cfg.data.source == "sharegpt":
-            responses = regenerate_responses(gen_target, spec)
-        else:
-            prompts = random_prompts(spec.num_prompts, cfg.data.random_prompt_len, target.vocab_size, spec.seed)
-            responses = regenerate_responses(gen_target, spec, prompts=prompts)
+        responses = regenerate_responses(gen_target, spec, source=d.source, holdout=d.holdout,
+                                         holdout_set=holdout_set, holdout_turns=int(d.get("holdout_turns", 0)),
+                                         random_prompt_len=d.random_prompt_len)
     except ValueError as exc:
         raise RecipeError(f"data: {exc}") from None
     del gen_target

@@ -1,24 +1,27 @@
-"""Training data: ShareGPT prompts, target-regenerated responses, cached target features, block sampling.
+"""Training data: ShareGPT conversations, target-regenerated answers, cached target features, block sampling.
 
-Pipeline (each stage cached under ``cache_root()/data/<hash>`` and reused when its inputs are unchanged):
+One pipeline for every data set (:func:`regenerate_responses`; each stage cached under ``cache_root()/data/<hash>``
+and reused when its inputs are unchanged):
 
-1. prompts: first human turns of the whole ShareGPT conversations (the packaged JSON is truncated, so it is
-   decoded object by object and the partial tail is dropped), chat-templated by the target's tokenizer;
-2. responses: greedy continuations by the target itself (DFlash / DSpark practice: train on the target's own
-   outputs: SpecForge ``docs/basic_usage/data_preparation.md``, DSpark arXiv 2607.05147 Sec. 4.1), generated
-   shortest prompt first with continuous batching (a finished row's slot takes the next prompt:
-   :mod:`dartree.training.regen`) and appended as rows finish, so an interrupted run resumes where it stopped;
+1. conversations: the human turns of the whole ShareGPT conversations (the packaged JSON is truncated, so it is
+   decoded object by object and the partial tail is dropped; :func:`sharegpt_dialogues`), up to ``data.max_turns``
+   of each, ``data.num_prompts`` of them drawn by ``data.seed`` (:func:`pick_dialogues`), rendered by the target's
+   chat template into per-turn segments (:func:`dialogue_segments`). Single-turn data (``data.max_turns=1``, the
+   shipped recipes) is the case of one turn per conversation: its first prompt is the chat-templated first turn;
+2. answers: greedy continuations by the target itself (DFlash / DSpark practice: train on the target's own
+   outputs: SpecForge ``docs/basic_usage/data_preparation.md``, DSpark arXiv 2607.05147 Sec. 4.1). The target
+   regenerates every assistant turn in order, with its own earlier answers as the history, with continuous
+   batching (a finished row's slot takes the next prompt or the next turn of its conversation:
+   :mod:`dartree.training.regen`; :func:`regenerate_dialogues`), shortest first, appended as rows finish, so an
+   interrupted run resumes where it stopped. Each row carries ``loss_mask``: 1 on the tokens the target generated,
+   0 on the chat template and the user turns; the loss and the anchors use it (:func:`sample_anchors`,
+   :func:`dartree.training.losses.label_mask`), as SpecForge trains on assistant tokens only;
 3. features: one target forward per sequence storing the captured layer outputs [T, nL*D] and the final
    (normed) hidden state [T, D] in bf16, from which training recomputes the target distribution p_t.
 
-Multi-turn data (``data.max_turns`` > 1, :func:`build_dialogue_data`): up to that many human turns of each ShareGPT
-conversation; the target regenerates every assistant turn in order, with its own earlier answers as the history
-(round t regenerates turn t of every conversation still going, so a killed run resumes inside a round). Each row
-then carries ``loss_mask``: 1 on the tokens the target generated, 0 on the chat template and the user turns; the
-loss and the anchors use it (:func:`sample_anchors`, :func:`dartree.training.losses.label_mask`), as SpecForge
-trains on assistant tokens only. A fixed held-out set (``data.holdout_set=fixed``): the conversations first in
-SHA-256 order of their first human turn (:func:`holdout_rank`), regenerated once into their own cache folder and
-never trained on, so held-out curves compare across ``data.num_prompts`` and ``data.seed``.
+A fixed held-out set (``data.holdout_set=fixed``): the conversations first in SHA-256 order of their first human
+turn (:func:`holdout_rank`), regenerated once into their own cache folder and never trained on, so held-out curves
+compare across ``data.num_prompts`` and ``data.seed``.
 
 Dimension letters as in :mod:`dartree.models.target`.
 """
@@ -41,7 +44,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from dartree.models.chat import chat_prompt_ids, check_chat_template
+from dartree.models.chat import chat_prompt_ids, check_chat_template  # noqa: F401 (chat_prompt_ids: re-exported)
 from dartree.models.generation import stop_ids as target_stop_ids
 from dartree.models.target import Target, cache_root
 from dartree.models.validate import is_int
@@ -93,66 +96,6 @@ def looks_like_code(text: str) -> bool:
     return bool(_CODE.search(text))
 
 
-def sharegpt_prompts(num: int, seed: int, *, min_chars: int = 8, max_chars: int = 2000,
-                     code_fraction: float = 0.0) -> list[str]:
-    """Return ``num`` distinct first human turns from ShareGPT, deterministically shuffled by ``seed``.
-
-    With ``code_fraction`` > 0, ``round(num * code_fraction)`` of them are programming prompts
-    (:func:`looks_like_code`) and the rest are not (the issue's "code prompts beside chat"; HumanEval, an eval
-    set, is never used for training). The result is shuffled so both kinds are spread over it.
-
-    Raises:
-        ValueError: fewer than ``num`` usable prompts (or too few of either kind) exist, or ``code_fraction``
-            is outside [0, 1].
-    """
-    if not 0.0 <= code_fraction <= 1.0:
-        raise ValueError(f"data.code_fraction must be in [0, 1] (got {code_fraction})")
-    seen, prompts = set(), []
-    for conv in iter_sharegpt_conversations():
-        turns = conv.get("conversations") or []
-        if not turns or turns[0].get("from") != "human":
-            continue
-        text = (turns[0].get("value") or "").strip()
-        if not (min_chars <= len(text) <= max_chars) or text in seen:
-            continue
-        seen.add(text)
-        prompts.append(text)
-    random.Random(seed).shuffle(prompts)
-    if code_fraction > 0:
-        n_code = round(num * code_fraction)
-        code = [p for p in prompts if looks_like_code(p)]
-        chat = [p for p in prompts if not looks_like_code(p)]
-        if len(code) < n_code or len(chat) < num - n_code:
-            raise ValueError(f"asked for {n_code} code and {num - n_code} other ShareGPT prompts but only "
-                             f"{len(code)} and {len(chat)} are usable; lower data.num_prompts or data.code_fraction")
-        prompts = code[:n_code] + chat[: num - n_code]
-        random.Random(seed + 1).shuffle(prompts)
-        return prompts
-    if len(prompts) < num:
-        raise ValueError(f"asked for {num} ShareGPT prompts but only {len(prompts)} are usable; lower data.num_prompts")
-    return prompts[:num]
-
-
-def chat_prompts(tokenizer, num: int, seed: int, max_prompt_tokens: int, code_fraction: float = 0.0,
-                 template_kwargs: dict | None = None) -> list[list[int]]:
-    """Token ids of up to ``num`` chat-templated ShareGPT prompts of at most ``max_prompt_tokens`` tokens, drawn
-    from ``2 * num`` candidates of :func:`sharegpt_prompts` (same ``seed`` and ``code_fraction``) in order;
-    ``template_kwargs`` as :func:`chat_prompt_ids`.
-
-    Raises:
-        ValueError: from :func:`sharegpt_prompts` or :func:`check_chat_template`.
-    """
-    check_chat_template(tokenizer, template_kwargs)
-    out = []
-    for text in sharegpt_prompts(num * 2, seed, code_fraction=code_fraction):
-        ids = chat_prompt_ids(tokenizer, text, template_kwargs)
-        if len(ids) <= max_prompt_tokens:
-            out.append(ids)
-        if len(out) == num:
-            break
-    return out
-
-
 # An assistant message's stand-in while a conversation is rendered through the chat template: the text around
 # it is the template's own (turn ends, user turns, generation prompts), cut at it into per-turn segments.
 ASSISTANT_SLOT = "\u2063dartree-assistant-turn\u2063"
@@ -161,13 +104,14 @@ HOLDOUT_SEED = 0x5EED_401D
 
 
 def sharegpt_dialogues(max_turns: int, *, min_chars: int = 8, max_chars: int = 2000) -> list[list[str]]:
-    """The human turns of every usable ShareGPT conversation, in file order, for multi-turn regeneration.
+    """The human turns of every usable ShareGPT conversation, in file order: the pool every data set is drawn from
+    (:func:`pick_dialogues`; ``max_turns=1``: the first turns only, single-turn data).
 
     A conversation is usable when it opens with a human turn of ``min_chars``..``max_chars`` characters that no
-    earlier conversation opened with (the first-turn rule of :func:`sharegpt_prompts`). Its later human turns
-    follow while the speakers alternate human / other (the recorded answers are dropped: the target writes its
-    own) and each is ``min_chars``..``max_chars`` long; at most ``max_turns`` are kept. In the packaged file
-    about 11.1k conversations open with a human turn, 7.5k of them with two or more.
+    earlier conversation opened with. Its later human turns follow while the speakers alternate human / other (the
+    recorded answers are dropped: the target writes its own) and each is ``min_chars``..``max_chars`` long; at
+    most ``max_turns`` are kept. In the packaged file 8,889 conversations are usable, 6,063 of them with a second
+    human turn.
 
     Returns:
         One list of 1..max_turns user texts per conversation.
@@ -197,6 +141,44 @@ def sharegpt_dialogues(max_turns: int, *, min_chars: int = 8, max_chars: int = 2
                 texts.append(text)
         out.append(texts)
     return out
+
+
+def draw_conversations(pool: Sequence[Sequence[str]], num: int, seed: int, code_fraction: float = 0.0) -> list[int]:
+    """Indices of ``num`` distinct conversations of ``pool``, deterministically shuffled by ``seed``.
+
+    The pool's indices are shuffled by ``seed`` (``random.Random(seed).shuffle``) and the first ``num`` taken. With
+    ``code_fraction`` > 0, ``round(num * code_fraction)`` of them are conversations that open with a programming
+    prompt (:func:`looks_like_code` of the first turn) and the rest are not, each kind in shuffled order, and the
+    two are shuffled together by ``seed + 1`` so both kinds are spread over the result (the issue's "code prompts
+    beside chat"; HumanEval, an eval set, is never used for training). The draw depends on the first turns and
+    the pool's length only.
+
+    Args:
+        pool: conversations as lists of user texts (:func:`sharegpt_dialogues`), at least one turn each.
+        num: conversations wanted. seed: shuffle seed. code_fraction: share of programming conversations.
+    Returns:
+        ``num`` indices into ``pool``.
+    Raises:
+        ValueError: ``code_fraction`` outside [0, 1]; fewer than ``num`` conversations in the pool (or too few of
+            either kind), with the fix (lower data.num_prompts or data.code_fraction).
+    """
+    if not 0.0 <= code_fraction <= 1.0:
+        raise ValueError(f"data.code_fraction must be in [0, 1] (got {code_fraction})")
+    order = list(range(len(pool)))
+    random.Random(seed).shuffle(order)
+    if code_fraction > 0:
+        n_code = round(num * code_fraction)
+        code = [i for i in order if looks_like_code(pool[i][0])]
+        chat = [i for i in order if not looks_like_code(pool[i][0])]
+        if len(code) < n_code or len(chat) < num - n_code:
+            raise ValueError(f"asked for {n_code} code and {num - n_code} other ShareGPT prompts but only "
+                             f"{len(code)} and {len(chat)} are usable; lower data.num_prompts or data.code_fraction")
+        out = code[:n_code] + chat[: num - n_code]
+        random.Random(seed + 1).shuffle(out)
+        return out
+    if len(order) < num:
+        raise ValueError(f"asked for {num} ShareGPT prompts but only {len(order)} are usable; lower data.num_prompts")
+    return order[:num]
 
 
 def holdout_rank(text: str) -> str:
@@ -336,39 +318,50 @@ def pick_dialogues(pool: Sequence[Sequence[str]], num: int, seed: int, code_frac
                    segment) -> list[list[list[int]]]:
     """Draw ``num`` conversations from ``pool``, deterministically, and return their segments.
 
-    The pool is shuffled by ``seed`` and walked in that order; ``segment(turns)`` (:func:`dialogue_segments`
-    bound to a tokenizer) gives a conversation's segments or None (first prompt too long: skipped). With
-    ``code_fraction`` > 0, ``round(num * code_fraction)`` of them open with a programming prompt
-    (:func:`looks_like_code`) and the rest do not, shuffled together by ``seed + 1`` (as :func:`sharegpt_prompts`).
+    ``2 * num`` candidates are drawn (:func:`draw_conversations` with ``seed`` and ``code_fraction``) and walked in
+    that order; ``segment(turns)`` (:func:`dialogue_segments` bound to a tokenizer) gives a candidate's segments
+    or None (its first prompt is too long: skipped); the first ``num`` usable ones are kept. With a pool of first
+    turns (``max_turns=1``) this is the single-turn draw the shipped recipes' data sets were made with.
 
+    Returns:
+        ``num`` conversations, each a list of segments.
     Raises:
-        ValueError: ``code_fraction`` outside [0, 1], or fewer than ``num`` usable conversations (of either kind).
+        ValueError: ``code_fraction`` outside [0, 1]; the pool holds fewer than ``2 * num`` conversations (or too
+            few of either kind); fewer than ``num`` of the candidates fit; each names the fix.
     """
-    if not 0.0 <= code_fraction <= 1.0:
-        raise ValueError(f"data.code_fraction must be in [0, 1] (got {code_fraction})")
-    order = list(range(len(pool)))
-    random.Random(seed).shuffle(order)
-    n_code = round(num * code_fraction) if code_fraction > 0 else 0
-    want = {True: n_code, False: num - n_code}
-    got: dict[bool, list] = {True: [], False: []}
-    for i in order:
-        kind = bool(code_fraction > 0 and looks_like_code(pool[i][0]))
-        if len(got[kind]) >= want[kind]:
-            continue
+    try:
+        candidates = draw_conversations(pool, 2 * num, seed, code_fraction)
+    except ValueError as exc:
+        raise ValueError(f"data.num_prompts={num} draws {2 * num} candidate conversations: {exc}") from None
+    out = []
+    for i in candidates:
         segs = segment(pool[i])
-        if segs is None:
-            continue
-        got[kind].append(segs)
-        if len(got[True]) + len(got[False]) == num:
-            break
-    if len(got[True]) < want[True] or len(got[False]) < want[False]:
-        raise ValueError(f"asked for {want[True]} code and {want[False]} other ShareGPT conversations but only "
-                         f"{len(got[True])} and {len(got[False])} are usable; lower data.num_prompts or "
-                         "data.code_fraction")
-    out = got[True] + got[False]
-    if code_fraction > 0:
-        random.Random(seed + 1).shuffle(out)
-    return out
+        if segs is not None:
+            out.append(segs)
+            if len(out) == num:
+                return out
+    raise ValueError(f"data.num_prompts={num}: only {len(out)} of the {len(candidates)} candidate conversations have "
+                     "a first prompt within data.max_prompt_tokens; raise data.max_prompt_tokens or lower "
+                     "data.num_prompts")
+
+
+def chat_prompts(tokenizer, num: int, seed: int, max_prompt_tokens: int, code_fraction: float = 0.0,
+                 template_kwargs: dict | None = None) -> list[list[int]]:
+    """Token ids of the ``num`` chat-templated ShareGPT prompts of single-turn data (the first turns of
+    :func:`pick_dialogues` over ``sharegpt_dialogues(1)``; ``template_kwargs`` as :func:`chat_prompt_ids`): the
+    prompts :func:`regenerate_responses` answers for a recipe with these settings and ``data.max_turns=1``.
+
+    Returns:
+        ``num`` lists of token ids, at most ``max_prompt_tokens`` long each.
+    Raises:
+        ValueError: from :func:`pick_dialogues` or :func:`check_chat_template`.
+    """
+    check_chat_template(tokenizer, template_kwargs)
+
+    def segment(turns):
+        return dialogue_segments(tokenizer, turns, max_prompt_tokens, template_kwargs)
+
+    return [segs[0] for segs in pick_dialogues(sharegpt_dialogues(1), num, seed, code_fraction, segment)]
 
 
 def random_dialogues(num: int, max_turns: int, length: int, vocab_size: int, seed: int, stop_id: int,
@@ -395,13 +388,16 @@ class DataSpec:
     """What defines a regenerated data set (its hash names the cache folder).
 
     Attributes:
-        num_prompts: number of ShareGPT prompts.
-        max_prompt_tokens: prompts longer than this (after the chat template) are skipped.
+        num_prompts: number of conversations (ShareGPT or random; one prompt each for single-turn data).
+        max_prompt_tokens: a conversation whose first prompt is longer than this (after the chat template) is
+            skipped; a later turn longer than this ends it (:func:`dialogue_segments`).
         max_new_tokens: response cap, in tokens (the eval length is a good choice).
         seed: prompt shuffle seed.
         batch_size: generation slots (rows decoded together; a finished row takes the next prompt).
-        code_fraction: about this share of the prompts are programming prompts (:func:`sharegpt_prompts`).
-        max_turns: human turns per conversation (1: the first turn only; > 1: :func:`regenerate_dialogues`).
+        code_fraction: about this share of the conversations open with a programming prompt
+            (:func:`draw_conversations`).
+        max_turns: human turns per conversation, each answered by the target (:func:`regenerate_dialogues`); 1:
+            the first turn only (single-turn data).
         max_seq_tokens: with max_turns > 1, a later turn is regenerated only while its prompt (the history) plus
             ``max_new_tokens`` fits in this many tokens; the conversation ends at the first turn that does not.
         chat_template_kwargs: extra chat-template variables (``data.chat_template_kwargs``, e.g.
@@ -418,12 +414,6 @@ class DataSpec:
     max_turns: int = 1
     max_seq_tokens: int = 2048
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
-
-
-def random_prompts(num: int, length: int, vocab_size: int, seed: int, low: int = 2) -> list[list[int]]:
-    """Random token prompts (ids in [low, vocab_size)) for tiny test recipes without a tokenizer."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(low, vocab_size, (num, length), generator=g).tolist()
 
 
 class _PartialLog:
@@ -476,9 +466,11 @@ class _PartialLog:
 
 
 def responses_key(target: Target, spec: DataSpec, stops: Sequence[int], prompts: list | None = None) -> dict:
-    """What names a single-turn data set's cache folder (``responses-<hash of this>``): the target, its dtype, the
-    single-turn fields of ``spec``, and, only where they are not the defaults (so data sets made before these options
-    keep their folders), ``code_fraction``, ``chat_template_kwargs``, several stop ids and given prompts' hash."""
+    """What names a single-turn data set's cache folder (``responses-<hash of this>``, :func:`regenerate_responses`
+    with ``data.max_turns=1`` and the tail held-out set): the target, its dtype, the single-turn fields of ``spec``,
+    and, only where they are not the defaults (so data sets made before these options keep their folders),
+    ``code_fraction``, ``chat_template_kwargs``, several stop ids and the hash of the prompts' token ids (given
+    prompts, or the random source's)."""
     key = {"target": target.name, "vocab": target.vocab_size, "dtype": str(target.dtype), **spec.__dict__}
     for name in ("batch_size", "max_turns", "max_seq_tokens"):  # multi-turn fields: not part of single-turn data
         key.pop(name)
@@ -492,87 +484,149 @@ def responses_key(target: Target, spec: DataSpec, stops: Sequence[int], prompts:
     return key
 
 
-def regenerate_responses(
-    target: Target,
-    spec: DataSpec,
-    out_dir: Path | None = None,
-    *,
-    prompts: list[list[int]] | None = None,
-    stop_id: int | Sequence[int] | None = None,
-) -> Path:
-    """Generate the target's greedy responses to ShareGPT prompts; return the path of ``responses.jsonl``.
+def dialogue_key(target: Target, spec: DataSpec, source: str, stops: Sequence[int]) -> dict:
+    """The fields every cache key of multi-turn data or a fixed held-out set shares (:func:`regenerate_responses`):
+    the target, its dtype, the source, the generation settings and the stop id (one id as ``stop_id``, several as
+    a list), plus ``chat_template_kwargs`` only when non-empty (data sets made before the option keep their hash)."""
+    base = {"target": target.name, "vocab": target.vocab_size, "dtype": str(target.dtype), "source": source,
+            "max_new_tokens": spec.max_new_tokens, "max_turns": spec.max_turns,
+            "max_seq_tokens": spec.max_seq_tokens, "stop_id": stops[0] if len(stops) == 1 else list(stops), "v": 1}
+    if spec.chat_template_kwargs:
+        base["chat_template_kwargs"] = dict(spec.chat_template_kwargs)
+    return base
 
-    Each line holds ``{"prompt_ids": [...], "response_ids": [...]}``; the response ends with a stop token when
-    the target stopped. Rows are appended to ``responses.partial.jsonl`` as they finish (flushed every ~5 s),
-    so a killed run resumes; the final file appears by atomic rename. Reused when the hash of (target, spec)
-    matches; the stop ids are part of that hash only when there are several (single-stop data sets keep their
-    folders).
 
-    Args:
-        stop_id: the end-of-turn id(s); None: every id at which the target's own ``generate`` stops
-            (:func:`resolve_stop_ids`).
-    Raises:
-        ValueError: no end id (none given and none in the target's configs); ``spec.max_new_tokens < 1``;
-            ``spec.max_turns > 1`` (multi-turn data is :func:`build_dialogue_data`'s); no chat template.
+class _TurnQueue:
+    """The turns :func:`regenerate_dialogues` still has to generate, as prompts for
+    :func:`~dartree.training.regen.continuous_greedy`.
+
+    Attributes:
+        prompts: token ids per prompt index (appended as turns are offered).
+        turn_of: prompt index -> (conversation, turn).
+        queue: the prompt indices of the turns that enter first (each conversation's first turn not done yet),
+            shortest first; later turns are offered by :meth:`follow` as their previous answer finishes.
+        done: (conversation, turn) -> the target's answer (shared with the caller, which adds each new answer).
+        multi: some conversation has more than one turn (else nothing ever follows a turn).
     """
-    if spec.max_new_tokens < 1:
-        raise ValueError(f"data.max_new_tokens must be >= 1 (got {spec.max_new_tokens})")
-    if spec.max_turns != 1:
-        raise ValueError(f"regenerate_responses makes single-turn data; data.max_turns={spec.max_turns} needs "
-                         "build_dialogue_data")
-    stops = resolve_stop_ids(target, stop_id, "regenerate_responses")
-    key = responses_key(target, spec, stops, prompts)
-    folder = out_dir or (cache_root() / "data" / f"responses-{_hash(key)}")
-    folder.mkdir(parents=True, exist_ok=True)
-    final = folder / "responses.jsonl"
-    if final.exists():
-        return final
-    (folder / "spec.json").write_text(json.dumps(key, indent=1))
-    if prompts is None:
-        prompts = chat_prompts(target.tokenizer, spec.num_prompts, spec.seed, spec.max_prompt_tokens,
-                               spec.code_fraction, spec.chat_template_kwargs)
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    partial = folder / "responses.partial.jsonl"
-    log = _PartialLog(partial)
-    done = {row["index"] for row in log.read()}
-    todo = [i for i in order if i not in done]
+
+    def __init__(self, dialogues: Sequence[Sequence[Sequence[int]]], done: dict, spec: DataSpec,
+                 stop_id: int | Sequence[int]):
+        self.dialogues, self.done, self.spec, self.stop_id = dialogues, done, spec, stop_id
+        self.prompts: list[list[int]] = []
+        self.turn_of: list[tuple[int, int]] = []
+        self.queue: list[int] = []
+        self.multi = any(len(d) > 1 for d in dialogues)
+        for c in range(len(dialogues)):  # each conversation's first turn not done yet (its earlier ones are)
+            t = 0
+            while (c, t) in done:
+                t += 1
+            self._offer(c, t)
+        self.queue.sort(key=lambda j: (len(self.prompts[j]), j))
+
+    def _history(self, c: int, t: int) -> list[int]:
+        """The prompt of turn t of conversation c: its first t + 1 segments around its first t answers."""
+        answers = [self.done[(c, u)] for u in range(t)]
+        return dialogue_tokens(self.dialogues[c][: t + 1], answers, self.stop_id)[0]
+
+    def _fits(self, t: int, ids: list[int]) -> bool:
+        """A turn t >= 1 is generated only while its prompt plus ``max_new_tokens`` fits in ``max_seq_tokens``."""
+        return t == 0 or len(ids) + self.spec.max_new_tokens <= self.spec.max_seq_tokens
+
+    def _offer(self, c: int, t: int) -> None:
+        """Queue turn t of conversation c when it exists, is not done and its prompt fits."""
+        if t >= len(self.dialogues[c]) or (c, t) in self.done:
+            return
+        ids = self._history(c, t)
+        if self._fits(t, ids):
+            self.prompts.append(ids)
+            self.turn_of.append((c, t))
+            self.queue.append(len(self.prompts) - 1)
+
+    def max_len(self) -> int:
+        """Keys per generation slot: the longest queued prompt, first prompt or ``max_seq_tokens`` (a later turn's
+        bound), plus ``max_new_tokens`` where that applies."""
+        new = self.spec.max_new_tokens
+        longest = max([len(d[0]) for d in self.dialogues] + [0]) + new
+        return max(longest, self.spec.max_seq_tokens, max((len(self.prompts[j]) for j in self.queue), default=0) + new)
+
+    def follow(self, j: int, resp: list[int]) -> tuple[int, list[int]] | None:
+        """``continuous_greedy``'s ``follow``: the next turn of row j's conversation continues in row j's slot (its
+        history is there already), as (its prompt index, the token ids after row j's prompt and answer); None when
+        the conversation ends here (no next turn, done already, or too long)."""
+        c, t = self.turn_of[j]
+        if t + 1 >= len(self.dialogues[c]) or (c, t + 1) in self.done:
+            return None
+        ids = self._history(c, t + 1)
+        if not self._fits(t + 1, ids):
+            return None
+        self.prompts.append(ids)
+        self.turn_of.append((c, t + 1))
+        return len(self.prompts) - 1, ids[len(self.prompts[j]) + len(resp):]
+
+
+def _generate_turns(target: Target, spec: DataSpec, turns: _TurnQueue, log: "_PartialLog",
+                    deadline: float | None) -> None:
+    """Run every queued turn (and the turns that follow them) through one ``continuous_greedy`` call, recording each
+    answer in ``turns.done`` and ``log`` as it finishes; stops early past ``deadline``.
+
+    With one turn per conversation nothing follows a turn: the prompts enter as a fixed queue (no ``feed``; slots
+    capped at the prompts, keys per slot the longest prompt plus ``max_new_tokens``), the single-turn regeneration
+    every single-turn data set was made with. Otherwise the queue is fed (``feed``, ``follow``, ``max_len``
+    :meth:`_TurnQueue.max_len`)."""
+    if not turns.queue:
+        return
+    fed = dict(feed=True, max_len=turns.max_len(), follow=turns.follow) if turns.multi else {}
     t0, n_tok = time.time(), 0
-    bar = tqdm(total=len(todo), desc="regenerating responses", unit="resp")
-    for i, resp in continuous_greedy(target.model, prompts, max_new_tokens=spec.max_new_tokens, stop_ids=stops,
-                                     slots=spec.batch_size, order=todo):
+    bar = tqdm(total=sum(len(d) for d in turns.dialogues) - len(turns.done), desc="regenerating turns", unit="resp")
+    for j, resp in continuous_greedy(target.model, turns.prompts, max_new_tokens=spec.max_new_tokens,
+                                     stop_ids=sorted(_stop_set(turns.stop_id)), slots=spec.batch_size,
+                                     order=turns.queue, **fed):
+        c, t = turns.turn_of[j]
+        turns.done[(c, t)] = resp
+        log.add({"index": c, "turn": t, "response_ids": resp})
         n_tok += len(resp)
-        log.add({"index": i, "prompt_ids": list(prompts[i]), "response_ids": resp})
         bar.update(1)
         bar.set_postfix(tok_s=f"{n_tok / (time.time() - t0):.0f}")
-    log.flush()
+        if deadline is not None and time.time() > deadline:
+            break
     bar.close()
-    tmp = folder / "responses.jsonl.tmp"
-    with open(partial) as src, open(tmp, "w") as dst:
-        rows = sorted((json.loads(line) for line in src if line.strip()), key=lambda r: r["index"])
-        for row in rows:
-            dst.write(json.dumps(row) + "\n")
-    os.replace(tmp, final)
-    partial.unlink()
-    return final
+
+
+def _write_dialogue_rows(path: Path, dialogues: Sequence[Sequence[Sequence[int]]], done: dict,
+                         stop_id: int | Sequence[int]) -> None:
+    """Write one row per conversation with at least one answer, in index order (:func:`regenerate_dialogues`'
+    final format), to ``path``."""
+    with open(path, "w") as dst:
+        for c, segs in enumerate(dialogues):
+            answers = []
+            while (c, len(answers)) in done and len(answers) < len(segs):
+                answers.append(done[(c, len(answers))])
+            if not answers:
+                continue
+            ids, mask = dialogue_tokens(segs[: len(answers)], answers, stop_id)
+            p = len(segs[0])
+            dst.write(json.dumps({"index": c, "prompt_ids": ids[:p], "response_ids": ids[p:], "loss_mask": mask[p:],
+                                  "turns": len(answers)}) + "\n")
 
 
 def regenerate_dialogues(target: Target, spec: DataSpec, dialogues: Sequence[Sequence[Sequence[int]]],
                          folder: Path, *, stop_id: int | Sequence[int], key: dict | None = None,
                          deadline: float | None = None) -> Path | None:
     """Regenerate every assistant turn of ``dialogues`` with the target's greedy answers; returns the path of
-    ``folder/responses.jsonl``.
+    ``folder/responses.jsonl``. Single-turn data is the case of one segment per conversation.
 
     Turn t of a conversation is regenerated once its turns 0..t-1 are: the prompt is :func:`dialogue_tokens` of
     its first t + 1 segments and the target's own t answers; a turn t >= 1 whose prompt plus
     ``spec.max_new_tokens`` exceeds ``spec.max_seq_tokens`` ends the conversation. One
-    :func:`~dartree.training.regen.continuous_greedy` call (``spec.batch_size`` slots) runs them all: first turns
-    enter shortest first, and a conversation's next turn continues in the slot of its previous answer (``follow``:
-    only the new template and user turn are prefilled, not the whole history again), so slots never wait for a
-    round to drain. Answers are appended to ``responses.partial.jsonl`` as
-    ``{"index", "turn", "response_ids"}`` rows as they finish, so a killed run resumes where it stopped. The final file holds one row per
-    conversation, in index order: ``{"index", "prompt_ids" (segment 0), "response_ids" (everything after it),
-    "loss_mask" (1 on answer tokens, one entry per response id), "turns"}``; it appears by atomic rename and is
-    reused when present.
+    :func:`~dartree.training.regen.continuous_greedy` call (``spec.batch_size`` slots) runs them all
+    (:func:`_generate_turns`): first turns enter shortest first, and a conversation's next turn continues in the
+    slot of its previous answer (``follow``: only the new template and user turn are prefilled, not the whole
+    history again), so slots never wait for a round to drain. Answers are appended to ``responses.partial.jsonl``
+    as ``{"index", "turn", "response_ids"}`` rows as they finish (a row without ``turn``, as single-turn runs
+    before this layout wrote them, is turn 0), so a killed run resumes where it stopped. The final file holds one
+    row per conversation, in index order: ``{"index", "prompt_ids" (segment 0), "response_ids" (everything after
+    it), "loss_mask" (1 on answer tokens, one entry per response id), "turns"}``; it appears by atomic rename and
+    is reused when present.
 
     Args:
         target: the generating target (its dtype is the regeneration dtype).
@@ -598,166 +652,57 @@ def regenerate_dialogues(target: Target, spec: DataSpec, dialogues: Sequence[Seq
         (folder / "spec.json").write_text(json.dumps(key, indent=1))
     partial = folder / "responses.partial.jsonl"
     log = _PartialLog(partial)
-    done = {(int(r["index"]), int(r["turn"])): list(r["response_ids"]) for r in log.read()}
-    prompts: list[list[int]] = []
-    turn_of: list[tuple[int, int]] = []  # prompt index -> (conversation, turn)
-    queue: list[int] = []
-
-    def offer(c: int, t: int) -> None:
-        """Queue turn t of conversation c when it exists, is not done and its prompt fits."""
-        segs = dialogues[c]
-        if t >= len(segs) or (c, t) in done:
-            return
-        ids, _ = dialogue_tokens(segs[: t + 1], [done[(c, u)] for u in range(t)], stop_id)
-        if t > 0 and len(ids) + spec.max_new_tokens > spec.max_seq_tokens:
-            return
-        prompts.append(ids)
-        turn_of.append((c, t))
-        queue.append(len(prompts) - 1)
-
-    for c in range(len(dialogues)):  # each conversation's first turn not done yet (its earlier ones are)
-        t = 0
-        while (c, t) in done:
-            t += 1
-        offer(c, t)
-    queue.sort(key=lambda j: (len(prompts[j]), j))
-    longest = max([len(d[0]) for d in dialogues] + [0]) + spec.max_new_tokens
-    max_len = max(longest, spec.max_seq_tokens, max((len(prompts[j]) for j in queue), default=0) + spec.max_new_tokens)
-    t0, n_tok = time.time(), 0
-    bar = tqdm(total=sum(len(d) for d in dialogues) - len(done), desc="regenerating turns", unit="resp")
-    def follow(j: int, resp: list[int]):
-        """The next turn of row j's conversation continues in row j's slot (its history is there already)."""
-        c, t = turn_of[j]
-        if t + 1 >= len(dialogues[c]) or (c, t + 1) in done:
-            return None
-        ids, _ = dialogue_tokens(dialogues[c][: t + 2], [done[(c, u)] for u in range(t + 1)], stop_id)
-        if len(ids) + spec.max_new_tokens > spec.max_seq_tokens:
-            return None
-        base = len(prompts[j]) + len(resp)
-        prompts.append(ids)
-        turn_of.append((c, t + 1))
-        return len(prompts) - 1, ids[base:]
-
-    if queue:
-        for j, resp in continuous_greedy(target.model, prompts, max_new_tokens=spec.max_new_tokens,
-                                         stop_ids=sorted(_stop_set(stop_id)), slots=spec.batch_size, order=queue,
-                                         feed=True, max_len=max_len, follow=follow):
-            c, t = turn_of[j]
-            done[(c, t)] = resp
-            log.add({"index": c, "turn": t, "response_ids": resp})
-            n_tok += len(resp)
-            bar.update(1)
-            bar.set_postfix(tok_s=f"{n_tok / (time.time() - t0):.0f}")
-            if deadline is not None and time.time() > deadline:
-                break
+    done = {(int(r["index"]), int(r.get("turn", 0))): list(r["response_ids"]) for r in log.read()}
+    _generate_turns(target, spec, _TurnQueue(dialogues, done, spec, stop_id), log, deadline)
     log.flush()
-    bar.close()
     if deadline is not None and time.time() > deadline:
         return None
     tmp = folder / "responses.jsonl.tmp"
-    with open(tmp, "w") as dst:
-        for c, segs in enumerate(dialogues):
-            answers = []
-            while (c, len(answers)) in done and len(answers) < len(segs):
-                answers.append(done[(c, len(answers))])
-            if not answers:
-                continue
-            ids, mask = dialogue_tokens(segs[: len(answers)], answers, stop_id)
-            p = len(segs[0])
-            dst.write(json.dumps({"index": c, "prompt_ids": ids[:p], "response_ids": ids[p:], "loss_mask": mask[p:],
-                                  "turns": len(answers)}) + "\n")
+    _write_dialogue_rows(tmp, dialogues, done, stop_id)
     os.replace(tmp, final)
     partial.unlink(missing_ok=True)
     return final
 
 
-def dialogue_key(target: Target, spec: DataSpec, source: str, stops: Sequence[int]) -> dict:
-    """The fields every cache key of :func:`build_dialogue_data` shares: the target, its dtype, the source, the
-    generation settings and the stop id (one id as ``stop_id``, several as a list), plus ``chat_template_kwargs``
-    only when non-empty (data sets made before the option keep their hash)."""
-    base = {"target": target.name, "vocab": target.vocab_size, "dtype": str(target.dtype), "source": source,
-            "max_new_tokens": spec.max_new_tokens, "max_turns": spec.max_turns,
-            "max_seq_tokens": spec.max_seq_tokens, "stop_id": stops[0] if len(stops) == 1 else list(stops), "v": 1}
-    if spec.chat_template_kwargs:
-        base["chat_template_kwargs"] = dict(spec.chat_template_kwargs)
-    return base
+def _sharegpt_conversations(tok, spec: DataSpec, holdout: int = 0, hold_turns: int = 0) -> tuple[list, list]:
+    """(training conversations, fixed held-out conversations or []) of the ShareGPT source, as segments.
 
-
-def build_dialogue_data(target: Target, spec: DataSpec, *, source: str = "sharegpt", holdout: int = 0,
-                        holdout_set: str = "tail", holdout_turns: int = 0, random_prompt_len: int = 12,
-                        stop_id: int | Sequence[int] | None = None) -> Path:
-    """The data stage for multi-turn data (``spec.max_turns`` > 1) or a fixed held-out set; returns the path of
-    the ``responses.jsonl`` that :class:`BlockData` reads (training rows first, held-out rows last).
-
-    Conversations (``source``): ``"sharegpt"``: :func:`sharegpt_dialogues` rendered by the target's chat
-    template (:func:`dialogue_segments`); ``"random"``: :func:`random_dialogues` with ``random_prompt_len``.
-    Held-out set (``holdout_set``): ``"tail"``: ``spec.num_prompts`` conversations drawn by ``spec.seed``
-    (:func:`pick_dialogues`), the last ``holdout`` of which the trainer holds out (today's rule); ``"fixed"``:
-    the ``holdout`` usable conversations first in :func:`holdout_rank` order (random source: drawn with
-    :data:`HOLDOUT_SEED`), with up to ``holdout_turns`` turns (0: ``spec.max_turns``; pin it to compare data
-    sets of different ``max_turns`` on one held-out set), are regenerated into their own folder
-    ``data/holdout-<hash>``, shared by every data set with the same target and generation settings, and
-    ``spec.num_prompts`` training conversations are drawn from the rest; the two are joined in ``data/dataset-<hash>``. Training conversations are regenerated in
-    ``data/dialogues-<hash>``. Every hash covers the target, its dtype, the generation settings (the stop ids,
-    and the chat-template options when there are any) and the token ids of the chosen conversations, so any change
-    of these options makes a new folder; all stages resume (:func:`regenerate_dialogues`). ``stop_id``: the
-    end-of-turn id(s); None: the target's own (:func:`resolve_stop_ids`); the random source's turn end is the first.
+    The pool is :func:`sharegpt_dialogues` (up to ``max(spec.max_turns, hold_turns)`` turns); with ``holdout`` > 0
+    the fixed held-out set is split off first (:func:`fixed_holdout`, up to ``hold_turns`` turns each), then
+    ``spec.num_prompts`` training conversations of up to ``spec.max_turns`` turns are drawn from the rest
+    (:func:`pick_dialogues`).
 
     Raises:
-        ValueError: an unknown source or holdout_set, a ShareGPT source with a target without a tokenizer or chat
-            template, no end id, too few usable conversations.
+        ValueError: no tokenizer or chat template; too few usable conversations.
     """
-    if source not in ("sharegpt", "random") or holdout_set not in ("tail", "fixed"):
-        raise ValueError(f"build_dialogue_data: source {source!r} / holdout_set {holdout_set!r} unknown")
-    tok = target.tokenizer
-    stops = resolve_stop_ids(target, stop_id, "build_dialogue_data")
-    base = dialogue_key(target, spec, source, stops)
+    if tok is None:
+        raise ValueError("data.source=sharegpt needs a target with a tokenizer (its chat template)")
+    check_chat_template(tok, spec.chat_template_kwargs)
+
+    def segment(turns):
+        return dialogue_segments(tok, turns, spec.max_prompt_tokens, spec.chat_template_kwargs)
+
+    pool = sharegpt_dialogues(max(spec.max_turns, hold_turns))
     hold: list = []
-    hold_turns = holdout_turns or spec.max_turns
-    if source == "sharegpt":
-        if tok is None:
-            raise ValueError("data.source=sharegpt needs a target with a tokenizer (its chat template)")
-        base["max_prompt_tokens"] = spec.max_prompt_tokens
-        pool = sharegpt_dialogues(max(spec.max_turns, hold_turns))
+    if holdout:
+        hold, keep = fixed_holdout([d[:hold_turns] for d in pool], holdout, segment)
+        pool = [pool[i] for i in keep]
+    pool = [d[: spec.max_turns] for d in pool]
+    return pick_dialogues(pool, spec.num_prompts, spec.seed, spec.code_fraction, segment), hold
 
-        check_chat_template(tok, spec.chat_template_kwargs)
 
-        def segment(turns):
-            return dialogue_segments(tok, turns, spec.max_prompt_tokens, spec.chat_template_kwargs)
-
-        if holdout_set == "fixed":
-            hold, keep = fixed_holdout([d[:hold_turns] for d in pool], holdout, segment)
-            pool = [pool[i] for i in keep]
-        pool = [d[: spec.max_turns] for d in pool]
-        train = pick_dialogues(pool, spec.num_prompts, spec.seed, spec.code_fraction, segment)
-    else:
-        base["random_prompt_len"] = random_prompt_len
-        train = random_dialogues(spec.num_prompts, spec.max_turns, random_prompt_len, target.vocab_size, spec.seed,
-                                 stops[0])
-        if holdout_set == "fixed":
-            hold = random_dialogues(holdout, hold_turns, random_prompt_len, target.vocab_size, HOLDOUT_SEED,
-                                    stops[0])
-    root = cache_root() / "data"
-    train_key = {**base, "part": "train", "num_prompts": spec.num_prompts, "seed": spec.seed,
-                 "code_fraction": spec.code_fraction, "dialogues": _hash(train)}
-    if holdout_set == "tail":
-        return regenerate_dialogues(target, spec, train, root / f"dialogues-{_hash(train_key)}", stop_id=stops,
-                                    key=train_key)
-    hold_key = {**base, "part": "holdout", "holdout": holdout, "max_turns": hold_turns, "dialogues": _hash(hold)}
-    hold_path = regenerate_dialogues(target, replace(spec, max_turns=hold_turns), hold,
-                                     root / f"holdout-{_hash(hold_key)}", stop_id=stops, key=hold_key)
-    train_path = regenerate_dialogues(target, spec, train, root / f"dialogues-{_hash(train_key)}", stop_id=stops,
-                                      key=train_key)
-    folder = root / f"dataset-{_hash([train_key, hold_key])}"
+def _join_parts(folder: Path, parts: Sequence[Path], key: dict) -> Path:
+    """``folder/responses.jsonl``: the rows of ``parts`` in order, renumbered 0.. (held-out rows last: BlockData
+    holds out the last ``holdout`` rows); reused when present, written by atomic rename."""
     final = folder / "responses.jsonl"
     if final.exists():
         return final
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "spec.json").write_text(json.dumps({"train": train_key, "holdout": hold_key}, indent=1))
+    (folder / "spec.json").write_text(json.dumps(key, indent=1))
     tmp = folder / "responses.jsonl.tmp"
     n = 0
     with open(tmp, "w") as dst:
-        for part in (train_path, hold_path):  # held-out rows last: BlockData holds out the last `holdout` rows
+        for part in parts:
             with open(part) as src:
                 for line in src:
                     if line.strip():
@@ -765,6 +710,132 @@ def build_dialogue_data(target: Target, spec: DataSpec, *, source: str = "shareg
                         n += 1
     os.replace(tmp, final)
     return final
+
+
+def _check_request(spec: DataSpec, out_dir: Path | None, prompts: list | None, source: str,
+                   holdout_set: str) -> None:
+    """Refuse an unusable :func:`regenerate_responses` request before any work, in one line with the fix.
+
+    Raises:
+        ValueError: ``max_new_tokens < 1``; an unknown source or held-out set; ``out_dir`` or ``prompts`` with the
+            fixed held-out set (which builds its own folders and draws its own conversations).
+    """
+    if spec.max_new_tokens < 1:
+        raise ValueError(f"data.max_new_tokens must be >= 1 (got {spec.max_new_tokens})")
+    if source not in ("sharegpt", "random") or holdout_set not in ("tail", "fixed"):
+        raise ValueError(f"regenerate_responses: source {source!r} / holdout_set {holdout_set!r} unknown; use "
+                         "data.source=sharegpt or random, data.holdout_set=tail or fixed")
+    if holdout_set == "fixed" and (out_dir is not None or prompts is not None):
+        raise ValueError("regenerate_responses: data.holdout_set=fixed draws its own held-out conversations into "
+                         "the cache; give out_dir and prompts only with holdout_set=tail")
+
+
+def regenerate_responses(target: Target, spec: DataSpec, out_dir: Path | None = None, *,
+                         prompts: list[list[int]] | None = None, stop_id: int | Sequence[int] | None = None,
+                         source: str = "sharegpt", holdout: int = 0, holdout_set: str = "tail",
+                         holdout_turns: int = 0, random_prompt_len: int = 12) -> Path:
+    """The data stage: the target's greedy answers to every turn of the data set's conversations; returns the path
+    of the ``responses.jsonl`` that :class:`BlockData` reads (training rows first, held-out rows last).
+
+    One pipeline for every data set: conversations (``source``, or ``prompts``), then :func:`regenerate_dialogues`.
+    Single-turn data (``spec.max_turns=1``) is its case of one turn per conversation.
+
+    Conversations: ``"sharegpt"``: :func:`sharegpt_dialogues` rendered by the target's chat template
+    (:func:`dialogue_segments`), ``spec.num_prompts`` of them drawn by ``spec.seed`` (:func:`pick_dialogues`);
+    ``"random"``: :func:`random_dialogues` with ``random_prompt_len`` (tiny recipes); ``prompts`` (token ids):
+    these prompts, one turn each, instead of a source.
+    Held-out set (``holdout_set``): ``"tail"``: the trainer holds out the last ``holdout`` rows; ``"fixed"``: the
+    ``holdout`` usable conversations first in :func:`holdout_rank` order (random source: drawn with
+    :data:`HOLDOUT_SEED`), with up to ``holdout_turns`` turns (0: ``spec.max_turns``; pin it to compare data sets
+    of different ``max_turns`` on one held-out set), are regenerated into their own folder ``data/holdout-<hash>``,
+    shared by every data set with the same target and generation settings, and ``spec.num_prompts`` training
+    conversations are drawn from the rest; the two are joined in ``data/dataset-<hash>``.
+
+    Cache folders (under ``cache_root()/data``, or ``out_dir``): single-turn data with the tail held-out set is
+    ``responses-<hash>`` of :func:`responses_key` (the folders single-turn data always had; checked before
+    the ShareGPT file is read); multi-turn training data is ``dialogues-<hash>`` of :func:`dialogue_key` plus the
+    draw and the token ids of the chosen conversations. Any change of these options makes a new folder; all stages
+    resume (:func:`regenerate_dialogues`). ``stop_id``: the end-of-turn id(s); None: the target's own
+    (:func:`resolve_stop_ids`); the random source's turn end is the first.
+
+    Raises:
+        ValueError: ``spec.max_new_tokens < 1``; an unknown source or holdout_set; ``out_dir`` or ``prompts`` with
+            the fixed held-out set; a ShareGPT source with a target without a tokenizer or chat template; no end
+            id; too few usable conversations (each names the fix).
+    """
+    _check_request(spec, out_dir, prompts, source, holdout_set)
+    stops = resolve_stop_ids(target, stop_id, "regenerate_responses")
+    root = cache_root() / "data"
+    if holdout_set == "fixed":
+        return _fixed_holdout_data(target, spec, root, source, holdout, holdout_turns or spec.max_turns,
+                                   random_prompt_len, stops)
+    if prompts is not None or spec.max_turns == 1:
+        return _single_turn_data(target, spec, out_dir, prompts, source, random_prompt_len, stops)
+    train, key = _training_conversations(target, spec, source, random_prompt_len, stops)
+    return regenerate_dialogues(target, spec, train, out_dir or root / f"dialogues-{_hash(key)}", stop_id=stops,
+                                key=key)
+
+
+def _single_turn_data(target: Target, spec: DataSpec, out_dir: Path | None, prompts: list | None, source: str,
+                      random_prompt_len: int, stops: list[int]) -> Path:
+    """:func:`regenerate_responses` of one turn per conversation with the tail held-out set, in its
+    ``responses-<hash>`` folder (:func:`responses_key`; the ShareGPT draw is skipped when the folder is done)."""
+    if prompts is not None:
+        dialogues = [[list(p)] for p in prompts]
+    elif source == "random":
+        dialogues = random_dialogues(spec.num_prompts, 1, random_prompt_len, target.vocab_size, spec.seed, stops[0])
+    else:
+        dialogues = None  # drawn below, unless the data set is cached already
+    firsts = None if dialogues is None else [d[0] for d in dialogues]
+    key = responses_key(target, spec, stops, firsts)
+    folder = out_dir or (cache_root() / "data" / f"responses-{_hash(key)}")
+    if dialogues is None and not (folder / "responses.jsonl").exists():
+        dialogues, _ = _sharegpt_conversations(target.tokenizer, spec)
+    return regenerate_dialogues(target, spec, dialogues or [], folder, stop_id=stops, key=key)
+
+
+def _training_conversations(target: Target, spec: DataSpec, source: str, random_prompt_len: int,
+                            stops: list[int]) -> tuple[list, dict]:
+    """(conversations, cache key) of multi-turn training data with the tail held-out set."""
+    base = dialogue_key(target, spec, source, stops)
+    if source == "sharegpt":
+        base["max_prompt_tokens"] = spec.max_prompt_tokens
+        train, _ = _sharegpt_conversations(target.tokenizer, spec)
+    else:
+        base["random_prompt_len"] = random_prompt_len
+        train = random_dialogues(spec.num_prompts, spec.max_turns, random_prompt_len, target.vocab_size, spec.seed,
+                                 stops[0])
+    return train, _train_key(base, spec, train)
+
+
+def _train_key(base: dict, spec: DataSpec, train: list) -> dict:
+    """The cache key of drawn training conversations: ``base`` (:func:`dialogue_key` and the source's own field),
+    the draw (``num_prompts``, ``seed``, ``code_fraction``) and the hash of the conversations' token ids."""
+    return {**base, "part": "train", "num_prompts": spec.num_prompts, "seed": spec.seed,
+            "code_fraction": spec.code_fraction, "dialogues": _hash(train)}
+
+
+def _fixed_holdout_data(target: Target, spec: DataSpec, root: Path, source: str, holdout: int, hold_turns: int,
+                        random_prompt_len: int, stops: list[int]) -> Path:
+    """:func:`regenerate_responses` with the fixed held-out set: the held-out conversations (``holdout-<hash>``),
+    the training conversations drawn from the rest (``dialogues-<hash>``), joined in ``dataset-<hash>``."""
+    base = dialogue_key(target, spec, source, stops)
+    if source == "sharegpt":
+        base["max_prompt_tokens"] = spec.max_prompt_tokens
+        train, hold = _sharegpt_conversations(target.tokenizer, spec, holdout, hold_turns)
+    else:
+        base["random_prompt_len"] = random_prompt_len
+        train = random_dialogues(spec.num_prompts, spec.max_turns, random_prompt_len, target.vocab_size, spec.seed,
+                                 stops[0])
+        hold = random_dialogues(holdout, hold_turns, random_prompt_len, target.vocab_size, HOLDOUT_SEED, stops[0])
+    train_key = _train_key(base, spec, train)
+    hold_key = {**base, "part": "holdout", "holdout": holdout, "max_turns": hold_turns, "dialogues": _hash(hold)}
+    hold_path = regenerate_dialogues(target, replace(spec, max_turns=hold_turns), hold,
+                                     root / f"holdout-{_hash(hold_key)}", stop_id=stops, key=hold_key)
+    train_path = regenerate_dialogues(target, spec, train, root / f"dialogues-{_hash(train_key)}", stop_id=stops,
+                                      key=train_key)
+    return _join_parts(root / f"dataset-{_hash([train_key, hold_key])}", [train_path, hold_path],
+                       {"train": train_key, "holdout": hold_key})
 
 
 def load_responses(path: Path):
@@ -821,6 +892,50 @@ def _safetensors_memmap(path: Path, specs: dict, metadata: dict, *, create: bool
     return out
 
 
+def _feature_batches(seqs: Sequence[Sequence[int]], max_tokens_per_batch: int) -> list[list[int]]:
+    """Sequence indices grouped into target forwards, shortest first: a batch grows while its rows times its
+    longest sequence stays within ``max_tokens_per_batch`` padded tokens (a longer sequence is a batch alone)."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    batches, cur = [], []
+    for i in order:
+        if cur and (len(cur) + 1) * len(seqs[i]) > max_tokens_per_batch:
+            batches.append(cur)
+            cur = []
+        cur.append(i)
+    if cur:
+        batches.append(cur)
+    return batches
+
+
+def _open_feature_file(tmp: Path, progress: Path, specs: dict, meta: dict, offsets: list[int]) -> tuple[dict, int]:
+    """The memory-mapped feature file being filled (:func:`_safetensors_memmap`) and the number of batches already
+    in it: an earlier run's ``tmp`` with its ``progress`` record when both are intact, else a fresh file (0)."""
+    if tmp.exists() and progress.exists():
+        try:
+            mapped = _safetensors_memmap(tmp, specs, meta, create=False)
+            done = int(json.loads(progress.read_text())["batches"])
+            if done:
+                return mapped, done
+        except (ValueError, KeyError, json.JSONDecodeError):
+            pass
+    progress.unlink(missing_ok=True)
+    mapped = _safetensors_memmap(tmp, specs, meta, create=True)
+    mapped["offsets"].copy_(torch.tensor(offsets, dtype=torch.long))
+    return mapped, 0
+
+
+def _forward_batch(target: Target, seqs: Sequence[Sequence[int]], batch: list[int], captured: dict):
+    """One right-padded target forward over the sequences ``batch``; returns its output (``features`` [B, T, nL*D])
+    and leaves the final-norm output [B, T, D] in ``captured["final"]`` (a forward hook)."""
+    width = max(len(seqs[i]) for i in batch)
+    ids = torch.zeros((len(batch), width), dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for r, i in enumerate(batch):
+        ids[r, : len(seqs[i])] = torch.tensor(seqs[i])
+        mask[r, : len(seqs[i])] = 1
+    return target.forward(ids.to(target.device), attention_mask=mask.to(target.device), logits_slice=slice(0, 0))
+
+
 def compute_features(target: Target, responses: Path, *, max_tokens_per_batch: int = 4096) -> Path:
     """Run the target once over every (prompt + response) and cache its features; return the file path.
 
@@ -829,10 +944,10 @@ def compute_features(target: Target, responses: Path, *, max_tokens_per_batch: i
     [n+1] int64 into the concatenated token axis. The hash covers the layer ids and the target.
 
     The file is filled in place through a memory map (:func:`_safetensors_memmap`; a feature file larger than
-    memory is fine: 5.8 KB per token at 5 x 576) in ``features-<hash>.tmp``, with the number of finished batches
-    in ``features-<hash>.progress`` (written every :data:`FEATURE_SAVE_EVERY_S` after a flush), so a killed run
-    resumes at that batch;
-    the final name appears by atomic rename.
+    memory is fine: 5.8 KB per token at 5 x 576) in ``features-<hash>.tmp``, batch by batch
+    (:func:`_feature_batches`), with the number of finished batches in ``features-<hash>.progress`` (written every
+    :data:`FEATURE_SAVE_EVERY_S` after a flush), so a killed run resumes at that batch
+    (:func:`_open_feature_file`); the final name appears by atomic rename.
     """
     key = {"target": target.name, "layers": target.layer_ids, "responses": str(responses), "v": 1}
     out = responses.parent / f"features-{_hash(key)}.safetensors"
@@ -843,32 +958,14 @@ def compute_features(target: Target, responses: Path, *, max_tokens_per_batch: i
     offsets = [0]
     for s in seqs:
         offsets.append(offsets[-1] + len(s))
-    total = offsets[-1]
     nl = len(target.layer_ids)
-    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
-    batches, cur = [], []
-    for i in order:
-        if cur and (len(cur) + 1) * len(seqs[i]) > max_tokens_per_batch:
-            batches.append(cur)
-            cur = []
-        cur.append(i)
-    if cur:
-        batches.append(cur)
+    batches = _feature_batches(seqs, max_tokens_per_batch)
     tmp, progress = out.with_suffix(".tmp"), out.with_suffix(".progress")
+    total = offsets[-1]
     specs = {"offsets": (torch.int64, (len(offsets),)), "feats": (torch.bfloat16, (total, nl * target.hidden_size)),
              "final": (torch.bfloat16, (total, target.hidden_size))}
-    meta = {"layer_ids": json.dumps(target.layer_ids), "target": target.name}
-    done = 0
-    if tmp.exists() and progress.exists():
-        try:
-            mapped = _safetensors_memmap(tmp, specs, meta, create=False)
-            done = int(json.loads(progress.read_text())["batches"])
-        except (ValueError, KeyError, json.JSONDecodeError):
-            done = 0
-    if not done:
-        progress.unlink(missing_ok=True)
-        mapped = _safetensors_memmap(tmp, specs, meta, create=True)
-        mapped["offsets"].copy_(torch.tensor(offsets, dtype=torch.long))
+    mapped, done = _open_feature_file(tmp, progress, specs, {"layer_ids": json.dumps(target.layer_ids),
+                                                             "target": target.name}, offsets)
     feats, final = mapped["feats"], mapped["final"]
 
     def save_progress(n: int) -> None:
@@ -882,15 +979,8 @@ def compute_features(target: Target, responses: Path, *, max_tokens_per_batch: i
     try:
         for b in tqdm(range(done, len(batches)), desc="target features", unit="batch", initial=done,
                       total=len(batches)):
-            batch = batches[b]
-            width = max(len(seqs[i]) for i in batch)
-            ids = torch.zeros((len(batch), width), dtype=torch.long)
-            mask = torch.zeros((len(batch), width), dtype=torch.long)
-            for r, i in enumerate(batch):
-                ids[r, : len(seqs[i])] = torch.tensor(seqs[i])
-                mask[r, : len(seqs[i])] = 1
-            out_t = target.forward(ids.to(target.device), attention_mask=mask.to(target.device), logits_slice=slice(0, 0))
-            for r, i in enumerate(batch):
+            out_t = _forward_batch(target, seqs, batches[b], captured)
+            for r, i in enumerate(batches[b]):
                 n = len(seqs[i])
                 feats[offsets[i] : offsets[i] + n] = out_t.features[r, :n].to(torch.bfloat16).cpu()
                 final[offsets[i] : offsets[i] + n] = captured["final"][r, :n].to(torch.bfloat16).cpu()

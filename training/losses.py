@@ -388,52 +388,23 @@ def fused_block_loss(
     Raises:
         ValueError: conf_logits or lam together with a missing target / incompatible option; chunk < 1.
     """
-    if chunk is None:
-        chunk = max(16, (1 << 21) // max(1, w_out.shape[0]))
-    if chunk < 1:
-        raise ValueError(f"chunk must be >= 1, got {chunk}")
-    if conf_logits is not None and target_hidden is None:
-        raise ValueError("the confidence BCE needs target_hidden (its label is 1 - TV distance to p_t)")
-    if lam is not None and (target_hidden is not None or conf_logits is not None):
-        raise ValueError("lam (the Domino loss) takes no target distribution or confidence logits")
-    a_n, p = labels.shape
-    dev = hidden.device
+    chunk = _fused_chunk(chunk, w_out, target_hidden, lam, conf_logits)
     in_vocab = valid & (labels >= 0)
-    w = decay_weights(valid, gamma)
-    w_ce = decay_weights(in_vocab, gamma)
+    w, w_ce = decay_weights(valid, gamma), decay_weights(in_vocab, gamma)
     rows = valid.reshape(-1).nonzero()[:, 0]  # only valid predictions are computed
-    zero = torch.zeros(rows.numel(), dtype=torch.float32, device=dev)
-    if lam is None:
-        c_ce = (ce_weight * w_ce / _den(w_ce, denom)).reshape(-1)[rows]
-        c_base = zero
-        c_l1 = (l1_weight * w / _den(w, denom)).reshape(-1)[rows] if target_hidden is not None else zero
-    else:
-        wn = (w_ce / _den(w_ce, denom)).reshape(-1)[rows]
-        c_ce, c_base, c_l1 = (1 - lam) * wn, lam * wn, zero
-    d = hidden.shape[-1]
-    h = hidden.reshape(-1, d)[rows]
-    a = wh = None
-    if factors is not None:
-        a = factors[0].reshape(a_n * p, -1)[rows]
-        wh = factors[1]
-    t_h = None if target_hidden is None else target_hidden.reshape(-1, d)[rows]
-    t_lse = None if target_lse is None or target_hidden is None else target_lse.reshape(-1)[rows].float()
-    lab = labels.reshape(-1)[rows]
+    c_ce, c_base, c_l1 = _fused_coefficients(rows, w, w_ce, lam=lam, ce_weight=ce_weight, l1_weight=l1_weight,
+                                             with_l1=target_hidden is not None, denom=denom, device=hidden.device)
+    h, a, wh, t_h, t_lse, lab = _fused_rows(rows, hidden, labels, factors, target_hidden, target_lse)
     loss, nll_r, base_r, l1_r, hit_r = _FusedBlockLoss.apply(h, a, wh, w_out, t_h, t_lse, lab, c_ce.float(),
                                                               c_base.float(), c_l1.float(), int(chunk),
                                                               torch.is_grad_enabled())
-
-    def scatter(v, dtype=torch.float32):
-        out = torch.zeros(a_n * p, dtype=dtype, device=dev)
-        out[rows] = v
-        return out.view(a_n, p)
-
-    nll, l1, hit = scatter(nll_r), scatter(l1_r), scatter(hit_r, torch.bool)
+    grid = (rows, labels.shape, hidden.device)
+    nll, l1, hit = _scatter(nll_r, *grid), _scatter(l1_r, *grid), _scatter(hit_r, *grid, torch.bool)
     ce_term = (w_ce * nll).sum() / _den(w_ce, denom)
     cnt = valid.float().sum(0)
     acc = hit.float().sum(0) / cnt.clamp_min(1)
     if lam is not None:
-        base_ce = (w_ce * scatter(base_r)).sum() / _den(w_ce, denom)
+        base_ce = (w_ce * _scatter(base_r, *grid)).sum() / _den(w_ce, denom)
         return LossOut(loss, ce_term.detach(), torch.zeros(()), acc, cnt, base_ce=base_ce.detach(), hit=hit)
     wsum = _den(w, denom)
     l1_term = (w * l1).sum() / wsum if target_hidden is not None else torch.zeros(())
@@ -444,3 +415,58 @@ def fused_block_loss(
         bce_term = (w * bce).sum() / wsum
         loss = loss + conf_weight * bce_term
     return LossOut(loss, ce_term.detach(), l1_term.detach(), acc, cnt, bce=bce_term.detach(), hit=hit)
+
+
+def _fused_chunk(chunk: int | None, w_out: torch.Tensor, target_hidden, lam, conf_logits) -> int:
+    """:func:`fused_block_loss`'s rows per chunk (None: about 2M logits per chunk), after its option checks.
+
+    Raises:
+        ValueError: conf_logits without target_hidden; lam with a target or confidence logits; chunk < 1.
+    """
+    if chunk is None:
+        chunk = max(16, (1 << 21) // max(1, w_out.shape[0]))
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1, got {chunk}")
+    if conf_logits is not None and target_hidden is None:
+        raise ValueError("the confidence BCE needs target_hidden (its label is 1 - TV distance to p_t)")
+    if lam is not None and (target_hidden is not None or conf_logits is not None):
+        raise ValueError("lam (the Domino loss) takes no target distribution or confidence logits")
+    return chunk
+
+
+def _fused_coefficients(rows: torch.Tensor, w: torch.Tensor, w_ce: torch.Tensor, *, lam: float | None,
+                        ce_weight: float, l1_weight: float, with_l1: bool, denom: float | None, device):
+    """Per valid prediction (``rows``) the weights [N] of :func:`fused_block_loss`'s CE, base CE and L1 terms:
+    DSpark's ``ce_weight`` / ``l1_weight`` (``lam`` None; L1 only ``with_l1``) or Domino's ``1 - lam`` / ``lam``,
+    times the decay weights ``w`` (valid) / ``w_ce`` (in-vocabulary) [A, P] over their normaliser (:func:`_den`)."""
+    zero = torch.zeros(rows.numel(), dtype=torch.float32, device=device)
+    if lam is None:
+        c_ce = (ce_weight * w_ce / _den(w_ce, denom)).reshape(-1)[rows]
+        c_l1 = (l1_weight * w / _den(w, denom)).reshape(-1)[rows] if with_l1 else zero
+        return c_ce, zero, c_l1
+    wn = (w_ce / _den(w_ce, denom)).reshape(-1)[rows]
+    return (1 - lam) * wn, lam * wn, zero
+
+
+def _fused_rows(rows: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, factors, target_hidden, target_lse):
+    """The valid predictions ``rows`` (flat indices into [A * P]) of :func:`fused_block_loss`'s inputs: hidden
+    [N, D], the factors (A [N, R], W) or (None, None), target hidden [N, D] or None, target log-sum-exp [N] fp32 (only
+    with a target hidden) or None, labels [N]."""
+    a_n, p = labels.shape
+    d = hidden.shape[-1]
+    h = hidden.reshape(-1, d)[rows]
+    a = wh = None
+    if factors is not None:
+        a = factors[0].reshape(a_n * p, -1)[rows]
+        wh = factors[1]
+    t_h = None if target_hidden is None else target_hidden.reshape(-1, d)[rows]
+    t_lse = None if target_lse is None or target_hidden is None else target_lse.reshape(-1)[rows].float()
+    return h, a, wh, t_h, t_lse, labels.reshape(-1)[rows]
+
+
+def _scatter(v: torch.Tensor, rows: torch.Tensor, shape: torch.Size, device, dtype=torch.float32) -> torch.Tensor:
+    """Per-row values ``v`` [N] back on the [A, P] grid ``shape``, in ``dtype`` on ``device`` (0 / False at the rows
+    not computed)."""
+    out = torch.zeros(shape[0] * shape[1], dtype=dtype, device=device)
+    out[rows] = v
+    return out.view(shape[0], shape[1])

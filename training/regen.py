@@ -225,52 +225,63 @@ def continuous_greedy(
                 pack_linears(m, "aten")
 
 
-@torch.no_grad()
-def _continuous_greedy(model, prompts, pending, *, max_new_tokens: int, stops: frozenset, slots: int,
-                       max_len: int | None = None, feed: bool = False, follow=None):
-    """The body of :func:`continuous_greedy` (arguments checked there; ``pending`` is the entry order)."""
-    from transformers import DynamicCache
+class _SlotRun:
+    """The state of one :func:`continuous_greedy` run: the slot cache, and per slot its row (``owner``, -1 = free),
+    the answer so far (``out``) and the token it feeds next (``last``). Its methods are the stages of a run: fill
+    free slots (:meth:`refill` / :meth:`prefill`), continue a slot as a follow-up row (:meth:`extend`), compact the
+    slabs (:meth:`compact`) and one decode step of every busy slot (:meth:`decode_step`)."""
 
-    device = next(model.parameters()).device
-    dtype = next(model.parameters()).dtype
-    decoder, head = model.get_decoder(), model.get_output_embeddings()
-    n_layers = model.config.num_hidden_layers
-    t_max = max_len if max_len is not None else max(len(prompts[i]) for i in pending) + max_new_tokens
-    if not feed:
-        slots = min(slots, len(pending))
-    cache = _SlotCache(n_layers, slots, t_max)
-    owner = [-1] * slots  # prompt index per slot, -1 = free
-    out: list[list[int]] = [[] for _ in range(slots)]
-    last = torch.zeros(slots, dtype=torch.long)  # the token each slot feeds next
-    neg = torch.finfo(dtype).min
+    def __init__(self, model, prompts, pending: list, *, max_new_tokens: int, stops: frozenset, slots: int,
+                 max_len: int | None, feed: bool):
+        self.model, self.prompts, self.pending = model, prompts, pending
+        self.max_new_tokens, self.stops = max_new_tokens, stops
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+        self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
+        self.n_layers = model.config.num_hidden_layers
+        self.t_max = max_len if max_len is not None else max(len(prompts[i]) for i in pending) + max_new_tokens
+        if not feed:
+            slots = min(slots, len(pending))
+        self.cache = _SlotCache(self.n_layers, slots, self.t_max)
+        self.owner = [-1] * slots  # prompt index per slot, -1 = free
+        self.out: list[list[int]] = [[] for _ in range(slots)]
+        self.last = torch.zeros(slots, dtype=torch.long)  # the token each slot feeds next
+        self.neg = torch.finfo(self.dtype).min
 
-    def refill(free: list[int]) -> None:
-        take = [pending.pop(0) for _ in range(min(len(free), len(pending)))]
-        # prefill in groups of similar length (the queue is shortest first) of at most PREFILL_TOKENS padded
-        # tokens, so one long prompt does not pad every other row of the batch to its length
+    def refill(self, free: list[int]) -> None:
+        """Give the free slots the next prompts of the queue. Prefill runs in groups of similar length (the queue
+        is shortest first) of at most :data:`PREFILL_TOKENS` padded tokens, so one long prompt does not pad every
+        other row of the batch to its length."""
+        take = [self.pending.pop(0) for _ in range(min(len(free), len(self.pending)))]
         group: list[int] = []
         for i in take:
-            if group and (len(group) + 1) * max(len(prompts[q]) for q in group + [i]) > PREFILL_TOKENS:
-                prefill(free[: len(group)], group)
+            if group and (len(group) + 1) * max(len(self.prompts[q]) for q in group + [i]) > PREFILL_TOKENS:
+                self.prefill(free[: len(group)], group)
                 free = free[len(group):]
                 group = []
             group.append(i)
         if group:
-            prefill(free[: len(group)], group)
+            self.prefill(free[: len(group)], group)
 
-    def prefill(free: list[int], take: list[int]) -> None:
-        lens = [len(prompts[i]) for i in take]
+    def prefill(self, free: list[int], take: list[int]) -> None:
+        """Prefill prompts ``take`` (right-padded: causal attention never lets a real query see a pad key) into
+        slots ``free`` and take each one's first greedy token."""
+        from transformers import DynamicCache
+
+        lens = [len(self.prompts[i]) for i in take]
         width = max(lens)
-        if width + max_new_tokens > t_max:
-            raise ValueError(f"continuous_greedy: a prompt of {width} tokens plus {max_new_tokens} new ones exceeds "
-                             f"max_len={t_max}")
+        if width + self.max_new_tokens > self.t_max:
+            raise ValueError(f"continuous_greedy: a prompt of {width} tokens plus {self.max_new_tokens} new ones "
+                             f"exceeds max_len={self.t_max}")
         ids = torch.zeros((len(take), width), dtype=torch.long)
-        for r, i in enumerate(take):  # right-padded: causal attention never lets a real query see a pad key
-            ids[r, : lens[r]] = torch.as_tensor(list(prompts[i]), dtype=torch.long)
-        cache.prefill = DynamicCache(config=model.config)
-        hid = decoder(input_ids=ids.to(device), past_key_values=cache.prefill, use_cache=True).last_hidden_state
+        for r, i in enumerate(take):
+            ids[r, : lens[r]] = torch.as_tensor(list(self.prompts[i]), dtype=torch.long)
+        cache = self.cache
+        cache.prefill = DynamicCache(config=self.model.config)
+        hid = self.decoder(input_ids=ids.to(self.device), past_key_values=cache.prefill,
+                           use_cache=True).last_hidden_state
         lastpos = torch.tensor(lens) - 1
-        tok = head(hid[torch.arange(len(take)), lastpos.to(device)]).float().argmax(-1).cpu()
+        tok = self.head(hid[torch.arange(len(take)), lastpos.to(self.device)]).float().argmax(-1).cpu()
         slot_idx = torch.tensor(free)
         cache.ensure(width)
         for li, layer in enumerate(cache.prefill.layers):
@@ -279,71 +290,96 @@ def _continuous_greedy(model, prompts, pending, *, max_new_tokens: int, stops: f
             v[slot_idx, :, :width] = layer.values
         cache.prefill = None
         for r, s in enumerate(free):
-            owner[s], out[s] = take[r], [int(tok[r])]
+            self.owner[s], self.out[s] = take[r], [int(tok[r])]
             cache.pos[s] = lens[r]
-            last[s] = tok[r]
+            self.last[s] = tok[r]
 
-    def finished(s: int) -> bool:
-        return out[s][-1] in stops or len(out[s]) >= max_new_tokens
+    def finished(self, s: int) -> bool:
+        """Slot s's answer ended with a stop id or reached ``max_new_tokens``."""
+        return self.out[s][-1] in self.stops or len(self.out[s]) >= self.max_new_tokens
 
-    def extend(s: int, j: int, ids: list[int]) -> None:
+    def extend(self, s: int, j: int, ids: list[int]) -> None:
         """Slot s continues as row j: prefill ``ids`` (the previous answer's last token, not yet fed, and the next
         turn's template and user text) on the slot's own keys/values, then decode j's answer."""
+        from transformers import DynamicCache
+
+        cache = self.cache
         p0, n = int(cache.pos[s]), len(ids)
-        if p0 + n + max_new_tokens > t_max:
-            raise ValueError(f"continuous_greedy: row {j} reaches {p0 + n + max_new_tokens} tokens, over max_len={t_max}")
-        past = DynamicCache(config=model.config)
-        for li in range(n_layers):
+        if p0 + n + self.max_new_tokens > self.t_max:
+            raise ValueError(f"continuous_greedy: row {j} reaches {p0 + n + self.max_new_tokens} tokens, over "
+                             f"max_len={self.t_max}")
+        past = DynamicCache(config=self.model.config)
+        for li in range(self.n_layers):
             past.update(cache.k[li][s : s + 1, :, :p0], cache.v[li][s : s + 1, :, :p0], li)
-        hid = decoder(input_ids=torch.tensor([ids], device=device),
-                      position_ids=torch.arange(p0, p0 + n, device=device)[None], past_key_values=past,
-                      use_cache=True).last_hidden_state
-        tok = int(head(hid[0, -1:]).float().argmax(-1))
+        hid = self.decoder(input_ids=torch.tensor([ids], device=self.device),
+                           position_ids=torch.arange(p0, p0 + n, device=self.device)[None], past_key_values=past,
+                           use_cache=True).last_hidden_state
+        tok = int(self.head(hid[0, -1:]).float().argmax(-1))
         cache.ensure(p0 + n)
         for li, layer in enumerate(past.layers):
             cache.k[li][s, :, p0 : p0 + n] = layer.keys[0, :, p0 : p0 + n]
             cache.v[li][s, :, p0 : p0 + n] = layer.values[0, :, p0 : p0 + n]
-        owner[s], out[s] = j, [tok]
+        self.owner[s], self.out[s] = j, [tok]
         cache.pos[s] = p0 + n
-        last[s] = tok
+        self.last[s] = tok
 
-    refill(list(range(slots)))
-    while True:
-        done = [s for s in range(cache.slots) if owner[s] >= 0 and finished(s)]
-        for s in done:
-            j, resp = owner[s], out[s]
-            yield j, resp
-            nxt = follow(j, resp) if follow is not None else None
-            if nxt is None:
-                owner[s], out[s] = -1, []
-            else:
-                extend(s, nxt[0], [resp[-1]] + list(nxt[1]))
-        if done and follow is not None:
-            continue  # a continued row may already be finished (an immediate stop)
-        free = [s for s in range(cache.slots) if owner[s] < 0]
-        if free and pending:
-            refill(free)
-            continue  # a refilled row may already be finished (max_new_tokens 1 or an immediate stop)
-        busy = [s for s in range(cache.slots) if owner[s] >= 0]
-        if not busy:
-            return
-        if not pending and len(busy) <= cache.slots // 2:
-            idx = torch.tensor(busy)
-            cache.keep(idx)
-            owner, out, last = [owner[s] for s in busy], [out[s] for s in busy], last[idx]
-        busy_mask = torch.tensor([o >= 0 for o in owner])
+    def compact(self, busy: list[int]) -> None:
+        """Keep only the slots ``busy`` (in that order): slabs, rows, answers and next tokens."""
+        idx = torch.tensor(busy)
+        self.cache.keep(idx)
+        self.owner, self.out, self.last = [self.owner[s] for s in busy], [self.out[s] for s in busy], self.last[idx]
+
+    def decode_step(self) -> None:
+        """One greedy token for every busy slot, each at its own position: the additive mask [S, 1, 1, L] lets
+        slot s see keys 0..pos[s] only (whole contiguous slabs; :func:`decode_attention`)."""
+        cache = self.cache
+        busy_mask = torch.tensor([o >= 0 for o in self.owner])
         pos = torch.where(busy_mask, cache.pos, 0)
         cache.pos = pos
         cache.ensure(int(pos.max()) + 1)
         cache.view_len = cache.t_alloc  # whole (contiguous) slabs; keys past each slot's position are masked
         keys = torch.arange(cache.view_len)
-        mask = torch.where(keys[None, :] <= pos[:, None], 0.0, neg).to(dtype)[:, None, None, :]
-        with _decode_attention_on(model):
-            hid = decoder(input_ids=last[:, None].to(device), position_ids=pos[:, None].to(device),
-                          attention_mask=mask.to(device), past_key_values=cache, use_cache=True).last_hidden_state
-        tok = head(hid[:, -1]).float().argmax(-1).cpu()
+        mask = torch.where(keys[None, :] <= pos[:, None], 0.0, self.neg).to(self.dtype)[:, None, None, :]
+        with _decode_attention_on(self.model):
+            hid = self.decoder(input_ids=self.last[:, None].to(self.device), position_ids=pos[:, None].to(self.device),
+                               attention_mask=mask.to(self.device), past_key_values=cache,
+                               use_cache=True).last_hidden_state
+        tok = self.head(hid[:, -1]).float().argmax(-1).cpu()
         for s in range(cache.slots):
-            if owner[s] >= 0:
-                out[s].append(int(tok[s]))
-                last[s] = tok[s]
+            if self.owner[s] >= 0:
+                self.out[s].append(int(tok[s]))
+                self.last[s] = tok[s]
         cache.pos = pos + busy_mask.long()
+
+
+@torch.no_grad()
+def _continuous_greedy(model, prompts, pending, *, max_new_tokens: int, stops: frozenset, slots: int,
+                       max_len: int | None = None, feed: bool = False, follow=None):
+    """The body of :func:`continuous_greedy` (arguments checked there; ``pending`` is the entry order): finished
+    rows are yielded (and continued by ``follow`` or their slot freed), free slots refilled, and otherwise every
+    busy slot decodes one token (:class:`_SlotRun`)."""
+    run = _SlotRun(model, prompts, pending, max_new_tokens=max_new_tokens, stops=stops, slots=slots, max_len=max_len,
+                   feed=feed)
+    run.refill(list(range(run.cache.slots)))
+    while True:
+        done = [s for s in range(run.cache.slots) if run.owner[s] >= 0 and run.finished(s)]
+        for s in done:
+            j, resp = run.owner[s], run.out[s]
+            yield j, resp
+            nxt = follow(j, resp) if follow is not None else None
+            if nxt is None:
+                run.owner[s], run.out[s] = -1, []
+            else:
+                run.extend(s, nxt[0], [resp[-1]] + list(nxt[1]))
+        if done and follow is not None:
+            continue  # a continued row may already be finished (an immediate stop)
+        free = [s for s in range(run.cache.slots) if run.owner[s] < 0]
+        if free and pending:
+            run.refill(free)
+            continue  # a refilled row may already be finished (max_new_tokens 1 or an immediate stop)
+        busy = [s for s in range(run.cache.slots) if run.owner[s] >= 0]
+        if not busy:
+            return
+        if not pending and len(busy) <= run.cache.slots // 2:
+            run.compact(busy)
+        run.decode_step()
