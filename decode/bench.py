@@ -39,7 +39,7 @@ from dartree.decode.harness.prompts import add_prompt_source_args, load_prompt_f
 from dartree.models.chat import chat_prompt_ids, messages_prompt_ids
 from dartree.decode.trees import Tree, builder_name
 from dartree.decode.verify import compile_tree
-from dartree.models.checkpoint import write_file_atomically
+from dartree.models.files import write_file_atomically
 from dartree.models.dtypes import DTYPES
 from dartree.models.generation import stop_ids as target_stop_ids
 from dartree.models.packed import LINEAR_BACKENDS, choose_linear, pack_linears, tune_linears

@@ -19,16 +19,15 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from dartree.models.drafter import DFlashDrafter, DrafterConfig
+from dartree.models.files import write_file_atomically, write_folder_atomically  # noqa: F401  (their home)
 from dartree.models.heads import CorrectionHead, build_head
 from dartree.models.validate import same_value, typed
 
@@ -47,67 +46,6 @@ class DraftModel:
     drafter: DFlashDrafter
     head: CorrectionHead
     config: dict
-
-
-def write_file_atomically(dest: Path, data: bytes | str) -> None:
-    """Write one file so that ``dest`` is either its old content or the complete new one, never a torn mix.
-
-    The bytes go to a uniquely named temporary file in the same folder (so two writers of one path never share
-    a temporary name), are fsynced, and the file is renamed over ``dest`` (atomic on POSIX).
-
-    Args:
-        dest: the file to (re)write; its folder is created. data: bytes, or str written as UTF-8.
-    Raises:
-        OSError: the folder is not writable (the old ``dest`` is left as it was).
-    """
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    payload = data.encode("utf-8") if isinstance(data, str) else data
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(payload)
-            fh.flush()
-            os.fsync(fh.fileno())
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
-def write_folder_atomically(dest: Path, files: dict[str, bytes | dict]) -> None:
-    """Write a folder of files so that ``dest`` is either its old version or the complete new one.
-
-    Args:
-        dest: the folder to (re)create.
-        files: name -> bytes, or name -> {"tensors": dict, "metadata": dict} for a safetensors file.
-    """
-    dest = Path(dest)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
-    umask = os.umask(0)
-    os.umask(umask)
-    try:
-        for name, content in files.items():
-            if isinstance(content, dict):
-                save_file(content["tensors"], str(tmp / name), metadata=content.get("metadata"))
-            else:
-                (tmp / name).write_bytes(content)
-            os.chmod(tmp / name, 0o666 & ~umask)
-        os.chmod(tmp, 0o777 & ~umask)
-        old = None
-        if dest.exists():
-            old = dest.parent / f".{dest.name}.old-{os.getpid()}"
-            os.replace(dest, old)
-        os.replace(tmp, dest)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def ensure_replaceable(dest: Path, formats: tuple[str, ...]) -> None:

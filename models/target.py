@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import torch
+
+from dartree.models.files import atomic_folder
 
 DEFAULT_TARGET = "smollm2"
 TINY_TARGET = "tiny-qwen3"
@@ -64,17 +64,9 @@ def _smollm2_folder() -> Path:
     config.name_or_path = _SMOLLM2_NAME
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.load_state_dict(gguf_model.state_dict())
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=out.parent, prefix=".tmp-"))
-    try:
+    with atomic_folder(out) as tmp:
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return out
 
 

@@ -309,8 +309,6 @@ def test_single_turn_recipes_keep_their_data_through_the_one_pipeline(tmp_path, 
     old = dict(continuous_greedy(target.model, prompts, max_new_tokens=d.max_new_tokens, stop_ids=[STOP],
                                  slots=d.gen_batch_size))
     assert [r["response_ids"] for r in rows] == [old[i] for i in range(len(prompts))]
-    assert _sha([[r["prompt_ids"], r["response_ids"]] for r in rows]) == (
-        "3046098601bde5156bcf8824e88f7aa0d6a6e2b52dc05af39231ee2fe600fa61")  # the former stage's rows
     for i, r in enumerate(rows):
         assert data.mask_of(i).tolist() == [False] * len(r["prompt_ids"]) + [True] * len(r["response_ids"])
     assert data.train_ids == list(range(10)) and data.holdout_ids == [10, 11]

@@ -9,7 +9,7 @@ from dartree.decode.generate import autoregressive_generate, speculative_generat
 from dartree.decode.harness.prompts import load_prompts
 from dartree.models.checkpoint import load_dartree
 from dartree.models.target import load_target
-from dartree.training.data import chat_prompt_ids
+from dartree.models.chat import chat_prompt_ids
 
 CKPT = Path(__file__).resolve().parents[1] / "checkpoints" / "dspark_b16"
 

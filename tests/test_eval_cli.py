@@ -310,7 +310,7 @@ def test_eval_cli_stops_at_every_end_id_of_the_generation_config(tiny_folder, tm
     from dartree.decode.generate import autoregressive_generate
     from dartree.decode.harness.prompts import load_prompts
     from dartree.models.target import load_target
-    from dartree.training.data import chat_prompt_ids
+    from dartree.models.chat import chat_prompt_ids
 
     base = load_target(tiny_folder / "target")
     ids = chat_prompt_ids(base.tokenizer, load_prompts("gsm8k", 1, 0)[0].text)
@@ -406,7 +406,7 @@ def test_eval_cli_refuses_a_prompt_past_the_context_before_decoding(tiny_folder,
     context and the fix, before calibration (was decoded past the context without a word)."""
     from dartree.decode.harness.prompts import load_prompts
     from dartree.models.target import load_target
-    from dartree.training.data import chat_prompt_ids
+    from dartree.models.chat import chat_prompt_ids
 
     target = _target_copy(tiny_folder, tmp_path, config={"max_position_embeddings": 128})
     p = load_prompts("gsm8k", 1, 0)[0]

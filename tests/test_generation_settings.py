@@ -10,8 +10,8 @@ from conftest import LAYERS, make_drafter, make_markov
 from dartree.decode.generate import autoregressive_generate, speculative_generate
 from dartree.models.generation import context_length, sampling_settings, stop_ids
 from dartree.models.target import Target, resolve_target_path
-from dartree.training.data import (DataSpec, chat_prompt_ids, check_chat_template, dialogue_tokens, load_responses,
-                                   regenerate_responses)
+from dartree.models.chat import chat_prompt_ids, check_chat_template
+from dartree.training.data import DataSpec, dialogue_tokens, load_responses, regenerate_responses
 from dartree.training.regen import continuous_greedy
 
 MAX_NEW = 40

@@ -80,7 +80,7 @@ def test_missing_and_non_utf8_files_and_bad_limit(tmp_path):
 def test_messages_render_through_the_chat_template_as_a_user_turn_does():
     from dartree.models.chat import messages_prompt_ids
     from dartree.models.target import resolve_target_path
-    from dartree.training.data import chat_prompt_ids
+    from dartree.models.chat import chat_prompt_ids
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(resolve_target_path("smollm2"))

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from dartree.models.files import write_file_atomically
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -143,10 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{r['peak_rss_gib_rank0']:.2f}", f"{r['final_loss']:.4f}")
     con.print(t)
     out = Path(a.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(report, indent=1))
-    os.replace(tmp, out)
+    write_file_atomically(out, json.dumps(report, indent=1))
     con.print(f"report: {out}")
     return 0
 

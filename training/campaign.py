@@ -366,7 +366,7 @@ def _regenerate(target, cfg: DictConfig, items: list, folder: Path, deadline: fl
 
 
 def _note_seconds(folder: Path, seconds: float) -> None:
-    from dartree.models.checkpoint import write_file_atomically
+    from dartree.models.files import write_file_atomically
 
     spent = folder / "seconds.json"
     before = json.loads(spent.read_text())["seconds"] if spent.exists() else 0.0
@@ -402,7 +402,7 @@ def run_data(cfg: DictConfig, deadline: float, work: Path | None = None) -> dict
     """
     import torch
 
-    from dartree.models.checkpoint import write_file_atomically
+    from dartree.models.files import write_file_atomically
     from dartree.models.target import cache_root, load_target
 
     folder = Path(cfg.dir)

@@ -62,7 +62,7 @@ def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -
     Raises:
         CampaignError: a training run failed (its exit status and output folder named).
     """
-    from dartree.models.checkpoint import write_file_atomically
+    from dartree.models.files import write_file_atomically
     from dartree.models.target import cache_root
     from dartree.training.train import main as train_main
 
@@ -125,7 +125,7 @@ def holdout_baseline(cfg: DictConfig, recipe: str, checkpoint: str | None = None
     """
     import torch
 
-    from dartree.models.checkpoint import write_file_atomically
+    from dartree.models.files import write_file_atomically
     from dartree.training.campaign_data import CampaignData, campaign_rows
     from dartree.training.recipe import RecipeError, load_recipe
     from dartree.training.build import load_init, load_recipe_target, parse_recipe_dtype
@@ -202,7 +202,7 @@ def plot_curve(cfg: DictConfig, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from dartree.models.checkpoint import write_file_atomically
+    from dartree.models.files import write_file_atomically
 
     points = curve_points(cfg)
     if not points:

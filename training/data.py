@@ -41,10 +41,11 @@ from typing import Any, Iterator, Sequence
 import numpy as np
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
-from dartree.models.chat import chat_prompt_ids, check_chat_template  # noqa: F401 (chat_prompt_ids: re-exported)
+from dartree.models.chat import check_chat_template
+from dartree.models.files import write_file_atomically
 from dartree.models.generation import stop_ids as target_stop_ids
 from dartree.models.target import Target, cache_root
 from dartree.models.validate import is_int
@@ -198,7 +199,7 @@ def dialogue_segments(tokenizer, turns: Sequence[str], max_prompt_tokens: int,
     The conversation (user turns, an :data:`ASSISTANT_SLOT` in place of every assistant answer but the last,
     the generation prompt at the end) is rendered once through the chat template and cut at the slots:
     segment 0 is the first prompt (system prompt, first user turn, generation prompt; equal to
-    :func:`chat_prompt_ids` of that turn); segment k >= 1 runs from the end of answer k to the start of answer
+    :func:`~dartree.models.chat.chat_prompt_ids` of that turn); segment k >= 1 runs from the end of answer k to the start of answer
     k + 1 (the turn end, user turn k + 1, the generation prompt). Each is tokenized on its own, which is how the
     target sees them (:func:`dialogue_tokens`).
 
@@ -207,7 +208,7 @@ def dialogue_segments(tokenizer, turns: Sequence[str], max_prompt_tokens: int,
         turns: the user texts, in order.
         max_prompt_tokens: segment 0 longer than this makes the conversation unusable (None); a later segment
             longer than this ends the conversation before its turn.
-        template_kwargs: extra template variables passed to ``apply_chat_template`` (:func:`chat_prompt_ids`).
+        template_kwargs: extra template variables passed to ``apply_chat_template`` (:func:`~dartree.models.chat.chat_prompt_ids`).
     Returns:
         [segment 0, segment 1, ...] (one per kept turn), or None.
     Raises:
@@ -348,7 +349,7 @@ def pick_dialogues(pool: Sequence[Sequence[str]], num: int, seed: int, code_frac
 def chat_prompts(tokenizer, num: int, seed: int, max_prompt_tokens: int, code_fraction: float = 0.0,
                  template_kwargs: dict | None = None) -> list[list[int]]:
     """Token ids of the ``num`` chat-templated ShareGPT prompts of single-turn data (the first turns of
-    :func:`pick_dialogues` over ``sharegpt_dialogues(1)``; ``template_kwargs`` as :func:`chat_prompt_ids`): the
+    :func:`pick_dialogues` over ``sharegpt_dialogues(1)``; ``template_kwargs`` as :func:`~dartree.models.chat.chat_prompt_ids`): the
     prompts :func:`regenerate_responses` answers for a recipe with these settings and ``data.max_turns=1``.
 
     Returns:
@@ -592,21 +593,21 @@ def _generate_turns(target: Target, spec: DataSpec, turns: _TurnQueue, log: "_Pa
     bar.close()
 
 
-def _write_dialogue_rows(path: Path, dialogues: Sequence[Sequence[Sequence[int]]], done: dict,
-                         stop_id: int | Sequence[int]) -> None:
-    """Write one row per conversation with at least one answer, in index order (:func:`regenerate_dialogues`'
-    final format), to ``path``."""
-    with open(path, "w") as dst:
-        for c, segs in enumerate(dialogues):
-            answers = []
-            while (c, len(answers)) in done and len(answers) < len(segs):
-                answers.append(done[(c, len(answers))])
-            if not answers:
-                continue
-            ids, mask = dialogue_tokens(segs[: len(answers)], answers, stop_id)
-            p = len(segs[0])
-            dst.write(json.dumps({"index": c, "prompt_ids": ids[:p], "response_ids": ids[p:], "loss_mask": mask[p:],
-                                  "turns": len(answers)}) + "\n")
+def _dialogue_rows(dialogues: Sequence[Sequence[Sequence[int]]], done: dict, stop_id: int | Sequence[int]) -> str:
+    """responses.jsonl text: one row per conversation with at least one answer, in index order
+    (:func:`regenerate_dialogues`' final format)."""
+    rows = []
+    for c, segs in enumerate(dialogues):
+        answers = []
+        while (c, len(answers)) in done and len(answers) < len(segs):
+            answers.append(done[(c, len(answers))])
+        if not answers:
+            continue
+        ids, mask = dialogue_tokens(segs[: len(answers)], answers, stop_id)
+        p = len(segs[0])
+        rows.append(json.dumps({"index": c, "prompt_ids": ids[:p], "response_ids": ids[p:], "loss_mask": mask[p:],
+                                "turns": len(answers)}) + "\n")
+    return "".join(rows)
 
 
 def regenerate_dialogues(target: Target, spec: DataSpec, dialogues: Sequence[Sequence[Sequence[int]]],
@@ -649,7 +650,7 @@ def regenerate_dialogues(target: Target, spec: DataSpec, dialogues: Sequence[Seq
     if final.exists():
         return final
     if key is not None:
-        (folder / "spec.json").write_text(json.dumps(key, indent=1))
+        write_file_atomically(folder / "spec.json", json.dumps(key, indent=1))
     partial = folder / "responses.partial.jsonl"
     log = _PartialLog(partial)
     done = {(int(r["index"]), int(r.get("turn", 0))): list(r["response_ids"]) for r in log.read()}
@@ -657,9 +658,7 @@ def regenerate_dialogues(target: Target, spec: DataSpec, dialogues: Sequence[Seq
     log.flush()
     if deadline is not None and time.time() > deadline:
         return None
-    tmp = folder / "responses.jsonl.tmp"
-    _write_dialogue_rows(tmp, dialogues, done, stop_id)
-    os.replace(tmp, final)
+    write_file_atomically(final, _dialogue_rows(dialogues, done, stop_id))
     partial.unlink(missing_ok=True)
     return final
 
@@ -698,17 +697,12 @@ def _join_parts(folder: Path, parts: Sequence[Path], key: dict) -> Path:
     if final.exists():
         return final
     folder.mkdir(parents=True, exist_ok=True)
-    (folder / "spec.json").write_text(json.dumps(key, indent=1))
-    tmp = folder / "responses.jsonl.tmp"
-    n = 0
-    with open(tmp, "w") as dst:
-        for part in parts:
-            with open(part) as src:
-                for line in src:
-                    if line.strip():
-                        dst.write(json.dumps({**json.loads(line), "index": n}) + "\n")
-                        n += 1
-    os.replace(tmp, final)
+    write_file_atomically(folder / "spec.json", json.dumps(key, indent=1))
+    rows = []
+    for part in parts:
+        with open(part) as src:
+            rows += [json.dumps({**json.loads(line), "index": len(rows)}) + "\n" for line in src if line.strip()]
+    write_file_atomically(final, "".join(rows))
     return final
 
 
@@ -1151,7 +1145,5 @@ def target_lse(target: Target, features: Path, *, chunk: int = 2048) -> torch.Te
     for a in tqdm(range(0, final.shape[0], chunk), desc="target log-sum-exp", unit="chunk"):
         z = torch.nn.functional.linear(final[a : a + chunk].to(w.device, w.dtype), w).float()
         lse[a : a + chunk] = torch.logsumexp(z, dim=-1).cpu()
-    tmp = out.with_suffix(".tmp")
-    save_file({"lse": lse}, str(tmp))
-    os.replace(tmp, out)
+    write_file_atomically(out, save({"lse": lse}))
     return lse

@@ -27,6 +27,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dartree.models.files import replace_folder
+
 RESUME_DIR = "resume"
 RESUME_TAG = "last"
 
@@ -325,12 +327,7 @@ def save_resume(engine, out_dir: Path, client_state: dict, recipe: dict | None =
     if rank == 0:
         if recipe is not None:
             (tmp / RECIPE_FILE).write_text(json.dumps(recipe, indent=1))
-        old = out_dir / (RESUME_DIR + ".old")
-        shutil.rmtree(old, ignore_errors=True)
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
+        replace_folder(tmp, final)
     dist.barrier()
     return final
 

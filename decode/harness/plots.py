@@ -206,7 +206,7 @@ def save_figure(fig: Figure, path: str | Path, dpi: int = 110) -> Path:
     """Write ``fig`` as a PNG atomically under a unique temporary name
     (:func:`dartree.models.checkpoint.write_file_atomically`: two runs drawing into one folder never share it) and
     return the path."""
-    from dartree.models.checkpoint import write_file_atomically
+    from dartree.models.files import write_file_atomically
 
     buf = io.BytesIO()
     fig.savefig(buf, dpi=dpi, format="png")

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from dartree.models.checkpoint import write_file_atomically
+from dartree.models.files import write_file_atomically
 
 FIGURES_MARKER = "<!-- dartree-report figures: everything below is redrawn by dartree-report -->"
 
@@ -30,7 +30,7 @@ FIGURES_MARKER = "<!-- dartree-report figures: everything below is redrawn by da
 def _write(path: Path, text: str) -> None:
     """Write ``path`` atomically under a unique temporary name (:func:`dartree.models.checkpoint.write_file_atomically`,
     imported here so that this module does not load torch until it writes)."""
-    from dartree.models.checkpoint import write_file_atomically
+    from dartree.models.files import write_file_atomically
 
     write_file_atomically(path, text)
 

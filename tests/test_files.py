@@ -1,0 +1,57 @@
+"""Atomic writes (dartree.models.files): a destination is its old version or the complete new one, never a mix, and
+a failed write leaves nothing behind."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from dartree.models.files import atomic_folder, write_file_atomically, write_folder_atomically
+
+
+def _leftovers(folder):
+    return sorted(p.name for p in folder.iterdir() if p.name.startswith("."))
+
+
+def test_a_file_is_replaced_whole_and_a_failed_write_keeps_the_old_one(tmp_path, monkeypatch):
+    dest = tmp_path / "sub" / "report.json"
+    write_file_atomically(dest, "old")
+    write_file_atomically(dest, b"new")
+    assert dest.read_text() == "new" and _leftovers(dest.parent) == []
+
+    def broken_replace(src, dst):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "replace", broken_replace)
+    with pytest.raises(OSError, match="disk full"):
+        write_file_atomically(dest, "never")
+    assert dest.read_text() == "new" and _leftovers(dest.parent) == []
+
+
+def test_a_folder_is_swapped_whole_and_an_error_inside_the_block_keeps_the_old_one(tmp_path):
+    dest = tmp_path / "ckpt"
+    write_folder_atomically(dest, {"a.txt": b"1", "w.safetensors": {"tensors": {"w": torch.arange(3.0)},
+                                                                    "metadata": {"k": "v"}}})
+    assert (dest / "a.txt").read_bytes() == b"1" and torch.equal(load_file(dest / "w.safetensors")["w"], torch.arange(3.0))
+    with pytest.raises(RuntimeError, match="boom"):
+        with atomic_folder(dest) as tmp:
+            (tmp / "a.txt").write_bytes(b"2")
+            raise RuntimeError("boom")
+    assert sorted(p.name for p in dest.iterdir()) == ["a.txt", "w.safetensors"] and (dest / "a.txt").read_bytes() == b"1"
+    with atomic_folder(dest) as tmp:
+        (tmp / "b.txt").write_bytes(b"3")
+    assert sorted(p.name for p in dest.iterdir()) == ["b.txt"] and _leftovers(tmp_path) == []
+
+
+def test_a_writer_killed_mid_write_leaves_the_old_folder(tmp_path):
+    dest = tmp_path / "out"
+    write_folder_atomically(dest, {"x": b"old"})
+    script = ("import os, sys; from pathlib import Path; from dartree.models.files import atomic_folder\n"
+              "with atomic_folder(Path(sys.argv[1])) as tmp:\n"
+              "    (tmp / 'x').write_bytes(b'half')\n"
+              "    os._exit(9)\n")
+    r = subprocess.run([sys.executable, "-c", script, str(dest)], capture_output=True)
+    assert r.returncode == 9 and (dest / "x").read_bytes() == b"old"
