@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_gpu_check_dry_writes_a_complete_report(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(REPO / "decode" / "gpu_check.py"), "--dry", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(REPO / "kernels" / "gpu_check.py"), "--dry", "--out", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
