@@ -39,6 +39,7 @@ from dartree.decode.harness.prompts import add_prompt_source_args, load_prompt_f
 from dartree.models.chat import chat_prompt_ids, messages_prompt_ids
 from dartree.decode.trees import Tree, builder_name
 from dartree.decode.verify import compile_tree
+from dartree.models.cli import fail
 from dartree.models.files import write_file_atomically
 from dartree.models.dtypes import DTYPES
 from dartree.models.generation import stop_ids as target_stop_ids
@@ -228,18 +229,15 @@ def main(argv=None) -> int:
     try:
         args.tree = list(dict.fromkeys(builder_name(n) for n in args.tree))
     except KeyError as exc:
-        print(f"error: --tree: {exc.args[0]}", file=sys.stderr)
-        return 2
+        return fail(f"--tree: {exc.args[0]}")
     if min(args.budget) < 0 or args.limit < 1 or args.max_new_tokens < 2 or args.context < 2 or args.reps < 1:
-        print("error: --budget >= 0, --limit >= 1, --max-new-tokens >= 2, --context >= 2, --reps >= 1", file=sys.stderr)
-        return 2
+        return fail("--budget >= 0, --limit >= 1, --max-new-tokens >= 2, --context >= 2, --reps >= 1")
     prompt_file = None  # the --prompts file's record (path, sha256, ...), checked before any model loads
     if args.prompts is not None:
         try:
             file_prompts, prompt_file = load_prompt_file(args.prompts, args.limit)
         except ValueError as exc:
-            print(f"error: --prompts {exc}", file=sys.stderr)
-            return 2
+            return fail(f"--prompts {exc}")
     if args.threads:
         torch.set_num_threads(args.threads)
     from dartree.models.checkpoint import CheckpointError, load_dartree
@@ -256,8 +254,7 @@ def main(argv=None) -> int:
             try:
                 backend, why = choose_linear(lin, DTYPES[dname])
             except ValueError as exc:
-                print(f"error: {exc}", file=sys.stderr)
-                return 2
+                return fail(str(exc))
             combos.setdefault((dname, backend), why)
     for (dname, linear), linear_reason in combos.items():
         dtype = DTYPES[dname]
@@ -265,8 +262,7 @@ def main(argv=None) -> int:
         try:
             dm = load_dartree(args.checkpoint, target=target, dtype=dtype)
         except CheckpointError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+            return fail(str(exc))
         target.set_layer_ids(dm.drafter.cfg.target_layer_ids)
         for module in (target.model, dm.drafter, dm.head):
             pack_linears(module, linear)

@@ -33,6 +33,7 @@ from dartree.decode.harness.prompts import add_prompt_source_args
 from dartree.decode.harness.report import report_warnings, write_figures
 from dartree.decode.harness.session import Refused, open_session, spread_repeats
 from dartree.decode.trees import BUILDERS
+from dartree.models.cli import fail
 from dartree.models.dtypes import DTYPES
 from dartree.models.packed import LINEAR_BACKENDS
 from dartree.models.target import DEFAULT_TARGET
@@ -282,13 +283,11 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
     console = Console(width=120)
     problems = _arg_problems(args)
     if problems:
-        print("error: " + "; ".join(problems), file=sys.stderr)
-        return 2
+        return fail("; ".join(problems))
     try:
         s = open_session(args, console, modes)
     except Refused as exc:
-        print(exc.args[0], file=sys.stderr)
-        return 2
+        return fail(exc.args[0])
     s.warm_up()
     out = Path(args.out)
     rows: dict[str, list[dict]] = {m: [] for m in s.names}

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from dartree.models.cli import fail
+
 REPO = Path(__file__).resolve().parents[1]
 SIZES = [1, 7, 63, 64, 65]  # tests/test_kernels.py: one row, odd, around a power of two
 DRY_SIZES = [1, 7]
@@ -246,8 +248,7 @@ def main(argv=None) -> int:
     """Run the check and write the JSON report; returns the exit status (0 ok, 1 a failure, 2 bad arguments)."""
     args = parse_args(argv)
     if not args.time_limit > 0:
-        print(f"error: --time-limit must be > 0, got {args.time_limit}", file=sys.stderr)
-        return 2
+        return fail(f"--time-limit must be > 0, got {args.time_limit}")
     cuda = torch.cuda.is_available()
     dry = args.dry or not cuda
     if dry and not cuda and not args.dry:

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from dartree.decode.generate import autoregressive_generate
+from dartree.models.chat import chat_prompt_ids
 from dartree.training.data import (
     BlockData,
     DataSpec,
-    chat_prompt_ids,
     compute_features,
     dialogue_segments,
     dialogue_tokens,

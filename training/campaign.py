@@ -41,6 +41,7 @@ from typing import Iterator
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
+from dartree.models.cli import fail
 from dartree.training.campaign_store import (  # noqa: F401  (the store's names, for the tools that import them here)
     DEFAULT_DIR,
     REPO,
@@ -552,8 +553,7 @@ def main(argv: list[str] | None = None) -> int:
             run_train(cfg, deadline)
         print(status(cfg))
     except CampaignError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc))
     except KeyboardInterrupt:
         print("campaign: interrupted; it resumes where it stopped", file=sys.stderr)
         return 130

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from dartree.models.cli import fail
 from dartree.training.recipe import RecipeError
 
 
@@ -133,8 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = parity(args.run_dir, args.split)
     except RecipeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc))
     print(json.dumps(out, indent=1))
     ok = out["max_abs_diff"] <= 0.02
     print(("parity ok" if ok else "PARITY GAP") + f": max difference {100 * out['max_abs_diff']:.2f} points per position")

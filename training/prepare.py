@@ -15,6 +15,7 @@ import time
 
 from omegaconf import DictConfig
 
+from dartree.models.cli import fail
 from dartree.models.drafter import build_target_layer_ids
 from dartree.training.recipe import RecipeError, load_recipe
 
@@ -62,8 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         summary = prepare(load_recipe(args))
     except RecipeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc))
     print(f"data ready: {summary['train_sequences']} training + {summary['holdout_sequences']} held-out sequences, "
           f"{summary['response_tokens']} response tokens, target layers {summary['layer_ids']}, "
           f"{summary['minutes']:.1f} min", flush=True)

@@ -16,6 +16,7 @@ import sys
 
 from omegaconf import DictConfig, OmegaConf
 
+from dartree.models.cli import fail
 from dartree.training.recipe import RecipeError, load_recipe
 from dartree.training.trainer import Trainer
 
@@ -45,8 +46,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_recipe(args)
     except RecipeError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc))
     if os.environ.get("RANK", "0") == "0":
         print(OmegaConf.to_yaml(cfg), flush=True)
     from dartree.training.engine import process_group_scope
@@ -57,8 +57,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             run(cfg)
         except RecipeError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+            return fail(str(exc))
     return 0
 
 

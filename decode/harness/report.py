@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
+from dartree.models.cli import fail
 from dartree.models.files import write_file_atomically
 
 FIGURES_MARKER = "<!-- dartree-report figures: everything below is redrawn by dartree-report -->"
@@ -419,19 +420,15 @@ def main(argv=None) -> int:
     """Console entry point (``dartree-report``): 0 on success, 1 when a figure failed, 2 for bad arguments."""
     args = parse_args(argv)
     if args.curves and args.dirs:
-        print("error: give report folders or --curves, not both", file=sys.stderr)
-        return 2
+        return fail("give report folders or --curves, not both")
     if not args.curves and not args.dirs:
-        print("error: give at least one report folder (or --curves PATH ...)", file=sys.stderr)
-        return 2
+        return fail("give at least one report folder (or --curves PATH ...)")
     sources = args.curves or args.dirs
     labels = args.labels or run_labels(sources)
     if len(labels) != len(sources):
-        print(f"error: {len(labels)} --labels for {len(sources)} inputs", file=sys.stderr)
-        return 2
+        return fail(f"{len(labels)} --labels for {len(sources)} inputs")
     if args.draw_round is not None and args.draw_round < 1:
-        print(f"error: --draw-round is 1-based, got {args.draw_round}", file=sys.stderr)
-        return 2
+        return fail(f"--draw-round is 1-based, got {args.draw_round}")
     from dartree.models.validate import folder_problem
 
     if args.curves:
@@ -439,30 +436,25 @@ def main(argv=None) -> int:
         problem = "is an existing folder, not a PNG file" if png.is_dir() else folder_problem(png.parent)
         if problem:
             where = "" if png.is_dir() else f": its folder {png.parent}"
-            print(f"error: --out '{png}'{where} {problem}; give a PNG path in a writable folder", file=sys.stderr)
-            return 2
+            return fail(f"--out '{png}'{where} {problem}; give a PNG path in a writable folder")
         try:
             curves = {lab: load_curve(p) for lab, p in zip(labels, args.curves)}
             from dartree.training.curves import fig_curves, save_png
 
             png = save_png(fig_curves(curves), args.out or "curves.png")
         except (FileNotFoundError, ValueError, json.JSONDecodeError) as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+            return fail(f"{exc}")
         print(f"wrote {png}")
         return 0
     out = Path(args.out or (args.dirs[0] if len(args.dirs) == 1 else "reports/compare"))
     problem = folder_problem(out)
     if problem:
         what = "--out" if args.out else "output folder (default of --out)"
-        print(f"error: {what} '{out}' {problem}; give a writable folder for report.md and its figures as --out",
-              file=sys.stderr)
-        return 2
+        return fail(f"{what} '{out}' {problem}; give a writable folder for report.md and its figures as --out")
     try:
         reports = {lab: load_report(d) for lab, d in zip(labels, args.dirs)}
     except (FileNotFoundError, ValueError, json.JSONDecodeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail(f"{exc}")
     if len(reports) == 1:
         report, out = next(iter(reports.values())), Path(args.out or args.dirs[0])
         out.mkdir(parents=True, exist_ok=True)
@@ -473,8 +465,7 @@ def main(argv=None) -> int:
         try:
             report = merge_reports(reports)
         except ValueError as exc:
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
+            return fail(f"{exc}")
         out = Path(args.out or "reports/compare")
         out.mkdir(parents=True, exist_ok=True)
         _write(out / "report.json", json.dumps(report, indent=1))
