@@ -1,6 +1,6 @@
 """Round-cost benchmark: where one speculative round spends its time, in units of one AR step.
 
-``python decode/bench.py [--tree chain pruned] [--budget 2 4 8 16] [--dtype float32 bfloat16] [--profile]
+``python decode/bench.py [--tree chain pruned] [--budget 2 4 8 16] [--dtype float32 bfloat16] [--invariant] [--profile]
 [--datasets ... | --prompts FILE]``
 
 For every dtype the target (and drafter) is loaded once and, in that one process:
@@ -24,6 +24,7 @@ else the machine runs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -65,6 +66,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--no-tune", dest="tune", action="store_false",
                     help="keep the fixed single-row rule instead of timing F.linear against the packed call per row "
                          "count (dartree.models.packed.tune_linears), for a before/after comparison")
+    ap.add_argument("--invariant", action="store_true",
+                    help="also measure every dtype in the row-invariant mode (dartree.models.invariant), labelled "
+                         "DTYPE/invariant: its AR step, verify curve and rounds beside the default kernels' (its cost)")
     ap.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "dspark_b16"))
     ap.add_argument("--target", default=DEFAULT_TARGET)
     add_prompt_source_args(ap)
@@ -233,6 +237,7 @@ def main(argv=None) -> int:
     if min(args.budget) < 0 or args.limit < 1 or args.max_new_tokens < 2 or args.context < 2 or args.reps < 1:
         return fail("--budget >= 0, --limit >= 1, --max-new-tokens >= 2, --context >= 2, --reps >= 1")
     prompt_file = None  # the --prompts file's record (path, sha256, ...), checked before any model loads
+    file_prompts: list = []
     if args.prompts is not None:
         try:
             file_prompts, prompt_file = load_prompt_file(args.prompts, args.limit)
@@ -240,9 +245,6 @@ def main(argv=None) -> int:
             return fail(f"--prompts {exc}")
     if args.threads:
         torch.set_num_threads(args.threads)
-    from dartree.models.checkpoint import CheckpointError, load_dartree
-    from dartree.models.target import load_target
-
     console = Console(width=140)
     result = {"environment": {"torch": torch.__version__, "threads": torch.get_num_threads(),
                               "checkpoint": args.checkpoint, "max_new_tokens": args.max_new_tokens,
@@ -256,7 +258,28 @@ def main(argv=None) -> int:
             except ValueError as exc:
                 return fail(str(exc))
             combos.setdefault((dname, backend), why)
+    modes = [False, True] if args.invariant else [False]
     for (dname, linear), linear_reason in combos.items():
+        for invariant in modes:
+            code = _bench_one(args, console, result, combos, dname, linear, linear_reason, invariant,
+                              file_prompts, prompt_file)
+            if code:
+                return code
+    write_file_atomically(Path(args.out), json.dumps(result, indent=1))
+    console.print(f"wrote {args.out}")
+    return 0
+
+
+def _bench_one(args, console, result: dict, combos: dict, dname: str, linear: str, linear_reason: str,
+               invariant: bool, file_prompts: list, prompt_file: dict | None) -> int:
+    """One dtype x matmul path (x row-invariant mode): load the target and drafter, measure the AR step, the
+    verify curve and every method, print the tables and store them in ``result["dtypes"][label]``; returns the
+    exit status (0, or 2 with a one-line error for a checkpoint or a mode that cannot run here)."""
+    from dartree.models.checkpoint import CheckpointError, load_dartree
+    from dartree.models.invariant import row_invariant
+    from dartree.models.target import load_target
+
+    with contextlib.ExitStack() as held:
         dtype = DTYPES[dname]
         target = load_target(args.target, dtype=dtype)
         try:
@@ -271,6 +294,14 @@ def main(argv=None) -> int:
         if tuning:
             console.print("F.linear beats the packed call at rows: " + "; ".join(f"{k}: {v}" for k, v in tuning.items()))
         label = dname if len({b for d, b in combos if d == dname}) == 1 else f"{dname}/{linear}"
+        mode = None
+        if invariant:  # after packing and tuning: the mode re-packs the target for row invariance
+            try:
+                mode = held.enter_context(row_invariant(target))
+            except ValueError as exc:
+                return fail(f"--invariant: {exc}")
+            label += "/invariant"
+            console.print(f"{label}: row-invariant target forwards (linear {mode.linear}: {mode.why})")
         tok = target.tokenizer
         stop = target_stop_ids(target)  # every id at which the target's own generate stops
         chosen = file_prompts if prompt_file else [p for d in args.datasets for p in load_prompts(d, args.limit, 0)]
@@ -283,7 +314,8 @@ def main(argv=None) -> int:
         # context for the verify curve: a prompt followed by its AR continuation, cut to --context tokens
         ctx = (prompts[0] + ar[0].tokens + prompts[-1] * 8)[: args.context]
         curve = verify_curve(target, ctx, reps=args.reps)
-        entry = {"linear": linear, "linear_reason": linear_reason, "linear_aten_rows": tuning, "t_ar_ms": 1000 * t_ar, "verify_ms": {t: 1000 * s for t, s in curve.items()},
+        entry = {"row_invariant": {"linear": mode.linear, "why": mode.why} if mode is not None else None,
+                 "linear": linear, "linear_reason": linear_reason, "linear_aten_rows": tuning, "t_ar_ms": 1000 * t_ar, "verify_ms": {t: 1000 * s for t, s in curve.items()},
                  "verify_ar": {t: s / t_ar for t, s in curve.items()}, "methods": {}}
         table = Table(title=f"{label}: verify cost t_verify(M) (context {len(ctx)}); AR step {1000 * t_ar:.1f} ms")
         table.add_column("M+1 tokens", justify="right")
@@ -318,7 +350,7 @@ def main(argv=None) -> int:
             for i, ids in enumerate(prompts):
                 o = speculative_generate(target, dm.drafter, dm.head, ids, builder=m, max_new_tokens=args.max_new_tokens,
                                          stop_ids=stop, budget=b, cost_model=cm, record_trees=record)
-                if o.tokens != ar[i].tokens and dname == "float32":
+                if o.tokens != ar[i].tokens and (dname == "float32" or invariant):  # where the arithmetic is exact
                     console.print(f"[bold red]{m}@{b}: output differs from AR on prompt {i}[/bold red]")
                 outs.append(o.stats)
             rc = round_costs(outs, t_ar)
@@ -347,8 +379,6 @@ def main(argv=None) -> int:
             console.print(f"profile of {m}@{b} (64 tokens):\n{text}")
             entry["profile_top"] = text
         result["dtypes"][label] = entry
-    write_file_atomically(Path(args.out), json.dumps(result, indent=1))
-    console.print(f"wrote {args.out}")
     return 0
 
 

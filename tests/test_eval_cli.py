@@ -217,6 +217,26 @@ def test_bench_replay_sweeps_budgets_from_one_recorded_decode(tiny_folder, tmp_p
 
 
 @pytest.mark.slow
+def test_bench_invariant_measures_each_dtype_twice_and_the_invariant_rounds_equal_ar(tiny_folder, tmp_path):
+    # decode/bench.py --invariant: the same dtype measured with today's kernels and in the row-invariant mode
+    # (DTYPE/invariant, its mode recorded), in one process; the invariant rounds' output equals AR's by construction
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "decode/bench.py", "--target", str(tiny_folder / "target"), "--checkpoint",
+           str(tiny_folder / "ckpt"), "--tree", "chain", "pruned", "--budget", "4", "--datasets", "gsm8k", "--limit",
+           "1", "--max-new-tokens", "16", "--reps", "1", "--context", "16", "--dtype", "bfloat16", "--invariant",
+           "--out", str(out)]
+    r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    dtypes = json.loads(out.read_text())["dtypes"]
+    assert sorted(dtypes) == ["bfloat16", "bfloat16/invariant"]
+    assert dtypes["bfloat16"]["row_invariant"] is None and dtypes["bfloat16/invariant"]["row_invariant"]["linear"]
+    for entry in dtypes.values():
+        assert sorted(entry["methods"]) == ["chain", "pruned@4"] and entry["t_ar_ms"] > 0
+    assert "bfloat16/invariant: row-invariant target forwards" in r.stdout
+    assert "differs from AR" not in r.stdout  # checked where the arithmetic is exact: the invariant rows
+
+
+@pytest.mark.slow
 def test_report_writers_of_one_folder_never_share_a_temporary_file(tmp_path):
     """Two processes writing one report folder (two runs with the same --out) each write under their own temporary
     name: with a fixed ``report.md.tmp`` one writer's rename took the other's file and the other crashed
