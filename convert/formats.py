@@ -1,34 +1,14 @@
-"""Published drafter layouts: tensor names and config fields, both ways (read into dartree, write back).
+"""Shared pieces of the published drafter layouts, used by every publisher module (:mod:`dartree.convert.zlab`,
+:mod:`dartree.convert.specforge`, :mod:`dartree.convert.deepspec`, :mod:`dartree.convert.vllm_speculators`).
 
-Layouts (facts from the public code named with each layout):
-
-- ``zlab-dflash`` (z-lab/dflash ``dflash/model.py``): a Qwen3 config plus ``dflash_config.{mask_token_id,
-  target_layer_ids}`` and ``block_size`` (top level or in ``dflash_config``); tensors ``fc``, ``hidden_norm``,
-  ``norm`` and Qwen3 layers ``layers.{i}.self_attn.{q,k,v,o}_proj / {q,k}_norm``, ``layers.{i}.mlp.{gate,up,
-  down}_proj``, ``layers.{i}.{input,post_attention}_layernorm``; no embedding or lm_head. Block positions
-  1..B-1 are the proposals (dartree ``proposal_offset`` 1), head ``identity``.
-- ``specforge-domino`` (SpecForge ``specforge/modeling/draft/domino.py``): the same backbone plus
-  ``prefix_gru.weight_{ih,hh}_l0`` and ``embed_proj.{0,2}.weight`` (older checkpoints: under ``logit_head.``);
-  ``dflash_config.{emb_dim, gru_hidden_dim, pure_draft_prefix_len, shift_label}``. ``shift_label`` true means all
-  B positions are proposals (offset 0), else B-1 (offset 1); head ``gru`` with ``prefix_len`` =
-  ``pure_draft_prefix_len`` counted in proposals, as SpecForge's ``suffix_start`` does in both modes.
-- ``specforge-dspark`` (SpecForge ``dspark.py`` / ``dspark_heads.py``): the backbone plus
-  ``markov_head.markov_w1.weight``, ``markov_head.markov_w2.weight``, ``markov_head.gate_proj.*`` (gated),
-  ``markov_head.joint_proj.*`` (rnn), ``confidence_head.proj.*``; fields ``markov_rank``, ``markov_head_type``
-  (vanilla | gated | rnn), ``enable_confidence_head``, ``confidence_head_with_markov`` in ``dflash_config`` (or
-  at the top level, the older ``DSparkConfig`` layout). All B positions are proposals (offset 0): DSpark trains
-  on labels anchor+1..anchor+B (SpecForge ``OnlineDSparkModel`` and DeepSpec; dartree follows training, not the
-  B-1 slice of SpecForge's DSpark ``spec_generate``).
-- ``deepspec-dspark`` (DeepSpec ``deepspec/modeling/dspark/qwen3/{config,modeling}.py``): the target's config
-  with top-level ``target_layer_ids``, ``mask_token_id``, ``block_size``, ``num_anchors`` and the DSpark fields;
-  tensors as SpecForge DSpark plus frozen copies ``embed_tokens.weight`` and ``lm_head.weight`` [V, D], which
-  dartree drops (the target provides them).
-- ``zlab-dflash2`` (z-lab/dflash ``dflash/model.py`` ``DFlash2DraftModel``; reader/writer pair in
-  :mod:`dartree.convert.zlab_dflash2`): the z-lab DFlash layout plus ``layers.{i}.{attention,mlp}_conv.{base_kernel,
-  kernel_projection.weight}`` (dartree ``backbone.layers.{i}.*_conv.*``, same names) and the candidate selector
-  ``candidate_selector.{predecessor,successor}_codebook`` [V, R] (z-lab's own ``save_pretrained`` adds ``.weight``)
-  and ``candidate_selector.hidden_projection.weight`` [R, D] (dartree head ``selector``: ``head.{w1,w2,proj}.weight``);
-  ``dflash_config.{conv_kernel_size, conv_group_size, selector_rank, selector_top_k}``; proposal offset 1.
+Every published drafter is the DFlash backbone of z-lab/dflash ``dflash/model.py`` (``DFlashDraftModel``): a Qwen3
+config (transformers ``Qwen3Config``) and Qwen3 layers ``layers.{i}.self_attn.{q,k,v,o}_proj / {q,k}_norm``,
+``layers.{i}.mlp.{gate,up,down}_proj``, ``layers.{i}.{input,post_attention}_layernorm`` plus ``fc``,
+``hidden_norm`` and ``norm``; no embedding or lm_head. Here: the names of those tensors and of the heads two or
+more publishers share (DSpark's ``markov_head.*`` / ``confidence_head.*``: SpecForge, DeepSpec, speculators;
+DFlash 2's ``candidate_selector.*`` and convolutions: z-lab, speculators), the checked reading of config fields
+(:func:`field`, :func:`backbone`, :func:`dspark_head`), the strict tensor checks (:func:`check_tensors`,
+:func:`check_copy_of_target`) and the base config.json of an export (:func:`export_config`).
 
 Both transformers config layouts are read: ``rope_theta`` at the top level (transformers 4) or under
 ``rope_parameters`` (transformers 5). Exports write the transformers-4 layout, as the published configs do.
@@ -41,58 +21,81 @@ import warnings
 from dataclasses import dataclass
 from typing import Callable
 
-from dartree.models.checkpoint import FORMAT, CheckpointError
-from dartree.convert.registry import FORMAT_PAIRS
+from dartree.models.checkpoint import CheckpointError, dartree_config, expected_tensors
 from dartree.models.validate import Flag, Range
 
-SOURCE_FORMATS = ("zlab-dflash", "specforge-domino", "specforge-dspark", "deepspec-dspark")
-EXPORT_FORMATS = ("zlab-dflash", "specforge-domino", "specforge-dspark")
-
-_MARKOV_TYPES = {"vanilla": "markov", "gated": "gated_markov", "rnn": "rnn"}
-_DSPARK_HEADS = {v: k for k, v in _MARKOV_TYPES.items()}
+QWEN3 = ("hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, "
+         "head_dim, rms_norm_eps, vocab_size, rope_theta (or rope_parameters.rope_theta)")
+MARKOV_TYPES = {"vanilla": "markov", "gated": "gated_markov", "rnn": "rnn"}  # DSpark markov_head_type -> dartree head
+DSPARK_HEADS = {v: k for k, v in MARKOV_TYPES.items()}
 _LEGACY_PREFIXES = ("prefix_gru.", "embed_proj.", "markov_head.", "confidence_head.")
 _LAYER = re.compile(r"^backbone\.layers\.(\d+)\.(.+)$")
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
 _MLP = {"gate_proj", "up_proj", "down_proj"}
-_HEAD_NAMES = {
-    "gru": {"weight_ih": "prefix_gru.weight_ih_l0", "weight_hh": "prefix_gru.weight_hh_l0",
-            "fc1.weight": "embed_proj.0.weight", "fc2.weight": "embed_proj.2.weight"},
-    "dspark": {"w1.weight": "markov_head.markov_w1.weight", "w2.weight": "markov_head.markov_w2.weight",
-               "gate_proj.weight": "markov_head.gate_proj.weight", "gate_proj.bias": "markov_head.gate_proj.bias",
-               "joint_proj.weight": "markov_head.joint_proj.weight", "joint_proj.bias": "markov_head.joint_proj.bias",
-               "confidence.weight": "confidence_head.proj.weight", "confidence.bias": "confidence_head.proj.bias"},
-    # DFlash 2 (z-lab DFlash2DraftModel, speculators dflash2); the published spelling has no ``.weight`` on the codebooks
-    "selector": {"w1.weight": "candidate_selector.predecessor_codebook",
-                 "w2.weight": "candidate_selector.successor_codebook",
-                 "proj.weight": "candidate_selector.hidden_projection.weight"},
-}
+# dartree head tensor (without ``head.``) -> published name. DSpark (SpecForge dspark_heads.py, DeepSpec, speculators
+# dspark):
+DSPARK_NAMES = {"w1.weight": "markov_head.markov_w1.weight", "w2.weight": "markov_head.markov_w2.weight",
+                "gate_proj.weight": "markov_head.gate_proj.weight", "gate_proj.bias": "markov_head.gate_proj.bias",
+                "joint_proj.weight": "markov_head.joint_proj.weight", "joint_proj.bias": "markov_head.joint_proj.bias",
+                "confidence.weight": "confidence_head.proj.weight", "confidence.bias": "confidence_head.proj.bias"}
+# DFlash 2 (z-lab DFlash2DraftModel, speculators dflash2); the published spelling has no ``.weight`` on the codebooks
+SELECTOR_NAMES = {"w1.weight": "candidate_selector.predecessor_codebook",
+                  "w2.weight": "candidate_selector.successor_codebook",
+                  "proj.weight": "candidate_selector.hidden_projection.weight"}
+_CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
 
-def published_name(name: str, fmt: str) -> str:
-    """Map a dartree tensor name (``backbone.*`` / ``head.*``) to its name in the published layout ``fmt``.
+@dataclass(frozen=True)
+class ConfigLayout:
+    """How one publisher lays out a DFlash-family config.json, for the shared readers below.
+
+    Attributes:
+        name: the layout's ``--from`` name, for messages (``unknown config layout for NAME``).
+        expected: the fields the layout needs, listed when one is missing.
+        nested: drafter fields are read from ``dflash_config`` first, then the top level (z-lab, SpecForge);
+            False: the top level only (DeepSpec).
+    """
+
+    name: str
+    expected: str
+    nested: bool = True
+
+
+def backbone_name(name: str) -> str:
+    """The published name of a dartree backbone tensor (``backbone.*``), the same in every layout.
 
     ``backbone.layers.{i}.q_proj.weight`` -> ``layers.{i}.self_attn.q_proj.weight``, ``...gate_proj...`` ->
-    ``layers.{i}.mlp.gate_proj...``, other backbone names (DFlash 2's ``layers.{i}.{attention,mlp}_conv.*``
-    included) lose the ``backbone.`` prefix; head names per the module docstring (``zlab-dflash2``: the selector's).
+    ``layers.{i}.mlp.gate_proj...``; other names (``fc``, ``hidden_norm``, ``norm``, DFlash 2's
+    ``layers.{i}.{attention,mlp}_conv.*``) lose the ``backbone.`` prefix.
+    """
+    m = _LAYER.match(name)
+    if m:
+        i, rest = m.groups()
+        mod = rest.split(".", 1)[0]
+        if mod in _ATTN:
+            return f"layers.{i}.self_attn.{rest}"
+        if mod in _MLP:
+            return f"layers.{i}.mlp.{rest}"
+        return f"layers.{i}.{rest}"
+    return name[len("backbone."):]
+
+
+def published_name(name: str, heads: dict[str, str], fmt: str) -> str:
+    """Map a dartree tensor name (``backbone.*`` / ``head.*``) to its name in the published layout ``fmt``.
+
+    Args:
+        name: the dartree name. heads: the layout's head table, dartree name without ``head.`` -> published name
+            (:data:`DSPARK_NAMES`, :data:`SELECTOR_NAMES`, SpecForge Domino's; empty for a layout without a head).
+        fmt: the layout's name, for the message.
     Raises:
-        CheckpointError: a head tensor that ``fmt`` has no name for (the head type does not fit the layout).
+        CheckpointError: a head tensor that ``heads`` has no name for (the head type does not fit the layout).
     """
     if name.startswith("backbone."):
-        m = _LAYER.match(name)
-        if m:
-            i, rest = m.groups()
-            mod = rest.split(".", 1)[0]
-            if mod in _ATTN:
-                return f"layers.{i}.self_attn.{rest}"
-            if mod in _MLP:
-                return f"layers.{i}.mlp.{rest}"
-            return f"layers.{i}.{rest}"
-        return name[len("backbone."):]
+        return backbone_name(name)
     local = name[len("head."):]
-    table = _HEAD_NAMES[{"specforge-domino": "gru", "zlab-dflash2": "selector"}.get(fmt, "dspark")]
-    if fmt == "zlab-dflash" or local not in table:
+    if local not in heads:
         raise CheckpointError(f"tensor {name!r} has no counterpart in the {fmt} layout")
-    return table[local]
+    return heads[local]
 
 
 def strip_legacy(tensors: dict, where) -> dict:
@@ -113,11 +116,12 @@ def strip_legacy(tensors: dict, where) -> dict:
     return out
 
 
-_INT1, _INT0 = Range(1), Range(0)  # rules of :func:`field` for sizes / counts and for ids / ranks
-_POSITIVE, _REAL0 = Range(0, integer=False, lo_open=True), Range(0, integer=False)
+# rules of :func:`field`: sizes / counts (>= 1), ids / ranks (>= 0), positive reals, reals >= 0
+INT1, INT0 = Range(1), Range(0)
+POSITIVE, REAL0 = Range(0, integer=False, lo_open=True), Range(0, integer=False)
 
 
-def field(value, key: str, where, rule=_INT1):
+def field(value, key: str, where, rule=INT1):
     """The value of published config field ``key``, checked and typed: every number or flag a published reader
     takes from a config.json goes through here (never a bare ``int(cfg[...])``, which fails with a traceback
     on ``"abc"`` and reads the string ``"false"`` as true).
@@ -139,57 +143,53 @@ def field(value, key: str, where, rule=_INT1):
     return int(value) if rule.integer else float(value)
 
 
-def _flag(value, key: str, where) -> bool:
-    """A published flag: true / false, or null (false, as ``bool(None)`` always read it)."""
+def flag(value, key: str, where) -> bool:
+    """A published flag: true / false, or null (false, as ``bool(None)`` always read it).
+
+    Raises:
+        CheckpointError: any other value (:func:`field`).
+    """
     return False if value is None else field(value, key, where, Flag())
 
 
-def _get(config: dict, key: str, *, where, fmt: str, nested: bool = True, default=..., expected: str = ""):
-    """Field ``key`` from ``dflash_config`` (when ``nested``) or the top level; error listing the layout if absent."""
+def dflash_config(config: dict) -> dict:
+    """The config's ``dflash_config`` object (z-lab / SpecForge), or ``{}`` when it is absent or not an object."""
+    dc = config.get("dflash_config")
+    return dc if isinstance(dc, dict) else {}
+
+
+def config_value(config: dict, key: str, *, where, layout: ConfigLayout, default=...):
+    """Field ``key`` from ``dflash_config`` (when ``layout.nested``) or the top level.
+
+    Raises:
+        CheckpointError: absent and no ``default``; the message lists ``layout.expected``.
+    """
     dc = config.get("dflash_config") or {}
-    if nested and key in dc:
+    if layout.nested and key in dc:
         return dc[key]
     if key in config:
         return config[key]
     if default is not ...:
         return default
-    place = f"dflash_config.{key} or {key}" if nested else key
-    raise CheckpointError(
-        f"{where}: unknown config layout for {fmt}: no {place}; expected {expected or _EXPECTED[fmt]}"
-    )
+    place = f"dflash_config.{key} or {key}" if layout.nested else key
+    raise CheckpointError(f"{where}: unknown config layout for {layout.name}: no {place}; expected {layout.expected}")
 
 
-_QWEN3 = ("hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, "
-          "head_dim, rms_norm_eps, vocab_size, rope_theta (or rope_parameters.rope_theta)")
-_EXPECTED = {
-    "zlab-dflash": f"a Qwen3 config ({_QWEN3}) with block_size and dflash_config.{{mask_token_id, target_layer_ids}}",
-    "specforge-domino": f"a Qwen3 config ({_QWEN3}) with block_size and dflash_config.{{mask_token_id, "
-                        "target_layer_ids, emb_dim, gru_hidden_dim, pure_draft_prefix_len, shift_label}",
-    "specforge-dspark": f"a Qwen3 config ({_QWEN3}) with block_size and dflash_config.{{mask_token_id, "
-                        "target_layer_ids, markov_rank, markov_head_type, enable_confidence_head, "
-                        "confidence_head_with_markov}",
-    "deepspec-dspark": f"a Qwen3 config ({_QWEN3}) with top-level block_size, mask_token_id, target_layer_ids, "
-                       "markov_rank, markov_head_type, enable_confidence_head",
-    "zlab-dflash2": f"a Qwen3 config ({_QWEN3}) with block_size and dflash_config.{{mask_token_id, target_layer_ids, "
-                    "conv_kernel_size, conv_group_size, selector_rank, selector_top_k}",
-}
-
-
-def _rope_theta(config: dict, where, fmt: str) -> float:
+def _rope_theta(config: dict, where, layout: ConfigLayout) -> float:
     rp = config.get("rope_parameters")
     if isinstance(rp, dict) and "rope_theta" in rp:
         if rp.get("rope_type", "default") != "default":
             raise CheckpointError(f"{where}: rope_parameters.rope_type {rp['rope_type']!r} is not supported "
                                   "(dartree drafters use plain RoPE); only 'default' converts")
-        return field(rp["rope_theta"], "rope_parameters.rope_theta", where, _POSITIVE)
+        return field(rp["rope_theta"], "rope_parameters.rope_theta", where, POSITIVE)
     if "rope_theta" in config:
         rs = config.get("rope_scaling")
         if rs and (rs.get("rope_type") or rs.get("type")) not in (None, "default"):
             raise CheckpointError(f"{where}: rope_scaling {rs!r} is not supported (dartree drafters use plain "
                                   "RoPE); only null or type 'default' converts")
-        return field(config["rope_theta"], "rope_theta", where, _POSITIVE)
-    raise CheckpointError(f"{where}: unknown config layout for {fmt}: no rope_theta at the top level "
-                          f"(transformers 4) nor rope_parameters.rope_theta (transformers 5); expected {_EXPECTED[fmt]}")
+        return field(config["rope_theta"], "rope_theta", where, POSITIVE)
+    raise CheckpointError(f"{where}: unknown config layout for {layout.name}: no rope_theta at the top level "
+                          f"(transformers 4) nor rope_parameters.rope_theta (transformers 5); expected {layout.expected}")
 
 
 def effective_layer_types(config: dict, where="config.json") -> list[str]:
@@ -202,9 +202,9 @@ def effective_layer_types(config: dict, where="config.json") -> list[str]:
     """
     if config.get("layer_types"):
         return list(config["layer_types"])
-    n = field(config.get("num_hidden_layers") or 0, "num_hidden_layers", where, _INT0)
+    n = field(config.get("num_hidden_layers") or 0, "num_hidden_layers", where, INT0)
     window = config.get("sliding_window", 4096) if config.get("use_sliding_window") else None
-    first = 28 if config.get("max_window_layers") is None else field(config["max_window_layers"], "max_window_layers", where, _INT0)
+    first = 28 if config.get("max_window_layers") is None else field(config["max_window_layers"], "max_window_layers", where, INT0)
     return ["sliding_attention" if window is not None and i >= first else "full_attention" for i in range(n)]
 
 
@@ -227,7 +227,7 @@ def _check_supported(config: dict, where) -> None:
                               "dartree drafters attend over the whole context (full_attention only)")
     for key, ok in (("input_embedding_scale", 1.0), ("output_multiplier", 1.0)):
         val = dc.get(key, config.get(key, ok))
-        if val is not None and field(val, key, where, _REAL0) != ok:
+        if val is not None and field(val, key, where, REAL0) != ok:
             raise CheckpointError(f"{where}: {key}={val} is not supported; dartree converts only {ok}")
     if dc.get("final_logit_softcapping", config.get("final_logit_softcapping")):
         raise CheckpointError(f"{where}: final_logit_softcapping is not supported by dartree")
@@ -257,20 +257,20 @@ def resolve_mask_token_id(tokenizer, vocab_size: int) -> int | None:
     return None
 
 
-def _mask_token_id(config: dict, where, fmt: str, nested: bool, target) -> int:
+def _mask_token_id(config: dict, where, layout: ConfigLayout, target) -> int:
     """``mask_token_id`` from the config; when absent, resolved from ``target``'s tokenizer as SpecForge does.
 
     Raises:
         CheckpointError: absent and no target tokenizer to resolve it from (the message names both fixes).
     """
     if "mask_token_id" in (config.get("dflash_config") or {}) or "mask_token_id" in config:
-        val = _get(config, "mask_token_id", where=where, fmt=fmt, nested=nested)
+        val = config_value(config, "mask_token_id", where=where, layout=layout)
         if val is not None:
-            return field(val, "mask_token_id", where, _INT0)
-    vocab = field(config.get("vocab_size") or 0, "vocab_size", where, _INT0)
+            return field(val, "mask_token_id", where, INT0)
+    vocab = field(config.get("vocab_size") or 0, "vocab_size", where, INT0)
     resolved = resolve_mask_token_id(getattr(target, "tokenizer", None), vocab)
     if resolved is None:
-        place = "dflash_config.mask_token_id" if nested else "mask_token_id"
+        place = "dflash_config.mask_token_id" if layout.nested else "mask_token_id"
         raise CheckpointError(
             f"{where}: the config names no {place}; SpecForge then resolves it from the target's tokenizer (its "
             "mask token, the first unused embedding row, pad, eos, unk): pass --target with the target's folder "
@@ -278,10 +278,23 @@ def _mask_token_id(config: dict, where, fmt: str, nested: bool, target) -> int:
     return resolved
 
 
-def _backbone(config: dict, where, fmt: str, *, proposal_offset: int, target=None) -> dict:
-    """DrafterConfig fields from a published Qwen3-style config (``target``: optional, resolves a missing MASK id)."""
+def backbone(config: dict, where, layout: ConfigLayout, *, proposal_offset: int, target=None) -> dict:
+    """dartree ``drafter`` fields from a published Qwen3-style DFlash config (z-lab ``DFlashDraftModel``).
+
+    Args:
+        config: the config.json dict. where: the file, for messages. layout: the publisher's
+            :class:`ConfigLayout`. proposal_offset: the layout's first proposed block position (0 or 1).
+        target: optional :class:`~dartree.models.target.Target`; its tokenizer resolves a missing MASK id the way
+            SpecForge does (:func:`resolve_mask_token_id`).
+    Returns:
+        hidden_size, intermediate_size, num_layers, num_heads, num_kv_heads, head_dim, rms_norm_eps, qk_norm,
+        target_layer_ids, mask_token_id, block_size, proposal_offset, rope_theta.
+    Raises:
+        CheckpointError: a missing field (the message lists ``layout.expected``), a value out of range, or an
+            option dartree does not implement (sliding windows, attention bias, softcapping, RoPE scaling, ...),
+            each named with its value.
+    """
     _check_supported(config, where)
-    nested = fmt != "deepspec-dspark"
     try:
         d = field(config["hidden_size"], "hidden_size", where)
         heads = field(config["num_attention_heads"], "num_attention_heads", where)
@@ -292,63 +305,60 @@ def _backbone(config: dict, where, fmt: str, *, proposal_offset: int, target=Non
             "num_heads": heads,
             "num_kv_heads": field(config.get("num_key_value_heads") or heads, "num_key_value_heads", where),
             "head_dim": field(config.get("head_dim") or d // heads, "head_dim", where),
-            "rms_norm_eps": field(config.get("rms_norm_eps", 1e-6), "rms_norm_eps", where, _POSITIVE),
+            "rms_norm_eps": field(config.get("rms_norm_eps", 1e-6), "rms_norm_eps", where, POSITIVE),
             "qk_norm": True,  # Qwen3 layers always carry q_norm / k_norm
         }
         field(config["vocab_size"], "vocab_size", where)
     except KeyError as exc:
-        raise CheckpointError(f"{where}: unknown config layout for {fmt}: no {exc.args[0]}; "
-                              f"expected {_EXPECTED[fmt]}") from None
-    ids = _get(config, "target_layer_ids", where=where, fmt=fmt, nested=nested)
+        raise CheckpointError(f"{where}: unknown config layout for {layout.name}: no {exc.args[0]}; "
+                              f"expected {layout.expected}") from None
+    ids = config_value(config, "target_layer_ids", where=where, layout=layout)
     if not isinstance(ids, list) or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
         raise CheckpointError(f"{where}: target_layer_ids {ids!r} must be a list of layer indices >= 0 "
                               "(DeepSpec's -1, the embedding output, is not supported by dartree)")
     out.update(
         target_layer_ids=list(ids),
-        mask_token_id=_mask_token_id(config, where, fmt, nested, target),
-        block_size=field(_get(config, "block_size", where=where, fmt=fmt, nested=nested), "block_size", where,
+        mask_token_id=_mask_token_id(config, where, layout, target),
+        block_size=field(config_value(config, "block_size", where=where, layout=layout), "block_size", where,
                          Range(2)),
         proposal_offset=proposal_offset,
-        rope_theta=_rope_theta(config, where, fmt),
+        rope_theta=_rope_theta(config, where, layout),
     )
     return out
 
 
-def _dspark_head(config: dict, where, fmt: str, vocab: int, hidden: int) -> dict:
-    nested = fmt == "specforge-dspark"
-    if fmt == "specforge-dspark":
-        # SpecForge DSparkDraftModel._init_draft_head / build_markov_head: a missing markov_rank is 0 (no Markov
-        # head); the confidence head exists when enable_confidence_head, which defaults to
-        # confidence_head_alpha > 0; confidence_head_with_markov defaults to false.
-        alpha = field(_get(config, "confidence_head_alpha", where=where, fmt=fmt, default=0.0) or 0.0,
-                      "confidence_head_alpha", where, _REAL0)
-        rank = field(_get(config, "markov_rank", where=where, fmt=fmt, default=0) or 0, "markov_rank", where, _INT0)
-        conf = _flag(_get(config, "enable_confidence_head", where=where, fmt=fmt, default=alpha > 0.0),
-                     "enable_confidence_head", where)
-        with_markov = _flag(_get(config, "confidence_head_with_markov", where=where, fmt=fmt, default=False),
-                            "confidence_head_with_markov", where)
-    else:
-        rank = field(_get(config, "markov_rank", where=where, fmt=fmt, nested=nested), "markov_rank", where, _INT0)
-        conf = _flag(_get(config, "enable_confidence_head", where=where, fmt=fmt, nested=nested, default=False),
-                     "enable_confidence_head", where)
-        with_markov = _flag(_get(config, "confidence_head_with_markov", where=where, fmt=fmt, nested=nested,
-                                 default=True), "confidence_head_with_markov", where)
+def dspark_head(rank: int, kind, confidence: bool, with_markov: bool, *, vocab: int, hidden: int, where) -> dict:
+    """The dartree head config of a DSpark head (SpecForge ``dspark_heads.py`` ``build_markov_head``; DeepSpec and
+    speculators ``dspark`` carry the same head), from fields each publisher reads with its own defaults.
+
+    Args:
+        rank: ``markov_rank`` R (0: no Markov head). kind: ``markov_head_type`` (vanilla | gated | rnn, any case).
+        confidence: ``enable_confidence_head``. with_markov: ``confidence_head_with_markov``.
+        vocab: V. hidden: D. where: the file, for messages.
+    Returns:
+        ``{"type": "identity"}`` for rank 0, else ``{"type": markov | gated_markov | rnn, "vocab_size": V,
+        "rank": R}`` plus ``hidden_size`` (gated / rnn or with a confidence head) and ``confidence_head`` /
+        ``confidence_with_markov``.
+    Raises:
+        CheckpointError: a negative rank, a confidence head without a Markov head (SpecForge refuses one that
+            reads it; dartree has none), or an unknown ``markov_head_type``.
+    """
     if rank < 0:
         raise CheckpointError(f"{where}: markov_rank must be >= 0, got {rank}")
-    if conf and with_markov and rank == 0:
+    if confidence and with_markov and rank == 0:
         raise CheckpointError(f"{where}: confidence_head_with_markov=true needs markov_rank > 0 (SpecForge refuses it too)")
     if rank <= 0:
-        if conf:
+        if confidence:
             raise CheckpointError(f"{where}: a confidence head without a Markov head (markov_rank 0) is not "
                                   "supported by dartree")
         return {"type": "identity"}
-    kind = str(_get(config, "markov_head_type", where=where, fmt=fmt, nested=nested, default="vanilla")).lower()
-    if kind not in _MARKOV_TYPES:
-        raise CheckpointError(f"{where}: markov_head_type {kind!r} is unknown; expected one of {sorted(_MARKOV_TYPES)}")
-    head = {"type": _MARKOV_TYPES[kind], "vocab_size": vocab, "rank": rank}
-    if kind != "vanilla" or conf:
+    kind = str(kind).lower()
+    if kind not in MARKOV_TYPES:
+        raise CheckpointError(f"{where}: markov_head_type {kind!r} is unknown; expected one of {sorted(MARKOV_TYPES)}")
+    head = {"type": MARKOV_TYPES[kind], "vocab_size": vocab, "rank": rank}
+    if kind != "vanilla" or confidence:
         head["hidden_size"] = hidden
-    if conf:
+    if confidence:
         head.update(confidence_head=True, confidence_with_markov=with_markov)
     return head
 
@@ -364,43 +374,50 @@ class Parsed:
     dropped: dict
 
 
-def parse_config(config: dict, fmt: str, where, target=None) -> Parsed:
-    """Read a published config (layout ``fmt``) into dartree terms.
-
-    ``target`` (optional :class:`~dartree.models.target.Target`): its tokenizer resolves a missing MASK id the
-    way SpecForge does.
+def target_identity(config: dict, fmt: str, where, vocab: int, hidden: int) -> dict:
+    """The dartree ``target`` entry of a converted drafter: the published ``_name_or_path`` (else a placeholder
+    naming ``fmt``), vocab V, hidden size D, ``num_target_layers`` (None when absent) and, when the publisher wrote
+    one, ``max_position_embeddings`` (so an export writes it back).
 
     Raises:
-        CheckpointError: unknown layout (the message lists the expected fields), unsupported options, or an
-            unknown ``fmt``.
+        CheckpointError: ``max_position_embeddings`` is not an integer >= 1 (:func:`field`).
     """
-    if fmt not in SOURCE_FORMATS:
-        raise CheckpointError(f"unknown source format {fmt!r}; known: {list(SOURCE_FORMATS)}")
-    if fmt == "zlab-dflash":
-        drafter = _backbone(config, where, fmt, proposal_offset=1, target=target)
-        head = {"type": "identity"}
-    elif fmt == "specforge-domino":
-        shift = _flag(_get(config, "shift_label", where=where, fmt=fmt, default=False), "shift_label", where)
-        drafter = _backbone(config, where, fmt, proposal_offset=0 if shift else 1, target=target)
-        head = {
-            "type": "gru",
-            "vocab_size": field(config["vocab_size"], "vocab_size", where),
-            "hidden_size": drafter["hidden_size"],
-            "emb_dim": field(_get(config, "emb_dim", where=where, fmt=fmt), "emb_dim", where),
-            "gru_hidden_dim": field(_get(config, "gru_hidden_dim", where=where, fmt=fmt), "gru_hidden_dim", where),
-            "prefix_len": field(_get(config, "pure_draft_prefix_len", where=where, fmt=fmt, default=0),
-                                "pure_draft_prefix_len", where, _INT0),
-        }
-    else:
-        drafter = _backbone(config, where, fmt, proposal_offset=0, target=target)
-        head = _dspark_head(config, where, fmt, field(config["vocab_size"], "vocab_size", where), drafter["hidden_size"])
-    vocab, d = field(config["vocab_size"], "vocab_size", where), drafter["hidden_size"]
-    dropped = {"embed_tokens.weight": (vocab, d), "lm_head.weight": (vocab, d)} if fmt == "deepspec-dspark" else {}
     target = {"name": config.get("_name_or_path") or f"(unknown; {fmt} source)", "vocab_size": vocab,
-              "hidden_size": d, "num_layers": config.get("num_target_layers")}
-    if config.get("max_position_embeddings") is not None:  # the context the publisher wrote: an export writes it back
+              "hidden_size": hidden, "num_layers": config.get("num_target_layers")}
+    if config.get("max_position_embeddings") is not None:
         target["max_position_embeddings"] = field(config["max_position_embeddings"], "max_position_embeddings", where)
-    return Parsed(drafter, head, target, dropped)
+    return target
+
+
+def read_parsed(parsed: Parsed, fmt: str, heads: dict[str, str], given: dict, where, target=None) -> tuple[dict, dict]:
+    """Finish reading a DFlash-family checkpoint whose config is parsed: check and rename its tensors.
+
+    Args:
+        parsed: the config in dartree terms (the publisher's parse function). fmt: the layout's name (provenance
+            ``source_format``, messages). heads: its head table (:func:`published_name`). given: published name ->
+            tensor (older SpecForge ``logit_head.*`` names accepted, :func:`strip_legacy`). where: the checkpoint
+            folder. target: optional :class:`~dartree.models.target.Target`, against which the copies in
+            ``parsed.dropped`` are checked (:func:`check_copy_of_target`).
+    Returns:
+        (dartree config, tensors by dartree name); the tensors are ``given``'s own objects, unchanged.
+    Raises:
+        CheckpointError: a missing, unexpected or mis-shaped tensor (its published name and both shapes), a
+            tensor under both its legacy and its direct name, or a dropped copy that differs from ``target``'s.
+    """
+    out = dartree_config(parsed.drafter, parsed.head, parsed.target, {"source_format": fmt, "source": str(where)})
+    expected = expected_tensors(out, f"{where}/config.json")
+    given = strip_legacy(given, where)
+    for name, shape in parsed.dropped.items():  # DeepSpec's frozen copies of the target's embedding / lm_head
+        if name not in given:
+            raise CheckpointError(f"{where}: missing tensor {name!r} (expected shape {list(shape)})")
+        if tuple(given[name].shape) != shape:
+            raise CheckpointError(f"{where}: tensor {name!r} has shape {list(given[name].shape)}, expected {list(shape)}")
+        check_copy_of_target(name, given.pop(name), target, where)
+    check_tensors(given, expected, where, rename=lambda n: published_name(n, heads, fmt))
+    tensors = {k: given[published_name(k, heads, fmt)] for k in expected}
+    if parsed.dropped:
+        out["provenance"]["dropped"] = sorted(parsed.dropped)
+    return out, tensors
 
 
 def with_target_context(config: dict, target=None) -> dict:
@@ -426,59 +443,49 @@ def context_length(config: dict) -> int | None:
     return int(ctx)
 
 
-def detect(config: dict, tensor_names: set[str]) -> tuple[str, str]:
-    """Name the layout of a checkpoint from its config fields and tensor names; returns (format, reason).
+def fmt_for_head(htype) -> str:
+    """The ``--to`` layout that carries a dartree head type, for the "choose --to ..." part of a refusal."""
+    return {"identity": "zlab-dflash", "gru": "specforge-domino",
+            "selector": "zlab-dflash2 or --to speculators"}.get(htype, "specforge-dspark")
+
+
+def export_ready(config: dict, fmt: str, target=None, where="the checkpoint") -> dict:
+    """``config`` (a dartree checkpoint config) made ready for an export to a full-vocabulary DFlash-family layout
+    (z-lab DFlash, SpecForge Domino / DSpark): the target's layer count filled in from ``target`` when the checkpoint
+    records none (a converted speculators drafter).
 
     Raises:
-        CheckpointError: no known layout matches; the message lists what each layout needs.
+        CheckpointError: the drafter drafts over a reduced vocabulary (``where`` names the checkpoint).
     """
-    fmt = config.get("format")
-    if fmt in (FORMAT, "dartree-train"):
-        return fmt, f"config.json format={fmt!r}"
-    names = {n[len("logit_head."):] if n.startswith("logit_head.") else n for n in tensor_names}
-    for pair in FORMAT_PAIRS.values():
-        why = pair.detect(config, names)
-        if why:
-            return pair.name, why
-    dc = config.get("dflash_config")
-    dc = dc if isinstance(dc, dict) else {}
-    projector = dc.get("projector_type")
-    has_gru = any(n.startswith(("prefix_gru.", "embed_proj.")) for n in names)
-    has_markov = any(n.startswith(("markov_head.", "confidence_head.")) for n in names)
-    if "target_layer_ids" in config and "dflash_config" not in config and (
-            "markov_rank" in config or "embed_tokens.weight" in names):
-        return "deepspec-dspark", "top-level target_layer_ids and markov_rank (DeepSpec layout)"
-    if dc:
-        if projector == "domino" or has_gru:
-            why = "dflash_config.projector_type='domino'" if projector == "domino" else "prefix_gru.* tensors"
-            return "specforge-domino", why
-        if projector == "dspark" or has_markov or "markov_rank" in dc or "markov_rank" in config:
-            why = "dflash_config.projector_type='dspark'" if projector == "dspark" else "markov_head.* tensors / markov_rank"
-            return "specforge-dspark", why
-        return "zlab-dflash", "dflash_config without head tensors"
-    raise CheckpointError(
-        f"unknown checkpoint layout (format={fmt!r}, no dflash_config, no top-level target_layer_ids); expected one "
-        "of: dartree / dartree-train (config 'format'), zlab-dflash / specforge-domino / specforge-dspark "
-        "(Qwen3 config with dflash_config), deepspec-dspark (top-level target_layer_ids and markov_rank)"
-    )
+    if config["drafter"].get("draft_vocab_size"):
+        raise CheckpointError(f"{where} drafts over a reduced vocabulary of {config['drafter']['draft_vocab_size']} "
+                              f"tokens, which the {fmt} layout cannot express; retrain with drafter.draft_vocab_size=0 "
+                              "to export")
+    tgt = config.get("target", {})
+    if tgt.get("num_layers") is None and target is not None:  # e.g. converted from speculators, which records none
+        config = dict(config, target=dict(tgt, num_layers=int(target.num_layers)))
+    return config
 
 
-def export_config(config: dict, fmt: str) -> dict:
-    """The published config.json for a dartree checkpoint config exported to ``fmt`` (transformers-4 layout).
+def export_config(config: dict, fmt: str, *, heads: tuple[str, ...], proposal_offset: int | None) -> dict:
+    """The base published config.json of a dartree drafter exported to the DFlash-family layout ``fmt``: z-lab's
+    ``DFlashDraftModel`` config (transformers-4 layout: Qwen3 fields, ``block_size``, ``dflash_config.{mask_token_id,
+    target_layer_ids}``, ``num_target_layers``, ``max_position_embeddings`` and ``_name_or_path`` when recorded);
+    the publisher module adds its head's fields.
 
+    Args:
+        config: the dartree checkpoint config. fmt: the layout's name, for messages. heads: the dartree head types
+            the layout carries. proposal_offset: the one proposal offset the layout uses, or None (any).
     Raises:
-        CheckpointError: the drafter or head cannot be expressed in ``fmt`` (named, with what would fit).
+        CheckpointError: a head type outside ``heads``, DFlash 2 convolutions, q/k norm off (all reported together,
+            with the layout that would fit), another proposal offset, or no recorded vocabulary size.
     """
-    if fmt not in EXPORT_FORMATS:
-        raise CheckpointError(f"unknown export format {fmt!r}; known: {list(EXPORT_FORMATS)}")
     d, head, tgt = config["drafter"], dict(config["head"]), config.get("target", {})
     htype = head.get("type")
-    want_head = {"zlab-dflash": ("identity",), "specforge-domino": ("gru",),
-                 "specforge-dspark": ("markov", "gated_markov", "rnn")}[fmt]
     problems = []
-    if htype not in want_head:
-        problems.append(f"head type {htype!r} cannot be exported as {fmt} (it carries {list(want_head)}); "
-                        f"choose --to {_fmt_for_head(htype)}")
+    if htype not in heads:
+        problems.append(f"head type {htype!r} cannot be exported as {fmt} (it carries {list(heads)}); "
+                        f"choose --to {fmt_for_head(htype)}")
     if d.get("conv_kernel_size"):  # DFlash 2 layers: only the zlab-dflash2 / speculators (dflash2) pairs carry them
         where = "" if htype == "selector" else " (with head type 'selector')"
         problems.append(f"the drafter has DFlash 2 grouped convolutions (conv_kernel_size {d['conv_kernel_size']}), "
@@ -488,10 +495,9 @@ def export_config(config: dict, fmt: str) -> dict:
                         "q_norm/k_norm; only drafters trained with drafter.qk_norm=true export")
     if problems:
         raise CheckpointError("; ".join(problems))
-    if fmt in ("zlab-dflash", "specforge-dspark") and d["proposal_offset"] != (1 if fmt == "zlab-dflash" else 0):
-        need = 1 if fmt == "zlab-dflash" else 0
-        raise CheckpointError(f"{fmt} drafters use proposal_offset {need}, this one uses {d['proposal_offset']}; "
-                              "exporting would shift every proposal by one position")
+    if proposal_offset is not None and d["proposal_offset"] != proposal_offset:
+        raise CheckpointError(f"{fmt} drafters use proposal_offset {proposal_offset}, this one uses "
+                              f"{d['proposal_offset']}; exporting would shift every proposal by one position")
     vocab = tgt.get("vocab_size") or head.get("vocab_size")
     if vocab is None:
         raise CheckpointError("the checkpoint records no target vocab_size (config target.vocab_size); cannot "
@@ -528,29 +534,16 @@ def export_config(config: dict, fmt: str) -> dict:
         out["max_position_embeddings"] = ctx
     if tgt.get("name"):
         out["_name_or_path"] = tgt["name"]
-    dc = out["dflash_config"]
-    if fmt == "specforge-domino":
-        if head.get("embed_dim", head["hidden_size"]) != d["hidden_size"]:
-            raise CheckpointError(f"gru head embed_dim {head['embed_dim']} != hidden_size {d['hidden_size']}; "
-                                  "SpecForge Domino's GRU input width is the hidden size")
-        out["architectures"] = ["DominoDraftModel"]  # SpecForge's loader dispatches on it (DFlash would drop the GRU)
-        dc.update(projector_type="domino", pure_draft_prefix_len=head["prefix_len"], emb_dim=head["emb_dim"],
-                  gru_hidden_dim=head["gru_hidden_dim"], shift_label=d["proposal_offset"] == 0)
-        out["emb_dim"] = head["emb_dim"]
-    elif fmt == "specforge-dspark":
-        out["architectures"] = ["DSparkDraftModel"]
-        dc.update(projector_type="dspark", markov_rank=head["rank"], markov_head_type=_DSPARK_HEADS[htype],
-                  enable_confidence_head=bool(head.get("confidence_head", False)),
-                  confidence_head_with_markov=bool(head.get("confidence_with_markov", True)))
-        if d["num_kv_heads"] == d["num_heads"]:  # SpecForge DSpark refuses equal head counts unless told "mha"
-            dc["attention_mode"] = "mha"
     return out
 
 
-def _fmt_for_head(htype) -> str:
-    return {"identity": "zlab-dflash", "gru": "specforge-domino",
-            "selector": "zlab-dflash2 or --to speculators"}.get(htype, "specforge-dspark")
+def publish_tensors(tensors: dict, heads: dict[str, str], fmt: str) -> dict:
+    """Tensors by dartree name -> by published name (:func:`published_name`), contiguous, values and dtypes kept.
 
+    Raises:
+        CheckpointError: a head tensor the layout has no name for.
+    """
+    return {published_name(k, heads, fmt): v.contiguous() for k, v in tensors.items()}
 
 
 def check_copy_of_target(name: str, tensor, target, where, rows=None) -> None:
@@ -587,24 +580,6 @@ def check_copy_of_target(name: str, tensor, target, where, rows=None) -> None:
             "drafter was trained for another target: convert it with the target it was trained for")
 
 
-def _dflash2_seen(config: dict, names: set[str]) -> str | None:
-    """What marks a DFlash 2 checkpoint (z-lab ``DFlash2DraftModel``), or None."""
-    dc = config.get("dflash_config") if isinstance(config.get("dflash_config"), dict) else {}
-    seen = []
-    if "DFlash2DraftModel" in (config.get("architectures") or []):
-        seen.append("architectures ['DFlash2DraftModel']")
-    keys = [k for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k") if k in dc or k in config]
-    if keys:
-        seen.append("config " + ", ".join(keys))
-    conv = sorted(n for n in names if ".attention_conv." in n or ".mlp_conv." in n)
-    sel = sorted(n for n in names if n.startswith("candidate_selector."))
-    if conv:
-        seen.append(f"{len(conv)} layers.*.{{attention,mlp}}_conv.* tensors")
-    if sel:
-        seen.append(f"{len(sel)} candidate_selector.* tensors")
-    return "; ".join(seen) or None
-
-
 def check_tensors(given: dict, expected: dict, where, rename: Callable[[str], str] = lambda n: n) -> None:
     """Compare source tensors with the expected set, naming tensors in the source's own terms.
 
@@ -624,3 +599,137 @@ def check_tensors(given: dict, expected: dict, where, rename: Callable[[str], st
     extra = sorted(set(given) - set(want))
     if extra:
         raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all)")
+
+
+# ---------------------------------------------- DFlash 2 (z-lab DFlash2DraftModel, speculators dflash2)
+def dflash2_marks(config: dict, names: set[str]) -> str | None:
+    """What marks a DFlash 2 checkpoint (z-lab ``DFlash2DraftModel``): the architecture, a ``conv_*`` /
+    ``selector_*`` config field, ``layers.*.{attention,mlp}_conv.*`` or ``candidate_selector.*`` tensors; None
+    when nothing does."""
+    dc = dflash_config(config)
+    seen = []
+    if "DFlash2DraftModel" in (config.get("architectures") or []):
+        seen.append("architectures ['DFlash2DraftModel']")
+    keys = [k for k in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k") if k in dc or k in config]
+    if keys:
+        seen.append("config " + ", ".join(keys))
+    conv = sorted(n for n in names if ".attention_conv." in n or ".mlp_conv." in n)
+    sel = sorted(n for n in names if n.startswith("candidate_selector."))
+    if conv:
+        seen.append(f"{len(conv)} layers.*.{{attention,mlp}}_conv.* tensors")
+    if sel:
+        seen.append(f"{len(sel)} candidate_selector.* tensors")
+    return "; ".join(seen) or None
+
+
+def selector_spelling(tensors: dict, where) -> dict:
+    """Rename the selector codebooks' ``candidate_selector.{predecessor,successor}_codebook.weight`` (z-lab's own
+    ``save_pretrained`` spelling) to the published name without ``.weight`` (what z-lab's ``from_pretrained`` maps
+    and speculators stores); other tensors pass through.
+
+    Args:
+        tensors: published name -> tensor. where: the checkpoint, for the message.
+    Returns:
+        a new dict, published name -> tensor (same tensor objects).
+    Raises:
+        CheckpointError: both spellings of one codebook are present (the message names both; keep one).
+    """
+    out = dict(tensors)
+    for name in _CODEBOOKS:
+        if name + ".weight" in out:
+            if name in out:
+                raise CheckpointError(f"{where}: tensor {name!r} appears twice (also as {name + '.weight'!r}); keep one "
+                                      "of them")
+            out[name] = out.pop(name + ".weight")
+    return out
+
+
+def conv_fields(kernel, group, *, hidden: int, block: int, where, keys=("conv_kernel_size", "conv_group_size")) -> dict:
+    """dartree ``drafter`` fields for DFlash 2's convolutions (z-lab ``GroupedDynamicCausalConv``), checked.
+
+    Args:
+        kernel, group: the published ``conv_kernel_size`` and ``conv_group_size`` as read from JSON.
+        hidden: D. block: the block size B. where: the config file, for the message. keys: the two field names as
+            the file spells them (for the message).
+    Returns:
+        ``{"conv_kernel_size": k, "conv_group_size": g}`` (ints).
+    Raises:
+        CheckpointError: a non-integer or out-of-range value, g not dividing D (the publishers' grouping reshape
+            fails), or k > B (speculators refuses it; z-lab's convolution fails on a block shorter than its
+            kernel), each named with its value.
+    """
+    k = field(kernel, keys[0], where)
+    g = field(group, keys[1], where)
+    if hidden % g:
+        raise CheckpointError(f"{where}: {keys[1]}={g} does not divide hidden_size {hidden}; the DFlash 2 "
+                              "convolution groups D / g channels per dynamic tap, so the file is inconsistent")
+    if k > block:
+        raise CheckpointError(f"{where}: {keys[0]}={k} exceeds block_size {block}; DFlash 2 taps stay inside the block "
+                              "(speculators refuses it too): correct the file or re-export the drafter")
+    return {"conv_kernel_size": k, "conv_group_size": g}
+
+
+def selector_head(rank, top_k, *, vocab: int, hidden: int, where, keys=("selector_rank", "selector_top_k")) -> dict:
+    """The dartree ``selector`` head config for DFlash 2's candidate selector (z-lab ``CandidateSelector``), checked.
+
+    Args:
+        rank, top_k: the published ``selector_rank`` and ``selector_top_k`` as read from JSON. vocab: V (the
+            codebooks have one row per target token). hidden: D. where, keys: for the message.
+    Returns:
+        ``{"type": "selector", "vocab_size": V, "rank": R, "hidden_size": D, "top_k": K}``.
+    Raises:
+        CheckpointError: a non-integer or out-of-range value, or K > V (both publishers refuse it), named.
+    """
+    r = field(rank, keys[0], where)
+    k = field(top_k, keys[1], where)
+    if k > vocab:
+        raise CheckpointError(f"{where}: {keys[1]}={k} exceeds the vocabulary ({vocab} tokens); the selector reranks "
+                              "the top-k of the base logits, so k must be at most the vocabulary size")
+    return {"type": "selector", "vocab_size": vocab, "rank": r, "hidden_size": hidden, "top_k": k}
+
+
+def take_tensors(given: dict, want: dict, rename, where) -> dict:
+    """Strictly pick the tensors a dartree config calls for out of a published checkpoint.
+
+    Args:
+        given: published name -> tensor (every one must be used). want: dartree name -> shape
+            (:func:`~dartree.models.checkpoint.expected_tensors`). rename: dartree name -> published name.
+        where: the checkpoint, for the message.
+    Returns:
+        dartree name -> tensor (passed through unchanged, dtype kept).
+    Raises:
+        CheckpointError: a missing or mis-shaped tensor (its published name and both shapes), or an unexpected one.
+    """
+    check_tensors(given, want, where, rename)
+    return {name: given[rename(name)] for name in want}
+
+
+def check_dflash2_exportable(config: dict, fmt: str) -> None:
+    """Refuse a dartree drafter that a DFlash 2 layout (``fmt``: ``zlab-dflash2`` or speculators ``dflash2``)
+    cannot express.
+
+    Raises:
+        CheckpointError: the head is not ``selector``, the drafter has no convolutions (``conv_kernel_size`` 0),
+            q/k norm is off, or it drafts over a reduced vocabulary; every problem named, with what would fit.
+    """
+    d, head = config["drafter"], config["head"]
+    problems = []
+    if head.get("type") != "selector" and d.get("conv_kernel_size"):
+        problems.append(f"head type {head.get('type')!r} with DFlash 2 convolutions (conv_kernel_size "
+                        f"{d['conv_kernel_size']}) has no published layout: DFlash 2 ({fmt}) carries the candidate "
+                        "selector (head type 'selector') and the other layouts have no convolutions")
+    elif head.get("type") != "selector":
+        problems.append(f"head type {head.get('type')!r} cannot be exported as {fmt} (DFlash 2 carries the candidate "
+                        f"selector, head type 'selector'); choose --to {fmt_for_head(head.get('type'))}")
+    if not d.get("conv_kernel_size"):
+        problems.append(f"the drafter has no DFlash 2 convolutions (drafter.conv_kernel_size 0) but every {fmt} layer "
+                        "has them; train with drafter.conv_kernel_size >= 1 to export DFlash 2")
+    if not d.get("qk_norm", False):
+        problems.append(f"the drafter has qk_norm=false but {fmt} layers are Qwen3 layers with q_norm/k_norm; only "
+                        "drafters trained with drafter.qk_norm=true export")
+    if d.get("draft_vocab_size"):
+        problems.append(f"the drafter drafts over a reduced vocabulary of {d['draft_vocab_size']} tokens, but DFlash 2 "
+                        "scores the full vocabulary (speculators: 'DFlash2 currently requires the full verifier "
+                        "vocabulary'); retrain with drafter.draft_vocab_size=0 to export")
+    if problems:
+        raise CheckpointError("; ".join(problems))

@@ -3,15 +3,15 @@
 ``python convert/from_dartree.py SRC --to zlab-dflash|specforge-domino|specforge-dspark|speculators|zlab-dflash2
 --out DST [--target SPEC]``
 
-The head type decides the layout: ``identity`` -> z-lab DFlash, ``gru`` -> SpecForge Domino, ``markov`` /
-``gated_markov`` / ``rnn`` -> SpecForge DSpark (names and config fields in :mod:`dartree.convert.formats`).
-Tensors are written bit for bit under their published names, so ``to_dartree.py`` reads the export back
-unchanged. A drafter the layout cannot express (q/k norm off, a proposal offset the layout does not use, another
-head type) is refused with the reason. The output folder appears by atomic rename. ``speculators`` (vLLM) is a
-reader/writer pair of the format registry (:mod:`dartree.convert.vllm_speculators`): ``identity`` -> dflash,
-DSpark heads -> dspark, with a reduced draft vocabulary as ``d2t`` / ``t2d`` (needs ``--target``), the DFlash 2
-``selector`` head (with ``drafter.conv_kernel_size`` > 0) -> dflash2. ``zlab-dflash2`` (z-lab ``DFlash2DraftModel``,
-:mod:`dartree.convert.zlab_dflash2`) is another pair: DFlash 2 drafters with proposal offset 1.
+Every layout with a writer in the format registry (:mod:`dartree.convert.publishers`) is a choice. The head type
+decides the layout: ``identity`` -> z-lab DFlash, ``gru`` -> SpecForge Domino, ``markov`` / ``gated_markov`` /
+``rnn`` -> SpecForge DSpark (:mod:`dartree.convert.zlab`, :mod:`dartree.convert.specforge`); ``speculators`` (vLLM,
+:mod:`dartree.convert.vllm_speculators`): ``identity`` -> dflash, DSpark heads -> dspark, with a reduced draft
+vocabulary as ``d2t`` / ``t2d`` (needs ``--target``), the DFlash 2 ``selector`` head (with
+``drafter.conv_kernel_size`` > 0) -> dflash2; ``zlab-dflash2`` (z-lab ``DFlash2DraftModel``): DFlash 2 drafters with
+proposal offset 1. Tensors are written bit for bit under their published names, so ``to_dartree.py`` reads the
+export back unchanged. A drafter the layout cannot express (q/k norm off, a proposal offset the layout does not
+use, another head type) is refused with the reason. The output folder appears by atomic rename.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import json
 import sys
 from pathlib import Path
 
-from dartree.convert.formats import export_config, published_name, with_target_context
+from dartree.convert.formats import with_target_context
 from dartree.convert.publishers import EXPORT_FORMATS, FORMAT_PAIRS
 from dartree.models.checkpoint import CheckpointError, load_dartree, read_safetensors, write_folder_atomically
 
@@ -60,37 +60,15 @@ def export(src: str | Path, out: str | Path, *, to: str, target=None) -> Path:
     """
     src, out = Path(src), Path(out)
     if to not in EXPORT_FORMATS:
-        raise CheckpointError(f"--to {to!r} is not one of {list(EXPORT_FORMATS)}")
+        raise CheckpointError(f"--to {to!r} is not one of {sorted(EXPORT_FORMATS)}")
     _ensure_exportable_destination(out)
     # strict: format, version, names, shapes; with a target, the pairing too (vocab, hidden size, layer ids, mask
     # id: check_target_pairing, as to_dartree.py --target and load_dartree(target=...) do), for every layout
     config = with_target_context(load_dartree(src, target=target).config, target)  # the context length to write
-    if to in FORMAT_PAIRS:  # a reader/writer pair of the format registry
-        tensors = read_safetensors(src / "model.safetensors")
-        published, mapped = FORMAT_PAIRS[to].write(config, tensors, target)
-        write_folder_atomically(out, {"config.json": json.dumps(published, indent=2).encode(),
-                                      "model.safetensors": {"tensors": mapped, "metadata": {"format": "pt"}}})
-        return out
-    if config["drafter"].get("draft_vocab_size"):
-        raise CheckpointError(f"{src} drafts over a reduced vocabulary of {config['drafter']['draft_vocab_size']} tokens, "
-                              f"which the {to} layout cannot express; retrain with drafter.draft_vocab_size=0 to export")
-    tgt = config.get("target", {})
-    if tgt.get("num_layers") is None and target is not None:  # e.g. converted from speculators, which records none
-        config = dict(config, target=dict(tgt, num_layers=int(target.num_layers)))
-    if to == "zlab-dflash" and config.get("target", {}).get("num_layers") is None:
-        raise CheckpointError(f"{src} records no target layer count (config target.num_layers; a speculators source "
-                              "has none) and z-lab's DFlashDraftModel needs num_target_layers to load: pass --target "
-                              "with the target's folder")
-    published = export_config(config, to)
     tensors = read_safetensors(src / "model.safetensors")
-    mapped = {published_name(k, to): v.contiguous() for k, v in tensors.items()}
-    write_folder_atomically(
-        out,
-        {
-            "config.json": json.dumps(published, indent=2).encode(),
-            "model.safetensors": {"tensors": mapped, "metadata": {"format": "pt"}},
-        },
-    )
+    published, mapped = FORMAT_PAIRS[to].write(config, tensors, target, where=src)
+    write_folder_atomically(out, {"config.json": json.dumps(published, indent=2).encode(),
+                                  "model.safetensors": {"tensors": mapped, "metadata": {"format": "pt"}}})
     return out
 
 
@@ -98,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     """Console entry point (``dartree-export``); exit status 2 with a one-line error on a bad checkpoint."""
     ap = argparse.ArgumentParser(prog="dartree-export", description=__doc__.split("\n")[0])
     ap.add_argument("src", help="dartree checkpoint folder")
-    ap.add_argument("--to", required=True, choices=list(EXPORT_FORMATS), help="published layout to write")
+    ap.add_argument("--to", required=True, choices=sorted(EXPORT_FORMATS), help="published layout to write")
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--target", help="the target (smollm2, tiny-qwen3 or a local HF folder); speculators exports record "
                                      "it as the verifier and need it for a reduced draft vocabulary")

@@ -4,15 +4,15 @@
 specforge-dspark|deepspec-dspark|speculators|zlab-dflash2] [--target SPEC] [--dtype auto|bfloat16|float16|float32]``
 
 Sources: ``dartree`` (re-validated and re-written; ``training/train.py`` writes this format, and its fp32 weights
-convert to bf16 by default), ``dartree-train`` (the older training layout) and the
-published layouts of :mod:`dartree.convert.formats` (z-lab DFlash, SpecForge Domino / DSpark, DeepSpec DSpark;
-config.json + safetensors, sharded or not), and the reader/writer pairs of the format registry
-(:mod:`dartree.convert.publishers`: vLLM speculators dflash / dflash2 / dspark, z-lab DFlash 2). ``auto`` detects the layout
-from config fields and tensor names and says what it detected. Every source is validated strictly before anything is written: a missing, unexpected or
-mis-shaped tensor is an error naming it, an unknown config layout lists the expected fields, and with
-``--target`` the vocab / hidden size / layer ids / mask id are checked against the target. The output folder
-appears by atomic rename, so a failed conversion leaves nothing half-written. Published tensors are passed
-through bit for bit (``--dtype auto``), so converting and exporting back gives identical tensors.
+convert to bf16 by default), ``dartree-train`` (the older training layout) and every published layout of the format
+registry (:mod:`dartree.convert.publishers`: z-lab DFlash / DFlash 2, SpecForge Domino / DSpark, DeepSpec DSpark,
+vLLM speculators dflash / dflash2 / dspark; config.json + safetensors, sharded or not). ``auto`` detects the layout
+from config fields and tensor names (the registry's pairs in order) and says what it detected. Every source is
+validated strictly before anything is written: a missing, unexpected or mis-shaped tensor is an error naming it, an
+unknown config layout lists the expected fields, and with ``--target`` the vocab / hidden size / layer ids / mask id
+are checked against the target. The output folder appears by atomic rename, so a failed conversion leaves nothing
+half-written. Published tensors are passed through bit for bit (``--dtype auto``), so converting and exporting back
+gives identical tensors.
 """
 
 from __future__ import annotations
@@ -26,18 +26,10 @@ from typing import Callable
 import torch
 from safetensors import SafetensorError, safe_open
 
-from dartree.convert.formats import (
-    SOURCE_FORMATS,
-    check_copy_of_target,
-    check_tensors,
-    detect,
-    parse_config,
-    published_name,
-    strip_legacy,
-    with_target_context,
-)
-from dartree.convert.publishers import FORMAT_PAIRS
+from dartree.convert.formats import check_tensors, with_target_context
+from dartree.convert.publishers import FORMAT_PAIRS, detect
 from dartree.models.checkpoint import (
+    FORMAT,
     CheckpointError,
     cast_floats,
     check_target_pairing,
@@ -150,35 +142,10 @@ def read_dartree(src: Path, config: dict, target=None) -> tuple[dict, dict]:
     return config, _read_tensors(src)
 
 
-def read_published(fmt: str) -> Callable:
-    """Reader for one published layout (see :mod:`dartree.convert.formats`); tensors pass through unchanged."""
-
-    def reader(src: Path, config: dict, target=None) -> tuple[dict, dict]:
-        where = src
-        parsed = parse_config(config, fmt, src / "config.json", target=target)
-        out = dartree_config(parsed.drafter, parsed.head, parsed.target, {"source_format": fmt, "source": str(src)})
-        expected = expected_tensors(out, src / "config.json")
-        given = strip_legacy(_read_tensors(src), where)
-        for name, shape in parsed.dropped.items():  # DeepSpec's frozen copies of the target's embedding / lm_head
-            if name not in given:
-                raise CheckpointError(f"{where}: missing tensor {name!r} (expected shape {list(shape)})")
-            if tuple(given[name].shape) != shape:
-                raise CheckpointError(f"{where}: tensor {name!r} has shape {list(given[name].shape)}, expected {list(shape)}")
-            check_copy_of_target(name, given.pop(name), target, where)
-        check_tensors(given, expected, where, rename=lambda n: published_name(n, fmt))
-        tensors = {k: given[published_name(k, fmt)] for k in expected}
-        if parsed.dropped:
-            out["provenance"]["dropped"] = sorted(parsed.dropped)
-        return out, tensors
-
-    reader.__doc__ = f"Reader for the {fmt} layout."
-    return reader
-
-
+# every source: dartree's own two, then each published layout of the format registry
 READERS: dict[str, Callable] = {
     "dartree-train": read_dartree_train,
     "dartree": read_dartree,
-    **{fmt: read_published(fmt) for fmt in SOURCE_FORMATS},
     **{fmt: pair.reader(_read_tensors) for fmt, pair in FORMAT_PAIRS.items()},
 }
 
@@ -189,13 +156,18 @@ def detect_format(config: dict, src: Path) -> str:
 
 
 def detect_format_why(config: dict, src: Path) -> tuple[str, str]:
-    """(format, reason) for the checkpoint in ``src``.
+    """(format, reason) for the checkpoint in ``src``: ``dartree`` / ``dartree-train`` by config.json's ``format``,
+    else the first published layout of the format registry that answers
+    (:func:`dartree.convert.publishers.detect`).
 
     Raises:
         CheckpointError: unknown layout; lists the known ones and what each needs.
     """
+    fmt = config.get("format")
+    if fmt in (FORMAT, "dartree-train"):
+        return fmt, f"config.json format={fmt!r}"
     try:
-        return detect(config, _tensor_names(src) if config.get("format") is None else set())
+        return detect(config, _tensor_names(src) if fmt is None else set())
     except CheckpointError as exc:
         raise CheckpointError(f"{src}/config.json: {exc}") from None
 

@@ -1,5 +1,5 @@
 """vLLM's ``speculators`` drafter format (the ``speculators`` package 0.9.0, ``dflash``, ``dflash2`` and ``dspark``):
-one reader/writer pair in the format registry of :mod:`dartree.convert.formats`.
+one layout of the format registry, ``speculators`` (registered by :mod:`dartree.convert.publishers`).
 
 Facts (read from speculators 0.9.0 ``config.py``, ``models/dflash/{config,core}.py``, ``models/dflash2/*``,
 ``models/dspark/*``, ``model.py``; PyPI package ``speculators``):
@@ -25,7 +25,7 @@ Facts (read from speculators 0.9.0 ``config.py``, ``models/dflash/{config,core}.
   ``norm``), DSpark's ``markov_head.{markov_w1,markov_w2,gate_proj,joint_proj}.*`` and ``confidence_head.proj.*``.
   dflash2's ``layers.{i}.{attention,mlp}_conv.{base_kernel, kernel_projection.weight}`` and
   ``candidate_selector.{predecessor_codebook, successor_codebook, hidden_projection.weight}`` (plain Parameters,
-  no ``.weight`` on the codebooks; the same tensors as z-lab DFlash 2, :mod:`dartree.convert.zlab_dflash2`: dartree
+  no ``.weight`` on the codebooks; the same tensors as z-lab DFlash 2, :mod:`dartree.convert.zlab`: dartree
   convolutions ``backbone.layers.{i}.*_conv.*`` and head ``selector``; with ``sample_from_anchor`` the selector's
   first previous token is the anchor, as for the Markov head).
   ``embed_tokens`` / ``verifier_lm_head`` / ``verifier_norm`` are never saved (reloaded from the verifier); a
@@ -45,7 +45,8 @@ from __future__ import annotations
 import torch
 
 from dartree.convert import formats as F
-from dartree.convert.registry import FormatPair, register_format
+from dartree.convert.registry import FormatPair
+from dartree.models.validate import Range
 from dartree.models.checkpoint import CheckpointError, dartree_config, expected_tensors
 
 NAME = "speculators"
@@ -60,6 +61,9 @@ DEFAULTS = {
                "markov_head_type": "vanilla", "enable_confidence_head": True, "confidence_head_with_markov": True},
 }
 _DROPPED = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
+# the draft layers' config, for the shared backbone reader's messages
+LAYOUT = F.ConfigLayout(NAME, f"a transformer_layer_config with the Qwen3 fields ({F.QWEN3}) and top-level "
+                              "block_size, mask_token_id, aux_hidden_state_layer_ids")
 
 
 def _validated(config: dict, where="config.json") -> dict:
@@ -90,12 +94,12 @@ def _head_names(head_type: str) -> dict[str, str]:
     selector."""
     if head_type == "identity":
         return {}
-    return F._HEAD_NAMES["selector" if head_type == "selector" else "dspark"]
+    return F.SELECTOR_NAMES if head_type == "selector" else F.DSPARK_NAMES
 
 
 def _published(name: str, head_type: str) -> str:
     if name.startswith("backbone."):
-        return F.published_name(name, "zlab-dflash")
+        return F.backbone_name(name)
     return _head_names(head_type)[name[len("head."):]]
 
 
@@ -149,11 +153,12 @@ def read(config: dict, given: dict, where, target=None) -> tuple[dict, dict]:
                               "was trained with into config.json")
     vocab = F.field(tl.get("vocab_size"), "transformer_layer_config.vocab_size", cfg_path)
     n_draft = F.field(v.get("draft_vocab_size") or vocab, "draft_vocab_size", cfg_path)
-    pseudo = {**tl, "block_size": F.field(v.get("block_size"), "block_size", cfg_path, F.Range(2)),
-              "dflash_config": {"mask_token_id": F.field(v["mask_token_id"], "mask_token_id", cfg_path, F._INT0),
+    pseudo = {**tl, "block_size": F.field(v.get("block_size"), "block_size", cfg_path, Range(2)),
+              "dflash_config": {"mask_token_id": F.field(v["mask_token_id"], "mask_token_id", cfg_path, F.INT0),
                                 "target_layer_ids": [a - 1 for a in aux]}}
-    parsed = F.parse_config(pseudo, "zlab-dflash", cfg_path, target=target)
-    drafter = dict(parsed.drafter, proposal_offset=0 if v.get("sample_from_anchor") else 1)
+    drafter = F.backbone(pseudo, cfg_path, LAYOUT, proposal_offset=0 if v.get("sample_from_anchor") else 1,
+                         target=target)
+    context = F.target_identity(pseudo, NAME, cfg_path, vocab, drafter["hidden_size"]).get("max_position_embeddings")
     if n_draft != vocab:
         if kind == "dflash2":
             raise CheckpointError(f"{cfg_path}: draft_vocab_size {n_draft} differs from the verifier vocabulary {vocab}; "
@@ -163,31 +168,27 @@ def read(config: dict, given: dict, where, target=None) -> tuple[dict, dict]:
         drafter["draft_vocab_size"] = n_draft
     head = {"type": "identity"}
     if kind == "dflash2":
-        from dartree.convert.zlab_dflash2 import conv_fields, selector_head
-
-        drafter.update(conv_fields(v.get("conv_kernel_size"), v.get("conv_group_size"), hidden=drafter["hidden_size"],
-                                   block=drafter["block_size"], where=cfg_path))
-        head = selector_head(v.get("selector_rank"), v.get("selector_top_k"), vocab=vocab,
+        drafter.update(F.conv_fields(v.get("conv_kernel_size"), v.get("conv_group_size"), hidden=drafter["hidden_size"],
+                                     block=drafter["block_size"], where=cfg_path))
+        head = F.selector_head(v.get("selector_rank"), v.get("selector_top_k"), vocab=vocab,
+                               hidden=drafter["hidden_size"], where=cfg_path)
+    if kind == "dspark" and F.field(v.get("markov_rank") or 0, "markov_rank", cfg_path, F.INT0) > 0:
+        conf = F.flag(v.get("enable_confidence_head"), "enable_confidence_head", cfg_path)
+        with_markov = F.flag(v.get("confidence_head_with_markov"), "confidence_head_with_markov", cfg_path)
+        head = F.dspark_head(F.field(v["markov_rank"], "markov_rank", cfg_path, F.INT0),
+                             v.get("markov_head_type", "vanilla"), conf, with_markov, vocab=vocab,
                              hidden=drafter["hidden_size"], where=cfg_path)
-    if kind == "dspark" and F.field(v.get("markov_rank") or 0, "markov_rank", cfg_path, F._INT0) > 0:
-        spark = {"markov_rank": v["markov_rank"], "markov_head_type": v.get("markov_head_type", "vanilla"),
-                 "enable_confidence_head": F._flag(v.get("enable_confidence_head"), "enable_confidence_head", cfg_path),
-                 "confidence_head_with_markov": F._flag(v.get("confidence_head_with_markov"),
-                                                        "confidence_head_with_markov", cfg_path)}
-        head = F._dspark_head({"dflash_config": spark}, cfg_path, "specforge-dspark", vocab, drafter["hidden_size"])
     elif kind == "dspark" and v.get("enable_confidence_head"):
         raise CheckpointError(f"{cfg_path}: a confidence head without a Markov head (markov_rank 0) is not supported "
                               "by dartree")
     ident = {"name": (v.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") or "(unknown; speculators source)",
              "vocab_size": vocab, "hidden_size": drafter["hidden_size"], "num_layers": None,
-             **{k: v for k, v in parsed.target.items() if k == "max_position_embeddings"}}
+             **({} if context is None else {"max_position_embeddings": context})}
     out = dartree_config(drafter, head, ident, {"source_format": NAME, "source": str(where),
                                                 "speculators_model_type": kind})
     want = expected_tensors(out, cfg_path)
     if kind == "dflash2":
-        from dartree.convert.zlab_dflash2 import selector_spelling
-
-        given = selector_spelling(given, where)
+        given = F.selector_spelling(given, where)
     given = dict(given)
     tensors, dropped = {}, []
     ids = None
@@ -241,7 +242,7 @@ def read(config: dict, given: dict, where, target=None) -> tuple[dict, dict]:
     return out, tensors
 
 
-def write(config: dict, tensors: dict, target=None) -> tuple[dict, dict]:
+def write(config: dict, tensors: dict, target=None, where="the checkpoint") -> tuple[dict, dict]:
     """Writer: a dartree checkpoint -> (speculators config.json dict, tensors by speculators name).
 
     ``identity`` heads become ``dflash``, ``markov`` / ``gated_markov`` / ``rnn`` become ``dspark``, ``selector``
@@ -250,12 +251,13 @@ def write(config: dict, tensors: dict, target=None) -> tuple[dict, dict]:
     ``sample_from_anchor`` = (proposal_offset == 0); the verifier is ``target`` when given (its folder, so
     speculators' ``from_pretrained`` reloads the embedding, heads and norm from it), else the recorded target name.
     The config is built and validated through speculators' own config classes when the package is importable.
+    ``where`` is unused (every message names the drafter's fields).
 
     Raises:
         CheckpointError: a head speculators has no form for (``gru``), q/k norm off, a reduced draft vocabulary
             without ``target`` (its lm_head rows must be written), DFlash 2 convolutions without the selector head
             or the selector head without them, or a DFlash 2 drafter with a reduced vocabulary
-            (:func:`dartree.convert.zlab_dflash2.check_exportable`).
+            (:func:`dartree.convert.formats.check_dflash2_exportable`).
     """
     d, head, ident = config["drafter"], config["head"], config.get("target", {})
     htype = head.get("type")
@@ -263,9 +265,7 @@ def write(config: dict, tensors: dict, target=None) -> tuple[dict, dict]:
         raise CheckpointError(f"head type {htype!r} cannot be exported as speculators (it carries dflash: identity, "
                               "dspark: markov / gated_markov / rnn, dflash2: selector); choose --to specforge-domino")
     if htype == "selector" or d.get("conv_kernel_size"):
-        from dartree.convert.zlab_dflash2 import check_exportable
-
-        check_exportable(config, "speculators dflash2")
+        F.check_dflash2_exportable(config, "speculators dflash2")
     if not d.get("qk_norm", False):
         raise CheckpointError("the drafter has qk_norm=false but speculators drafters are Qwen3 layers with "
                               "q_norm/k_norm; only drafters trained with drafter.qk_norm=true export")
@@ -302,7 +302,7 @@ def write(config: dict, tensors: dict, target=None) -> tuple[dict, dict]:
         out.update(conv_kernel_size=int(d["conv_kernel_size"]), conv_group_size=int(d["conv_group_size"]),
                    selector_rank=int(head["rank"]), selector_top_k=int(head["top_k"]))
     if kind == "dspark":
-        out.update(markov_rank=int(head["rank"]), markov_head_type=F._DSPARK_HEADS[htype],
+        out.update(markov_rank=int(head["rank"]), markov_head_type=F.DSPARK_HEADS[htype],
                    enable_confidence_head=bool(head.get("confidence_head", False)),
                    confidence_head_with_markov=bool(head.get("confidence_with_markov", True)))
     try:
@@ -339,4 +339,5 @@ def write(config: dict, tensors: dict, target=None) -> tuple[dict, dict]:
     return out, mapped
 
 
-register_format(FormatPair(name=NAME, detect=detect, read=read, write=write))
+SPECULATORS = FormatPair(name=NAME, detect=detect, read=read, write=write, marks="speculators_model_type")
+PAIRS = (SPECULATORS,)  # registered by dartree.convert.publishers

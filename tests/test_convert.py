@@ -594,9 +594,9 @@ def test_exporter_refuses_what_the_layout_cannot_express(tmp_path, target):
     cfg["drafter"]["qk_norm"] = False
     cfg["head"] = {"type": "markov", "vocab_size": VOCAB, "rank": R}
     with pytest.raises(CheckpointError, match="qk_norm=false"):
-        from dartree.convert.formats import export_config
+        from dartree.convert.specforge import dspark_config
 
-        export_config(cfg, "specforge-dspark")
+        dspark_config(cfg)
     assert not any((tmp_path / n).exists() for n in ("z", "d"))
 
 
@@ -606,3 +606,113 @@ def test_config_json_that_is_not_an_object_is_named(tmp_path):
     with pytest.raises(CheckpointError, match="holds a JSON list, not an object"):
         convert(tmp_path / "src", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+# ------------------------------------------------------------------------------------------- the format registry
+def _cli_choices(main, argv, monkeypatch) -> dict:
+    """{dest: choices} of the argparse parser that ``main`` builds (its run stops at parse_args)."""
+    import argparse
+
+    seen = {}
+
+    def grab(parser, *args, **kwargs):
+        seen.update({a.dest: a.choices for a in parser._actions if a.choices is not None})
+        raise SystemExit(0)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", grab)
+    with pytest.raises(SystemExit):
+        main(argv)
+    return seen
+
+
+def test_the_registry_lists_exactly_the_layouts_the_clis_accept(monkeypatch):
+    """--from is auto, dartree's own two sources and every registered layout; --to every layout with a writer (all
+    but the read-only deepspec-dspark); both lists come from the one registry."""
+    from dartree.convert import from_dartree, publishers, to_dartree
+
+    pairs = publishers.FORMAT_PAIRS
+    assert set(pairs) == {"zlab-dflash", "zlab-dflash2", "specforge-domino", "specforge-dspark", "deepspec-dspark",
+                          "speculators"}
+    assert publishers.SOURCE_FORMATS == tuple(pairs)
+    assert publishers.EXPORT_FORMATS == tuple(n for n in pairs if n != "deepspec-dspark")
+    assert pairs["deepspec-dspark"].write is None and all(pairs[n].write for n in publishers.EXPORT_FORMATS)
+    froms = _cli_choices(to_dartree.main, ["src"], monkeypatch)["source_format"]
+    assert sorted(froms) == sorted(["auto", "dartree", "dartree-train", *pairs])
+    assert sorted(to_dartree.READERS) == sorted(["dartree", "dartree-train", *pairs])
+    tos = _cli_choices(from_dartree.main, ["src", "--to", "zlab-dflash", "--out", "x"], monkeypatch)["to"]
+    assert sorted(tos) == sorted(publishers.EXPORT_FORMATS)
+    with pytest.raises(CheckpointError, match=r"--to 'deepspec-dspark' is not one of"):
+        export("unused", "unused", to="deepspec-dspark")
+
+
+def test_every_publisher_modules_pairs_are_registered_once_and_only_there():
+    """Each publisher module lists its layouts in PAIRS and registers nothing itself; publishers.py registers every
+    one of them (and no other FormatPair exists in convert/); a duplicate, reserved or missing name is refused."""
+    import importlib
+
+    from dartree.convert import publishers, registry, specforge, zlab
+    from dartree.convert.registry import FormatPair, FormatRegistry
+
+    pairs = publishers.FORMAT_PAIRS
+    listed = [p for module in publishers.PUBLISHERS for p in module.PAIRS]
+    assert sorted(p.name for p in listed) == sorted(pairs) and all(pairs[p.name] is p for p in listed)
+    assert {m.__name__.rsplit(".", 1)[1] for m in publishers.PUBLISHERS} == {"zlab", "specforge", "deepspec",
+                                                                              "vllm_speculators"}
+    for f in sorted((Path(__file__).resolve().parents[1] / "convert").glob("*.py")):  # no pair outside the registry
+        module = importlib.import_module(f"dartree.convert.{f.stem}")
+        for value in vars(module).values():
+            assert not isinstance(value, FormatPair) or pairs.get(value.name) is value, (f.name, value.name)
+    assert not any(isinstance(v, (dict, FormatRegistry)) and v and all(isinstance(p, FormatPair) for p in v.values())
+                   for v in vars(registry).values())  # no module-level registry that an import could fill
+    reg = FormatRegistry(reserved=publishers.RESERVED)
+    assert reg.register(zlab.DFLASH) is zlab.DFLASH and list(reg) == ["zlab-dflash"] and reg.writable() == ("zlab-dflash",)
+    with pytest.raises(ValueError, match="'zlab-dflash' is already registered"):
+        reg.register(zlab.DFLASH)
+    with pytest.raises(ValueError, match="'dartree' is reserved"):
+        reg.register(FormatPair("dartree", detect=zlab.detect_dflash, read=zlab.read_dflash))
+    with pytest.raises(ValueError, match="already registered"):
+        publishers.build_registry(publishers.REGISTRATION_ORDER + (zlab.DFLASH,))
+    with pytest.raises(ValueError, match=r"\['zlab-dflash'\] left out"):
+        publishers.build_registry(publishers.REGISTRATION_ORDER[:-1])
+    with pytest.raises(ValueError, match=r"\['speculators', 'zlab-dflash2', 'deepspec-dspark', 'zlab-dflash'\] listed by "
+                                         "no publisher module"):
+        publishers.build_registry(publishers.REGISTRATION_ORDER, publishers=(specforge,))
+
+
+@pytest.mark.parametrize("cfg,names,fmt", [
+    ({"speculators_model_type": "dflash2", "architectures": ["DFlash2DraftModel"]}, set(), "speculators"),
+    ({"dflash_config": {"projector_type": "domino", "conv_kernel_size": 2}}, set(), "zlab-dflash2"),
+    ({"target_layer_ids": [1], "markov_rank": 4}, set(), "deepspec-dspark"),
+    ({"dflash_config": {"mask_token_id": 0}}, {"prefix_gru.weight_ih_l0", "markov_head.markov_w1.weight"},
+     "specforge-domino"),
+    ({"dflash_config": {"mask_token_id": 0}}, {"logit_head.markov_head.markov_w1.weight"}, "specforge-dspark"),
+    ({"dflash_config": {"mask_token_id": 0}, "markov_rank": 4}, set(), "specforge-dspark"),
+    ({"dflash_config": {"mask_token_id": 0}}, {"fc.weight"}, "zlab-dflash"),
+], ids=["speculators-first", "dflash2-before-specforge", "deepspec", "domino-before-dspark", "legacy-names", "dspark",
+        "zlab-last"])
+def test_auto_detection_tries_the_registry_in_order(cfg, names, fmt):
+    """--from auto takes the first registered layout that answers: speculators, z-lab DFlash 2, DeepSpec, SpecForge
+    Domino, SpecForge DSpark, then z-lab DFlash (the catch-all of a dflash_config); no match lists every layout."""
+    from dartree.convert import publishers
+
+    assert list(publishers.FORMAT_PAIRS) == ["speculators", "zlab-dflash2", "deepspec-dspark", "specforge-domino",
+                                             "specforge-dspark", "zlab-dflash"]
+    assert publishers.detect(cfg, names)[0] == fmt
+    with pytest.raises(CheckpointError, match="unknown checkpoint layout") as err:
+        publishers.detect({"format": "other"}, set())
+    assert all(f"{name} (" in str(err.value) for name in publishers.FORMAT_PAIRS)
+
+
+def test_convert_modules_import_one_way():
+    """registry < formats (shared helpers) < the publisher modules (none imports another) < publishers.py < the two
+    converters."""
+    from test_layers import import_graph
+
+    rank = {"registry": 0, "formats": 1, "zlab": 2, "specforge": 2, "deepspec": 2, "vllm_speculators": 2,
+            "publishers": 3, "to_dartree": 4, "from_dartree": 4, "__init__": 0}
+    graph = import_graph()
+    mods = {m: deps for m, deps in graph.items() if m.startswith("dartree.convert")}
+    assert {m.rsplit(".", 1)[1] if m != "dartree.convert" else "__init__" for m in mods} == set(rank)
+    bad = [f"{a} -> {b}" for a, deps in mods.items() for b in deps if b.startswith("dartree.convert.")
+           and rank[b.rsplit(".", 1)[1]] >= rank[a.rsplit(".", 1)[1] if a != "dartree.convert" else "__init__"]]
+    assert bad == []

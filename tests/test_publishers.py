@@ -452,13 +452,14 @@ def test_specforge_saved_its_way_converts_and_reloads_strictly(tmp_path, hf_targ
 def test_specforge_config_defaults_are_specforges(tmp_path, target):
     """confidence_head_alpha > 0 builds the confidence head; confidence_head_with_markov defaults to false; a missing
     markov_rank is 0; a missing mask_token_id is resolved from the target's tokenizer or the error names the fix."""
-    from dartree.convert.formats import parse_config
+    from dartree.convert.specforge import parse_dspark
+    from dartree.convert.zlab import parse_dflash
 
     base = {**_qwen3_fields(), "block_size": B, "num_target_layers": NT}
 
     def head(**dc):
-        return parse_config({**base, "dflash_config": {"mask_token_id": MASK, "target_layer_ids": IDS,
-                                                       "projector_type": "dspark", **dc}}, "specforge-dspark", "x").head
+        return parse_dspark({**base, "dflash_config": {"mask_token_id": MASK, "target_layer_ids": IDS,
+                                                       "projector_type": "dspark", **dc}}, "x").head
 
     assert head(markov_rank=4, confidence_head_alpha=1.0) == {
         "type": "markov", "vocab_size": V, "rank": 4, "hidden_size": D, "confidence_head": True,
@@ -467,7 +468,7 @@ def test_specforge_config_defaults_are_specforges(tmp_path, target):
     assert head(markov_head_type="gated") == {"type": "identity"}
     cfg = {**base, "dflash_config": {"target_layer_ids": IDS}}
     with pytest.raises(CheckpointError, match=r"no dflash_config\.mask_token_id.*pass --target"):
-        parse_config(cfg, "zlab-dflash", "x")
+        parse_dflash(cfg, "x")
 
     class Tok:
         mask_token_id, pad_token_id, eos_token_id, unk_token_id = None, 5, 1, None
@@ -475,7 +476,7 @@ def test_specforge_config_defaults_are_specforges(tmp_path, target):
         def __len__(self):
             return 250  # rows 250..255 of the embedding are unused: SpecForge picks the first
 
-    assert parse_config(cfg, "zlab-dflash", "x", target=type("T", (), {"tokenizer": Tok()})()).drafter["mask_token_id"] == 250
+    assert parse_dflash(cfg, "x", target=type("T", (), {"tokenizer": Tok()})()).drafter["mask_token_id"] == 250
 
 
 # ---------------------------------------------------------------------------------------------- speculators
@@ -722,11 +723,11 @@ def test_speculators_defaults_match_its_config_classes():
      r"dflash_config\.use_swa=True / swa_window_size=4"),
 ])
 def test_sliding_window_spellings_are_refused_by_name(extra, pattern):
-    from dartree.convert.formats import parse_config
+    from dartree.convert.zlab import parse_dflash
 
     cfg = {**_qwen3_fields(), "block_size": B, "dflash_config": {"mask_token_id": MASK, "target_layer_ids": IDS}, **extra}
     with pytest.raises(CheckpointError, match=pattern):
-        parse_config(cfg, "zlab-dflash", "x")
+        parse_dflash(cfg, "x")
 
 
 def test_drafter_copies_that_differ_from_the_target_are_named(target):
@@ -791,7 +792,7 @@ def test_dflash2_tensor_spellings_and_speculators_vocabulary(target):
     """Both codebook spellings read (one at a time); a speculators dflash2 config with a reduced vocabulary (which its
     own model class refuses) is refused by name."""
     from dartree.convert.publishers import FORMAT_PAIRS
-    from dartree.convert.zlab_dflash2 import selector_spelling
+    from dartree.convert.formats import selector_spelling
 
     a = {"candidate_selector.predecessor_codebook.weight": torch.zeros(V, 8)}
     assert list(selector_spelling(a, "x")) == ["candidate_selector.predecessor_codebook"]
@@ -838,11 +839,10 @@ def _d2_dartree(head=None, **drafter) -> dict:
 ], ids=["z2-identity", "z2-no-conv", "z2-offset0", "z2-vocab", "z2-markov-conv", "spec-markov-conv", "spec-no-conv",
         "spec-vocab", "zlab-conv", "zlab-selector", "dspark-conv"])
 def test_dflash2_exports_refuse_what_the_layout_cannot_express(fmt, cfg, pattern):
-    from dartree.convert.formats import export_config
     from dartree.convert.publishers import FORMAT_PAIRS
 
     with pytest.raises(CheckpointError, match=pattern) as err:
-        FORMAT_PAIRS[fmt].write(cfg, {}, None) if fmt in FORMAT_PAIRS else export_config(cfg, fmt)
+        FORMAT_PAIRS[fmt].write(cfg, {}, None)
     assert "\n" not in str(err.value)
 
 

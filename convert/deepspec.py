@@ -1,0 +1,69 @@
+"""DeepSpec's published DSpark drafters: one read-only layout of the format registry, ``deepspec-dspark``.
+
+Facts (read from DeepSpec ``deepspec/modeling/dspark/qwen3/{config,modeling}.py``): the target's config with
+top-level ``target_layer_ids``, ``mask_token_id``, ``block_size``, ``num_anchors`` and the DSpark fields
+``markov_rank`` (required), ``markov_head_type`` (default vanilla), ``enable_confidence_head`` (default false),
+``confidence_head_with_markov`` (default true); no ``dflash_config``. Tensors: the z-lab DFlash backbone and the
+DSpark head of :mod:`dartree.convert.formats` (``markov_head.*``, ``confidence_head.*``), plus frozen copies
+``embed_tokens.weight`` and ``lm_head.weight`` [V, D], which dartree drops (the target provides them; with a target
+they must equal its own). All B block positions are proposals (dartree ``proposal_offset`` 0). dartree writes no
+DeepSpec layout (``--to`` does not list it): export a DSpark drafter as ``specforge-dspark`` or ``speculators``.
+"""
+
+from __future__ import annotations
+
+from dartree.convert import formats as F
+from dartree.convert.registry import FormatPair
+
+NAME = "deepspec-dspark"
+LAYOUT = F.ConfigLayout(NAME, f"a Qwen3 config ({F.QWEN3}) with top-level block_size, mask_token_id, target_layer_ids, "
+                              "markov_rank, markov_head_type, enable_confidence_head", nested=False)
+
+
+def parse_dspark(config: dict, where, target=None) -> F.Parsed:
+    """Read a DeepSpec DSpark config.json into dartree terms (a DSpark head, or ``identity`` for ``markov_rank`` 0;
+    proposal offset 0; ``embed_tokens.weight`` / ``lm_head.weight`` [V, D] listed as dropped).
+
+    Args:
+        config: the config.json dict. where: the file, for messages. target: optional
+            :class:`~dartree.models.target.Target`; its tokenizer resolves a missing MASK id.
+    Raises:
+        CheckpointError: unknown layout (the message lists the expected fields), a field out of range, an unknown
+            ``markov_head_type``, a confidence head without a Markov head, or an unsupported option, named.
+    """
+    drafter = F.backbone(config, where, LAYOUT, proposal_offset=0, target=target)
+    vocab, d = F.field(config["vocab_size"], "vocab_size", where), drafter["hidden_size"]
+    get = lambda key, **kw: F.config_value(config, key, where=where, layout=LAYOUT, **kw)  # noqa: E731
+    rank = F.field(get("markov_rank"), "markov_rank", where, F.INT0)
+    conf = F.flag(get("enable_confidence_head", default=False), "enable_confidence_head", where)
+    with_markov = F.flag(get("confidence_head_with_markov", default=True), "confidence_head_with_markov", where)
+    head = F.dspark_head(rank, get("markov_head_type", default="vanilla"), conf, with_markov, vocab=vocab, hidden=d,
+                         where=where)
+    dropped = {"embed_tokens.weight": (vocab, d), "lm_head.weight": (vocab, d)}
+    return F.Parsed(drafter, head, F.target_identity(config, NAME, where, vocab, d), dropped)
+
+
+def detect(config: dict, names: set[str]) -> str | None:
+    """The reason a checkpoint is DeepSpec DSpark: top-level ``target_layer_ids``, no ``dflash_config``, and
+    ``markov_rank`` or an ``embed_tokens.weight`` tensor; else None."""
+    if "target_layer_ids" in config and "dflash_config" not in config and (
+            "markov_rank" in config or "embed_tokens.weight" in names):
+        return "top-level target_layer_ids and markov_rank (DeepSpec layout)"
+    return None
+
+
+def read(config: dict, given: dict, where, target=None) -> tuple[dict, dict]:
+    """Reader: a DeepSpec DSpark checkpoint -> (dartree config, tensors by dartree name), tensors passed through;
+    the dropped copies are recorded in the provenance (``dropped``).
+
+    Raises:
+        CheckpointError: :func:`parse_dspark`'s; a missing, unexpected or mis-shaped tensor (named); with
+            ``target``, an ``embed_tokens`` / ``lm_head`` copy that differs from the target's.
+    """
+    parsed = parse_dspark(config, f"{where}/config.json", target=target)
+    return F.read_parsed(parsed, NAME, F.DSPARK_NAMES, given, where, target)
+
+
+DSPARK = FormatPair(name=NAME, detect=detect, read=read, write=None,
+                    marks="top-level target_layer_ids and markov_rank, no dflash_config")
+PAIRS = (DSPARK,)  # registered by dartree.convert.publishers
