@@ -491,7 +491,7 @@ def export_config(config: dict, fmt: str, *, heads: tuple[str, ...], proposal_of
         problems.append(f"the drafter has DFlash 2 grouped convolutions (conv_kernel_size {d['conv_kernel_size']}), "
                         f"which {fmt} layers do not have; only the DFlash 2 layouts carry them{where}")
     if not d.get("qk_norm", False):  # every published layout has Qwen3 layers: report it with the head problem
-        problems.append(f"the drafter has qk_norm=false but the published layouts are Qwen3 layers with "
+        problems.append("the drafter has qk_norm=false but the published layouts are Qwen3 layers with "
                         "q_norm/k_norm; only drafters trained with drafter.qk_norm=true export")
     if problems:
         raise CheckpointError("; ".join(problems))
@@ -563,8 +563,6 @@ def check_copy_of_target(name: str, tensor, target, where, rows=None) -> None:
     """
     if target is None:
         return
-    import torch
-
     ref = (target.embed_tokens.weight if name.startswith("embed_tokens") else target.lm_head.weight).detach()
     if rows is not None:
         ref = ref[rows.to(ref.device)]

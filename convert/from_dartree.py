@@ -23,7 +23,9 @@ from pathlib import Path
 
 from dartree.convert.formats import with_target_context
 from dartree.convert.publishers import EXPORT_FORMATS, FORMAT_PAIRS
-from dartree.models.checkpoint import CheckpointError, load_dartree, read_safetensors, write_folder_atomically
+from dartree.models.cli import fail
+from dartree.models.checkpoint import CheckpointError, load_dartree, read_safetensors
+from dartree.models.files import write_folder_atomically
 
 
 def _ensure_exportable_destination(dest: Path) -> None:
@@ -89,11 +91,9 @@ def main(argv: list[str] | None = None) -> int:
             target = load_target(args.target)
         export(args.src, args.out, to=args.to, target=target)
     except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc))
     except OSError as exc:
-        print(f"error: cannot write {args.out}: {exc.strerror or exc}; choose a writable --out folder", file=sys.stderr)
-        return 2
+        return fail(f"cannot write {args.out}: {exc.strerror or exc}; choose a writable --out folder")
     print(f"wrote {args.out} ({args.to})")
     return 0
 

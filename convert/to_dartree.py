@@ -28,6 +28,7 @@ from safetensors import SafetensorError, safe_open
 
 from dartree.convert.formats import check_tensors, with_target_context
 from dartree.convert.publishers import FORMAT_PAIRS, detect
+from dartree.models.cli import fail
 from dartree.models.checkpoint import (
     FORMAT,
     CheckpointError,
@@ -239,14 +240,11 @@ def main(argv: list[str] | None = None) -> int:
         dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
         convert(src, out, source_format=fmt, dtype=dtype, target=target)
     except CheckpointError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        return fail(str(exc))
     except (FileNotFoundError, RuntimeError) as exc:
-        print(f"error: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}", file=sys.stderr)
-        return 2
+        return fail(exc)
     except OSError as exc:
-        print(f"error: cannot write {out}: {exc.strerror or exc}; choose a writable --out folder", file=sys.stderr)
-        return 2
+        return fail(f"cannot write {out}: {exc.strerror or exc}; choose a writable --out folder")
     print(f"wrote {out}")
     return 0
 

@@ -27,7 +27,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from dartree.models.drafter import DFlashDrafter, DrafterConfig
-from dartree.models.files import write_file_atomically, write_folder_atomically  # noqa: F401  (their home)
+from dartree.models.files import write_folder_atomically
 from dartree.models.heads import CorrectionHead, build_head
 from dartree.models.validate import same_value, typed
 

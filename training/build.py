@@ -16,7 +16,8 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from dartree.models.checkpoint import cast_floats, dartree_config, write_folder_atomically
+from dartree.models.checkpoint import cast_floats, dartree_config
+from dartree.models.files import write_folder_atomically
 from dartree.models.drafter import DFlashDrafter, DrafterConfig, build_target_layer_ids
 from dartree.models.dtypes import parse_dtype
 from dartree.models.heads import build_head

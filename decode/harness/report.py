@@ -29,7 +29,7 @@ FIGURES_MARKER = "<!-- dartree-report figures: everything below is redrawn by da
 
 
 def _write(path: Path, text: str) -> None:
-    """Write ``path`` atomically under a unique temporary name (:func:`dartree.models.checkpoint.write_file_atomically`,
+    """Write ``path`` atomically under a unique temporary name (:func:`dartree.models.files.write_file_atomically`,
     imported here so that this module does not load torch until it writes)."""
     from dartree.models.files import write_file_atomically
 
@@ -596,7 +596,7 @@ def build_report(environment: dict, rows: dict[str, list[dict]], trees: dict, me
 
 def write_report_files(out: Path, report: dict, md: str) -> None:
     """Write ``out/report.json`` (``report``) and ``out/report.md`` (``md``, made from the same report), each
-    atomically under a unique temporary name (:func:`dartree.models.checkpoint.write_file_atomically`), so two runs
+    atomically under a unique temporary name (:func:`dartree.models.files.write_file_atomically`), so two runs
     writing one folder never share a temporary file. Call it inside ``Signals.held`` (``decode/eval.py``), so that
     SIGINT / SIGTERM cannot fall between the two files and leave one a prompt behind the other.
 
