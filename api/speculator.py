@@ -115,7 +115,8 @@ class SpeculativeDecoder:
         Args:
             prompt: text, chat messages or token ids (:meth:`prompt_ids`). max_new_tokens: cap on generated tokens.
             tree: the tree builder: ``pruned`` (DARTree-pruned, default), ``chain``, ``ddtree``, ``pctree``,
-                ``dartree-fixed`` (:data:`dartree.decode.trees.BUILDERS`).
+                ``fixed`` (DARTree-fixed), ``heap-sequential`` (:data:`dartree.decode.trees.BUILDERS`; the aliases
+                ``dartree-pruned`` / ``dartree-fixed`` work too).
             budget: tree nodes verified per round B: None (the drafter's proposals P), an int, or ``"auto"`` (a
                 cost model measured on this machine picks B per round, 0 meaning a plain AR step).
             temperature: 0 for greedy (output equal to the target's), > 0 to sample (``seed`` seeds it).

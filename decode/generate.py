@@ -233,7 +233,8 @@ def speculative_generate(
         stop_ids: generation ends right after the first of these tokens, even mid-block (a sequence, a set,
             one int or None).
         generator: seeded torch.Generator for T > 0, on the target's device type.
-        builder: registered tree-builder name (``chain``, ``pruned`` / ``dartree-pruned``).
+        builder: a registered tree-builder name (``chain``, ``pruned``, ...) or an alias of
+            :data:`~dartree.decode.trees.BUILDER_ALIASES` (``dartree-pruned``).
         budget: tree nodes per round B (default: P, the proposals per block), or ``"auto"``: per round the
             builder drafts up to ``cost_model.max_budget`` nodes and the cost model keeps the number that
             maximises expected tokens per second, 0 meaning a plain AR step (:mod:`dartree.decode.budget`).

@@ -672,8 +672,8 @@ def build_heap_sequential(
     One global best-first heap over the corrected tree: every pop creates one node, advances its state and
     runs the correction g(C_{d+1}, H_{d+1}, r_node) for that node alone, then pushes its best child and the
     popped node's next sibling. Priority = path log q~ + beta * depth (q~ normalised over the K candidates, as
-    in ``dartree-pruned``). With beta <= 0 priorities never increase along a path, so the result is exactly the
-    top-B nodes of the whole K-ary corrected tree, prefix-closed; ``dartree-pruned`` with W >= B returns the
+    in ``pruned``). With beta <= 0 priorities never increase along a path, so the result is exactly the
+    top-B nodes of the whole K-ary corrected tree, prefix-closed; ``pruned`` with W >= B returns the
     same set (DARTree Lemma 1). Slow by design: one head call per node instead of one per depth.
     Ties go to the shallower, earlier-pushed entry.
 
