@@ -37,31 +37,20 @@ ATTN_NAME = "dartree_row_invariant"
 MAX_ROWS = 256  # calls with more queries than this are prefills: the model's own attention
 
 
-def _rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float | None) -> torch.Tensor:
-    """softmax(q k^T * scaling) v for one query over its keys: q [1, H, 1, d], k/v [1, H_kv, n, d] (contiguous)
-    -> [1, H, 1, d], no mask: the call an AR step makes over its whole cache. Grouped-query heads as ``repeat_kv``
-    orders them (query head j reads key/value head j // (H / H_kv); ``enable_gqa``, no copy). One row per call:
-    with several threads the kernel splits its work by the batch size, and a split changes the bits."""
-    return F.scaled_dot_product_attention(q, k, v, scale=scaling, enable_gqa=q.shape[1] != k.shape[1])
-
-
 _PLAN: dict = {}  # the last row plan, keyed by the visibility pattern (every layer of a forward shares it)
 
 
-def _plan(visible: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor | None, int]]:
-    """Rows grouped by how many keys they see: [(rows [G], key index [G, n] in position order or None when the
-    rows see the leading keys 0..n-1, n)]."""
+def _plan(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Key counts [Q] and key index [Q, n_max] in position order (None when every row sees its leading keys:
+    an AR step, a chain verify) for one batch row's visibility [Q, L]."""
     counts = visible.sum(-1)
     if bool((counts == 0).any()):
         raise ValueError("invariant_attention: a query row sees no key; check the attention mask")
-    out = []
-    for n in counts.unique().tolist():
-        rows = (counts == n).nonzero()[:, 0]
-        vis = visible[rows]
-        idx = vis.nonzero()[:, 1].view(rows.numel(), n)
-        prefix = bool((idx == torch.arange(n)[None]).all())
-        out.append((rows, None if prefix else idx, int(n)))
-    return out
+    lead = torch.arange(visible.shape[-1])[None] < counts[:, None]
+    if bool(torch.equal(lead, visible)):
+        return counts, None
+    pos = torch.where(visible, torch.arange(visible.shape[-1])[None], visible.shape[-1])
+    return counts, pos.sort(dim=-1).values[:, : int(counts.max())]
 
 
 def invariant_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -75,20 +64,20 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
         scaling: score scale (default d ** -0.5).
     Returns:
         ([B, Q, H, d] in the value dtype, None). Row i's output depends only on its query and the keys it sees,
-        in position order, never on the other rows of the call (tested bit for bit).
+        in position order, never on the other rows of the call (:func:`dartree.kernels.row_attention.row_attention`;
+        tested bit for bit).
     Raises:
         ValueError: a query that sees no key.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from dartree.kernels.row_attention import row_attention
 
     b, h, nq, d = query.shape
     if nq > MAX_ROWS or dropout or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     nk = key.shape[2]
-    if b == 1 and nq == 1 and (attention_mask is None or bool((attention_mask[..., :nk] == 0).all())):  # AR step
-        q, k, v = query.contiguous(), key.contiguous(), value.contiguous()
-        return _rows_attention(q, k, v, scaling).transpose(1, 2).contiguous(), None
     if attention_mask is None:
         visible = torch.arange(nk)[None, :] <= (nk - nq + torch.arange(nq))[:, None]
         visible = visible[None].expand(b, nq, nk)
@@ -105,56 +94,60 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
         plans = [_plan(visible[bi]) for bi in range(b)]
         _PLAN.clear()
         _PLAN[sig] = (visible.clone(), plans)
-    out = query.new_empty((b, h, nq, d))
-    for bi in range(b):
-        for rows, idx, n in plans[bi]:
-            for j, r in enumerate(rows.tolist()):  # one call per row: the kernel splits its work as for an AR step
-                if idx is None:  # the row sees the leading n keys
-                    kr, vr = key[bi : bi + 1, :, :n].contiguous(), value[bi : bi + 1, :, :n].contiguous()
-                else:
-                    kr = key[bi : bi + 1, :, idx[j]].contiguous()  # [1, H_kv, n, d], its keys in position order
-                    vr = value[bi : bi + 1, :, idx[j]].contiguous()
-                qr = query[bi : bi + 1, :, r : r + 1].contiguous()  # [1, H, 1, d]
-                out[bi, :, r] = _rows_attention(qr, kr, vr, scaling)[0, :, 0]
-    return out.transpose(1, 2).contiguous(), None
+    out = torch.stack([row_attention(query[bi].transpose(0, 1), key[bi], value[bi], counts, idx, scaling)
+                       for bi, (counts, idx) in enumerate(plans)])  # [B, Q, H, d] float32
+    return out.to(value.dtype), None
 
 
-def linear_is_row_invariant(weight: torch.Tensor, backend: str, rows: int = 17) -> bool:
-    """Whether a linear path computes every row of a ``rows``-row call with the bits of that row alone.
+CALL_ROWS = (1, 2, 3, 5, 9, 17, 33)  # an AR step, and verify calls of chains and trees up to budget 32
+
+
+def linear_is_row_invariant(weight: torch.Tensor, backend: str, min_rows: int = 1, rows: int = 66) -> bool:
+    """Whether a linear path computes a row with the same bits whatever the number of rows in its call.
 
     Args:
         weight: [out, in], the model's dtype and device. backend: ``aten`` (``F.linear``) or ``onednn`` (the
-            prepacked call, every row count).
+            prepacked call for every row count, :class:`~dartree.models.packed.PackedLinear`). min_rows (``onednn``
+            only): calls of fewer rows are padded to this many (``pack_linears(min_rows=...)``).
+        rows: test rows (seeded, heavy-tailed like a decoder's activations: about 2% of the entries 16x larger,
+            so that outputs cancel and a change of summation order shows in the rounded result).
     Returns:
-        True when rows 0, 1 and ``rows - 1`` of a random [rows, in] input (seeded) equal, bit for bit, the same
-        rows computed alone (a one-row call is the AR step; several rows, a verify).
+        True when every row, computed in calls of each size in :data:`CALL_ROWS` (the rows split into
+        consecutive calls of that size), equals the same row computed in one call of all ``rows`` rows, bit for bit.
+        Measured per CPU: on an AVX-512-BF16 Zen 5 the packed kernel takes another path for one row than for
+        several (bf16 and fp32), so ``min_rows=1`` fails there and ``min_rows=2`` passes.
     """
-    from dartree.models.packed import pack_weight, packed_linear
+    from dartree.models.packed import pack_linears
 
     g = torch.Generator().manual_seed(1234)
-    x = torch.randn(rows, weight.shape[1], generator=g).to(weight.dtype)
+    x = torch.randn(rows, weight.shape[1], generator=g)
+    x = (x * (1 + 15 * (torch.rand(x.shape, generator=g) < 0.02))).to(weight.dtype)
     if backend == "onednn":
-        packed = pack_weight(weight)
+        mod = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+        mod.weight = torch.nn.Parameter(weight, requires_grad=False)
+        pack_linears(mod, "onednn", row_invariant=True, min_rows=min_rows)
 
         def f(t):
-            return packed_linear(t, packed)
+            return mod(t)
     else:
         def f(t):
             return F.linear(t, weight)
-    full = f(x)
-    return all(torch.equal(f(x[r : r + 1])[0], full[r]) for r in (0, 1, rows - 1))
+    with torch.no_grad():
+        full = f(x)
+        return all(torch.equal(torch.cat([f(x[i : i + m]) for i in range(0, rows, m)]), full) for m in CALL_ROWS)
 
 
-def choose_invariant_linear(model: torch.nn.Module) -> tuple[str, str]:
+def choose_invariant_linear(model: torch.nn.Module) -> tuple[str, int, str]:
     """The linear path that is row invariant for every weight shape of ``model`` on this machine, and why.
 
-    Prefers the prepacked oneDNN call (every row count) where oneDNN supports the dtype, else ``F.linear``; each
-    is measured per distinct weight shape (:func:`linear_is_row_invariant`).
+    Tries, in order, the prepacked oneDNN call for every row count (where oneDNN supports the dtype), the same
+    with one-row calls padded to two rows, and ``F.linear``; each is measured per distinct weight shape
+    (:func:`linear_is_row_invariant`).
 
     Returns:
-        (``onednn`` or ``aten``, reason).
+        (``onednn`` or ``aten``, min_rows, reason).
     Raises:
-        ValueError: neither path is row invariant for some shape here (named), so no verify row can equal the AR
+        ValueError: no path is row invariant for some shape here (named), so no verify row can equal the AR
             step by construction on this CPU; decode without the mode.
     """
     from dartree.models.packed import onednn_linear_supported
@@ -165,14 +158,16 @@ def choose_invariant_linear(model: torch.nn.Module) -> tuple[str, str]:
             shapes.setdefault((tuple(mod.weight.shape), mod.weight.dtype), mod.weight)
     w0 = next(iter(shapes.values()))
     tried = []
-    for backend in ("onednn", "aten"):
+    for backend, min_rows in (("onednn", 1), ("onednn", 2), ("aten", 1)):
         if backend == "onednn" and not onednn_linear_supported(w0.dtype, w0.device)[0]:
-            tried.append("onednn: not supported here")
+            if min_rows == 1:
+                tried.append("onednn: not supported here")
             continue
-        bad = [s for s, w in shapes.items() if not linear_is_row_invariant(w, backend)]
+        bad = [s for s, w in shapes.items() if not linear_is_row_invariant(w, backend, min_rows)]
+        label = backend + (f" (one-row calls padded to {min_rows})" if min_rows > 1 else "")
         if not bad:
-            return backend, f"{backend} linears are row invariant for all {len(shapes)} weight shapes (measured)"
-        tried.append(f"{backend}: not row invariant for {bad[0][0]} {bad[0][1]}")
+            return backend, min_rows, f"{label} linears row invariant for all {len(shapes)} weight shapes (measured)"
+        tried.append(f"{label}: not row invariant for {bad[0][0]} {bad[0][1]}")
     raise ValueError("no row-invariant linear on this CPU (" + "; ".join(tried) + ")")
 
 
@@ -180,9 +175,9 @@ class row_invariant:
     """Context manager: inside it the target's forwards are row invariant (a verify row equals the AR step).
 
     Runs every linear layer of ``target.model`` through the path measured row invariant here
-    (:func:`choose_invariant_linear`: oneDNN packed for every row count, else ``F.linear``; ``self.linear`` and
-    ``self.why`` say which) and sets its attention to :func:`invariant_attention`; restores the previous attention
-    implementation and packing on exit.
+    (:func:`choose_invariant_linear`: oneDNN packed for every row count, one-row calls padded to two where the CPU
+    needs it, else ``F.linear``; ``self.linear``, ``self.min_rows`` and ``self.why`` say which) and sets its
+    attention to :func:`invariant_attention`; restores the previous attention implementation and packing on exit.
 
     Args:
         target: a :class:`~dartree.models.target.Target`.
@@ -200,11 +195,11 @@ class row_invariant:
         from dartree.models.packed import is_packed, pack_linears
 
         model = self.target.model
-        self.linear, self.why = choose_invariant_linear(model)
+        self.linear, self.min_rows, self.why = choose_invariant_linear(model)
         self.was_packed = [m for m in model.modules() if is_packed(m)]
         self.rows_before = {id(m): m.__dict__.get("_dartree_aten_rows") for m in self.was_packed}
         if self.linear == "onednn":
-            pack_linears(model, "onednn", row_invariant=True)
+            pack_linears(model, "onednn", row_invariant=True, min_rows=self.min_rows)
         else:
             pack_linears(model, "aten")
         AttentionInterface.register(ATTN_NAME, invariant_attention)

@@ -171,9 +171,16 @@ def main(argv: list[str] | None = None) -> int:
             except ValueError as exc:
                 print(f"\n{dname}, linear {backend}: skipped ({exc})")
                 continue
-            pack_linears(target.model, chosen, row_invariant=invariant and chosen == "onednn")
-            chosen += {"onednn-invariant": " (every row count packed)",
-                       "row-invariant": " (every row count packed) + row-invariant attention"}.get(backend, "")
+            min_rows = 1
+            if invariant and chosen == "onednn":
+                from dartree.models.invariant import linear_is_row_invariant
+
+                w = target.model.model.layers[0].mlp.down_proj.weight
+                min_rows = 1 if linear_is_row_invariant(w, "onednn", 1) else 2
+            pack_linears(target.model, chosen, row_invariant=invariant and chosen == "onednn", min_rows=min_rows)
+            pad = f", one-row calls padded to {min_rows}" if min_rows > 1 else ""
+            chosen += {"onednn-invariant": f" (every row count packed{pad})",
+                       "row-invariant": f" (every row count packed{pad}) + row-invariant attention"}.get(backend, "")
             for m in args.rows:
                 if backend == "row-invariant":
                     with row_invariant(target):
