@@ -112,51 +112,86 @@ def _lane_sum(a):  # pragma: no cover - compiled
 
 
 @numba.njit(cache=True, parallel=True)
-def _attend(q, kt, v, idx, counts, prefix, scale, out):  # pragma: no cover - compiled; tested against SDPA
+def _attend(q, kt, v, idx, counts, prefix, scale, out):  # pragma: no cover - compiled; tested against float64
     r_rows, heads, d = q.shape
-    group = heads // kt.shape[0]
-    n_keys = kt.shape[2]
-    for item in numba.prange(r_rows * heads):
-        r = item // heads
-        h = item - r * heads
-        g = h // group
-        n = counts[r]
-        span = n
-        if not prefix:
-            for j in range(n):
+    n_kv = kt.shape[0]
+    group = heads // n_kv
+    nmax = 0
+    span = 0  # scores are computed for keys 0 .. span - 1 (every key some row reads)
+    for r in range(r_rows):
+        nmax = max(nmax, counts[r])
+        if prefix:
+            span = max(span, counts[r])
+        else:
+            for j in range(counts[r]):
                 span = max(span, idx[r, j] + 1)
-        span = min(span, n_keys)
-        sc = np.zeros(span, np.float32)  # the score of every key up to the last one this row reads
-        for t in range(d):
-            qt = q[r, h, t]
-            for j in range(span):
-                sc[j] += qt * _widen2(kt, g, t, j)
-        s = np.empty(n, np.float32)
-        smax = -np.inf
-        for j in range(n):
-            sj = sc[j if prefix else idx[r, j]] * scale
-            s[j] = sj
-            smax = max(smax, sj)
-        acc = np.zeros(LANES, np.float32)
-        full = n // LANES
-        for b in range(full):
-            for m in range(LANES):
-                e = _exp_nonpos(s[b * LANES + m] - smax)
-                s[b * LANES + m] = e
-                acc[m] += e
-        for j in range(full * LANES, n):
-            e = _exp_nonpos(s[j] - smax)
-            s[j] = e
-            acc[j - full * LANES] += e
-        total = _lane_sum(acc)
-        o = np.zeros(d, np.float32)
-        for j in range(n):
-            kj = j if prefix else idx[r, j]
-            e = s[j]
+    sc = np.empty((r_rows * heads, span), np.float32)
+    ew = np.empty((r_rows * heads, max(nmax, 1)), np.float32)
+    o = np.empty((r_rows * heads, d), np.float32)
+    t4 = d - d % 4
+    for item in numba.prange(r_rows * n_kv):  # one task per (row, key/value head): its query heads share loads
+        r = item // n_kv
+        g = item - r * n_kv
+        n = counts[r]
+        # scores of every key up to the row's last: a dot product over t = 0 .. d-1 in order, four terms per pass
+        # added one after another (the bits of one term per pass); the row's keys are picked after
+        for hh in range(group):
+            sc[item * group + hh, :] = _ZERO
+        for t in range(0, t4, 4):
+            for hh in range(group):
+                h = g * group + hh
+                row = sc[item * group + hh]
+                q0, q1, q2, q3 = q[r, h, t], q[r, h, t + 1], q[r, h, t + 2], q[r, h, t + 3]
+                for j in range(span):
+                    row[j] = (((row[j] + q0 * _widen2(kt, g, t, j)) + q1 * _widen2(kt, g, t + 1, j))
+                              + q2 * _widen2(kt, g, t + 2, j)) + q3 * _widen2(kt, g, t + 3, j)
+        for t in range(t4, d):
+            for hh in range(group):
+                row = sc[item * group + hh]
+                qt = q[r, g * group + hh, t]
+                for j in range(span):
+                    row[j] += qt * _widen2(kt, g, t, j)
+        for hh in range(group):
+            # softmax weights: the row's keys in position order, exp by the fixed polynomial, a 16-lane sum
+            w = ew[item * group + hh]
+            row = sc[item * group + hh]
+            smax = -np.inf
+            for j in range(n):
+                sj = row[j if prefix else idx[r, j]] * scale
+                w[j] = sj
+                smax = max(smax, sj)
+            lanes = np.zeros(LANES, np.float32)
+            full = n // LANES
+            for bb in range(full):
+                for m in range(LANES):
+                    e = _exp_nonpos(w[bb * LANES + m] - smax)
+                    w[bb * LANES + m] = e
+                    lanes[m] += e
+            for j in range(full * LANES, n):
+                e = _exp_nonpos(w[j] - smax)
+                w[j] = e
+                lanes[j - full * LANES] += e
+            total = _lane_sum(lanes)
+            # output: sum_j e_j v_j over the keys in position order, four keys per pass added one after another
+            acc = o[item * group + hh]
+            acc[:] = _ZERO
+            n4 = n - n % 4
+            for j in range(0, n4, 4):
+                if prefix:
+                    k0, k1, k2, k3 = j, j + 1, j + 2, j + 3
+                else:
+                    k0, k1, k2, k3 = idx[r, j], idx[r, j + 1], idx[r, j + 2], idx[r, j + 3]
+                e0, e1, e2, e3 = w[j], w[j + 1], w[j + 2], w[j + 3]
+                for t in range(d):
+                    acc[t] = (((acc[t] + e0 * _widen2(v, g, k0, t)) + e1 * _widen2(v, g, k1, t))
+                              + e2 * _widen2(v, g, k2, t)) + e3 * _widen2(v, g, k3, t)
+            for j in range(n4, n):
+                kj = j if prefix else idx[r, j]
+                e = w[j]
+                for t in range(d):
+                    acc[t] += e * _widen2(v, g, kj, t)
             for t in range(d):
-                o[t] += e * _widen2(v, g, kj, t)
-        for t in range(d):
-            out[r, h, t] = o[t] / total
+                out[r, g * group + hh, t] = acc[t] / total
 
 
 def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: torch.Tensor,
@@ -167,7 +202,8 @@ def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: tor
         q: [R, H, d] float32 or bfloat16. k, v: [H_kv, L, d], float32 or bfloat16 (H divisible by H_kv).
         counts: [R] integer, keys row r sees (1 .. L).
         idx: [R, n_max] integer or None: row r sees keys ``idx[r, :counts[r]]`` of the cache, in that (position)
-            order (entries past ``counts[r]`` are ignored); None when row r sees the leading keys ``0 .. counts[r] - 1`` (an AR step, a chain verify).
+            order (entries past ``counts[r]`` are ignored); None when row r sees the leading keys
+            ``0 .. counts[r] - 1`` (an AR step, a chain verify).
         scale: score scale (default d ** -0.5).
     Returns:
         [R, H, d] float32: row r, head h is softmax(q[r, h] . k_j * scale) v_j over the keys row r sees, computed
@@ -193,15 +229,24 @@ def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: tor
         if used is None or used.min() < 0 or used.max() >= k.shape[1]:
             raise ValueError(f"row_attention: idx must be [R, >= max(counts)] key indices in 0..{k.shape[1] - 1}")
 
-    def arr(t):
-        t = t.detach().contiguous()
-        return t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+    return attend(q, k, v, counts_np, idx_np, prefix, scale)
 
+
+def _numpy(t: torch.Tensor) -> np.ndarray:
+    """A contiguous CPU tensor as numpy: float32 as is, bf16 as its uint16 bits (numba has no bf16)."""
+    t = t.detach().contiguous()
+    return t.view(torch.uint16).numpy() if t.dtype == torch.bfloat16 else t.numpy()
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: np.ndarray, idx: np.ndarray, prefix: bool,
+           scale: float | None) -> torch.Tensor:
+    """:func:`row_attention` without its input checks, for callers that checked once (the decode attention
+    checks a forward's row plan once for all its layers). counts [R] int64; idx [R, >= max(counts)] int64 (any
+    [R, 0] when ``prefix``). Returns [R, H, d] float32."""
     out = np.empty((q.shape[0], q.shape[1], q.shape[2]), np.float32)
     threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     if numba.get_num_threads() != threads:  # torch's thread budget: the bits do not depend on it
         numba.set_num_threads(threads)
     scale = float(q.shape[2] ** -0.5 if scale is None else scale)
-    _attend(q.detach().float().contiguous().numpy(), arr(k.transpose(1, 2)), arr(v), idx_np, counts_np, prefix,
-            np.float32(scale), out)
+    _attend(_numpy(q.float()), _numpy(k.transpose(1, 2)), _numpy(v), idx, counts, prefix, np.float32(scale), out)
     return torch.from_numpy(out)

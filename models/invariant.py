@@ -30,6 +30,7 @@ Q queries of the call, L keys, d head size, n keys one row sees.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -40,17 +41,18 @@ MAX_ROWS = 256  # calls with more queries than this are prefills: the model's ow
 _PLAN: dict = {}  # the last row plan, keyed by the visibility pattern (every layer of a forward shares it)
 
 
-def _plan(visible: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Key counts [Q] and key index [Q, n_max] in position order (None when every row sees its leading keys:
-    an AR step, a chain verify) for one batch row's visibility [Q, L]."""
+def _plan(visible: torch.Tensor) -> tuple[np.ndarray, np.ndarray, bool]:
+    """One batch row's visibility [Q, L] as the kernel's row plan: key counts [Q], key index [Q, n_max] in
+    position order, and whether every row sees its leading keys (an AR step, a chain verify: the index unused)."""
     counts = visible.sum(-1)
     if bool((counts == 0).any()):
         raise ValueError("invariant_attention: a query row sees no key; check the attention mask")
     lead = torch.arange(visible.shape[-1])[None] < counts[:, None]
     if bool(torch.equal(lead, visible)):
-        return counts, None
+        return counts.numpy().astype(np.int64), np.zeros((visible.shape[0], 0), np.int64), True
     pos = torch.where(visible, torch.arange(visible.shape[-1])[None], visible.shape[-1])
-    return counts, pos.sort(dim=-1).values[:, : int(counts.max())]
+    idx = pos.sort(dim=-1).values[:, : int(counts.max())]
+    return counts.numpy().astype(np.int64), idx.numpy().astype(np.int64), False
 
 
 def invariant_attention(module, query, key, value, attention_mask, dropout: float = 0.0, scaling: float | None = None,
@@ -71,7 +73,7 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from dartree.kernels.row_attention import row_attention
+    from dartree.kernels.row_attention import attend
 
     b, h, nq, d = query.shape
     if nq > MAX_ROWS or dropout or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
@@ -94,8 +96,8 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
         plans = [_plan(visible[bi]) for bi in range(b)]
         _PLAN.clear()
         _PLAN[sig] = (visible.clone(), plans)
-    out = torch.stack([row_attention(query[bi].transpose(0, 1), key[bi], value[bi], counts, idx, scaling)
-                       for bi, (counts, idx) in enumerate(plans)])  # [B, Q, H, d] float32
+    out = torch.stack([attend(query[bi].transpose(0, 1), key[bi], value[bi], counts, idx, prefix, scaling)
+                       for bi, (counts, idx, prefix) in enumerate(plans)])  # [B, Q, H, d] float32
     return out.to(value.dtype), None
 
 
