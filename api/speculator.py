@@ -11,6 +11,7 @@ each target forward committed (the acceptance length tau) and how fast it went.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from dartree.models.chat import chat_prompt_ids, messages_prompt_ids, text_promp
 from dartree.models.checkpoint import DraftModel, load_dartree
 from dartree.models.dtypes import parse_dtype
 from dartree.models.generation import sampling_problem, sampling_settings, stop_ids
+from dartree.models.invariant import INVARIANT_CHOICES, enter_invariant
 from dartree.models.packed import choose_linear, pack_linears
 from dartree.models.target import DEFAULT_TARGET, Target, load_target
 
@@ -61,12 +63,16 @@ class SpeculativeDecoder:
 
     Build it with :func:`load`. Attributes: ``target`` (:class:`~dartree.models.target.Target`), ``draft``
     (:class:`~dartree.models.checkpoint.DraftModel`), ``stop_ids`` (the target's end ids: where its own
-    ``generate`` stops), ``linear`` (the linear-layer backend, ``onednn`` or ``aten``).
+    ``generate`` stops), ``linear`` (the linear-layer backend, ``onednn`` or ``aten``), ``invariant`` (the entered
+    :class:`~dartree.models.invariant.row_invariant` mode or None) and ``invariant_note`` (why), ``modes`` (the
+    ``contextlib.ExitStack`` holding the mode: ``decoder.modes.close()`` returns the target to its default kernels).
     """
 
     def __init__(self, target: Target, draft: DraftModel, *, linear: str = "aten",
                  chat_template_kwargs: dict | None = None):
         self.target, self.draft, self.linear = target, draft, linear
+        self.modes = contextlib.ExitStack()
+        self.invariant, self.invariant_note = None, "row-invariant verify: off"
         self.stop_ids = stop_ids(target)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
 
@@ -157,7 +163,7 @@ class SpeculativeDecoder:
 
 def load(drafter: str | os.PathLike = DEFAULT_DRAFTER, target: str | os.PathLike = DEFAULT_TARGET, *,
          dtype: str = "float32", linear: str = "auto", threads: int | None = None,
-         chat_template_kwargs: dict | None = None) -> SpeculativeDecoder:
+         chat_template_kwargs: dict | None = None, invariant: str = "auto") -> SpeculativeDecoder:
     """Load a target and a dartree drafter checkpoint for speculative decoding.
 
     Args:
@@ -170,14 +176,21 @@ def load(drafter: str | os.PathLike = DEFAULT_DRAFTER, target: str | os.PathLike
             ``onednn`` or ``aten``.
         threads: torch CPU threads (None keeps torch's setting).
         chat_template_kwargs: extra chat-template variables (e.g. ``{"enable_thinking": False}`` for Qwen3).
+        invariant: the row-invariant mode (:func:`dartree.models.invariant.enter_invariant`): ``auto`` (default:
+            on wherever it has a fast path, a CPU target in float32 or bfloat16), ``on`` or ``off``. With it a
+            verify row computes the AR step's bits, so at T = 0 ``generate`` equals ``generate_ar`` by
+            construction; ``decoder.invariant_note`` says which was chosen and why.
     Returns:
         :class:`SpeculativeDecoder`.
     Raises:
-        ValueError: an unknown dtype or linear backend, or a target that cannot be loaded (its reason).
+        ValueError: an unknown dtype, linear backend or invariant choice, ``invariant="on"`` where the mode has no
+            path here (the reason), or a target that cannot be loaded (its reason).
         dartree.models.checkpoint.CheckpointError: the drafter folder is not a dartree checkpoint or does not
             fit the target (named).
     """
     torch_dtype = parse_dtype(dtype, "dtype")
+    if invariant not in INVARIANT_CHOICES:
+        raise ValueError(f"invariant must be one of {', '.join(INVARIANT_CHOICES)}, got {invariant!r}")
     if threads is not None:
         torch.set_num_threads(int(threads))
     try:
@@ -190,4 +203,6 @@ def load(drafter: str | os.PathLike = DEFAULT_DRAFTER, target: str | os.PathLike
     backend, _ = choose_linear(linear, torch_dtype, tgt.device)
     for module in (tgt.model, draft.drafter, draft.head):
         pack_linears(module, backend)
-    return SpeculativeDecoder(tgt, draft, linear=backend, chat_template_kwargs=chat_template_kwargs)
+    decoder = SpeculativeDecoder(tgt, draft, linear=backend, chat_template_kwargs=chat_template_kwargs)
+    decoder.invariant, decoder.invariant_note = enter_invariant(invariant, tgt, decoder.modes)
+    return decoder

@@ -35,6 +35,7 @@ from dartree.decode.harness.session import Refused, open_session, spread_repeats
 from dartree.decode.trees import BUILDERS
 from dartree.models.cli import fail
 from dartree.models.dtypes import DTYPES
+from dartree.models.invariant import INVARIANT_CHOICES
 from dartree.models.packed import LINEAR_BACKENDS
 from dartree.models.target import DEFAULT_TARGET
 
@@ -130,10 +131,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="matmul path of the target's and drafter's linear layers: onednn (weights prepacked once, "
                          "the fast small-M path on CPU), aten (plain F.linear), auto (onednn where it can run); "
                          "every row of the run, AR and peers included, uses the same one")
-    ap.add_argument("--invariant", action="store_true",
+    ap.add_argument("--invariant", nargs="?", const="on", default="auto", choices=list(INVARIANT_CHOICES),
                     help="row-invariant target forwards (dartree.models.invariant): every verify row computes the bits "
-                         "an AR step computes for it, so the output equals AR's by construction in bf16 too; costs "
-                         "time per verify (docs/invariance.md)")
+                         "an AR step computes for it, so the output equals AR's by construction, in bf16 too; auto: "
+                         "on wherever it has a fast path (a CPU target in float32 or bfloat16), else off with the "
+                         "reason in the header; a bare --invariant means on (docs/invariance.md)")
     ap.add_argument("--no-tune", dest="tune", action="store_false",
                     help="with onednn: keep the fixed single-row rule instead of timing F.linear against the packed "
                          "call per weight shape and row count at start-up (a few seconds) and taking the faster")

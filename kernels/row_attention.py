@@ -69,6 +69,23 @@ def _widen2(a, i, j, t):  # pragma: no cover - replaced by the overload below
     raise NotImplementedError
 
 
+def _widen1(a, j):  # pragma: no cover - replaced by the overload below
+    """a[j] as float32: exact for float32 and for bf16 given as uint16 bits."""
+    raise NotImplementedError
+
+
+@overload(_widen1, inline="always")
+def _widen1_impl(a, j):  # pragma: no cover - compiled
+    if a.dtype == types.uint16:
+        def impl(a, j):
+            return _bits_f32(np.uint32(a[j]) << np.uint32(16))
+        return impl
+
+    def impl(a, j):
+        return a[j]
+    return impl
+
+
 @overload(_widen2, inline="always")
 def _widen2_impl(a, i, j, t):  # pragma: no cover - compiled
     if a.dtype == types.uint16:
@@ -113,7 +130,7 @@ def _lane_sum(a):  # pragma: no cover - compiled
 
 @numba.njit(cache=True, parallel=True)
 def _attend(q, kt, v, idx, counts, prefix, scale, out):  # pragma: no cover - compiled; tested against float64
-    r_rows, heads, d = q.shape
+    heads, r_rows, d = q.shape
     n_kv = kt.shape[0]
     group = heads // n_kv
     nmax = 0
@@ -141,16 +158,18 @@ def _attend(q, kt, v, idx, counts, prefix, scale, out):  # pragma: no cover - co
             for hh in range(group):
                 h = g * group + hh
                 row = sc[item * group + hh]
-                q0, q1, q2, q3 = q[r, h, t], q[r, h, t + 1], q[r, h, t + 2], q[r, h, t + 3]
+                q0, q1, q2, q3 = q[h, r, t], q[h, r, t + 1], q[h, r, t + 2], q[h, r, t + 3]
+                k0, k1, k2, k3 = kt[g, t], kt[g, t + 1], kt[g, t + 2], kt[g, t + 3]
                 for j in range(span):
-                    row[j] = (((row[j] + q0 * _widen2(kt, g, t, j)) + q1 * _widen2(kt, g, t + 1, j))
-                              + q2 * _widen2(kt, g, t + 2, j)) + q3 * _widen2(kt, g, t + 3, j)
+                    row[j] = (((row[j] + q0 * _widen1(k0, j)) + q1 * _widen1(k1, j)) + q2 * _widen1(k2, j)) \
+                        + q3 * _widen1(k3, j)
         for t in range(t4, d):
             for hh in range(group):
                 row = sc[item * group + hh]
-                qt = q[r, g * group + hh, t]
+                qt = q[g * group + hh, r, t]
+                kr = kt[g, t]
                 for j in range(span):
-                    row[j] += qt * _widen2(kt, g, t, j)
+                    row[j] += qt * _widen1(kr, j)
         for hh in range(group):
             # softmax weights: the row's keys in position order, exp by the fixed polynomial, a 16-lane sum
             w = ew[item * group + hh]
@@ -229,7 +248,7 @@ def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: tor
         if used is None or used.min() < 0 or used.max() >= k.shape[1]:
             raise ValueError(f"row_attention: idx must be [R, >= max(counts)] key indices in 0..{k.shape[1] - 1}")
 
-    return attend(q, k, v, counts_np, idx_np, prefix, scale)
+    return attend(q.transpose(0, 1), k, v, counts_np, idx_np, prefix, scale)
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:
@@ -241,9 +260,10 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: np.ndarray, idx: np.ndarray, prefix: bool,
            scale: float | None) -> torch.Tensor:
     """:func:`row_attention` without its input checks, for callers that checked once (the decode attention
-    checks a forward's row plan once for all its layers). counts [R] int64; idx [R, >= max(counts)] int64 (any
-    [R, 0] when ``prefix``). Returns [R, H, d] float32."""
-    out = np.empty((q.shape[0], q.shape[1], q.shape[2]), np.float32)
+    checks a forward's row plan once for all its layers). q [H, R, d] (the layout of one sequence of a
+    ``transformers`` query); counts [R] int64; idx [R, >= max(counts)] int64 (any [R, 0] when ``prefix``).
+    Returns [R, H, d] float32."""
+    out = np.empty((q.shape[1], q.shape[0], q.shape[2]), np.float32)
     threads = max(1, min(torch.get_num_threads(), numba.config.NUMBA_NUM_THREADS))
     if numba.get_num_threads() != threads:  # torch's thread budget: the bits do not depend on it
         numba.set_num_threads(threads)

@@ -57,8 +57,8 @@ def choose_dtype(requested: str, device: str = "cpu") -> tuple[str, str]:
     if requested != "auto":
         parse_dtype(requested, "--dtype")
         exact = " (the exact mode: every T=0 output must equal AR's)" if requested == "float32" else (
-            " (near-ties may flip between a verify forward and an AR step: divergences are reported with the "
-            "target's top-2 margin)")
+            " (exact where the row-invariant mode is on, see below; without it near-ties may flip between a verify "
+            "forward and an AR step, and divergences are reported with the target's top-2 margin)")
         return requested, f"--dtype {requested} requested{exact}"
     if device.startswith("cuda"):
         return "bfloat16", "auto: CUDA has native bf16 matrix arithmetic"

@@ -38,7 +38,7 @@ ATTN_NAME = "dartree_row_invariant"
 MAX_ROWS = 256  # calls with more queries than this are prefills: the model's own attention
 
 
-_PLAN: dict = {}  # the last row plan, keyed by the visibility pattern (every layer of a forward shares it)
+_PLAN: dict = {}  # the last forward's row plan: its key (shape, mask object, the mask's tree columns), plans
 
 
 def _plan(visible: torch.Tensor) -> tuple[np.ndarray, np.ndarray, bool]:
@@ -80,24 +80,31 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     nk = key.shape[2]
-    if attention_mask is None:
-        visible = torch.arange(nk)[None, :] <= (nk - nq + torch.arange(nq))[:, None]
-        visible = visible[None].expand(b, nq, nk)
-    elif attention_mask.dtype == torch.bool:
-        visible = attention_mask[:, 0, :, :nk]
+    # the row plan of this forward: every layer gets the same mask object (kept alive here, so no other mask can
+    # have its identity); its last nq columns (the tree) are compared as well, against a mask edited in place
+    tail = None if attention_mask is None else attention_mask[..., max(0, nk - nq) : nk]
+    hit = _PLAN.get("key")
+    if hit is not None and hit[0] == (b, nq, nk) and hit[1] is attention_mask and (
+            tail is None or torch.equal(hit[2], tail)):
+        plans = _PLAN["plans"]
     else:
-        visible = attention_mask[:, 0, :, :nk] == 0
-    visible = visible.cpu()
-    sig = (b, nq, nk, hash(visible.numpy().tobytes()))  # by content: every layer of one forward reuses the plan
-    hit = _PLAN.get(sig)
-    if hit is not None and torch.equal(hit[0], visible):
-        plans = hit[1]
-    else:
+        if attention_mask is None:
+            visible = torch.arange(nk)[None, :] <= (nk - nq + torch.arange(nq))[:, None]
+            visible = visible[None].expand(b, nq, nk)
+        elif attention_mask.dtype == torch.bool:
+            visible = attention_mask[:, 0, :, :nk]
+        else:
+            visible = attention_mask[:, 0, :, :nk] == 0
+        visible = visible.cpu()
         plans = [_plan(visible[bi]) for bi in range(b)]
-        _PLAN.clear()
-        _PLAN[sig] = (visible.clone(), plans)
-    out = torch.stack([attend(query[bi].transpose(0, 1), key[bi], value[bi], counts, idx, prefix, scaling)
-                       for bi, (counts, idx, prefix) in enumerate(plans)])  # [B, Q, H, d] float32
+        _PLAN["key"] = ((b, nq, nk), attention_mask, None if tail is None else tail.clone())
+        _PLAN["plans"] = plans
+    if b == 1:
+        counts, idx, prefix = plans[0]
+        out = attend(query[0], key[0], value[0], counts, idx, prefix, scaling)[None]
+    else:
+        out = torch.stack([attend(query[bi], key[bi], value[bi], counts, idx, prefix, scaling)
+                           for bi, (counts, idx, prefix) in enumerate(plans)])  # [B, Q, H, d] float32
     return out.to(value.dtype), None
 
 
@@ -221,3 +228,50 @@ class row_invariant:
                 if self.rows_before[id(m)] is not None:
                     m.__dict__["_dartree_aten_rows"] = self.rows_before[id(m)]
         return False
+
+
+INVARIANT_CHOICES = ("auto", "on", "off")
+
+
+def enter_invariant(requested: str, target, stack) -> tuple[row_invariant | None, str]:
+    """Enter the row-invariant mode for ``target`` as requested, into ``stack`` (a ``contextlib.ExitStack``).
+
+    Args:
+        requested: ``on`` (the mode, or an error), ``off`` (the default kernels) or ``auto``: the mode where it
+            costs little and is needed, a CPU target in bfloat16 (measured on an AVX-512-BF16 Zen 5: AR step -8%,
+            verify +2-4%, and without it most bf16 outputs split from AR at near-ties), if a row-invariant linear
+            path is measured here; float32 keeps the default kernels (its splits have not been seen, and the mode
+            costs its AR step about +25% there: one-row linear calls padded to two, the packed path for every row
+            count); other dtypes and devices have no kernel. Off says why.
+        target: a :class:`~dartree.models.target.Target`. stack: where the mode is entered (closing it restores
+            the default kernels).
+    Returns:
+        (the entered :class:`row_invariant`, or None; a one-line note for the run's header).
+    Raises:
+        ValueError: an unknown ``requested``, or ``on`` where the mode has no path here (the reason).
+    """
+    if requested not in INVARIANT_CHOICES:
+        raise ValueError(f"invariant must be one of {', '.join(INVARIANT_CHOICES)}, got {requested!r}")
+    if requested == "off":
+        return None, "row-invariant verify: off (--invariant off): a verify row may round unlike the AR step"
+    dtype, device = target.model.dtype, target.model.device
+    why_not = None
+    if device.type != "cpu":
+        why_not = f"no row-invariant attention kernel for {device.type} here (CPU only)"
+    elif dtype not in (torch.float32, torch.bfloat16):
+        why_not = f"no row-invariant attention kernel for {str(dtype).replace('torch.', '')} (float32, bfloat16)"
+    if why_not is None and requested == "auto" and dtype == torch.float32:
+        return None, ("row-invariant verify: off (auto: float32 verify rows have not split from AR steps in any run "
+                      "measured, and the mode costs the AR step about 25%; --invariant on makes float32 exact by "
+                      "construction)")
+    if why_not is None:
+        try:
+            mode = stack.enter_context(row_invariant(target))
+        except ValueError as exc:
+            why_not = str(exc)
+        else:
+            return mode, (f"row-invariant verify: on (linear {mode.linear}: {mode.why}; attention: each row over its "
+                          f"own keys in a fixed order, dartree.kernels.row_attention)")
+    if requested == "on":
+        raise ValueError(why_not)
+    return None, f"row-invariant verify: off ({why_not}); a verify row may round unlike the AR step"

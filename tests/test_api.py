@@ -64,6 +64,8 @@ def test_sampling_is_seeded_and_bad_arguments_are_named(spec):
         dartree.load(dtype="fp8")
     with pytest.raises(ValueError, match="cannot load the target"):
         dartree.load(target=str(REPO / "no-such-target"))
+    with pytest.raises(ValueError, match="invariant must be one of auto, on, off, got 'always'"):
+        dartree.load(invariant="always")
     with pytest.raises(AttributeError, match="no attribute 'lod'"):
         dartree.lod  # noqa: B018
 
@@ -74,3 +76,27 @@ def test_generation_config_sampling_is_refused_by_name(spec, monkeypatch):
         spec.generate("x", max_new_tokens=4, temperature=1.0)
     out = spec.generate("x", max_new_tokens=4, temperature=1.0, ignore_generation_config=True)
     assert 1 <= len(out.tokens) <= 4
+
+
+def test_the_row_invariant_mode_by_default_in_bf16_and_on_request_in_fp32(spec):
+    # fp32, auto: today's kernels; a bf16 decoder (auto) and invariant="on" run the row-invariant mode, in which
+    # generate equals generate_ar by construction
+    assert spec.invariant is None and spec.invariant_note.startswith("row-invariant verify: off (auto: float32")
+    on = dartree.load(threads=1, invariant="on")
+    assert on.invariant is not None and on.invariant_note.startswith("row-invariant verify: on")
+    prompt = "Write a haiku about rain."
+    assert on.generate(prompt, max_new_tokens=24).tokens == on.generate_ar(prompt, max_new_tokens=24).tokens
+    on.modes.close()
+    assert on.target.model.config._attn_implementation != "dartree_row_invariant"
+    from dartree.models.invariant import choose_invariant_linear
+
+    bf16 = dartree.load(threads=1, dtype="bfloat16")
+    try:
+        choose_invariant_linear(bf16.target.model)
+    except ValueError as exc:
+        assert bf16.invariant is None and str(exc) in bf16.invariant_note
+        return
+    assert bf16.invariant is not None
+    for tree in ("pruned", "chain"):
+        assert bf16.generate(prompt, max_new_tokens=32, tree=tree).tokens == \
+            bf16.generate_ar(prompt, max_new_tokens=32).tokens, tree

@@ -142,3 +142,46 @@ def test_the_linear_check_finds_a_path_that_splits_rows():
         assert not linear_is_row_invariant(w, "aten")
     finally:
         inv.F.linear = real
+
+
+def test_enter_invariant_on_off_auto_and_the_reason_when_off(target):
+    import contextlib
+
+    from dartree.models.invariant import enter_invariant
+
+    impl = target.model.config._attn_implementation
+    with contextlib.ExitStack() as stack:
+        mode, note = enter_invariant("off", target, stack)
+        assert mode is None and note.startswith("row-invariant verify: off (--invariant off)")
+        assert target.model.config._attn_implementation == impl
+    with contextlib.ExitStack() as stack:  # auto in float32: the default kernels (exact in practice, cheaper)
+        mode, note = enter_invariant("auto", target, stack)
+        assert mode is None and note.startswith("row-invariant verify: off (auto: float32")
+    from dartree.models.invariant import choose_invariant_linear
+
+    bf16 = copy.deepcopy(target)
+    bf16.model.to(torch.bfloat16)
+    cases = [("on", target)]
+    try:
+        choose_invariant_linear(bf16.model)
+        cases += [("auto", bf16), ("on", bf16)]
+    except ValueError as exc:  # no row-invariant bf16 linear on this CPU: auto says so, on refuses
+        mode, note = enter_invariant("auto", bf16, contextlib.ExitStack())
+        assert mode is None and str(exc) in note
+        with pytest.raises(ValueError):
+            enter_invariant("on", bf16, contextlib.ExitStack())
+    for requested, t in cases:  # the CPU kernel's dtypes
+        impl = t.model.config._attn_implementation
+        with contextlib.ExitStack() as stack:
+            mode, note = enter_invariant(requested, t, stack)
+            assert mode is not None and note.startswith("row-invariant verify: on (linear ")
+            assert t.model.config._attn_implementation == "dartree_row_invariant"
+        assert t.model.config._attn_implementation == impl  # closing the stack restores the kernels
+    with pytest.raises(ValueError, match="invariant must be one of auto, on, off, got 'yes'"):
+        enter_invariant("yes", target, contextlib.ExitStack())
+    half = copy.deepcopy(target)  # a copy: the session's target stays float32
+    half.model.to(torch.float16)
+    mode, note = enter_invariant("auto", half, contextlib.ExitStack())
+    assert mode is None and "no row-invariant attention kernel for float16" in note
+    with pytest.raises(ValueError, match="no row-invariant attention kernel for float16"):
+        enter_invariant("on", half, contextlib.ExitStack())

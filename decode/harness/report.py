@@ -216,10 +216,10 @@ def _report_header(report: dict) -> list[str]:
             + ("; prompts: the tokenizer's chat template" if env["chat_template"] == "tokenizer" else
                "; prompts: raw text, no chat template (--chat-template none)")
             + (f" with {json.dumps(env['chat_template_kwargs'])}" if env["chat_template_kwargs"] else ""), "",
-            ("exactness: row-invariant verify (--invariant): a verify row computes an AR step's bits, so any "
-             "split from AR is a MISMATCH" if env["row_invariant"] else
+            ("exactness: row-invariant verify (--invariant, on by default where it has a fast path): a verify row "
+             "computes an AR step's bits, so any split from AR is a MISMATCH" if env["row_invariant"] else
              "exactness: fp32, so any split from AR is a MISMATCH" if exact_rows else
-             f"exactness: {env['dtype']} without --invariant: a verify row may round a near-tie the other way from "
+             f"exactness: {env['dtype']} without the row-invariant mode: a verify row may round a near-tie the other way from "
              "an AR step, so a split is reported with its first differing token and top-2 margin, not as a MISMATCH"),
             ""]
 
@@ -567,7 +567,7 @@ def report_warnings(report: dict, tau_floor: float = 1.05) -> list[str]:
             out.append(f"note: {m} splits from AR on {r['mismatches']} prompts at near-ties (per_prompt: "
                        "first_divergence, margin_at_divergence): "
                        + ("its own arithmetic" if peer else "bf16 verify rows round differently from AR steps; "
-                          "--invariant makes them equal"))
+                          "--invariant on makes them equal"))
     return out
 
 

@@ -283,22 +283,21 @@ def _pack_models(args: argparse.Namespace, console: Console, target, dm, dtype: 
 
 
 def _enter_invariant(args: argparse.Namespace, console: Console, target, modes: contextlib.ExitStack) -> dict | None:
-    """With ``--invariant``: enter the row-invariant mode in ``modes`` (after packing and tuning: the mode re-packs
-    the target for row invariance) and return its record; else None.
+    """``--invariant auto|on|off``: enter the row-invariant mode in ``modes`` where asked and possible (after packing
+    and tuning: the mode re-packs the target for row invariance), print the header line, and return the mode's
+    record (None when off).
 
     Raises:
-        Refused: the target has no row-invariant path.
+        Refused: ``--invariant on`` where the target has no row-invariant path (the reason).
     """
-    if not args.invariant:
-        return None
-    from dartree.models.invariant import row_invariant
+    from dartree.models.invariant import enter_invariant
 
     try:
-        mode = modes.enter_context(row_invariant(target))
+        mode, note = enter_invariant(args.invariant, target, modes)
     except ValueError as exc:
-        raise Refused(f"error: --invariant: {exc}") from None
-    console.print(f"row-invariant verify: on (linear {mode.linear}: {mode.why}; attention one row per call)")
-    return {"linear": mode.linear, "why": mode.why}
+        raise Refused(f"error: --invariant on: {exc}") from None
+    console.print(note)
+    return None if mode is None else {"linear": mode.linear, "min_rows": mode.min_rows, "why": mode.why}
 
 
 @dataclass
