@@ -1,5 +1,6 @@
-"""dartree.kernels: Triton kernels with plain-torch ``*_ref`` twins, and numba CPU kernels of the tree stage
-(``tree_expand``) with NumPy / torch twins.
+"""dartree.kernels: Triton kernels with plain-torch ``*_ref`` twins, numba CPU kernels of the tree stage
+(``tree_expand``) with NumPy / torch twins, and the numba row-invariant decode attention (``row_attention``), tested
+against a float64 softmax attention.
 
 Kept free of imports on purpose: transformers probes for a package named ``kernels`` at model import
 and may import this one to read a version, so nothing heavy (triton, torch) is imported here and no

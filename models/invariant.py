@@ -7,21 +7,21 @@ runs one row; where the kernels round differently, a near-tie can flip and the o
 fp32 rarely). The cure is batch invariance (He et al., "Defeating Nondeterminism in LLM Inference", Thinking
 Machines Lab, 2025): every operation computes a row the same way whatever else is in the call.
 
-Measured per operation with ``python decode/harness/invariance.py`` (default target, fp32, AMD EPYC AVX2): the RMSNorms,
-rotary embedding and elementwise ops are row invariant already; the linear layers are not under the default
-packing (one row goes through ``F.linear``'s gemv, several rows through the packed oneDNN gemm), but the packed
-call itself is, for every row count; the attention is not (M queries over P + M keys with a mask against one query
-over P + 1 keys). This module closes both:
+Measured per operation with ``python decode/harness/invariance.py`` (default target; docs/invariance.md has the
+map): the RMSNorms, rotary embedding and elementwise ops are row invariant already; the linear layers are not
+under the default packing (``F.linear`` and the packed oneDNN call each take one kernel for one row and another for
+several), and the attention is not (the library kernel splits its work by query count and threads, and M queries
+read their keys through a mask). This module closes both:
 
-- :func:`row_invariant` runs every linear through a path measured row invariant on this machine (the packed call
-  for every row count, :func:`~dartree.models.packed.pack_linears` with ``row_invariant=True``, where oneDNN
-  supports the dtype; else ``F.linear``, which was row invariant in emulated bf16 on an AVX2 CPU) and routes the
-  target's attention through :func:`invariant_attention`;
-- :func:`invariant_attention` computes each query row with the keys it may see gathered in position order (the
-  prefix and its ancestors: exactly the keys an AR step at that node reads) in the kernel call an AR step
-  makes ([1, H, 1, d] query over [1, H_kv, n, d] contiguous keys, no mask), one call per row: with several
-  threads the kernel splits its work by the batch size, so rows batched into one call would not keep an AR
-  step's bits (measured: equal on one thread, a row differed on two).
+- :func:`row_invariant` runs every linear through a path measured row invariant on this machine
+  (:func:`choose_invariant_linear`: the packed call for every row count, with one-row calls padded to two where
+  the CPU's one-row kernel differs, :func:`~dartree.models.packed.pack_linears` with ``row_invariant=True``;
+  else ``F.linear``) and routes the target's attention through :func:`invariant_attention`;
+- :func:`invariant_attention` gives every query row the keys it may see in position order (the prefix and its
+  ancestors: exactly the keys the AR step at that node reads) and computes it with
+  :func:`dartree.kernels.row_attention.row_attention`, whose bits for a row depend on that row's query and keys
+  only (one task per row and head, every reduction in a fixed order), for the AR step and the verify alike;
+- :func:`enter_invariant` decides when (``auto``: on for a CPU target in bf16) and says why.
 
 Prefill (more than :data:`MAX_ROWS` queries) keeps the model's own attention: speculative and AR decoding share
 the same prefill call, so it needs no invariance. Dimension letters: B batch, H query heads, H_kv key/value heads,

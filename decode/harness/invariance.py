@@ -17,8 +17,9 @@ upstream never shows up as one downstream:
 - end to end: the root's logits from a one-token forward against those of the M-token forward, both from the
   same key/value cache of the prefix.
 
-A row reads ``equal`` where the bits agree, else the largest absolute difference. Dimension letters: P prefix
-tokens, M rows of the verify call, D hidden size.
+A row reads ``equal`` where the bits agree, else the largest absolute difference. ``--cost`` prints instead what
+the row-invariant mode costs per AR step and per verify against today's kernels (:func:`mode_cost`). Dimension
+letters: P prefix tokens, M rows of the verify call, D hidden size.
 """
 
 from __future__ import annotations
@@ -141,23 +142,72 @@ def summarise(res: dict[str, float]) -> list[tuple[str, int, int, float]]:
     return [(k, len(v), sum(1 for d in v if d > 0), max(v)) for k, v in groups.items()]
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Console entry point: print the map for each dtype x linear backend x row count; returns 0."""
+@torch.no_grad()
+def mode_cost(target_name: str, dtype: torch.dtype, prefix: int = 300, calls: int = 24,
+              shapes: tuple = ((1, False), (9, False), (9, True), (17, True))) -> tuple[str, list[tuple]]:
+    """What the row-invariant mode costs per target forward, against today's kernels, in one process.
+
+    Two copies of the target (default kernels: oneDNN-packed and tuned linears, SDPA; and the mode), the same
+    random prefix in each cache, and for each shape ``calls`` forwards alternating between the copies (A B, B A,
+    ...) so that the machine's noise falls on both; the first 4 of each are warm-up.
+
+    Args:
+        target_name: ``smollm2`` or a local folder. dtype: float32 or bfloat16. prefix: cached tokens.
+        shapes: (rows M, tree) pairs: M = 1 is an AR step, else a verify of M rows, a chain or a tree of siblings.
+    Returns:
+        (the mode's linear path and why, rows of (label, median ms today, median ms in the mode)).
+    Raises:
+        ValueError: no row-invariant path here (:func:`dartree.models.invariant.choose_invariant_linear`).
+    """
+    import statistics
+    import time
+
+    from transformers import DynamicCache
+
+    from dartree.models.invariant import row_invariant
+    from dartree.models.packed import tune_linears
+    from dartree.models.target import load_target
+
+    today, inv = load_target(target_name, dtype=dtype), load_target(target_name, dtype=dtype)
+    for t in (today, inv):
+        pack_linears(t.model, "onednn")
+        tune_linears(t.model)
+    mode = row_invariant(inv)
+    mode.__enter__()
+    try:
+        ids = torch.randint(100, min(40000, today.model.config.vocab_size), (1, prefix),
+                            generator=torch.Generator().manual_seed(0))
+        caches = []
+        for t in (today, inv):
+            caches.append(DynamicCache(config=t.model.config))
+            t.model(input_ids=ids, past_key_values=caches[-1], use_cache=True)
+        rows = []
+        for m, tree in shapes:
+            x = torch.randint(100, 1000, (1, m), generator=torch.Generator().manual_seed(m))
+            kw = {} if m == 1 else {"position_ids": torch.tensor([[prefix] + [prefix + 1] * (m - 1) if tree else
+                                                                  list(range(prefix, prefix + m))]),
+                                    "attention_mask": _tree_mask(prefix, m, dtype, tree)}
+            times: list[list[float]] = [[], []]
+            for i in range(calls):
+                for j in ((0, 1) if i % 2 == 0 else (1, 0)):
+                    cache, model = caches[j], (today, inv)[j].model
+                    if cache.get_seq_length() > prefix:
+                        cache.crop(prefix - cache.get_seq_length())
+                    t0 = time.perf_counter()
+                    model(input_ids=x, past_key_values=cache, use_cache=True, **kw)
+                    times[j].append(time.perf_counter() - t0)
+            label = "AR step" if m == 1 else f"{'tree' if tree else 'chain'} verify, {m} rows"
+            rows.append((label, statistics.median(times[0][4:]) * 1e3, statistics.median(times[1][4:]) * 1e3))
+        return f"{mode.linear}: {mode.why}", rows
+    finally:
+        mode.__exit__(None, None, None)
+
+
+def _print_maps(args: argparse.Namespace) -> None:
+    """The map for each dtype x linear backend x row count (``main`` without ``--cost``)."""
     from dartree.models.invariant import row_invariant
     from dartree.models.target import load_target
 
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
-    ap.add_argument("--rows", nargs="+", type=int, default=[9, 17])
-    ap.add_argument("--linear", nargs="+", default=["aten", "onednn", "onednn-invariant", "row-invariant"],
-                    choices=["aten", "onednn", "onednn-invariant", "row-invariant"],
-                    help="onednn-invariant: the packed call for every row count (pack_linears(row_invariant=True)); "
-                         "row-invariant: that and the row-invariant attention (dartree.models.invariant)")
-    ap.add_argument("--chain", action="store_true", help="a chain of M rows instead of a tree of siblings")
-    ap.add_argument("--target", default="smollm2")
-    args = ap.parse_args(argv)
-    print(f"CPU capability: {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, "
-          f"{torch.get_num_threads()} threads")
     for dname in args.dtype:
         dtype = getattr(torch, dname)
         target = load_target(args.target, dtype=dtype)
@@ -193,6 +243,41 @@ def main(argv: list[str] | None = None) -> int:
                 for op, n, bad, mx in summarise(res):
                     print(f"  {op:<28} {n:>6} {bad:>6}  {'equal' if mx == 0 else f'{mx:.3g}'}")
             pack_linears(target.model, "aten")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console entry point: print the map (or with ``--cost`` the mode's cost per forward) for each dtype; returns 0
+    (2 when the mode has no path here, with the reason)."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"])
+    ap.add_argument("--rows", nargs="+", type=int, default=[9, 17])
+    ap.add_argument("--linear", nargs="+", default=["aten", "onednn", "onednn-invariant", "row-invariant"],
+                    choices=["aten", "onednn", "onednn-invariant", "row-invariant"],
+                    help="onednn-invariant: the packed call for every row count (pack_linears(row_invariant=True)); "
+                         "row-invariant: that and the row-invariant attention (dartree.models.invariant)")
+    ap.add_argument("--chain", action="store_true", help="a chain of M rows instead of a tree of siblings")
+    ap.add_argument("--cost", action="store_true",
+                    help="instead of the map: ms per AR step and per 9- and 17-row verify with today's kernels and "
+                         "in the row-invariant mode, two copies of the target, calls alternating (mode_cost)")
+    ap.add_argument("--prefix", type=int, default=300, help="--cost: cached tokens before the measured forward")
+    ap.add_argument("--target", default="smollm2")
+    args = ap.parse_args(argv)
+    print(f"CPU capability: {torch.backends.cpu.get_cpu_capability()}, torch {torch.__version__}, "
+          f"{torch.get_num_threads()} threads")
+    if not args.cost:
+        _print_maps(args)
+        return 0
+    for dname in args.dtype:
+        try:
+            how, rows = mode_cost(args.target, getattr(torch, dname), prefix=args.prefix)
+        except ValueError as exc:
+            from dartree.models.cli import fail
+
+            return fail(f"--cost {dname}: {exc}")
+        print(f"\n{dname}, prefix {args.prefix} tokens; the mode's linears {how}")
+        print(f"  {'forward':<24} {'today ms':>9} {'mode ms':>9} {'mode/today':>11}")
+        for label, a, b in rows:
+            print(f"  {label:<24} {a:>9.1f} {b:>9.1f} {b / a:>11.3f}")
     return 0
 
 
