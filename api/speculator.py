@@ -177,7 +177,7 @@ def load(drafter: str | os.PathLike = DEFAULT_DRAFTER, target: str | os.PathLike
         threads: torch CPU threads (None keeps torch's setting).
         chat_template_kwargs: extra chat-template variables (e.g. ``{"enable_thinking": False}`` for Qwen3).
         invariant: the row-invariant mode (:func:`dartree.models.invariant.enter_invariant`): ``auto`` (default:
-            on wherever it has a fast path, a CPU target in float32 or bfloat16), ``on`` or ``off``. With it a
+            on for a CPU target in bfloat16, off in float32), ``on`` or ``off``. With it a
             verify row computes the AR step's bits, so at T = 0 ``generate`` equals ``generate_ar`` by
             construction; ``decoder.invariant_note`` says which was chosen and why.
     Returns:
@@ -205,4 +205,7 @@ def load(drafter: str | os.PathLike = DEFAULT_DRAFTER, target: str | os.PathLike
         pack_linears(module, backend)
     decoder = SpeculativeDecoder(tgt, draft, linear=backend, chat_template_kwargs=chat_template_kwargs)
     decoder.invariant, decoder.invariant_note = enter_invariant(invariant, tgt, decoder.modes)
+    if decoder.invariant is not None:  # closing decoder.modes restores the kernels, and says so here
+        decoder.modes.callback(setattr, decoder, "invariant_note", "row-invariant verify: off (decoder.modes closed)")
+        decoder.modes.callback(setattr, decoder, "invariant", None)
     return decoder

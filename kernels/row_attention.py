@@ -219,7 +219,7 @@ def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: tor
 
     Args:
         q: [R, H, d] float32 or bfloat16. k, v: [H_kv, L, d], float32 or bfloat16 (H divisible by H_kv).
-        counts: [R] integer, keys row r sees (1 .. L).
+        counts: [R] integers (a tensor, array or list), keys row r sees (1 .. L).
         idx: [R, n_max] integer or None: row r sees keys ``idx[r, :counts[r]]`` of the cache, in that (position)
             order (entries past ``counts[r]`` are ignored); None when row r sees the leading keys
             ``0 .. counts[r] - 1`` (an AR step, a chain verify).
@@ -228,21 +228,24 @@ def row_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, counts: tor
         [R, H, d] float32: row r, head h is softmax(q[r, h] . k_j * scale) v_j over the keys row r sees, computed
         as the module docstring says (float32 arithmetic, fixed reduction order per key count).
     Raises:
-        ValueError: shapes that do not fit (named), a row with no key or an index out of the cache.
+        ValueError: shapes that do not fit or are empty (named), a row with no key or an index out of the cache.
     """
-    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[2] != k.shape[2] or q.shape[1] % k.shape[0]:
+    if q.dim() != 3 or k.dim() != 3 or v.shape != k.shape or q.shape[2] != k.shape[2] or 0 in k.shape[::2] \
+            or q.shape[1] % k.shape[0]:
         raise ValueError(f"row_attention: q [R, H, d] and k = v [H_kv, L, d] with H % H_kv == 0 expected, got q "
                          f"{tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}")
     if k.dtype != v.dtype or k.dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"row_attention: keys and values in float32 or bfloat16, got {k.dtype} and {v.dtype}")
-    counts_np = counts.to(torch.int64).cpu().numpy()
+    counts_np = torch.as_tensor(counts).to(torch.int64).cpu().numpy()
     if counts_np.shape != (q.shape[0],) or counts_np.min(initial=1) < 1 or counts_np.max(initial=1) > k.shape[1]:
         raise ValueError(f"row_attention: counts must be {q.shape[0]} key counts in 1..{k.shape[1]}, got "
                          f"{counts.tolist()}")
     if idx is None:
         idx_np, prefix = np.zeros((q.shape[0], 0), np.int64), True
     else:
-        idx_np, prefix = idx.to(torch.int64).cpu().numpy(), False
+        idx_np, prefix = torch.as_tensor(idx).to(torch.int64).cpu().numpy(), False
+        if idx_np.ndim != 2:
+            raise ValueError(f"row_attention: idx must be [R, >= max(counts)] key indices, got {idx_np.ndim} dims")
         used = idx_np[:, : counts_np.max()][np.arange(counts_np.max())[None] < counts_np[:, None]] if (
             idx_np.shape[0] == q.shape[0] and idx_np.shape[1] >= counts_np.max()) else None
         if used is None or used.min() < 0 or used.max() >= k.shape[1]:

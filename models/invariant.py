@@ -23,8 +23,9 @@ read their keys through a mask). This module closes both:
   only (one task per row and head, every reduction in a fixed order), for the AR step and the verify alike;
 - :func:`enter_invariant` decides when (``auto``: on for a CPU target in bf16) and says why.
 
-Prefill (more than :data:`MAX_ROWS` queries) keeps the model's own attention: speculative and AR decoding share
-the same prefill call, so it needs no invariance. Dimension letters: B batch, H query heads, H_kv key/value heads,
+A prefill from an empty cache (as many queries as keys, more than one) keeps the model's own attention: speculative
+and AR decoding make the same prefill call, so it needs no invariance; every other call (an AR step, a verify of any
+size, a prefill that continues a cache) goes through the kernel. Dimension letters: B batch, H query heads, H_kv key/value heads,
 Q queries of the call, L keys, d head size, n keys one row sees.
 """
 
@@ -35,7 +36,6 @@ import torch
 import torch.nn.functional as F
 
 ATTN_NAME = "dartree_row_invariant"
-MAX_ROWS = 256  # calls with more queries than this are prefills: the model's own attention
 
 
 _PLAN: dict = {}  # the last forward's row plan: its key (shape, mask object, the mask's tree columns), plans
@@ -76,7 +76,8 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
     from dartree.kernels.row_attention import attend
 
     b, h, nq, d = query.shape
-    if nq > MAX_ROWS or dropout or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
+    prefill = nq > 1 and key.shape[2] == nq  # from an empty cache: AR and speculative decoding share this call
+    if prefill or dropout or kwargs.get("softcap") is not None or kwargs.get("s_aux") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       **kwargs)
     nk = key.shape[2]
@@ -108,10 +109,10 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
     return out.to(value.dtype), None
 
 
-CALL_ROWS = (1, 2, 3, 5, 9, 17, 33)  # an AR step, and verify calls of chains and trees up to budget 32
+CALL_ROWS = (1, 2, 3, 5, 9, 17, 33, 66)  # an AR step, and verify calls of chains and trees up to budget 65
 
 
-def linear_is_row_invariant(weight: torch.Tensor, backend: str, min_rows: int = 1, rows: int = 66) -> bool:
+def linear_is_row_invariant(weight: torch.Tensor, backend: str, min_rows: int = 1, rows: int = 132) -> bool:
     """Whether a linear path computes a row with the same bits whatever the number of rows in its call.
 
     Args:

@@ -88,6 +88,7 @@ def test_the_row_invariant_mode_by_default_in_bf16_and_on_request_in_fp32(spec):
     assert on.generate(prompt, max_new_tokens=24).tokens == on.generate_ar(prompt, max_new_tokens=24).tokens
     on.modes.close()
     assert on.target.model.config._attn_implementation != "dartree_row_invariant"
+    assert on.invariant is None and on.invariant_note == "row-invariant verify: off (decoder.modes closed)"
     from dartree.models.invariant import choose_invariant_linear
 
     bf16 = dartree.load(threads=1, dtype="bfloat16")

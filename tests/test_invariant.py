@@ -185,3 +185,18 @@ def test_enter_invariant_on_off_auto_and_the_reason_when_off(target):
     assert mode is None and "no row-invariant attention kernel for float16" in note
     with pytest.raises(ValueError, match="no row-invariant attention kernel for float16"):
         enter_invariant("on", half, contextlib.ExitStack())
+
+
+def test_a_verify_of_more_than_256_rows_keeps_the_ar_steps_bits():
+    # every call but a prefill from an empty cache goes through the row-invariant kernel, however many rows
+    g = torch.Generator().manual_seed(4)
+    p, m, h, hkv, d = 40, 300, 4, 2, 16
+    q = torch.randn(1, h, m, d, generator=g).bfloat16()
+    k = torch.randn(1, hkv, p + m, d, generator=g).bfloat16()
+    v = torch.randn(1, hkv, p + m, d, generator=g).bfloat16()
+    vis = torch.ones(m, p + m, dtype=torch.bool).tril(p)  # a chain: row r sees the prefix and rows 0..r
+    mask = torch.zeros(1, 1, m, p + m).bfloat16().masked_fill(~vis, torch.finfo(torch.bfloat16).min)
+    out = _attn(q, k, v, mask)
+    for r in (0, 150, m - 1):
+        ar = _attn(q[:, :, r : r + 1], k[:, :, : p + r + 1], v[:, :, : p + r + 1], None)  # the AR step, no mask
+        assert torch.equal(out[0, r], ar[0, 0]), r

@@ -89,6 +89,10 @@ def test_bad_input_is_named():
     q, k, v = _inputs(torch.float32, rows=3)
     with pytest.raises(ValueError, match="q \\[R, H, d\\]"):
         row_attention(q[:, :5], k, v, torch.tensor([3, 4, 5]))  # 5 heads over 2 key/value heads
+    with pytest.raises(ValueError, match="q \\[R, H, d\\]"):
+        row_attention(q[:, :, :0], k[:, :, :0], v[:, :, :0], torch.tensor([3, 4, 5]))  # head size 0
+    with pytest.raises(ValueError, match="idx must be .* got 1 dims"):
+        row_attention(q, k, v, [2, 2, 2], torch.tensor([0, 1]))
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         row_attention(q, k.half(), v.half(), torch.tensor([3, 4, 5]))
     with pytest.raises(ValueError, match="counts must be 3 key counts in 1..83"):

@@ -216,7 +216,7 @@ def _report_header(report: dict) -> list[str]:
             + ("; prompts: the tokenizer's chat template" if env["chat_template"] == "tokenizer" else
                "; prompts: raw text, no chat template (--chat-template none)")
             + (f" with {json.dumps(env['chat_template_kwargs'])}" if env["chat_template_kwargs"] else ""), "",
-            ("exactness: row-invariant verify (--invariant, on by default where it has a fast path): a verify row "
+            ("exactness: row-invariant verify (--invariant; on by default in bf16 on a CPU): a verify row "
              "computes an AR step's bits, so any split from AR is a MISMATCH" if env["row_invariant"] else
              "exactness: fp32, so any split from AR is a MISMATCH" if exact_rows else
              f"exactness: {env['dtype']} without the row-invariant mode: a verify row may round a near-tie the other way from "
