@@ -14,10 +14,14 @@ On CUDA (about 8 minutes at most, ``--time-limit`` seconds; later sections are m
 3. ``eval``: the default target in bf16 with the default drafter, every registered builder at B = 16 and 64,
    greedy, a few fixed prompts: tau, ms per output token, per-stage ms per round, and the AR mismatch count
    (bf16 near-ties may flip tokens, so reported, not a failure).
+4. ``invariant``: the row-invariant mode's Triton path on the bf16 target (:func:`check_invariant`): verify rows
+   (9 and 17, chain and tree) bit-equal to AR steps with the default kernels and in the mode (in the mode every
+   row must be: a failure else), ms per AR step and per verify in the mode vs the default kernels, and chain /
+   pruned outputs in the mode equal to AR (a failure else).
 
 Without CUDA (or with ``--dry``) the same sections run small: Triton under ``TRITON_INTERPRET=1`` on tiny shapes,
-tree builds at B = 8, 16 and a fp32 eval on the tiny random target, where every speculative output must equal
-AR's exactly (a mismatch is a failure). Exit status: 0 when every check passed, 1 on any kernel mismatch, dry
+tree builds at B = 8, 16, a fp32 eval on the tiny random target, where every speculative output must equal
+AR's exactly (a mismatch is a failure), and the ``invariant`` section on that target (9-row verifies, no timing). Exit status: 0 when every check passed, 1 on any kernel mismatch, dry
 AR mismatch or a section that raised, 2 on bad arguments.
 """
 
@@ -236,6 +240,99 @@ def run_eval(target, drafter, head, prompts: list[list[int]], budgets: list[int]
     return rows
 
 
+def _verify_ms(target, prompt: list[int], rows: int, dev: torch.device, reps: int) -> float:
+    """Milliseconds per target forward of ``rows`` tokens (1: an AR step; more: a chain verify under its mask)
+    from a key/value cache of ``prompt``, median of ``reps`` synchronised calls on a copy of the cache."""
+    import copy
+
+    from transformers import DynamicCache
+
+    from dartree.decode.harness.invariance import _tree_mask
+
+    m, p = target.model, len(prompt)
+    cache = DynamicCache(config=m.config)
+    with torch.no_grad():
+        m(input_ids=torch.tensor([prompt], device=dev), past_key_values=cache, use_cache=True)
+    ids = torch.tensor([(prompt * rows)[:rows]], device=dev)
+    pos = torch.arange(p, p + rows, device=dev)[None]
+    mask = None if rows == 1 else _tree_mask(p, rows, m.dtype, False).to(dev)
+
+    def call():
+        with torch.no_grad():
+            m(input_ids=ids, position_ids=pos, attention_mask=mask, past_key_values=copy.deepcopy(cache),
+              use_cache=True)
+    return _median_ms(call, dev, reps)
+
+
+def check_invariant(target, drafter, head, prompts: list[list[int]], dry: bool, deadline: float) -> dict:
+    """The row-invariant mode's Triton path (``row_invariant(target, backend="triton")``): exactness and cost.
+
+    1. ``rows``: for a verify of 9 and 17 rows (a chain, and siblings under the root), how many rows give logits
+       bit-equal to the AR step's, with the default kernels (``off``) and inside the mode (``on``)
+       (:func:`dartree.decode.harness.invariance.verify_rows_vs_ar`); in the mode every row must (a failure else).
+    2. ``ms`` (CUDA only): milliseconds per AR step and per 9- and 17-row verify, default kernels vs the mode, and
+       their ratios.
+    3. ``eval``: chain and DARTree-pruned at B = 16 (dry: B = 4, one prompt, 6 tokens) inside the mode against AR
+       inside the mode: tau and the prompts whose output differs (must be none).
+
+    Args:
+        target, drafter, head, prompts: as :func:`run_eval` (dry: the tiny fp32 target on CPU, under the Triton
+            interpreter). dry: small sizes, no timing. deadline: ``time.time()`` past which the eval is skipped.
+    Returns:
+        {"dtype", "rows": [{mode, rows, shape, equal, of}], "ms": {...} (CUDA), "eval": [...], "failures": [...]}.
+    """
+    from dartree.decode.generate import autoregressive_generate, speculative_generate
+    from dartree.decode.harness.invariance import verify_rows_vs_ar
+    from dartree.models.invariant import row_invariant
+
+    dev, prompt = target.device, prompts[0]
+    sizes = [9] if dry else [9, 17]
+    out: dict = {"dtype": str(target.dtype).replace("torch.", ""), "rows": [], "eval": [], "failures": []}
+    for mode in ("off", "on"):
+        for rows in sizes:
+            for shape in ("chain", "tree"):
+                if mode == "on":
+                    with row_invariant(target, backend="triton"):
+                        eq = verify_rows_vs_ar(target, prompt, rows, tree=shape == "tree")
+                else:
+                    eq = verify_rows_vs_ar(target, prompt, rows, tree=shape == "tree")
+                out["rows"].append({"mode": mode, "rows": rows, "shape": shape, "equal": sum(eq), "of": len(eq)})
+                if mode == "on" and not all(eq):
+                    out["failures"].append(f"invariant: {rows}-row {shape} verify in the mode: rows "
+                                           f"{[i for i, e in enumerate(eq) if not e]} differ from the AR step")
+    if not dry:
+        ms: dict = {}
+        for mode in ("off", "on"):
+            for rows in (1, 9, 17):
+                if mode == "on":
+                    with row_invariant(target, backend="triton"):
+                        ms[f"{mode}_{rows}"] = _verify_ms(target, prompt, rows, dev, 20)
+                else:
+                    ms[f"{mode}_{rows}"] = _verify_ms(target, prompt, rows, dev, 20)
+        for rows in (1, 9, 17):
+            ms[f"ratio_{rows}"] = ms[f"on_{rows}"] / ms[f"off_{rows}"]
+        out["ms"] = ms
+    if time.time() > deadline:
+        out["eval"] = {"skipped": "time limit"}
+        return out
+    new, budget = (6, 4) if dry else (64, 16)  # dry: one prompt, small (the interpreter runs a program per row)
+    prompts = prompts[:1] if dry else prompts
+    with row_invariant(target, backend="triton"):
+        ar = [autoregressive_generate(target, p, max_new_tokens=new).tokens for p in prompts]
+        for name in ("chain", "pruned"):
+            lens, diff = [], []
+            for i, (p, ref) in enumerate(zip(prompts, ar)):
+                o = speculative_generate(target, drafter, head, p, builder=name, budget=budget, max_new_tokens=new)
+                lens += o.stats.accept_lengths
+                if list(o.tokens) != list(ref):
+                    diff.append(i)
+            out["eval"].append({"method": name, "budget": budget, "tau": sum(lens) / max(len(lens), 1),
+                                "differs_from_ar": diff})
+            if diff:
+                out["failures"].append(f"invariant: {name} B={budget} in the mode differs from AR on prompts {diff}")
+    return out
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default="reports/gpu_check.json", help="JSON report path")
@@ -335,11 +432,17 @@ def main(argv=None) -> int:
         if dry and isinstance(report["eval"], list):
             report["failures"] += [f"eval: {r['method']} B={r['budget']} differs from AR on {r['mismatches']} "
                                    "prompt(s) in fp32" for r in report["eval"] if r.get("mismatches")]
+        section("invariant", lambda: check_invariant(models["target"], models["drafter"], models["head"],
+                                                     models["prompts"], dry, deadline))
+        if isinstance(report.get("invariant"), dict):
+            report["failures"] += report["invariant"].get("failures", [])
     report["elapsed_s"] = time.time() - t_start
     report["ok"] = not report["failures"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2, default=str))
+    from dartree.models.files import write_file_atomically
+
+    write_file_atomically(out, json.dumps(report, indent=2, default=str))
     print(f"gpu_check ({report['mode']}): {'ok' if report['ok'] else 'FAILED'} in {report['elapsed_s']:.0f}s; "
           f"{sum(r['ok'] for r in report['kernels']) if isinstance(report['kernels'], list) else 0} kernel checks "
           f"passed; report {out}")

@@ -23,6 +23,12 @@ read their keys through a mask). This module closes both:
   only (one task per row and head, every reduction in a fixed order), for the AR step and the verify alike;
 - :func:`enter_invariant` decides when (``auto``: on for a CPU target in bf16) and says why.
 
+On a CUDA target the same contract is kept by Triton kernels (:mod:`dartree.kernels.invariant_gpu`): every linear
+through one tiling for every row count, every RMSNorm one program per row, the attention one program per (row,
+head) over the keys that row sees in position order (``row_invariant(target, backend="triton")``; the CPU tests
+run it under the Triton interpreter). It is a prepared path: ``--invariant on`` enters it, ``auto`` leaves it off
+until it has been measured on a device.
+
 A prefill from an empty cache (as many queries as keys, more than one) keeps the model's own attention: speculative
 and AR decoding make the same prefill call, so it needs no invariance; every other call (an AR step, a verify of any
 size, a prefill that continues a cache) goes through the kernel. Dimension letters: B batch, H query heads, H_kv key/value heads,
@@ -70,6 +76,9 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
         tested bit for bit).
     Raises:
         ValueError: a query that sees no key.
+
+    The kernel is :func:`dartree.kernels.row_attention.attend` (numba, CPU), or
+    :func:`dartree.kernels.invariant_gpu.attend_gpu` (Triton) where :class:`row_invariant` marked ``module`` for it.
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -100,11 +109,23 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
         plans = [_plan(visible[bi]) for bi in range(b)]
         _PLAN["key"] = ((b, nq, nk), attention_mask, None if tail is None else tail.clone())
         _PLAN["plans"] = plans
+        _PLAN["dev"] = None
+    if getattr(module, "_dartree_invariant_backend", None) == "triton":
+        from dartree.kernels.invariant_gpu import attend_gpu
+
+        dev = query.device
+        if _PLAN.get("dev") is None or _PLAN["dev"][0] != dev:  # the plan as int32 tensors on the query's device
+            _PLAN["dev"] = (dev, [(torch.from_numpy(c).to(dev, torch.int32), torch.from_numpy(i).to(dev, torch.int32),
+                                   pre) for c, i, pre in plans])
+        fn = attend_gpu
+        plans = _PLAN["dev"][1]
+    else:
+        fn = attend
     if b == 1:
         counts, idx, prefix = plans[0]
-        out = attend(query[0], key[0], value[0], counts, idx, prefix, scaling)[None]
+        out = fn(query[0], key[0], value[0], counts, idx, prefix, scaling)[None]
     else:
-        out = torch.stack([attend(query[bi], key[bi], value[bi], counts, idx, prefix, scaling)
+        out = torch.stack([fn(query[bi], key[bi], value[bi], counts, idx, prefix, scaling)
                            for bi, (counts, idx, prefix) in enumerate(plans)])  # [B, Q, H, d] float32
     return out.to(value.dtype), None
 
@@ -181,23 +202,80 @@ def choose_invariant_linear(model: torch.nn.Module) -> tuple[str, int, str]:
     raise ValueError("no row-invariant linear on this CPU (" + "; ".join(tried) + ")")
 
 
+NORM_FORMULA = "Llama RMSNorm"  # the norm form the Triton kernel computes (kernels/invariant_gpu.py)
+
+
+def _is_rms_norm(mod: torch.nn.Module) -> bool:
+    """A Llama-family RMSNorm (Llama, Qwen2/3, Mistral, SmolLM: ``weight`` [D] and ``variance_epsilon``)."""
+    return type(mod).__name__.endswith("RMSNorm") and hasattr(mod, "variance_epsilon") and hasattr(mod, "weight")
+
+
+def _triton_linear_forward(mod: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    from dartree.kernels.invariant_gpu import invariant_linear
+
+    return invariant_linear(x, mod.weight, mod.bias)
+
+
+def _triton_norm_forward(mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    from dartree.kernels.invariant_gpu import invariant_rms_norm
+
+    return invariant_rms_norm(x, mod.weight, mod.variance_epsilon)
+
+
+def _triton_modules(model: torch.nn.Module) -> tuple[list, list, list]:
+    """(linears, RMSNorms, attention modules) of ``model`` for the Triton mode.
+
+    Raises:
+        ValueError: a normalisation layer other than a Llama-family RMSNorm (its class named): the Triton mode has
+            no row-invariant kernel for it.
+    """
+    linears, norms, attns = [], [], []
+    for name, mod in model.named_modules():
+        kind = type(mod).__name__
+        if isinstance(mod, torch.nn.Linear):
+            linears.append(mod)
+        elif _is_rms_norm(mod):
+            norms.append(mod)
+        elif "Norm" in kind:
+            raise ValueError(f"row-invariant mode (triton): {name} is a {kind}, which has no row-invariant kernel "
+                             f"here (only the {NORM_FORMULA} of the Llama, Qwen and Mistral families)")
+        elif kind.endswith("Attention") and hasattr(mod, "o_proj"):
+            attns.append(mod)
+    return linears, norms, attns
+
+
+BACKEND_CHOICES = ("cpu", "triton")
+
+
 class row_invariant:
     """Context manager: inside it the target's forwards are row invariant (a verify row equals the AR step).
 
-    Runs every linear layer of ``target.model`` through the path measured row invariant here
-    (:func:`choose_invariant_linear`: oneDNN packed for every row count, one-row calls padded to two where the CPU
-    needs it, else ``F.linear``; ``self.linear``, ``self.min_rows`` and ``self.why`` say which) and sets its
-    attention to :func:`invariant_attention`; restores the previous attention implementation and packing on exit.
+    ``backend="cpu"`` (the default for a CPU target) runs every linear layer of ``target.model`` through the path
+    measured row invariant here (:func:`choose_invariant_linear`: oneDNN packed for every row count, one-row calls
+    padded to two where the CPU needs it, else ``F.linear``; ``self.linear``, ``self.min_rows`` and ``self.why``
+    say which) and the attention through :func:`invariant_attention` with the numba kernel. ``backend="triton"``
+    (the default for a CUDA target; on CPU only under ``TRITON_INTERPRET=1``, as the tests run it) runs every
+    linear through :func:`~dartree.kernels.invariant_gpu.invariant_linear`, every RMSNorm through
+    :func:`~dartree.kernels.invariant_gpu.invariant_rms_norm` and the attention through
+    :func:`invariant_attention` with the Triton kernel. On exit the previous attention implementation, packing and
+    module forwards come back.
 
     Args:
-        target: a :class:`~dartree.models.target.Target`.
+        target: a :class:`~dartree.models.target.Target`. backend: ``cpu``, ``triton`` or None (by the target's
+            device).
     Raises:
-        ValueError: no linear path is row invariant on this CPU for some weight shape (named; decode without the
-            mode).
+        ValueError: an unknown backend; on ``cpu`` no linear path is row invariant on this CPU for some weight
+            shape (named); on ``triton`` a norm layer without a kernel (named) or a dtype outside float32,
+            bfloat16, float16.
+        RuntimeError: ``triton`` where Triton cannot run (the fix named, :func:`dartree.kernels._backend.resolve`).
     """
 
-    def __init__(self, target):
-        self.target = target
+    def __init__(self, target, backend: str | None = None):
+        if backend is None:
+            backend = "triton" if target.model.device.type == "cuda" else "cpu"
+        if backend not in BACKEND_CHOICES:
+            raise ValueError(f"row_invariant: backend must be one of {', '.join(BACKEND_CHOICES)}, got {backend!r}")
+        self.target, self.backend = target, backend
 
     def __enter__(self):
         from transformers import AttentionInterface
@@ -205,13 +283,36 @@ class row_invariant:
         from dartree.models.packed import is_packed, pack_linears
 
         model = self.target.model
-        self.linear, self.min_rows, self.why = choose_invariant_linear(model)
         self.was_packed = [m for m in model.modules() if is_packed(m)]
         self.rows_before = {id(m): m.__dict__.get("_dartree_aten_rows") for m in self.was_packed}
-        if self.linear == "onednn":
-            pack_linears(model, "onednn", row_invariant=True, min_rows=self.min_rows)
-        else:
+        self.patched: list[torch.nn.Module] = []
+        self.marked: list[torch.nn.Module] = []
+        if self.backend == "triton":
+            from dartree.kernels._backend import resolve
+            from dartree.kernels.invariant_gpu import DTYPES
+
+            if model.dtype not in DTYPES:
+                raise ValueError(f"row-invariant mode (triton): no kernel for {model.dtype} (float32, bfloat16, "
+                                 "float16)")
+            resolve("triton", model.device)
+            linears, norms, attns = _triton_modules(model)
             pack_linears(model, "aten")
+            for mod in linears:
+                mod.forward = _triton_linear_forward.__get__(mod)
+            for mod in norms:
+                mod.forward = _triton_norm_forward.__get__(mod)
+            for mod in attns:
+                mod._dartree_invariant_backend = "triton"
+            self.patched, self.marked = linears + norms, attns
+            self.linear, self.min_rows = "triton", 1
+            self.why = (f"Triton, one 16x64x64 tiling for every row count, {len(linears)} linears and {len(norms)} "
+                        "RMSNorms")
+        else:
+            self.linear, self.min_rows, self.why = choose_invariant_linear(model)
+            if self.linear == "onednn":
+                pack_linears(model, "onednn", row_invariant=True, min_rows=self.min_rows)
+            else:
+                pack_linears(model, "aten")
         AttentionInterface.register(ATTN_NAME, invariant_attention)
         self.prev = model.config._attn_implementation
         model.set_attn_implementation(ATTN_NAME)
@@ -222,6 +323,10 @@ class row_invariant:
 
         model = self.target.model
         model.set_attn_implementation(self.prev)
+        for mod in self.patched:
+            del mod.forward  # the instance attribute: the class forward again
+        for mod in self.marked:
+            del mod._dartree_invariant_backend
         pack_linears(model, "aten")
         if self.was_packed:
             for m in self.was_packed:
@@ -243,7 +348,9 @@ def enter_invariant(requested: str, target, stack) -> tuple[row_invariant | None
             verify +2-4%, and without it most bf16 outputs split from AR at near-ties), if a row-invariant linear
             path is measured here; float32 keeps the default kernels (its splits have not been seen, and the mode
             costs its AR step about +25% there: one-row linear calls padded to two, the packed path for every row
-            count); other dtypes and devices have no kernel. Off says why.
+            count); a CUDA target keeps them too (the Triton path, :class:`row_invariant` with
+            ``backend="triton"``, is entered by ``on`` only until it has been measured on a device); other dtypes
+            and devices have no kernel. Off says why.
         target: a :class:`~dartree.models.target.Target`. stack: where the mode is entered (closing it restores
             the default kernels).
     Returns:
@@ -257,8 +364,25 @@ def enter_invariant(requested: str, target, stack) -> tuple[row_invariant | None
         return None, "row-invariant verify: off (--invariant off): a verify row may round unlike the AR step"
     dtype, device = target.model.dtype, target.model.device
     why_not = None
-    if device.type != "cpu":
-        why_not = f"no row-invariant attention kernel for {device.type} here (CPU only)"
+    if device.type == "cuda":
+        from dartree.kernels._backend import triton_available
+
+        if not triton_available():
+            why_not = "no Triton here for the CUDA kernels (pip install triton)"
+        elif dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            why_not = f"no row-invariant kernel for {str(dtype).replace('torch.', '')} (float32, bfloat16, float16)"
+        elif requested == "auto":
+            return None, ("row-invariant verify: off (auto: the CUDA Triton path is prepared but not yet measured on "
+                          "a device; --invariant on enters it)")
+        else:
+            try:
+                mode = stack.enter_context(row_invariant(target, backend="triton"))
+            except (ValueError, RuntimeError) as exc:
+                raise ValueError(str(exc)) from None
+            return mode, ("row-invariant verify: on (CUDA, Triton kernels: linear, RMSNorm and attention each "
+                          "compute a row the same way for every row count; dartree.kernels.invariant_gpu)")
+    elif device.type != "cpu":
+        why_not = f"no row-invariant attention kernel for {device.type} here (CPU and CUDA only)"
     elif dtype not in (torch.float32, torch.bfloat16):
         why_not = f"no row-invariant attention kernel for {str(dtype).replace('torch.', '')} (float32, bfloat16)"
     if why_not is None and requested == "auto" and dtype == torch.float32:

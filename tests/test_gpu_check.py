@@ -32,6 +32,12 @@ def test_gpu_check_dry_writes_a_complete_report(tmp_path):
         if name != "ar":
             assert row["mismatches"] == 0 and row["tau"] >= 1.0
             assert set(row["stage_ms_per_round"]) == {"draft", "tree_build", "tree_compile", "verify", "commit"}
+    inv = r["invariant"]  # the row-invariant Triton path on the tiny fp32 target: every row, every output exact
+    assert inv["dtype"] == "float32" and inv["failures"] == []
+    assert {(x["mode"], x["shape"]) for x in inv["rows"]} == {("off", "chain"), ("off", "tree"), ("on", "chain"),
+                                                                ("on", "tree")}
+    assert all(x["equal"] == x["of"] == 9 for x in inv["rows"] if x["mode"] == "on")
+    assert [(e["method"], e["differs_from_ar"]) for e in inv["eval"]] == [("chain", []), ("pruned", [])]
 
 
 def test_gpu_check_bad_time_limit_is_an_argument_error(tmp_path):

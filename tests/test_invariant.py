@@ -4,9 +4,8 @@ import copy
 
 import pytest
 import torch
-from transformers import DynamicCache
 
-from dartree.decode.harness.invariance import _tree_mask, row_invariance_map
+from dartree.decode.harness.invariance import row_invariance_map, verify_rows_vs_ar
 from dartree.models.invariant import invariant_attention, row_invariant
 
 
@@ -58,26 +57,9 @@ def _rows_alone_and_together():
 
 
 def _verify_vs_ar(target, ids, tree: bool):
-    """Rows of one verify forward (a chain, or siblings under the root) against AR steps to the same nodes."""
-    m = target.model
-    prefix, root, extra = ids[:-1], ids[-1], ids[:8]
-    p, rows = len(prefix), 9
-    with torch.no_grad(), row_invariant(target):
-        cache = DynamicCache(config=m.config)
-        m(input_ids=torch.tensor([prefix]), past_key_values=cache, use_cache=True)
-        pos = [p] + ([p + 1] * 8 if tree else list(range(p + 1, p + 9)))
-        verify = m(input_ids=torch.tensor([[root] + extra]), position_ids=torch.tensor([pos]),
-                   attention_mask=_tree_mask(p, rows, target.dtype, tree), past_key_values=copy.deepcopy(cache),
-                   use_cache=True).logits[0]
-        ar = copy.deepcopy(cache)
-        equal = [torch.equal(m(input_ids=torch.tensor([[root]]), position_ids=torch.tensor([[p]]),
-                               past_key_values=ar, use_cache=True).logits[0, 0], verify[0])]
-        for r, tok in enumerate(extra, start=1):
-            c = copy.deepcopy(ar) if tree else ar
-            step = m(input_ids=torch.tensor([[tok]]), position_ids=torch.tensor([[pos[r]]]), past_key_values=c,
-                     use_cache=True).logits[0, 0]
-            equal.append(torch.equal(step, verify[r]))
-    return equal
+    """Rows of one 9-row verify forward (a chain, or siblings under the root) against AR steps, inside the mode."""
+    with row_invariant(target):
+        return verify_rows_vs_ar(target, ids, 9, tree=tree)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

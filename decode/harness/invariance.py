@@ -56,6 +56,53 @@ def _tree_mask(p: int, m: int, dtype: torch.dtype, tree: bool) -> torch.Tensor:
 
 
 @torch.no_grad()
+def verify_rows_vs_ar(target, prompt_ids: list[int], rows: int = 9, *, tree: bool = False) -> list[bool]:
+    """End to end: does each row of one verify forward give the logits the AR step to the same node gives?
+
+    From a key/value cache of the prefix, one forward of ``rows`` tokens (the root, then ``prompt_ids``' own tokens
+    again: a chain, or with ``tree`` siblings under the root, under the additive tree mask) against one-token
+    forwards that reach the same nodes (a chain: step after step; a tree: the root's step, then each sibling from a
+    copy of the cache after it). Runs with whatever kernels ``target`` has now: call it inside
+    :class:`~dartree.models.invariant.row_invariant` to check the mode, outside to see today's kernels.
+
+    Args:
+        target: a :class:`~dartree.models.target.Target` on any device. prompt_ids: the committed prefix and the
+            root (>= 2 tokens; the rows reuse its first tokens, so >= rows tokens for distinct ones).
+        rows: M, the verify call's rows (>= 2). tree: siblings under the root rather than a chain.
+    Returns:
+        [M] per row: its logits [V] bit-equal to the AR step's.
+    Raises:
+        ValueError: rows < 2 or a prompt of fewer than 2 tokens.
+    """
+    from transformers import DynamicCache
+
+    if rows < 2 or len(prompt_ids) < 2:
+        raise ValueError(f"verify_rows_vs_ar: rows ({rows}) and the prompt length ({len(prompt_ids)}) must be >= 2")
+    m, dev = target.model, target.model.device
+    prefix, root = list(prompt_ids[:-1]), prompt_ids[-1]
+    extra = (list(prompt_ids) * rows)[: rows - 1]
+    p = len(prefix)
+
+    def t(x):
+        return torch.tensor(x, device=dev)
+
+    cache = DynamicCache(config=m.config)
+    m(input_ids=t([prefix]), past_key_values=cache, use_cache=True)
+    pos = [p] + ([p + 1] * (rows - 1) if tree else list(range(p + 1, p + rows)))
+    verify = m(input_ids=t([[root] + extra]), position_ids=t([pos]),
+               attention_mask=_tree_mask(p, rows, m.dtype, tree).to(dev), past_key_values=copy.deepcopy(cache),
+               use_cache=True).logits[0]
+    ar = copy.deepcopy(cache)
+    equal = [torch.equal(m(input_ids=t([[root]]), position_ids=t([[p]]), past_key_values=ar,
+                           use_cache=True).logits[0, 0], verify[0])]
+    for r, tok in enumerate(extra, start=1):
+        c = copy.deepcopy(ar) if tree else ar
+        step = m(input_ids=t([[tok]]), position_ids=t([[pos[r]]]), past_key_values=c, use_cache=True).logits[0, 0]
+        equal.append(torch.equal(step, verify[r]))
+    return equal
+
+
+@torch.no_grad()
 def row_invariance_map(target, prompt_ids: list[int], rows: int, *, tree: bool = True) -> dict[str, float]:
     """Measure row invariance of every operation of ``target`` for a verify call of ``rows`` rows.
 
