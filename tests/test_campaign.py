@@ -186,6 +186,9 @@ def test_the_training_stage_trains_on_the_shards_resumes_and_records_its_runs(tm
     base = holdout_baseline(cfg, "dspark_b16")
     assert base["holdout_sequences"] == 2 and 1.0 <= base["holdout_chain_tau"] <= 16
     assert read_state(cfg)["baseline"]["dspark_b16"] == base and read_state(cfg)["dspark_b16"]["runs"] == [run]
+    with pytest.raises(CampaignError, match="already records the baseline of dspark_b16"):
+        holdout_baseline(cfg, "dspark_b16")  # recorded once: never overwritten by a later checkpoint
+    assert read_state(cfg)["baseline"]["dspark_b16"] == base
     (pts,) = curve_points(cfg).values()
     assert [p["label"] for p in pts] == ["shipped", "1 shards"]
     assert pts[1]["response_tokens"] == base["response_tokens"] + read_manifest(folder)["totals"]["response_tokens"]

@@ -110,8 +110,9 @@ def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -
 # Published growth of acceptance with target-regenerated training data, in tau per doubling of the data (public
 # small-compute runs: docs/design.md, "Acceptance against training data").
 PUBLISHED_SLOPES = (0.30, 0.45)
-# What the shipped drafters were trained on (checkpoints/README.md): 1,504 sequences, 324,110 response tokens,
-# 3,008 steps of 2 sequences x ~1,024 predictions.
+# What the campaign's starting drafters were trained on (checkpoints/README.md, "Before the campaign"): 1,504
+# sequences, 324,110 response tokens, 3,008 steps of 2 sequences x ~1,024 predictions. They were shipped until the
+# campaign's own drafters replaced them; campaign/train_state.json keeps their held-out scores as the baseline.
 SHIPPED = {"response_tokens": 324_110, "predictions": 6_160_000}
 
 
@@ -120,8 +121,13 @@ def holdout_baseline(cfg: DictConfig, recipe: str, checkpoint: str | None = None
     campaign's held-out set, the reference point every campaign run is compared with; recorded in
     ``campaign/train_state.json`` under ``baseline``.
 
+    The baseline is recorded once: it is the point the campaign started from (the drafters trained on the
+    ``SHIPPED`` data), so a second call for a recipe that has one is refused rather than overwriting it with a
+    checkpoint trained on other data.
+
     Raises:
-        CampaignError: no held-out set yet (run the data stage), or the checkpoint does not load (named).
+        CampaignError: no held-out set yet (run the data stage), a baseline is already recorded for ``recipe``,
+            or the checkpoint does not load (named).
     """
     import torch
 
@@ -132,6 +138,13 @@ def holdout_baseline(cfg: DictConfig, recipe: str, checkpoint: str | None = None
     from dartree.training.step import evaluate_holdout
 
     checkpoint = checkpoint or str(REPO / "checkpoints" / recipe)
+    known = read_state(cfg).get("baseline", {}).get(recipe)
+    if known is not None:
+        raise CampaignError(f"{_state_path(cfg)} already records the baseline of {recipe} ({known['checkpoint']}, "
+                            f"held-out chain tau {known['holdout_chain_tau']}, trained on "
+                            f"{known['response_tokens']:,} response tokens); the campaign's curve starts there. "
+                            f"To score {checkpoint} as a new starting point, remove baseline.{recipe} from that file "
+                            "first")
     m = read_manifest(Path(cfg.dir))
     if not m.get("holdout"):
         raise CampaignError("no held-out set yet; run `python training/campaign.py stage=data` first")
