@@ -155,6 +155,26 @@ def test_online_features_equal_the_feature_file(tmp_path):
     assert online.forward_tokens == sum(len(t) for t in online.tokens)  # one forward per sequence (cached)
 
 
+def test_a_recorded_run_resumes_only_where_its_state_is(tmp_path):
+    """The committed train_state names run folders and init_from paths of the machine that ran them: on this
+    machine the run resumes with its own init_from; on a fresh one it starts from the committed or shipped
+    weights instead of a path that does not exist."""
+    from dartree.training.campaign_train import REPO, start_for
+
+    folder = tmp_path / "c"
+    cfg = load_settings(SMALL + [f"dir={folder}"], folder=folder)
+    out = tmp_path / "runs" / "dspark_b16-00027"
+    state = {"dspark_b16": {"runs": [{"output_dir": str(out), "init_from": "/elsewhere/campaign/checkpoints/x"}]}}
+    assert start_for(cfg, "dspark_b16", state, out) == (str(REPO / "checkpoints" / "dspark_b16"), False)
+    committed = folder / "checkpoints" / "dspark_b16"
+    committed.mkdir(parents=True)
+    (committed / "config.json").write_text("{}")
+    assert start_for(cfg, "dspark_b16", state, out) == (str(committed), False)
+    (out / "resume").mkdir(parents=True)  # the run's resumable state is here: it continues as it began
+    assert start_for(cfg, "dspark_b16", state, out) == ("/elsewhere/campaign/checkpoints/x", True)
+    assert start_for(cfg, "dspark_b16", {}, out) == (str(committed), False)  # no record: a new run
+
+
 @pytest.mark.slow
 def test_the_training_stage_trains_on_the_shards_resumes_and_records_its_runs(tmp_path, monkeypatch):
     import os

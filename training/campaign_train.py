@@ -55,6 +55,20 @@ def init_for(cfg: DictConfig, recipe: str, state: dict) -> str:
     return str(REPO / "checkpoints" / recipe)
 
 
+def start_for(cfg: DictConfig, recipe: str, state: dict, out: Path) -> tuple[str, bool]:
+    """Where the run of ``recipe`` in ``out`` starts: ``(init_from, resumable)``.
+
+    A run recorded for ``out`` whose resumable state is on this machine (``out/resume``) continues with the
+    ``init_from`` it was started with (``training/train.py`` refuses to resume under another one). Otherwise,
+    a new run or the same shards on another machine (the record names a run folder or an ``init_from`` of that
+    machine), the run starts from :func:`init_for`.
+    """
+    same = [r for r in state.get(recipe, {}).get("runs", []) if r["output_dir"] == str(out)]
+    if same and (Path(out) / "resume").exists():
+        return same[-1]["init_from"], True
+    return init_for(cfg, recipe, state), False
+
+
 def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -> dict:
     """Train each recipe of ``cfg.train.recipes`` on the committed shards until ``deadline`` (shared equally);
     returns the updated training state (also written to ``campaign/train_state.json``).
@@ -81,8 +95,7 @@ def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -
         state = read_state(cfg)
         out = root / f"{recipe}-{n:05d}"
         runs = state.setdefault(recipe, {"runs": []})["runs"]
-        same = [r for r in runs if r["output_dir"] == str(out)]
-        init = same[-1]["init_from"] if same else init_for(cfg, recipe, state)
+        init, resumable = start_for(cfg, recipe, state, out)
         args = [f"recipe={recipe}", "data.source=campaign", f"data.campaign_dir={cfg.dir}",
                 f"data.campaign_shards={n}", f"init_from={init}", f"output_dir={out}", "resume=true",
                 f"train.max_minutes={minutes:.1f}", f"train.epochs={tc.epochs}", f"train.threads={cfg.threads}",
@@ -97,9 +110,10 @@ def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -
                "holdout_chain_tau": summary.get("holdout_chain_tau"), "holdout_tf_tau": summary.get("holdout_tf_tau"),
                "stopped_by_time_cap": summary["stopped_by_time_cap"], "cpu": cpu_model(),
                "threads": int(cfg.threads), "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        if same:
+        if resumable:
+            same = [r for r in runs if r["output_dir"] == str(out)]
             runs[runs.index(same[-1])] = rec
-        else:
+        else:  # a new run, or the same shards again on a machine without that run: a record of its own
             runs.append(rec)
         write_file_atomically(_state_path(cfg), json.dumps(state, indent=1) + "\n")
         print(f"campaign train: {recipe} on {n} shards: step {rec['steps']}, {rec['predictions']} predictions, "
