@@ -175,6 +175,33 @@ def test_a_recorded_run_resumes_only_where_its_state_is(tmp_path):
     assert start_for(cfg, "dspark_b16", {}, out) == (str(committed), False)  # no record: a new run
 
 
+def test_the_curve_counts_the_predictions_of_a_runs_own_lineage(tmp_path):
+    """A run that started again from the baseline does not inherit the predictions of runs it did not continue;
+    one that continued the committed checkpoint inherits that run's (parent_of, curve_points)."""
+    from dartree.training.campaign_train import curve_points, parent_of
+
+    folder = tmp_path / "c"
+    folder.mkdir()
+    cfg = load_settings(SMALL + [f"dir={folder}"], folder=folder)
+    (folder / "manifest.json").write_text(json.dumps({"data": None, "holdout": None, "shards": [
+        {"response_tokens": 100}, {"response_tokens": 50}, {"response_tokens": 25}]}))
+    state = {"baseline": {"x": {"response_tokens": 1000, "predictions": 10_000, "holdout_chain_tau": 1.4}},
+             "x": {"committed_run": "/r/x-2", "runs": [
+                 {"output_dir": "/r/x-1", "parent": None, "shards": 1, "predictions": 7, "holdout_chain_tau": 1.5},
+                 {"output_dir": "/r/x-2", "parent": None, "shards": 2, "predictions": 30, "holdout_chain_tau": 1.6},
+                 {"output_dir": "/r/x-3", "parent": "/r/x-2", "shards": 3, "predictions": 400,
+                  "holdout_chain_tau": 1.7}]}}
+    (folder / "train_state.json").write_text(json.dumps(state))
+    pts = curve_points(cfg)["x"]
+    assert [p["predictions"] for p in pts] == [10_000, 10_007, 10_030, 10_430]
+    assert [p["response_tokens"] for p in pts] == [1000, 1100, 1150, 1175]
+    assert parent_of(cfg, "x", state, "/r/x-3/checkpoint") == "/r/x-3"
+    assert parent_of(cfg, "x", state, str(folder / "checkpoints" / "x")) == "/r/x-2"
+    assert parent_of(cfg, "x", state, "/repo/checkpoints/x") is None  # shipped, before the campaign shipped one
+    state["x"]["shipped_run"] = "/r/x-3"
+    assert parent_of(cfg, "x", state, "/repo/checkpoints/x") == "/r/x-3"
+
+
 @pytest.mark.slow
 def test_the_training_stage_trains_on_the_shards_resumes_and_records_its_runs(tmp_path, monkeypatch):
     import os
@@ -210,7 +237,7 @@ def test_the_training_stage_trains_on_the_shards_resumes_and_records_its_runs(tm
         holdout_baseline(cfg, "dspark_b16")  # recorded once: never overwritten by a later checkpoint
     assert read_state(cfg)["baseline"]["dspark_b16"] == base
     (pts,) = curve_points(cfg).values()
-    assert [p["label"] for p in pts] == ["shipped", "1 shards"]
+    assert [p["label"] for p in pts] == ["baseline", "1 shards"]
     assert pts[1]["response_tokens"] == base["response_tokens"] + read_manifest(folder)["totals"]["response_tokens"]
     assert pts[1]["predictions"] == base["predictions"] + run["predictions"]
     png = plot_curve(cfg, tmp_path / "curve.png")

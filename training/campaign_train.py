@@ -69,6 +69,22 @@ def start_for(cfg: DictConfig, recipe: str, state: dict, out: Path) -> tuple[str
     return init_for(cfg, recipe, state), False
 
 
+def parent_of(cfg: DictConfig, recipe: str, state: dict, init: str) -> str | None:
+    """The run whose weights ``init`` holds, by its ``output_dir``, or None for the campaign's baseline (the
+    drafters trained before the campaign). A run folder's checkpoint is that run; the committed
+    ``campaign/checkpoints/<recipe>`` is ``state[recipe]["committed_run"]`` and the shipped
+    ``checkpoints/<recipe>`` is ``state[recipe]["shipped_run"]`` (both recorded when a checkpoint is committed or
+    shipped; absent: the baseline). Recorded in each run as ``parent``, so the curve counts the predictions of a
+    run's own lineage only."""
+    path = Path(init)
+    if path.name == "checkpoint":
+        return str(path.parent)
+    rec = state.get(recipe, {})
+    if path.resolve() == (Path(cfg.dir) / "checkpoints" / recipe).resolve():
+        return rec.get("committed_run")
+    return rec.get("shipped_run")
+
+
 def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -> dict:
     """Train each recipe of ``cfg.train.recipes`` on the committed shards until ``deadline`` (shared equally);
     returns the updated training state (also written to ``campaign/train_state.json``).
@@ -96,6 +112,8 @@ def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -
         out = root / f"{recipe}-{n:05d}"
         runs = state.setdefault(recipe, {"runs": []})["runs"]
         init, resumable = start_for(cfg, recipe, state, out)
+        same = [r for r in runs if r["output_dir"] == str(out)]
+        parent = same[-1].get("parent") if resumable else parent_of(cfg, recipe, state, init)
         args = [f"recipe={recipe}", "data.source=campaign", f"data.campaign_dir={cfg.dir}",
                 f"data.campaign_shards={n}", f"init_from={init}", f"output_dir={out}", "resume=true",
                 f"train.max_minutes={minutes:.1f}", f"train.epochs={tc.epochs}", f"train.threads={cfg.threads}",
@@ -105,13 +123,12 @@ def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -
         if rc != 0:
             raise CampaignError(f"training {recipe} on {n} shards exited with {rc}; see the output above and {out}")
         summary = json.loads((out / "summary.json").read_text())
-        rec = {"output_dir": str(out), "init_from": init, "shards": n, "steps": summary["steps"],
+        rec = {"output_dir": str(out), "init_from": init, "parent": parent, "shards": n, "steps": summary["steps"],
                "predictions": summary["predictions"], "train_tokens": summary["train_tokens"],
                "holdout_chain_tau": summary.get("holdout_chain_tau"), "holdout_tf_tau": summary.get("holdout_tf_tau"),
                "stopped_by_time_cap": summary["stopped_by_time_cap"], "cpu": cpu_model(),
                "threads": int(cfg.threads), "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         if resumable:
-            same = [r for r in runs if r["output_dir"] == str(out)]
             runs[runs.index(same[-1])] = rec
         else:  # a new run, or the same shards again on a machine without that run: a record of its own
             runs.append(rec)
@@ -195,19 +212,27 @@ def _holdout_only(cfg: DictConfig) -> list:
 
 
 def curve_points(cfg: DictConfig) -> dict:
-    """Per recipe, the scaling-curve points: the shipped baseline and every campaign run, as dicts with
-    ``response_tokens`` (regenerated tokens trained on: the shipped data plus the shards a run used, since every
-    run continues from the shipped weights), ``predictions`` (cumulative training predictions since
-    the shipped checkpoint, plus its own) and ``holdout_chain_tau`` (on the campaign's held-out set)."""
+    """Per recipe, the scaling-curve points: the baseline and every campaign run, as dicts with
+    ``response_tokens`` (regenerated tokens trained on: the baseline's data plus the shards a run used, since every
+    run descends from the baseline's weights), ``predictions`` (the baseline's, plus those of the run and of the
+    runs it continued: its ``parent`` chain, :func:`parent_of`) and ``holdout_chain_tau`` (on the campaign's
+    held-out set). A run recorded without ``parent`` (before lineage was recorded) counts every earlier run."""
     state = read_state(cfg)
     m = read_manifest(Path(cfg.dir))
     per_shard = [s["response_tokens"] for s in m["shards"]]
     out = {}
     for recipe, base in state.get("baseline", {}).items():
-        pts = [{"label": "shipped", **{k: base[k] for k in ("response_tokens", "predictions", "holdout_chain_tau")}}]
-        preds = base["predictions"]
+        pts = [{"label": "baseline", **{k: base[k] for k in ("response_tokens", "predictions", "holdout_chain_tau")}}]
+        total = {}  # output_dir -> predictions of that run's lineage, since the baseline
+        running = 0
         for run in state.get(recipe, {}).get("runs", []):
-            preds += run["predictions"]
+            running += run["predictions"]
+            if "parent" in run:
+                own = run["predictions"] + (total.get(run["parent"], 0) if run["parent"] else 0)
+            else:
+                own = running
+            total[run["output_dir"]] = own
+            preds = base["predictions"] + own
             if run.get("holdout_chain_tau") is None:
                 continue
             pts.append({"label": f"{run['shards']} shards",  # continued from the shipped weights: both data sets
