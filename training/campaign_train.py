@@ -216,13 +216,16 @@ def curve_points(cfg: DictConfig) -> dict:
     ``response_tokens`` (regenerated tokens trained on: the baseline's data plus the shards a run used, since every
     run descends from the baseline's weights), ``predictions`` (the baseline's, plus those of the run and of the
     runs it continued: its ``parent`` chain, :func:`parent_of`) and ``holdout_chain_tau`` (on the campaign's
-    held-out set). A run recorded without ``parent`` (before lineage was recorded) counts every earlier run."""
+    held-out set), and ``eval_chain_tau`` where the record has one (``decode/eval.py --tree chain`` on the
+    evaluation prompts, added to the record by hand with the command in checkpoints/README.md). A run recorded
+    without ``parent`` (before lineage was recorded) counts every earlier run."""
     state = read_state(cfg)
     m = read_manifest(Path(cfg.dir))
     per_shard = [s["response_tokens"] for s in m["shards"]]
     out = {}
     for recipe, base in state.get("baseline", {}).items():
-        pts = [{"label": "baseline", **{k: base[k] for k in ("response_tokens", "predictions", "holdout_chain_tau")}}]
+        keys = ("response_tokens", "predictions", "holdout_chain_tau", "eval_chain_tau")
+        pts = [{"label": "baseline", **{k: base[k] for k in keys if k in base}}]
         total = {}  # output_dir -> predictions of that run's lineage, since the baseline
         running = 0
         for run in state.get(recipe, {}).get("runs", []):
@@ -237,15 +240,17 @@ def curve_points(cfg: DictConfig) -> dict:
                 continue
             pts.append({"label": f"{run['shards']} shards",  # continued from the shipped weights: both data sets
                         "response_tokens": base["response_tokens"] + sum(per_shard[: run["shards"]]),
-                        "predictions": preds, "holdout_chain_tau": run["holdout_chain_tau"]})
+                        "predictions": preds, "holdout_chain_tau": run["holdout_chain_tau"],
+                        **({"eval_chain_tau": run["eval_chain_tau"]} if "eval_chain_tau" in run else {})})
         out[recipe] = pts
     return out
 
 
 def plot_curve(cfg: DictConfig, path: Path) -> Path | None:
-    """Draw held-out chain tau against regenerated response tokens and training predictions (log axes), with the
-    published +0.30 and +0.45 tau per doubling of the data drawn from the shipped point; returns the path, or
-    None when there is no baseline yet. Written atomically (PNG)."""
+    """Draw held-out chain tau (circles, solid) and, where measured, eval chain tau (squares, dashed) against
+    regenerated response tokens and training predictions (log axes), with the published +0.30 and +0.45 tau per
+    doubling of the data drawn from the baseline point; returns the path, or None when there is no baseline yet.
+    Written atomically (PNG)."""
     import io
 
     import matplotlib
@@ -253,6 +258,7 @@ def plot_curve(cfg: DictConfig, path: Path) -> Path | None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     import numpy as np
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
     from dartree.models.files import write_file_atomically
 
@@ -263,7 +269,13 @@ def plot_curve(cfg: DictConfig, path: Path) -> Path | None:
     for ax, key, label in ((axes[0], "response_tokens", "regenerated response tokens trained on"),
                            (axes[1], "predictions", "training predictions (cumulative)")):
         for recipe, pts in points.items():
-            ax.plot([p[key] for p in pts], [p["holdout_chain_tau"] for p in pts], "o-", label=recipe)
+            pts = sorted(pts, key=lambda p: p[key])  # runs of different lineages: drawn in order of x
+            (line,) = ax.plot([p[key] for p in pts], [p["holdout_chain_tau"] for p in pts], "o-",
+                              label=f"{recipe} held-out")
+            ev = [p for p in pts if "eval_chain_tau" in p]
+            if ev:
+                ax.plot([p[key] for p in ev], [p["eval_chain_tau"] for p in ev], "s--", color=line.get_color(),
+                        label=f"{recipe} eval (15 prompts x 128 tokens)")
         if key == "response_tokens":  # the published slopes, from the first recipe's shipped point
             first = next(iter(points))
             x0, y0 = points[first][0][key], points[first][0]["holdout_chain_tau"]
@@ -272,10 +284,14 @@ def plot_curve(cfg: DictConfig, path: Path) -> Path | None:
                 ax.plot(xs, y0 + s * np.log2(xs / x0), style, color="gray",
                         label=f"+{s} tau per doubling (published), from {first}")
         ax.set_xscale("log")
+        ax.xaxis.set_minor_locator(LogLocator(subs=(2.0, 3.0, 5.0)))
+        ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v / 1e6:g}M" if v >= 1e6 else f"{v / 1e3:g}k"))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v / 1e6:g}M" if v >= 1e6 else f"{v / 1e3:g}k"))
+        ax.tick_params(axis="x", which="both", labelsize=7)
         ax.set_xlabel(label)
-        ax.set_ylabel("held-out chain tau (campaign held-out set)")
+        ax.set_ylabel("chain tau")
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
+    axes[0].legend(fontsize=7)
     fig.suptitle("dartree campaign: acceptance against data and compute")
     fig.tight_layout()
     buf = io.BytesIO()
