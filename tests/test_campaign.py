@@ -170,8 +170,17 @@ def test_a_recorded_run_resumes_only_where_its_state_is(tmp_path):
     committed.mkdir(parents=True)
     (committed / "config.json").write_text("{}")
     assert start_for(cfg, "dspark_b16", state, out) == (str(committed), False)
-    (out / "resume").mkdir(parents=True)  # the run's resumable state is here: it continues as it began
-    assert start_for(cfg, "dspark_b16", state, out) == ("/elsewhere/campaign/checkpoints/x", True)
+    (out / "resume").mkdir(parents=True)  # the run's resumable state is here: it resumes
+    began = tmp_path / "began"
+    began.mkdir()
+    (began / "config.json").write_text("{}")
+    state["dspark_b16"]["runs"][0]["init_from"] = str(began)
+    assert start_for(cfg, "dspark_b16", state, out) == (str(began), True)  # as it began, while that exists
+    (began / "config.json").unlink()
+    assert start_for(cfg, "dspark_b16", state, out) == (str(committed), True)  # gone: the weights come from resume/
+    (out / "checkpoint").mkdir()
+    (out / "checkpoint" / "config.json").write_text("{}")
+    assert start_for(cfg, "dspark_b16", state, out) == (str(out / "checkpoint"), True)
     assert start_for(cfg, "dspark_b16", {}, out) == (str(committed), False)  # no record: a new run
 
 

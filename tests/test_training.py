@@ -385,6 +385,21 @@ def test_sigkill_then_resume_logs_the_same_losses(tmp_path):
     assert other.stderr.count("\n") <= 3 and "Traceback" not in other.stderr
 
 
+def test_a_resume_may_name_another_init_from_but_not_another_model(tmp_path):
+    """The saved state holds the weights, so the starting checkpoint may differ (or be gone) when a run resumes;
+    a recipe that builds another model may not."""
+    from omegaconf import OmegaConf
+
+    from dartree.training.engine import RECIPE_FILE, RESUME_DIR, check_resumable
+
+    cfg = OmegaConf.to_container(load_recipe(["recipe=tiny_dspark", "init_from=/gone/checkpoint"]))
+    (tmp_path / RESUME_DIR).mkdir()
+    (tmp_path / RESUME_DIR / RECIPE_FILE).write_text(json.dumps(cfg))
+    check_resumable(tmp_path, {**cfg, "init_from": str(tmp_path / "elsewhere")})
+    with pytest.raises(ValueError, match="drafter.block_size: saved 8 vs now 4"):
+        check_resumable(tmp_path, {**cfg, "drafter": {**cfg["drafter"], "block_size": 4}})
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe,head_type", [("tiny_dflash", "identity"), ("tiny_domino", "gru"),
                                               ("tiny_dspark", "markov"), ("tiny_dflash2", "selector")])

@@ -58,14 +58,18 @@ def init_for(cfg: DictConfig, recipe: str, state: dict) -> str:
 def start_for(cfg: DictConfig, recipe: str, state: dict, out: Path) -> tuple[str, bool]:
     """Where the run of ``recipe`` in ``out`` starts: ``(init_from, resumable)``.
 
-    A run recorded for ``out`` whose resumable state is on this machine (``out/resume``) continues with the
-    ``init_from`` it was started with (``training/train.py`` refuses to resume under another one). Otherwise,
-    a new run or the same shards on another machine (the record names a run folder or an ``init_from`` of that
-    machine), the run starts from :func:`init_for`.
+    A run recorded for ``out`` whose resumable state is on this machine (``out/resume``) continues from that state
+    (its weights come from there): with the ``init_from`` it was started with while that folder exists, else with
+    its own last checkpoint (``out/checkpoint``), else :func:`init_for` (the starting checkpoint only builds the
+    model). Otherwise, a new run or the same shards on another machine (the record names a run folder or an
+    ``init_from`` of that machine), the run starts from :func:`init_for`.
     """
     same = [r for r in state.get(recipe, {}).get("runs", []) if r["output_dir"] == str(out)]
     if same and (Path(out) / "resume").exists():
-        return same[-1]["init_from"], True
+        for init in (same[-1]["init_from"], str(Path(out) / "checkpoint")):
+            if (Path(init) / "config.json").exists():
+                return init, True
+        return init_for(cfg, recipe, state), True
     return init_for(cfg, recipe, state), False
 
 

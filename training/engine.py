@@ -245,8 +245,10 @@ def full_state_dict(module: torch.nn.Module, zero_stage: int) -> dict[str, torch
 
 
 RECIPE_FILE = "recipe.json"
-# recipe keys that may change between a run and its resumption (everything else must match)
-RESUMABLE_CHANGES = {"resume", "output_dir", "train.max_steps", "train.max_minutes", "train.epochs",
+# recipe keys that may change between a run and its resumption (everything else must match). ``init_from`` may:
+# the saved state holds the weights, and the starting checkpoint only builds the model (one of another shape
+# fails loading the state); its folder may be gone by the time the run resumes (a campaign checkpoint replaced).
+RESUMABLE_CHANGES = {"resume", "output_dir", "init_from", "train.max_steps", "train.max_minutes", "train.epochs",
                      "train.save_every_minutes", "train.save_every_steps", "train.eval_every_steps", "train.threads",
                      "train.fused_loss",
                      "wandb.enabled",
