@@ -535,8 +535,9 @@ def select_top_b_keep(tree: Tree, budget: int, beta: float) -> tuple[Tree, torch
     per-node side data can follow the selection."""
     _check_beta(beta)
     m = tree.size
+    dev = tree.parents.device
     if budget >= m:
-        return tree, torch.arange(m)
+        return tree, torch.arange(m, device=dev)
     if budget <= 0:
         return Tree.empty(), torch.zeros(0, dtype=torch.long)
     if tree.score.device.type == "cpu" and tree.score.dtype == torch.float32:  # compiled, same result (tested)
@@ -551,9 +552,10 @@ def select_top_b_keep(tree: Tree, budget: int, beta: float) -> tuple[Tree, torch
         keep = torch.from_numpy(np.sort(_top_q_stable(adj.numpy(), int(budget))))
     else:
         keep = _stable_topk(adj, budget).sort().values  # original order is topological
-    remap = torch.full((m + 1,), -1, dtype=torch.long)
+    keep = keep.to(dev)  # a tree on CUDA keeps its nodes there (the remap indexes its parents)
+    remap = torch.full((m + 1,), -1, dtype=torch.long, device=dev)
     remap[0] = 0
-    remap[keep + 1] = torch.arange(1, keep.numel() + 1)
+    remap[keep + 1] = torch.arange(1, keep.numel() + 1, device=dev)
     parents = remap[tree.parents[keep]]
     if bool((parents < 0).any()):  # pragma: no cover - excluded by the lemma above
         raise RuntimeError("select_top_b: kept set is not prefix-closed")

@@ -2,7 +2,7 @@
 
 Usage (``make gpu-check``)::
 
-    python kernels/gpu_check.py [--out reports/gpu_check.json] [--time-limit 480] [--dry]
+    python kernels/gpu_check.py [--out reports/gpu_check.json] [--time-limit 480] [--dry] [--target smollm2|FOLDER]
 
 On CUDA (about 8 minutes at most, ``--time-limit`` seconds; later sections are marked ``skipped`` past it):
 
@@ -338,6 +338,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--out", default="reports/gpu_check.json", help="JSON report path")
     ap.add_argument("--time-limit", type=float, default=480.0, help="seconds; later sections are skipped past it")
     ap.add_argument("--dry", action="store_true", help="tiny CPU run (Triton interpreter, tiny target)")
+    ap.add_argument("--target", default="smollm2",
+                    help="the CUDA run's target: smollm2 (the packaged default) or a local Hugging Face folder of "
+                         "the same architecture (e.g. one with random weights where the 94 MB GGUF cannot travel)")
     return ap.parse_args(argv)
 
 
@@ -407,7 +410,7 @@ def main(argv=None) -> int:
             from dartree.models.target import load_target
             from dartree.models.chat import chat_prompt_ids
 
-            target = load_target("smollm2", dtype=torch.bfloat16)
+            target = load_target(args.target, dtype=torch.bfloat16)
             target.model.to(dev)
             dm = load_dartree(REPO / "checkpoints" / "dspark_b16", target=target, dtype=torch.bfloat16, device=dev)
             target.set_layer_ids(dm.drafter.cfg.target_layer_ids)
