@@ -135,7 +135,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="row-invariant target forwards (dartree.models.invariant): every verify row computes the bits "
                          "an AR step computes for it, so the output equals AR's by construction, in bf16 too; auto: "
                          "on for a CPU target in bfloat16, off in float32 (exact in practice, and the mode costs its "
-                         "AR step ~25%%) and on CUDA (measured on an H200: not needed there, 8-17%% dearer; on enters it), the "
+                         "AR step ~25%%) and on CUDA (measured on an H200: not needed there, 16-21%% dearer; on enters it), the "
                          "reason in the header; a bare --invariant means on (docs/invariance.md)")
     ap.add_argument("--no-tune", dest="tune", action="store_false",
                     help="with onednn: keep the fixed single-row rule instead of timing F.linear against the packed "

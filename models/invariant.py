@@ -373,7 +373,7 @@ def enter_invariant(requested: str, target, stack) -> tuple[row_invariant | None
             why_not = f"no row-invariant kernel for {str(dtype).replace('torch.', '')} (float32, bfloat16, float16)"
         elif requested == "auto":
             return None, ("row-invariant verify: off (auto on CUDA: on an H200 the default kernels gave verify rows "
-                          "equal to the AR step's for the default architecture and the Triton mode cost 8-17% a "
+                          "equal to the AR step's for the default architecture and the Triton mode cost 16-21% a "
                           "forward, docs/invariance.md; --invariant on enters it)")
         else:
             try:
