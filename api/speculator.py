@@ -23,7 +23,6 @@ import torch
 from dartree.decode.generate import DecodeStats, autoregressive_generate, speculative_generate
 from dartree.models.chat import chat_prompt_ids, messages_prompt_ids, text_prompt_ids
 from dartree.models.checkpoint import DraftModel, load_dartree
-from dartree.models.dtypes import parse_dtype
 from dartree.models.generation import sampling_problem, sampling_settings, stop_ids
 from dartree.models.invariant import INVARIANT_CHOICES, enter_invariant
 from dartree.models.packed import choose_linear, pack_linears
@@ -64,7 +63,8 @@ class SpeculativeDecoder:
     Build it with :func:`load`. Attributes: ``target`` (:class:`~dartree.models.target.Target`), ``draft``
     (:class:`~dartree.models.checkpoint.DraftModel`), ``stop_ids`` (the target's end ids: where its own
     ``generate`` stops), ``linear`` (the linear-layer backend, ``onednn`` or ``aten``), ``invariant`` (the entered
-    :class:`~dartree.models.invariant.row_invariant` mode or None) and ``invariant_note`` (why), ``modes`` (the
+    :class:`~dartree.models.invariant.row_invariant` mode or None) and ``invariant_note`` (why), ``dtype`` (the
+    models' torch dtype) and ``dtype_note`` (why: with ``load(dtype="auto")`` the figures it was chosen by), ``modes`` (the
     ``contextlib.ExitStack`` holding the mode: ``decoder.modes.close()`` returns the target to its default kernels).
     """
 
@@ -73,6 +73,7 @@ class SpeculativeDecoder:
         self.target, self.draft, self.linear = target, draft, linear
         self.modes = contextlib.ExitStack()
         self.invariant, self.invariant_note = None, "row-invariant verify: off"
+        self.dtype, self.dtype_note = target.dtype, f"{str(target.dtype).replace('torch.', '')} as loaded"
         self.stop_ids = stop_ids(target)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
 
@@ -161,8 +162,35 @@ class SpeculativeDecoder:
         return self._finish(out, ids, t0)
 
 
+# The text the API times its candidate dtypes on (``dtype="auto"``): a chat prompt of ordinary length.
+CALIBRATION_PROMPT = "Explain how a hash map works, with a short example in Python."
+
+
+def _assemble(drafter, target, dtype: torch.dtype, linear: str, invariant: str) -> tuple:
+    """One candidate mode: target and drafter in ``dtype``, linears packed on ``linear``, the row-invariant mode
+    entered as ``invariant`` asks into a fresh ``ExitStack``. Returns (target, draft, backend, stack, mode, note).
+
+    Raises:
+        ValueError: the target does not load (its reason), an unknown linear backend, ``invariant="on"`` without
+            a path here. CheckpointError: the drafter does not fit the target.
+    """
+    try:
+        tgt = load_target(str(target), dtype=dtype)
+    except (OSError, RuntimeError) as exc:
+        raise ValueError(f"cannot load the target {str(target)!r}: "
+                         f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0]}") from None
+    draft = load_dartree(drafter, target=tgt, dtype=dtype)
+    tgt.set_layer_ids(draft.drafter.cfg.target_layer_ids)
+    backend, _ = choose_linear(linear, dtype, tgt.device)
+    for module in (tgt.model, draft.drafter, draft.head):
+        pack_linears(module, backend)
+    stack = contextlib.ExitStack()
+    mode, note = enter_invariant(invariant, tgt, stack)
+    return tgt, draft, backend, stack, mode, note
+
+
 def load(drafter: str | os.PathLike = DEFAULT_DRAFTER, target: str | os.PathLike = DEFAULT_TARGET, *,
-         dtype: str = "float32", linear: str = "auto", threads: int | None = None,
+         dtype: str = "auto", linear: str = "auto", threads: int | None = None,
          chat_template_kwargs: dict | None = None, invariant: str = "auto") -> SpeculativeDecoder:
     """Load a target and a dartree drafter checkpoint for speculative decoding.
 
@@ -171,7 +199,11 @@ def load(drafter: str | os.PathLike = DEFAULT_DRAFTER, target: str | os.PathLike
             converts with ``python convert/to_dartree.py``, and ``training/train.py`` writes this format.
         target: ``smollm2`` (the packaged SmolLM2-135M-Instruct, default), ``tiny-qwen3`` or a local Hugging Face
             model folder.
-        dtype: ``float32`` (default), ``bfloat16`` or ``float16`` for both models.
+        dtype: ``auto`` (default), ``float32``, ``bfloat16`` or ``float16`` for both models. ``auto``: float32
+            where the CPU has no native bf16; where it has, bfloat16 (in the row-invariant mode, so still exact) and
+            float32 are both loaded and timed on :data:`CALIBRATION_PROMPT` (an AR step, verifies, a draft;
+            :func:`dartree.decode.precision.pick_dtype`) and the faster is kept (a few seconds more at load).
+            ``decoder.dtype_note`` says which and why.
         linear: linear-layer backend: ``auto`` (prepacked oneDNN where the CPU supports it, else ``F.linear``),
             ``onednn`` or ``aten``.
         threads: torch CPU threads (None keeps torch's setting).
@@ -188,23 +220,49 @@ def load(drafter: str | os.PathLike = DEFAULT_DRAFTER, target: str | os.PathLike
         dartree.models.checkpoint.CheckpointError: the drafter folder is not a dartree checkpoint or does not
             fit the target (named).
     """
-    torch_dtype = parse_dtype(dtype, "dtype")
+    from dartree.decode.precision import drafter_tau, pick_dtype, time_modes
+    from dartree.models.dtypes import DTYPES, dtype_candidates
+
+    names, dtype_note = dtype_candidates(dtype)
     if invariant not in INVARIANT_CHOICES:
         raise ValueError(f"invariant must be one of {', '.join(INVARIANT_CHOICES)}, got {invariant!r}")
+    if len(names) > 1 and invariant == "off":
+        names, dtype_note = ["float32"], dtype_note + "; invariant='off' leaves bfloat16 inexact, so float32"
     if threads is not None:
         torch.set_num_threads(int(threads))
-    try:
-        tgt = load_target(str(target), dtype=torch_dtype)
-    except (OSError, RuntimeError) as exc:
-        raise ValueError(f"cannot load the target {str(target)!r}: "
-                         f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0]}") from None
-    draft = load_dartree(drafter, target=tgt, dtype=torch_dtype)
-    tgt.set_layer_ids(draft.drafter.cfg.target_layer_ids)
-    backend, _ = choose_linear(linear, torch_dtype, tgt.device)
-    for module in (tgt.model, draft.drafter, draft.head):
-        pack_linears(module, backend)
+    cands, excluded = {}, {}
+    for name in names:
+        try:
+            built = _assemble(drafter, target, DTYPES[name], linear, invariant)
+        except ValueError as exc:  # invariant="on" without a bf16 path: a candidate less, unless it was the only one
+            if len(names) == 1 or name == "float32":
+                raise
+            excluded[name] = str(exc)
+            continue
+        if len(names) > 1 and name != "float32" and built[4] is None:  # bf16 without the mode is not exact
+            excluded[name] = "no row-invariant path here, so its outputs may split from AR at near-ties"
+            built[3].close()
+            continue
+        cands[DTYPES[name]] = built
+    if len(cands) > 1:
+        first = next(iter(cands.values()))
+        ids = SpeculativeDecoder(first[0], first[1], chat_template_kwargs=chat_template_kwargs).prompt_ids(
+            CALIBRATION_PROMPT)
+        costs = time_modes({d: (c[0], c[1].drafter) for d, c in cands.items()}, ids)
+        choice = pick_dtype(costs, *drafter_tau(first[1].config), excluded=excluded)
+        best, dtype_note = choice.dtype, choice.reason
+    else:
+        best = next(iter(cands))
+        if excluded:
+            dtype_note += "; only float32 is exact here: " + "; ".join(f"{k} ({v})" for k, v in excluded.items())
+    for d, c in cands.items():
+        if d != best:
+            c[3].close()
+    tgt, draft, backend, stack, mode, note = cands[best]
     decoder = SpeculativeDecoder(tgt, draft, linear=backend, chat_template_kwargs=chat_template_kwargs)
-    decoder.invariant, decoder.invariant_note = enter_invariant(invariant, tgt, decoder.modes)
+    decoder.modes.enter_context(stack)
+    decoder.dtype, decoder.dtype_note = best, dtype_note
+    decoder.invariant, decoder.invariant_note = mode, note
     if decoder.invariant is not None:  # closing decoder.modes restores the kernels, and says so here
         decoder.modes.callback(setattr, decoder, "invariant_note", "row-invariant verify: off (decoder.modes closed)")
         decoder.modes.callback(setattr, decoder, "invariant", None)

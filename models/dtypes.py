@@ -39,18 +39,22 @@ def native_bf16() -> tuple[bool, str]:
     return False, f"this CPU ({cap}) has no native bf16 matrix arithmetic (bf16 matmuls run 5-7x slower than fp32)"
 
 
-def choose_dtype(requested: str, device: str = "cpu") -> tuple[str, str]:
-    """The dtype a decode run uses, and why (printed and recorded in the report).
+def dtype_candidates(requested: str, device: str = "cpu") -> tuple[list[str], str]:
+    """The dtypes a decode run may use, and why: one where the choice needs no measurement, two where the caller
+    times them (:func:`dartree.decode.precision.pick_dtype`).
 
-    ``auto`` takes bfloat16 only where bf16 matrix arithmetic is native (CUDA, or :func:`native_bf16` on the CPU);
-    elsewhere bf16 is emulated and a bf16 verify forward of 9+ tokens is slower than fp32, so float32, the exact
-    mode (every output equal to AR's), is also the faster one.
+    ``auto``: on a CPU with native bf16 matrix arithmetic (:func:`native_bf16`), bfloat16 and float32, timed at
+    start-up, because there a bf16 AR step is no faster than an fp32 one while a bf16 verify is much cheaper, so
+    which decodes faster depends on the CPU and the drafter (docs/invariance.md); bfloat16 counts only with the
+    row-invariant mode, which makes it exact. On a CPU without it, float32: bf16 is emulated there and a bf16
+    verify forward of 9+ tokens is slower than fp32, so float32, the exact mode, is also the faster one. On CUDA,
+    bfloat16.
 
     Args:
         requested: ``auto`` or a key of :data:`DTYPES`.
         device: ``cpu`` or ``cuda``.
     Returns:
-        (dtype name, reason).
+        ([dtype name, ...] in order of preference on a tie, reason).
     Raises:
         ValueError: an unknown dtype name (:func:`parse_dtype`).
     """
@@ -59,12 +63,13 @@ def choose_dtype(requested: str, device: str = "cpu") -> tuple[str, str]:
         exact = " (the exact mode: every T=0 output must equal AR's)" if requested == "float32" else (
             " (exact where the row-invariant mode is on, see below; without it near-ties may flip between a verify "
             "forward and an AR step, and divergences are reported with the target's top-2 margin)")
-        return requested, f"--dtype {requested} requested{exact}"
+        return [requested], f"--dtype {requested} requested{exact}"
     if device.startswith("cuda"):
-        return "bfloat16", "auto: CUDA has native bf16 matrix arithmetic"
+        return ["bfloat16"], "auto: CUDA has native bf16 matrix arithmetic"
     cap = torch.backends.cpu.get_cpu_capability()
     if native_bf16()[0]:
-        return "bfloat16", f"auto: this CPU ({cap}) has native bf16 matrix arithmetic (oneDNN bf16)"
-    return "float32", (f"auto: this CPU ({cap}) has no native bf16 matrix arithmetic (oneDNN bf16 unsupported), where "
-                       "bf16 multi-token verify forwards are slower than fp32; float32 is both the exact mode "
-                       "(every output equal to AR's) and the faster one here")
+        return ["bfloat16", "float32"], (f"auto: this CPU ({cap}) has native bf16 matrix arithmetic (oneDNN bf16), so "
+                                         "bfloat16 (with the row-invariant mode) and float32 are timed at start-up")
+    return ["float32"], (f"auto: this CPU ({cap}) has no native bf16 matrix arithmetic (oneDNN bf16 unsupported), "
+                         "where bf16 multi-token verify forwards are slower than fp32; float32 is both the exact mode "
+                         "(every output equal to AR's) and the faster one here")

@@ -14,9 +14,10 @@ several), and the attention is not (the library kernel splits its work by query 
 read their keys through a mask). This module closes both:
 
 - :func:`row_invariant` runs every linear through a path measured row invariant on this machine
-  (:func:`choose_invariant_linear`: the packed call for every row count, with one-row calls padded to two where
-  the CPU's one-row kernel differs, :func:`~dartree.models.packed.pack_linears` with ``row_invariant=True``;
-  else ``F.linear``) and routes the target's attention through :func:`invariant_attention`;
+  (:func:`choose_invariant_linear`: the packed call for every row count, tiled where the CPU's kernel blocks by row
+  count: one-row calls padded to two where the one-row kernel differs, calls of more than 32 rows split into 32-row
+  calls where larger calls block their reduction otherwise, :func:`~dartree.models.packed.pack_linears` with
+  ``row_invariant=True``; else ``F.linear``) and routes the target's attention through :func:`invariant_attention`;
 - :func:`invariant_attention` gives every query row the keys it may see in position order (the prefix and its
   ancestors: exactly the keys the AR step at that node reads) and computes it with
   :func:`dartree.kernels.row_attention.row_attention`, whose bits for a row depend on that row's query and keys
@@ -36,6 +37,8 @@ Q queries of the call, L keys, d head size, n keys one row sees.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -133,20 +136,23 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
 CALL_ROWS = (1, 2, 3, 5, 9, 17, 33, 66)  # an AR step, and verify calls of chains and trees up to budget 65
 
 
-def linear_is_row_invariant(weight: torch.Tensor, backend: str, min_rows: int = 1, rows: int = 132) -> bool:
+def linear_is_row_invariant(weight: torch.Tensor, backend: str, min_rows: int = 1, rows: int = 132,
+                            max_rows: int | None = None) -> bool:
     """Whether a linear path computes a row with the same bits whatever the number of rows in its call.
 
     Args:
         weight: [out, in], the model's dtype and device. backend: ``aten`` (``F.linear``) or ``onednn`` (the
-            prepacked call for every row count, :class:`~dartree.models.packed.PackedLinear`). min_rows (``onednn``
-            only): calls of fewer rows are padded to this many (``pack_linears(min_rows=...)``).
+            prepacked call for every row count, :class:`~dartree.models.packed.PackedLinear`). min_rows, max_rows
+            (``onednn`` only): calls of fewer rows are padded to ``min_rows``, calls of more than ``max_rows`` split
+            into calls of at most that many (``pack_linears(min_rows=..., max_rows=...)``; None: no split).
         rows: test rows (seeded, heavy-tailed like a decoder's activations: about 2% of the entries 16x larger,
             so that outputs cancel and a change of summation order shows in the rounded result).
     Returns:
         True when every row, computed in calls of each size in :data:`CALL_ROWS` (the rows split into
         consecutive calls of that size), equals the same row computed in one call of all ``rows`` rows, bit for bit.
         Measured per CPU: on an AVX-512-BF16 Zen 5 the packed kernel takes another path for one row than for
-        several (bf16 and fp32), so ``min_rows=1`` fails there and ``min_rows=2`` passes.
+        several (bf16 and fp32), so ``min_rows=1`` fails there and ``min_rows=2`` passes; on an AMX Xeon in bf16
+        calls of 1-32 rows agree and calls of 33 or more block their reduction otherwise, so ``max_rows=32`` passes.
     """
     from dartree.models.packed import pack_linears
 
@@ -156,7 +162,7 @@ def linear_is_row_invariant(weight: torch.Tensor, backend: str, min_rows: int = 
     if backend == "onednn":
         mod = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
         mod.weight = torch.nn.Parameter(weight, requires_grad=False)
-        pack_linears(mod, "onednn", row_invariant=True, min_rows=min_rows)
+        pack_linears(mod, "onednn", row_invariant=True, min_rows=min_rows, max_rows=max_rows)
 
         def f(t):
             return mod(t)
@@ -168,15 +174,42 @@ def linear_is_row_invariant(weight: torch.Tensor, backend: str, min_rows: int = 
         return all(torch.equal(torch.cat([f(x[i : i + m]) for i in range(0, rows, m)]), full) for m in CALL_ROWS)
 
 
-def choose_invariant_linear(model: torch.nn.Module) -> tuple[str, int, str]:
+class LinearTiling(NamedTuple):
+    """A linear path measured row invariant (:func:`choose_invariant_linear`).
+
+    backend: ``onednn`` (the prepacked call for every row count) or ``aten`` (``F.linear``). min_rows: calls of
+    fewer rows are padded to this many. max_rows: calls of more rows are split into calls of at most this many
+    (None: never). why: one line for the run's header.
+    """
+
+    backend: str
+    min_rows: int
+    max_rows: int | None
+    why: str
+
+
+# The packed tilings tried, cheapest first: (min_rows, max_rows). Padding one-row calls to two costs an AR step a
+# little; splitting at 32 rows costs only calls of more than 32 rows (verifies of budget > 31, prefills), which
+# re-read the weights once per 32 rows; splitting at 16 costs a 17-row verify a second pass over the weights.
+PACKED_TILINGS = ((1, None), (2, None), (1, 32), (2, 32), (1, 16), (2, 16))
+
+
+def _tiling_label(backend: str, min_rows: int, max_rows: int | None) -> str:
+    parts = [f"one-row calls padded to {min_rows}"] if min_rows > 1 else []
+    parts += [f"calls over {max_rows} rows split into {max_rows}-row calls"] if max_rows is not None else []
+    return backend + (f" ({'; '.join(parts)})" if parts else "")
+
+
+def choose_invariant_linear(model: torch.nn.Module) -> LinearTiling:
     """The linear path that is row invariant for every weight shape of ``model`` on this machine, and why.
 
-    Tries, in order, the prepacked oneDNN call for every row count (where oneDNN supports the dtype), the same
-    with one-row calls padded to two rows, and ``F.linear``; each is measured per distinct weight shape
-    (:func:`linear_is_row_invariant`).
+    Tries, in order, the prepacked oneDNN call for every row count with each tiling of :data:`PACKED_TILINGS`
+    (where oneDNN supports the dtype), then ``F.linear``; each is measured per distinct weight shape
+    (:func:`linear_is_row_invariant`). On an AMX Xeon the first to pass in bf16 is the split at 32 rows; on an
+    AVX-512-BF16 Zen 5 the one-row padding.
 
     Returns:
-        (``onednn`` or ``aten``, min_rows, reason).
+        :class:`LinearTiling`.
     Raises:
         ValueError: no path is row invariant for some shape here (named), so no verify row can equal the AR
             step by construction on this CPU; decode without the mode.
@@ -189,16 +222,19 @@ def choose_invariant_linear(model: torch.nn.Module) -> tuple[str, int, str]:
             shapes.setdefault((tuple(mod.weight.shape), mod.weight.dtype), mod.weight)
     w0 = next(iter(shapes.values()))
     tried = []
-    for backend, min_rows in (("onednn", 1), ("onednn", 2), ("aten", 1)):
-        if backend == "onednn" and not onednn_linear_supported(w0.dtype, w0.device)[0]:
-            if min_rows == 1:
-                tried.append("onednn: not supported here")
-            continue
-        bad = [s for s, w in shapes.items() if not linear_is_row_invariant(w, backend, min_rows)]
-        label = backend + (f" (one-row calls padded to {min_rows})" if min_rows > 1 else "")
-        if not bad:
-            return backend, min_rows, f"{label} linears row invariant for all {len(shapes)} weight shapes (measured)"
-        tried.append(f"{label}: not row invariant for {bad[0][0]} {bad[0][1]}")
+    candidates = [("aten", 1, None)]
+    if onednn_linear_supported(w0.dtype, w0.device)[0]:
+        candidates = [("onednn", lo, hi) for lo, hi in PACKED_TILINGS] + candidates
+    else:
+        tried.append("onednn: not supported here")
+    for backend, min_rows, max_rows in candidates:
+        bad = next((s for s, w in shapes.items()
+                    if not linear_is_row_invariant(w, backend, min_rows, max_rows=max_rows)), None)
+        label = _tiling_label(backend, min_rows, max_rows)
+        if bad is None:
+            return LinearTiling(backend, min_rows, max_rows,
+                                f"{label} linears row invariant for all {len(shapes)} weight shapes (measured)")
+        tried.append(f"{label}: not row invariant for {bad[0]} {bad[1]}")
     raise ValueError("no row-invariant linear on this CPU (" + "; ".join(tried) + ")")
 
 
@@ -252,8 +288,8 @@ class row_invariant:
 
     ``backend="cpu"`` (the default for a CPU target) runs every linear layer of ``target.model`` through the path
     measured row invariant here (:func:`choose_invariant_linear`: oneDNN packed for every row count, one-row calls
-    padded to two where the CPU needs it, else ``F.linear``; ``self.linear``, ``self.min_rows`` and ``self.why``
-    say which) and the attention through :func:`invariant_attention` with the numba kernel. ``backend="triton"``
+    padded to two or large calls split into 32-row calls where the CPU needs it, else ``F.linear``; ``self.linear``,
+    ``self.min_rows``, ``self.max_rows`` and ``self.why`` say which) and the attention through :func:`invariant_attention` with the numba kernel. ``backend="triton"``
     (the default for a CUDA target; on CPU only under ``TRITON_INTERPRET=1``, as the tests run it) runs every
     linear through :func:`~dartree.kernels.invariant_gpu.invariant_linear`, every RMSNorm through
     :func:`~dartree.kernels.invariant_gpu.invariant_rms_norm` and the attention through
@@ -304,13 +340,13 @@ class row_invariant:
             for mod in attns:
                 mod._dartree_invariant_backend = "triton"
             self.patched, self.marked = linears + norms, attns
-            self.linear, self.min_rows = "triton", 1
+            self.linear, self.min_rows, self.max_rows = "triton", 1, None
             self.why = (f"Triton, one 16x64x64 tiling for every row count, {len(linears)} linears and {len(norms)} "
                         "RMSNorms")
         else:
-            self.linear, self.min_rows, self.why = choose_invariant_linear(model)
+            self.linear, self.min_rows, self.max_rows, self.why = choose_invariant_linear(model)
             if self.linear == "onednn":
-                pack_linears(model, "onednn", row_invariant=True, min_rows=self.min_rows)
+                pack_linears(model, "onednn", row_invariant=True, min_rows=self.min_rows, max_rows=self.max_rows)
             else:
                 pack_linears(model, "aten")
         AttentionInterface.register(ATTN_NAME, invariant_attention)

@@ -138,15 +138,25 @@ class PackedLinear(nn.Linear):
         if packed is None:
             return F.linear(x, w, self.bias)
         min_rows = self.__dict__.get("_dartree_min_rows", 1)
-        if 0 < rows < min_rows:  # row-invariant mode: the one-row kernel rounds unlike the several-row one
+        max_rows = self.__dict__.get("_dartree_max_rows")
+        if 0 < rows < min_rows or (max_rows is not None and rows > max_rows):  # the row-invariant tiling
             flat = x.reshape(rows, x.shape[-1])
-            flat = torch.cat([flat, flat[-1:].expand(min_rows - rows, -1)])
-            y = _pointwise()(flat, packed, self.bias, "none", [None], "")[:rows]
+            step = rows if max_rows is None else max_rows
+            y = torch.cat([self._tile_call(flat[i : i + step], packed, min_rows) for i in range(0, rows, step)])
             return y.reshape(*x.shape[:-1], y.shape[-1])
         return _pointwise()(x, packed, self.bias, "none", [None], "")
 
+    def _tile_call(self, flat: torch.Tensor, packed: torch.Tensor, min_rows: int) -> torch.Tensor:
+        """One packed call on ``flat`` [R, in] (R <= the tile's max rows), padded to ``min_rows`` rows by repeating
+        its last row where R is smaller; returns [R, out]."""
+        rows = flat.shape[0]
+        if rows < min_rows:
+            flat = torch.cat([flat, flat[-1:].expand(min_rows - rows, -1)])
+        return _pointwise()(flat, packed, self.bias, "none", [None], "")[:rows]
 
-def pack_linears(module: nn.Module, backend: str = "onednn", *, row_invariant: bool = False, min_rows: int = 1) -> int:
+
+def pack_linears(module: nn.Module, backend: str = "onednn", *, row_invariant: bool = False, min_rows: int = 1,
+                 max_rows: int | None = None) -> int:
     """Switch every ``nn.Linear`` inside ``module`` to :class:`PackedLinear` (``onednn``) or back (``aten``).
 
     In place; parameters, buffers and ``state_dict`` keys are untouched, so shared weights (a drafter using the
@@ -157,13 +167,19 @@ def pack_linears(module: nn.Module, backend: str = "onednn", *, row_invariant: b
     identically. ``min_rows`` (with ``row_invariant``): a call of fewer rows is padded to this many by repeating
     its last row, for CPUs whose packed kernel takes another path for one row than for several (measured by
     :func:`dartree.models.invariant.linear_is_row_invariant`: 2 on an AVX-512-BF16 Zen 5, in bf16 and fp32).
+    ``max_rows`` (with ``row_invariant``; None: no limit): a call of more rows is split into consecutive calls of at
+    most this many rows (the last one padded to ``min_rows`` if shorter), for CPUs whose packed kernel blocks its
+    reduction one way up to a row count and another way above it (measured: 32 on an AMX Xeon in bf16, where every
+    call of 1-32 rows gives a row the same bits and calls of 33 or more do not).
     Returns the number of modules switched.
 
     Raises:
-        ValueError: unknown backend.
+        ValueError: unknown backend, min_rows < 1, or max_rows < min_rows.
     """
     if backend not in ("onednn", "aten"):
         raise ValueError(f"pack_linears backend must be 'onednn' or 'aten', got {backend!r}")
+    if min_rows < 1 or (max_rows is not None and max_rows < min_rows):
+        raise ValueError(f"pack_linears needs 1 <= min_rows <= max_rows, got min_rows={min_rows}, max_rows={max_rows}")
     n = 0
     for m in module.modules():
         if backend == "onednn" and type(m) in (nn.Linear, PackedLinear):
@@ -173,8 +189,13 @@ def pack_linears(module: nn.Module, backend: str = "onednn", *, row_invariant: b
             if row_invariant:
                 m.__dict__["_dartree_aten_rows"] = []  # no row count takes F.linear
                 m.__dict__["_dartree_min_rows"] = int(min_rows)
+                if max_rows is None:
+                    m.__dict__.pop("_dartree_max_rows", None)
+                else:
+                    m.__dict__["_dartree_max_rows"] = int(max_rows)
             else:
                 m.__dict__.pop("_dartree_min_rows", None)
+                m.__dict__.pop("_dartree_max_rows", None)
                 if m.__dict__.get("_dartree_aten_rows") == []:
                     m.__dict__.pop("_dartree_aten_rows")
         elif backend == "aten" and type(m) is PackedLinear:
@@ -182,6 +203,7 @@ def pack_linears(module: nn.Module, backend: str = "onednn", *, row_invariant: b
             m.__dict__.pop("_dartree_packed", None)
             m.__dict__.pop("_dartree_aten_rows", None)
             m.__dict__.pop("_dartree_min_rows", None)
+            m.__dict__.pop("_dartree_max_rows", None)
             n += 1
     return n
 

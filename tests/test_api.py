@@ -5,6 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 import dartree
 
@@ -13,7 +14,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def spec():
-    return dartree.load(threads=1)
+    return dartree.load(threads=1, dtype="float32")
 
 
 def test_the_readmes_python_example_runs(capsys):
@@ -101,3 +102,21 @@ def test_the_row_invariant_mode_by_default_in_bf16_and_on_request_in_fp32(spec):
     for tree in ("pruned", "chain"):
         assert bf16.generate(prompt, max_new_tokens=32, tree=tree).tokens == \
             bf16.generate_ar(prompt, max_new_tokens=32).tokens, tree
+
+
+def test_load_auto_dtype_is_measured_and_exact_in_the_mode_it_picks():
+    from dartree.models.dtypes import native_bf16
+
+    auto = dartree.load(threads=1)  # the API's default: dtype="auto"
+    if native_bf16()[0]:
+        assert auto.dtype_note.startswith("auto: measured at start-up") or "only float32 is exact" in auto.dtype_note
+        assert "bfloat16" in auto.dtype_note and "float32" in auto.dtype_note
+    else:
+        assert auto.dtype == torch.float32 and "no native bf16" in auto.dtype_note
+    assert (auto.invariant is not None) == (auto.dtype == torch.bfloat16)  # bf16 only in the row-invariant mode
+    prompt = "Name two rivers in Europe."
+    for tree in ("pruned", "chain"):
+        assert auto.generate(prompt, max_new_tokens=32, tree=tree).tokens == \
+            auto.generate_ar(prompt, max_new_tokens=32).tokens, tree
+    off = dartree.load(threads=1, invariant="off")
+    assert off.dtype == torch.float32 and off.invariant is None

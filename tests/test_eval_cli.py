@@ -524,3 +524,34 @@ def test_eval_cli_invariant_mode_in_bf16_equals_ar_and_says_so(tiny_folder, tmp_
     assert json.loads((out / "report.json").read_text())["environment"]["row_invariant"] is None
     assert "row-invariant verify: off (--invariant off)" in r.stdout
     assert "without the row-invariant mode" in (out / "report.md").read_text()
+
+
+def test_eval_dtype_auto_times_the_exact_modes_and_keeps_the_faster(tiny_folder, tmp_path, monkeypatch, capsys):
+    """--dtype auto where bf16 is native: bf16 (in the row-invariant mode) and fp32 are both assembled and timed,
+    the faster decodes, the header and report say why, and its outputs equal AR's; --invariant off leaves only
+    fp32."""
+    import dartree.decode.harness.session as session
+    from dartree.decode.eval import main as eval_main
+
+    monkeypatch.setattr(session, "dtype_candidates", lambda requested: (["bfloat16", "float32"], "auto: stub"))
+    out = tmp_path / "rep"
+    args = ["--target", str(tiny_folder / "target"), "--checkpoint", str(tiny_folder / "ckpt"), "--datasets",
+            "gsm8k", "--limit", "1", "--max-new-tokens", "12", "--threads", "1", "--no-plots"]
+    assert eval_main([*args, "--tree", "chain", "pruned", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "mode: bfloat16 or float32 (timed below)" in printed
+    env = json.loads((out / "report.json").read_text())["environment"]
+    reason = env["dtype_reason"]
+    assert env["dtype"] in ("bfloat16", "float32") and f"mode: {env['dtype']}; " in printed
+    if "measured at start-up" in reason:  # both exact here: the figures of both are named
+        assert f"{env['dtype']} decodes fastest" in reason and "bfloat16 " in reason and "float32 " in reason
+        assert "tok/s (AR step" in reason and "(the checkpoint's" not in reason  # the tiny drafter records no tau
+        assert "at tau 1.50 (assumed" in reason
+    else:  # no row-invariant bf16 path on this CPU: bf16 is not a candidate
+        assert env["dtype"] == "float32" and "only float32 is exact here: bfloat16 (" in reason
+    assert (env["row_invariant"] is not None) == (env["dtype"] == "bfloat16")
+    rows = json.loads((out / "report.json").read_text())["methods"]
+    assert all(rows[m]["lossless"] is True and rows[m]["exact"] is True for m in ("chain", "pruned"))
+    assert eval_main([*args, "--tree", "chain", "--invariant", "off", "--out", str(tmp_path / "off")]) == 0
+    env = json.loads((tmp_path / "off" / "report.json").read_text())["environment"]
+    assert env["dtype"] == "float32" and "--invariant off leaves bfloat16 inexact" in env["dtype_reason"]

@@ -149,3 +149,52 @@ def test_packed_decoding_equals_packed_and_unpacked_ar(prompts, head_name, build
         got = speculative_generate(target, drafter, head, p, builder=builder, budget=budget, max_new_tokens=32,
                                    stop_ids=[1], builder_params={"k": 8, "width": 4})
         assert got.tokens == w
+
+
+@pytest.mark.parametrize("rows", [1, 3, 4, 11])
+def test_row_invariant_tiling_pads_short_calls_and_splits_long_ones(rows):
+    from dartree.models.packed import pack_weight, packed_linear
+
+    lin = _linear(48, 80, True, seed=3)
+    pack_linears(lin, "onednn", row_invariant=True, min_rows=2, max_rows=4)
+    x = torch.randn(rows, 48, generator=torch.Generator().manual_seed(rows))
+    p = pack_weight(lin.weight)
+    want = []
+    for i in range(0, rows, 4):  # one packed call per 4-row tile, a tile under 2 rows padded with its last row
+        tile = x[i : i + 4]
+        padded = torch.cat([tile, tile[-1:].expand(2 - len(tile), -1)]) if len(tile) < 2 else tile
+        want.append(packed_linear(padded, p, lin.bias)[: len(tile)])
+    assert torch.equal(lin(x), torch.cat(want))
+    assert torch.equal(lin(x[None])[0], torch.cat(want))  # leading dims kept
+    pack_linears(lin, "onednn")  # packed again without the mode: the tiling is gone
+    assert "_dartree_max_rows" not in lin.__dict__ and "_dartree_min_rows" not in lin.__dict__
+
+
+def test_row_invariant_tiling_bad_bounds_are_named():
+    lin = _linear(8, 8, False)
+    with pytest.raises(ValueError, match="1 <= min_rows <= max_rows, got min_rows=4, max_rows=2"):
+        pack_linears(lin, "onednn", row_invariant=True, min_rows=4, max_rows=2)
+    with pytest.raises(ValueError, match="min_rows=0"):
+        pack_linears(lin, "onednn", row_invariant=True, min_rows=0)
+
+
+def test_the_invariant_linear_choice_splits_where_large_calls_round_otherwise(monkeypatch):
+    # a stand-in for AMX oneDNN: calls of more than 32 rows take another blocking, which rounds a row differently
+    import dartree.models.packed as packed
+    from dartree.models.invariant import choose_invariant_linear, linear_is_row_invariant
+
+    real = packed._pointwise()
+
+    def blocked_by_rows(x, w, b, *rest):
+        y = real(x, w, b, *rest)
+        return y + 1e-3 if x.shape[0] > 32 else y
+
+    monkeypatch.setattr(packed, "_pointwise", lambda: blocked_by_rows)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40, bias=False), torch.nn.Linear(40, 24, bias=False))
+    w = model[0].weight.detach()
+    assert not linear_is_row_invariant(w, "onednn", 1) and not linear_is_row_invariant(w, "onednn", 2)
+    assert linear_is_row_invariant(w, "onednn", 1, max_rows=32)
+    assert not linear_is_row_invariant(w, "onednn", 1, max_rows=33)
+    tiling = choose_invariant_linear(model)
+    assert (tiling.backend, tiling.min_rows, tiling.max_rows) == ("onednn", 1, 32)
+    assert "calls over 32 rows split into 32-row calls" in tiling.why and "all 2 weight shapes" in tiling.why

@@ -268,14 +268,20 @@ def _print_maps(args: argparse.Namespace) -> None:
             except ValueError as exc:
                 print(f"\n{dname}, linear {backend}: skipped ({exc})")
                 continue
-            min_rows = 1
-            if invariant and chosen == "onednn":
-                from dartree.models.invariant import linear_is_row_invariant
+            min_rows, max_rows = 1, None
+            if invariant and chosen == "onednn":  # the tiling the mode takes here, else the plain packed call
+                from dartree.models.invariant import choose_invariant_linear
 
-                w = target.model.model.layers[0].mlp.down_proj.weight
-                min_rows = 1 if linear_is_row_invariant(w, "onednn", 1) else 2
-            pack_linears(target.model, chosen, row_invariant=invariant and chosen == "onednn", min_rows=min_rows)
-            pad = f", one-row calls padded to {min_rows}" if min_rows > 1 else ""
+                try:
+                    tiling = choose_invariant_linear(target.model)
+                    if tiling.backend == "onednn":
+                        min_rows, max_rows = tiling.min_rows, tiling.max_rows
+                except ValueError:
+                    pass
+            pack_linears(target.model, chosen, row_invariant=invariant and chosen == "onednn", min_rows=min_rows,
+                         max_rows=max_rows)
+            pad = (f", one-row calls padded to {min_rows}" if min_rows > 1 else "") + (
+                f", calls over {max_rows} rows split" if max_rows is not None else "")
             chosen += {"onednn-invariant": f" (every row count packed{pad})",
                        "row-invariant": f" (every row count packed{pad}) + row-invariant attention"}.get(backend, "")
             for m in args.rows:

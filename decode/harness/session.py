@@ -19,6 +19,7 @@ import torch
 from rich.console import Console
 from tqdm.auto import tqdm
 
+from dartree.decode.precision import drafter_tau, pick_dtype, time_modes
 from dartree.decode.generate import ARStepper, GenerateOutput, autoregressive_generate, speculative_generate
 from dartree.decode.harness.peers import load_bf16_twin, load_zlab_drafter, run_peer
 from dartree.decode.harness.prompts import Prompt, load_prompt_file, load_prompts
@@ -27,7 +28,7 @@ from dartree.decode.harness.report import (annotate_trees, build_report, report_
 from dartree.decode.trees import BUILDERS, builder_name
 from dartree.models.chat import chat_prompt_ids, check_chat_template, messages_prompt_ids, text_prompt_ids
 from dartree.models.checkpoint import CheckpointError, load_dartree
-from dartree.models.dtypes import DTYPES, choose_dtype
+from dartree.models.dtypes import DTYPES, dtype_candidates
 from dartree.models.generation import sampling_problem, sampling_settings
 from dartree.models.generation import stop_ids as target_stop_ids
 from dartree.models.packed import choose_linear, pack_linears, tune_linears
@@ -297,7 +298,64 @@ def _enter_invariant(args: argparse.Namespace, console: Console, target, modes: 
     except ValueError as exc:
         raise Refused(f"error: --invariant on: {exc}") from None
     console.print(note)
-    return None if mode is None else {"linear": mode.linear, "min_rows": mode.min_rows, "why": mode.why}
+    return None if mode is None else {"linear": mode.linear, "min_rows": mode.min_rows, "max_rows": mode.max_rows,
+                                     "why": mode.why}
+
+
+def _measured_dtype(s: "EvalSession", names: list[str], modes: contextlib.ExitStack) -> None:
+    """``--dtype auto`` where several dtypes can decode here: assemble each candidate (``s`` holds the first, already
+    packed), enter the row-invariant mode where it applies, drop bfloat16 where it cannot be exact (no row-invariant
+    path), time the rest interleaved on the first prompt (:func:`dartree.decode.precision.time_modes`) and keep the
+    fastest (:func:`~dartree.decode.precision.pick_dtype`) in ``s``, its mode entered in ``modes``; the others are
+    released. Prints each candidate's lines and the choice.
+
+    Raises:
+        Refused: ``--invariant on`` where no candidate has a row-invariant path.
+    """
+    args, console = s.args, s.console
+    cands, excluded = {}, {}
+    for i, name in enumerate(names):
+        dtype = DTYPES[name]
+        if i == 0:
+            target, dm, lin = s.target, s.dm, (s.linear, s.linear_reason, s.linear_tuning)
+        else:  # the first candidate vetted the target, checkpoint and prompts: these loads only change the dtype
+            target = load_target(args.target, dtype=dtype)
+            dm = load_dartree(args.checkpoint, target=target, dtype=dtype)
+            target.set_layer_ids(dm.drafter.cfg.target_layer_ids)
+            lin = _pack_models(args, console, target, dm, dtype)
+        stack = contextlib.ExitStack()
+        try:
+            inv = _enter_invariant(args, console, target, stack)
+        except Refused as exc:
+            inv, why = None, str(exc)
+        else:
+            why = "no row-invariant path here, so its outputs may split from AR at near-ties"
+        if dtype != torch.float32 and inv is None:
+            excluded[name] = why
+            stack.close()
+            continue
+        cands[dtype] = (target, dm, lin, inv, stack)
+    if not cands:
+        raise Refused("error: --invariant on: " + "; ".join(f"{k}: {v}" for k, v in excluded.items()))
+    tc0 = time.time()
+    costs = time_modes({d: (c[0], c[1].drafter) for d, c in cands.items()}, s.prompt_ids[0]) \
+        if len(cands) > 1 else None
+    if costs is None:
+        best = next(iter(cands))
+        reason = f"{s.dtype_reason}; only {str(best).replace('torch.', '')} is exact here: " + "; ".join(
+            f"{k} ({v})" for k, v in excluded.items())
+    else:
+        choice = pick_dtype(costs, *drafter_tau(s.dm.config), excluded=excluded)
+        best, reason = choice.dtype, f"{choice.reason} (timed in {time.time() - tc0:.1f}s)"
+    for d, c in cands.items():
+        if d != best:
+            c[4].close()
+    target, dm, lin, inv, stack = cands[best]
+    modes.enter_context(stack)
+    s.target, s.dm, s.dtype, s.dtype_reason, s.invariant = target, dm, best, reason, inv
+    s.linear, s.linear_reason, s.linear_tuning = lin
+    args.dtype = str(best).replace("torch.", "")
+    console.print(f"mode: {args.dtype}; {reason}")
 
 
 @dataclass
@@ -574,9 +632,13 @@ def open_session(args: argparse.Namespace, console: Console, modes: contextlib.E
         methods = resolve_methods(args.tree)
     except KeyError as exc:
         raise Refused(f"error: {exc.args[0]}") from None
-    args.dtype, dtype_reason = choose_dtype(args.dtype)
-    dtype = DTYPES[args.dtype]
-    console.print(f"mode: {args.dtype}; {dtype_reason}")
+    names, dtype_reason = dtype_candidates(args.dtype)
+    if len(names) > 1 and (args.invariant == "off" or not methods):  # nothing exact, or nothing, to time bf16 with
+        names = ["float32"]
+        dtype_reason += ("; --invariant off leaves bfloat16 inexact, so float32" if args.invariant == "off" else
+                         "; AR only: no drafter to time a round with, so float32, the exact mode")
+    args.dtype, dtype = names[0], DTYPES[names[0]]
+    console.print(f"mode: {args.dtype if len(names) == 1 else ' or '.join(names) + ' (timed below)'}; {dtype_reason}")
     budgets = list(args.budget)
     budget = budgets[0] if len(budgets) == 1 else budgets
     runs = plan_runs(methods, budgets)
@@ -587,7 +649,10 @@ def open_session(args: argparse.Namespace, console: Console, modes: contextlib.E
                     runs=runs, budget=budget, prompts=prompts, prompt_ids=prompt_ids, prompt_file=prompt_file,
                     encode=encode, stop_ids=stop_ids, sampling=sampling, t0=t0)
     s.linear, s.linear_reason, s.linear_tuning = _pack_models(args, console, target, dm, dtype)
-    s.invariant = _enter_invariant(args, console, target, modes)
+    if len(names) == 1:
+        s.invariant = _enter_invariant(args, console, target, modes)
+    else:
+        _measured_dtype(s, names, modes)
     console.print(f"target {target.name} ({args.dtype}), {len(prompts)} prompts, methods: ar + {methods}, "
                   f"budget {budget}; loaded in {time.time() - t0:.1f}s")
     s.calibrate()
