@@ -124,9 +124,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="dartree checkpoint folder")
     ap.add_argument("--target", default=DEFAULT_TARGET, help="'smollm2' or a local Hugging Face folder")
     ap.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
-                    help="target and drafter dtype; auto: bfloat16 where the hardware has native bf16 matrix "
-                         "arithmetic (CUDA, or a CPU with oneDNN bf16), else float32 (the exact mode); the run prints "
-                         "which and why")
+                    help="target and drafter dtype; auto: bfloat16 on CUDA, float32 on a CPU without native bf16 "
+                         "matrix arithmetic; on a CPU with it (oneDNN bf16), bfloat16 in the row-invariant mode and "
+                         "float32 are timed at start-up and the faster decodes; the run prints which and why")
     ap.add_argument("--linear", default="auto", choices=list(LINEAR_BACKENDS),
                     help="matmul path of the target's and drafter's linear layers: onednn (weights prepacked once, "
                          "the fast small-M path on CPU), aten (plain F.linear), auto (onednn where it can run); "

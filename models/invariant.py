@@ -380,9 +380,9 @@ def enter_invariant(requested: str, target, stack) -> tuple[row_invariant | None
 
     Args:
         requested: ``on`` (the mode, or an error), ``off`` (the default kernels) or ``auto``: the mode where it
-            costs little and is needed, a CPU target in bfloat16 (measured on an AVX-512-BF16 Zen 5: AR step -8%,
-            verify +2-4%, and without it most bf16 outputs split from AR at near-ties), if a row-invariant linear
-            path is measured here; float32 keeps the default kernels (its splits have not been seen, and the mode
+            is needed, a CPU target in bfloat16 (without it bf16 outputs split from AR at near-ties; its cost per
+            forward on a Zen 5 and an AMX Xeon is in docs/invariance.md, "Cost"), if a row-invariant linear path is
+            measured here; float32 keeps the default kernels (its splits have not been seen, and the mode
             costs its AR step about +25% there: one-row linear calls padded to two, the packed path for every row
             count); a CUDA target keeps them too (the Triton path, :class:`row_invariant` with
             ``backend="triton"``, is entered by ``on`` only until it has been measured on a device); other dtypes
