@@ -58,13 +58,13 @@ gpu-check: $(VENV_DEP)
 	$(PY) kernels/gpu_check.py --out reports/gpu_check.json
 
 test: setup
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest tests
 
 # The fast subset (836 of 896 tests, 6.6 min on 2 cores of an AMD EPYC, AVX2): every test but those marked slow
 # (subprocesses, DeepSpeed / torchrun, end-to-end training, or over 20 s alone; the marker is registered in
 # pyproject.toml). `make test` still runs them all.
 test-fast: setup
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -m "not slow" tests
 
 train: setup
 	$(PY) training/train.py recipe=dspark_b16

@@ -37,12 +37,14 @@ class Generation:
     """One generated answer.
 
     Attributes:
-        text: the generated tokens decoded (special tokens kept, so an end-of-turn token shows).
+        text: the generated tokens decoded as users' tools decode an answer (``skip_special_tokens=True``: no
+            end-of-turn token such as ``<|im_end|>``); :attr:`raw_text` keeps them.
         tokens: generated token ids (prompt excluded; ends at the first of the target's end ids, inclusive).
         prompt_ids: the prompt's token ids as fed to the target (after the chat template).
         stats: :class:`~dartree.decode.generate.DecodeStats` (``tau``, ``accept_lengths``, ``rounds``, per-stage
             seconds, ``prefill_s``, ``decode_s``).
         seconds: wall time of the call (prefill, decode and any budget calibration).
+        raw_text: the same tokens decoded with special tokens kept.
     """
 
     text: str
@@ -50,6 +52,7 @@ class Generation:
     prompt_ids: list[int]
     stats: DecodeStats
     seconds: float
+    raw_text: str = ""
 
     @property
     def tokens_per_s(self) -> float:
@@ -110,8 +113,9 @@ class SpeculativeDecoder:
 
     def _finish(self, out, prompt_ids: list[int], t0: float) -> Generation:
         tok = self.target.tokenizer
-        text = tok.decode(out.tokens) if tok is not None else ""
-        return Generation(text, list(out.tokens), prompt_ids, out.stats, time.perf_counter() - t0)
+        text = tok.decode(out.tokens, skip_special_tokens=True) if tok is not None else ""
+        raw = tok.decode(out.tokens) if tok is not None else ""
+        return Generation(text, list(out.tokens), prompt_ids, out.stats, time.perf_counter() - t0, raw_text=raw)
 
     def generate(self, prompt: str | Sequence[dict] | Sequence[int], *, max_new_tokens: int = 256,
                  tree: str = "pruned", budget: int | str | None = None, temperature: float = 0.0, seed: int = 0,

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dartree.models.checkpoint import CheckpointError, dartree_config, expected_tensors
+from dartree.models.target import model_id
 from dartree.models.validate import Flag, Range
 
 QWEN3 = ("hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, "
@@ -533,7 +534,7 @@ def export_config(config: dict, fmt: str, *, heads: tuple[str, ...], proposal_of
     if ctx is not None:
         out["max_position_embeddings"] = ctx
     if tgt.get("name"):
-        out["_name_or_path"] = tgt["name"]
+        out["_name_or_path"] = model_id(tgt["name"])  # resolvable elsewhere, never a local cache path
     return out
 
 

@@ -47,13 +47,16 @@ def _ensure_exportable_destination(dest: Path) -> None:
                               "choose a new --out folder")
 
 
-def export(src: str | Path, out: str | Path, *, to: str, target=None) -> Path:
+def export(src: str | Path, out: str | Path, *, to: str, target=None, verifier: str | None = None) -> Path:
     """Write the dartree checkpoint ``src`` in the published layout ``to`` at ``out`` (atomically); returns ``out``.
 
     Args:
         src: dartree checkpoint folder. out: destination folder. to: one of :data:`EXPORT_FORMATS`.
         target: optional :class:`~dartree.models.target.Target`; layouts of the format registry use it (speculators:
-            the verifier path, and the lm_head rows of a reduced draft vocabulary).
+            the verifier, and the lm_head rows of a reduced draft vocabulary).
+        verifier: the target's model id to record (``_name_or_path``; speculators' ``verifier.name_or_path``) in
+            place of the one derived from the target (:func:`dartree.models.target.model_id`), e.g. the hub id of a
+            local folder that records none.
     Raises:
         CheckpointError: ``src`` is not a valid dartree checkpoint (strict load), ``to`` is unknown, the drafter
             does not fit ``target`` (both values named), or the drafter / head cannot be expressed in ``to`` (the
@@ -69,6 +72,11 @@ def export(src: str | Path, out: str | Path, *, to: str, target=None) -> Path:
     config = with_target_context(load_dartree(src, target=target).config, target)  # the context length to write
     tensors = read_safetensors(src / "model.safetensors")
     published, mapped = FORMAT_PAIRS[to].write(config, tensors, target, where=src)
+    if verifier:
+        if "speculators_config" in published:
+            published["speculators_config"]["verifier"]["name_or_path"] = verifier
+        else:
+            published["_name_or_path"] = verifier
     write_folder_atomically(out, {"config.json": json.dumps(published, indent=2).encode(),
                                   "model.safetensors": {"tensors": mapped, "metadata": {"format": "pt"}}})
     return out
@@ -82,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--target", help="the target (smollm2, tiny-qwen3 or a local HF folder); speculators exports record "
                                      "it as the verifier and need it for a reduced draft vocabulary")
+    ap.add_argument("--verifier", metavar="MODEL_ID",
+                    help="the target's model id to record (default: the hub id of the packaged target, or the one a "
+                         "local folder's config.json records, else the folder): what a server loads the verifier from")
     args = ap.parse_args(argv)
     try:
         target = None
@@ -89,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             from dartree.models.target import load_target
 
             target = load_target(args.target)
-        export(args.src, args.out, to=args.to, target=target)
+        export(args.src, args.out, to=args.to, target=target, verifier=args.verifier)
     except CheckpointError as exc:
         return fail(str(exc))
     except OSError as exc:

@@ -48,6 +48,7 @@ from dartree.convert import formats as F
 from dartree.convert.registry import FormatPair
 from dartree.models.validate import Range
 from dartree.models.checkpoint import CheckpointError, dartree_config, expected_tensors
+from dartree.models.target import model_id
 
 NAME = "speculators"
 _TYPES = {"dflash": "DFlashSpeculator", "dflash2": "DFlash2DraftModel", "dspark": "DSparkSpeculator"}
@@ -248,8 +249,10 @@ def write(config: dict, tensors: dict, target=None, where="the checkpoint") -> t
     ``identity`` heads become ``dflash``, ``markov`` / ``gated_markov`` / ``rnn`` become ``dspark``, ``selector``
     (with DFlash 2 convolutions) becomes ``dflash2`` (its ``sliding_window_non_causal`` default, true, is written;
     the layers are full attention, so it acts on nothing);
-    ``sample_from_anchor`` = (proposal_offset == 0); the verifier is ``target`` when given (its folder, so
-    speculators' ``from_pretrained`` reloads the embedding, heads and norm from it), else the recorded target name.
+    ``sample_from_anchor`` = (proposal_offset == 0); the verifier is ``target`` when given, else the recorded target
+    name, written as a model id another machine resolves (:func:`dartree.models.target.model_id`: the hub id of the
+    packaged default target, not this machine's cache folder), so speculators' ``from_pretrained`` and vLLM reload the
+    embedding, heads and norm from it there.
     The config is built and validated through speculators' own config classes when the package is importable.
     ``where`` is unused (every message names the drafter's fields).
 
@@ -275,7 +278,8 @@ def write(config: dict, tensors: dict, target=None, where="the checkpoint") -> t
     sfa = d["proposal_offset"] == 0
     block = int(d["block_size"])
     tcfg = getattr(target, "config", None)
-    verifier = str(getattr(tcfg, "_name_or_path", "") or getattr(target, "name", "") or ident.get("name") or "")
+    # a model id a server resolves, never this machine's cache path (model_id)
+    verifier = model_id(getattr(tcfg, "_name_or_path", "") or getattr(target, "name", "") or ident.get("name") or "")
     archs = list(getattr(tcfg, "architectures", None) or [])
     tl = {"model_type": "qwen3", "vocab_size": vocab, "hidden_size": d["hidden_size"],
           "intermediate_size": d["intermediate_size"], "num_hidden_layers": d["num_layers"],

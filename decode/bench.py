@@ -37,7 +37,9 @@ from rich.table import Table
 
 from dartree.decode.generate import STAGES, autoregressive_generate, speculative_generate
 from dartree.decode.harness.prompts import add_prompt_source_args, load_prompt_file, load_prompts
-from dartree.models.chat import chat_prompt_ids, messages_prompt_ids
+from dartree.decode.harness.session import encode_prompts, prompt_encoder
+from dartree.decode.inputs import check_prompt_set
+from dartree.models.chat import chat_prompt_ids
 from dartree.decode.trees import Tree, builder_name
 from dartree.decode.verify import compile_tree
 from dartree.models.cli import fail
@@ -305,8 +307,12 @@ def _bench_one(args, console, result: dict, combos: dict, dname: str, linear: st
         tok = target.tokenizer
         stop = target_stop_ids(target)  # every id at which the target's own generate stops
         chosen = file_prompts if prompt_file else [p for d in args.datasets for p in load_prompts(d, args.limit, 0)]
-        prompts = [chat_prompt_ids(tok, p.text) if p.messages is None else messages_prompt_ids(tok, p.messages)
-                   for p in chosen]
+        try:  # the checks eval applies, in the same words: each prompt fits the context, the target allows a tree
+            prompts = encode_prompts(prompt_encoder(tok, "auto", {}), chosen, target, args.max_new_tokens)
+            check_prompt_set(target, prompts, [f"{p.dataset}:{p.id}" for p in chosen], args.max_new_tokens,
+                             dm.drafter.cfg.num_proposals)
+        except ValueError as exc:
+            return fail(str(exc))
         warm = chat_prompt_ids(tok, "Say hello.")
         autoregressive_generate(target, warm, max_new_tokens=8, stop_ids=stop)
         ar = [autoregressive_generate(target, ids, max_new_tokens=args.max_new_tokens, stop_ids=stop) for ids in prompts]

@@ -169,6 +169,28 @@ def check_context(target, prompt_len: int, max_new_tokens: int, what: str = "pro
                      f"(max_position_embeddings): {room}")
 
 
+def check_prompt_set(target, prompt_ids: list[list[int]], labels: list[str], max_new_tokens: int, depth: int = 0,
+                     fix: str = "lower --max-new-tokens") -> None:
+    """The checks every program applies to a set of prompts before it loads more, calibrates or decodes (eval, bench,
+    the campaign's evaluations): each prompt plus ``max_new_tokens`` fits the target's context
+    (:func:`check_context`), and, for a speculative decode reaching ``depth`` tokens past the committed ones, the
+    target's rope and cache layers allow it (:func:`dartree.models.target.check_speculative_target`).
+
+    Args:
+        target: a :class:`~dartree.models.target.Target`. prompt_ids: [T_i] id lists. labels: one name per prompt
+            for the message (``gsm8k:3``). max_new_tokens: the decode's length cap. depth: the deepest tree node or
+            lookup token (0: AR only). fix: how the caller lowers the length cap.
+    Raises:
+        ValueError: one line naming the first prompt or target that does not fit, and the fix.
+    """
+    from dartree.models.target import check_speculative_target
+
+    for ids, label in zip(prompt_ids, labels):
+        check_context(target, len(ids), max_new_tokens, f"prompt {label}", fix)
+    if depth > 0 and prompt_ids:
+        check_speculative_target(target, max(map(len, prompt_ids)) + max_new_tokens + depth)
+
+
 # the parameters every tree builder takes (dartree.decode.trees registers the builders)
 COMMON_PARAMS = frozenset({"k", "width", "beta", "children", "backend"})
 

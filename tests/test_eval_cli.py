@@ -467,10 +467,10 @@ def test_eval_cli_prompts_file_replaces_the_packaged_sets(tiny_folder, tmp_path,
     from dartree.decode.eval import main
 
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"text": "ok"}\n{"prompt": "no text"}\n')
+    bad.write_text('{"text": "ok"}\n{"input_text": "no prompt field"}\n')
     assert main(["--prompts", str(bad), "--target", str(tiny_folder / "target"), "--tree", "ar"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith(f"error: --prompts {bad}:2: neither a \"text\" string nor \"messages\"")
+    assert err[-1].startswith(f"error: --prompts {bad}:2: no prompt field (fields ['input_text'])")
     assert "Traceback" not in "".join(err)
     with pytest.raises(SystemExit) as info:  # argparse: the two prompt sources are mutually exclusive
         main(["--prompts", str(f), "--datasets", "gsm8k"])
@@ -555,3 +555,27 @@ def test_eval_dtype_auto_times_the_exact_modes_and_keeps_the_faster(tiny_folder,
     assert eval_main([*args, "--tree", "chain", "--invariant", "off", "--out", str(tmp_path / "off")]) == 0
     env = json.loads((tmp_path / "off" / "report.json").read_text())["environment"]
     assert env["dtype"] == "float32" and "--invariant off leaves bfloat16 inexact" in env["dtype_reason"]
+
+
+@pytest.mark.parametrize("program", ["eval", "bench"])
+def test_eval_and_bench_refuse_a_prompt_past_the_context_in_the_same_words(tiny_folder, tmp_path, program, capsys):
+    """The same --prompts file and --max-new-tokens reach decoding through one check in both programs: one line
+    naming the prompt, exit 2 (bench crashed with a traceback)."""
+    from dartree.decode.bench import main as bench_main
+    from dartree.decode.eval import main as eval_main
+    from dartree.models.chat import chat_prompt_ids
+    from dartree.models.target import load_target
+
+    target = _target_copy(tiny_folder, tmp_path, config={"max_position_embeddings": 128})
+    f = tmp_path / "long.jsonl"
+    f.write_text(json.dumps({"text": "Short."}) + "\n" + json.dumps({"text": "word " * 150}) + "\n")
+    n = len(chat_prompt_ids(load_target(target).tokenizer, "word " * 150))
+    args = ["--prompts", str(f), "--limit", "2", "--target", str(target), "--checkpoint", str(tiny_folder / "ckpt"),
+            "--max-new-tokens", "8", "--threads", "1", "--out", str(tmp_path / "out")]
+    code = eval_main([*args, "--tree", "chain", "--no-plots"]) if program == "eval" else \
+        bench_main([*args, "--tree", "chain", "--budget", "2", "--reps", "1"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "Traceback" not in "\n".join(err)
+    assert err[-1].startswith(f"error: prompt {f} sha256:") and err[-1].endswith(
+        f":2 has {n} tokens; with max_new_tokens=8 the decode needs {n + 8} positions, over the target's context of "
+        "128 (max_position_embeddings): shorten the prompt to at most 120 tokens")

@@ -44,3 +44,23 @@ def test_scripts_run_from_repo_root():
         r = subprocess.run([sys.executable, script, "--help"], cwd=REPO, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, (script, r.stderr[-2000:])
         assert "dartree" in r.stdout.lower() or "recipe" in r.stdout.lower()
+
+
+@pytest.mark.parametrize("target", ["test", "test-fast"])
+def test_the_make_test_commands_end_with_pytests_summary_line(target, tmp_path):
+    # `make test` runs pytest with the Makefile's options on top of pyproject's addopts; a doubled -q drops the
+    # closing "N passed ..." line that users and CI read
+    import re
+    import shlex
+
+    rule = re.search(rf"^{re.escape(target)}:.*\n\t\$\(PY\) -m pytest ((?:.* )?)tests$", (REPO / "Makefile").read_text(),
+                     flags=re.M)
+    assert rule, f"the Makefile's {target} rule runs pytest on tests/"
+    probe = tmp_path / "test_probe.py"
+    probe.write_text("import pytest\n\ndef test_a():\n    assert 1 + 1 == 2\n\n"
+                     "@pytest.mark.skip(reason='probe')\ndef test_b():\n    pass\n")
+    r = subprocess.run([sys.executable, "-m", "pytest", *shlex.split(rule.group(1)), str(probe), "-p",
+                        "no:cacheprovider", "-c", str(REPO / "pyproject.toml"), "--rootdir", str(tmp_path)],
+                       cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert re.search(r"^1 passed, 1 skipped in [0-9.]+s", r.stdout, flags=re.M), r.stdout

@@ -46,10 +46,12 @@ def test_text_file_one_prompt_per_line(tmp_path):
 
 
 @pytest.mark.parametrize("name, content, expected", [
-    ("no_field.jsonl", '{"text": "ok"}\n{"prompt": "x"}\n', r":2: neither a \"text\" string nor \"messages\" \(fields \['prompt'\]\)"),
+    ("no_field.jsonl", '{"text": "ok"}\n{"input_text": "x"}\n', r":2: no prompt field \(fields \['input_text'\]\)"),
     ("bad_json.jsonl", '{"text": "ok"}\n{"text": "unterminated\n', r":2: not JSON \(Unterminated string"),
     ("list.jsonl", '["text"]\n', r":1: a JSON list, not an object"),
-    ("number_text.jsonl", '{"text": 5}\n', r":1: neither a \"text\" string nor \"messages\" \(a non-string \"text\"\)"),
+    ("number_text.jsonl", '{"text": 5}\n', r":1: \"text\" is int, not a string"),
+    ("bad_turns.jsonl", '{"turns": []}\n', r":1: \"turns\" is not a non-empty list of strings"),
+    ("bad_sharegpt.jsonl", '{"conversations": [{"from": "gpt", "value": "hi"}]}\n', r":1: \"conversations\" has no human"),
     ("empty_messages.jsonl", '{"messages": []}\n', r":1: \"messages\" is an empty list"),
     ("bad_message.jsonl", '{"messages": [{"role": "user"}]}\n', r":1: \"messages\"\[0\] is not an object with"),
     ("empty.jsonl", "", r": holds no prompt \(empty or blank lines only\)"),
@@ -63,7 +65,7 @@ def test_bad_files_are_one_line_errors_naming_file_line_and_fix(tmp_path, name, 
     assert "\n" not in msg and msg.startswith(str(f))
     assert re.search(expected, msg), msg
     if name != "blank.txt":
-        assert 'give one JSON object per line with a "text" string or a "messages" list' in msg
+        assert 'give one JSON object per line with a "text" (or "prompt", "question", "instruction") string' in msg
 
 
 def test_missing_and_non_utf8_files_and_bad_limit(tmp_path):
@@ -107,3 +109,25 @@ def test_eval_and_bench_refuse_a_bad_prompt_file_in_one_line_before_loading_a_mo
     with pytest.raises(SystemExit) as info:  # the packaged sets and a file are mutually exclusive
         mod.main(["--prompts", str(bad), "--datasets", "gsm8k"])
     assert info.value.code == 2 and "argument --datasets: not allowed with argument --prompts" in capsys.readouterr().err
+
+
+def test_the_shapes_other_tools_write_and_a_byte_order_mark(tmp_path):
+    # vLLM / SGLang benchmark files ("prompt"), GSM8K ("question"), Alpaca ("instruction" + "input"), MT-Bench question
+    # files ("turns": the first), ShareGPT ("conversations", cut after the last human turn), saved with a BOM
+    rows = [{"prompt": "Say hi.", "output_len": 64}, {"question": "What is 2 + 2?", "answer": "4"},
+            {"instruction": "Translate.", "input": "Bonjour"}, {"instruction": "List primes.", "input": ""},
+            {"question_id": 81, "turns": ["Write a poem.", "Now shorter."]},
+            {"conversations": [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"},
+                               {"from": "gpt", "value": "Hello!"}, {"from": "human", "value": "Bye"},
+                               {"from": "gpt", "value": "Bye!"}]}]
+    f = tmp_path / "other.jsonl"
+    f.write_bytes(b"\xef\xbb\xbf" + "\n".join(json.dumps(r) for r in rows).encode("utf-8"))
+    prompts, record = load_prompt_file(f)
+    assert [p.text for p in prompts] == ["Say hi.", "What is 2 + 2?", "Translate.\n\nBonjour", "List primes.",
+                                         "Write a poem.", "Bye"]
+    assert [p.messages for p in prompts[:5]] == [None] * 5 and record["format"] == "jsonl"
+    assert prompts[5].messages == [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+                                   {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye"}]
+    t = tmp_path / "bom.txt"
+    t.write_bytes(b"\xef\xbb\xbfFirst prompt.\nSecond.\n")
+    assert [p.text for p in load_prompt_file(t)[0]] == ["First prompt.", "Second."]  # no U+FEFF in the text

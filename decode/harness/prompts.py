@@ -8,7 +8,8 @@
 Each set is shuffled with ``random.Random(seed)`` before taking the first ``limit`` prompts.
 
 :func:`load_prompt_file` reads the user's own prompts instead (``--prompts FILE`` of ``decode/eval.py`` and
-``decode/bench.py``): JSONL lines with a ``text`` or a ``messages`` field, or plain text with one prompt per line.
+``decode/bench.py``): JSONL lines with a ``text`` or a ``messages`` field (or the shapes vLLM, SGLang, ShareGPT and
+MT-Bench files use), or plain text with one prompt per line.
 """
 
 from __future__ import annotations
@@ -106,8 +107,50 @@ def load_prompts(dataset: str, limit: int, seed: int = 0) -> list[Prompt]:
 
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
-_FILE_FIX = ('give one JSON object per line with a "text" string or a "messages" list '
-             '([{"role": "user", "content": "..."}]), or a .txt file with one prompt per line')
+# The JSONL line shapes read, in this order of precedence (the first field present decides): one user turn as a
+# string (ours; vLLM's and SGLang's benchmark files; GSM8K; Alpaca with its optional "input"), a chat (OpenAI
+# messages; ShareGPT's "conversations" with "from"/"value"), MT-Bench's question files ("turns": the first turn).
+TEXT_FIELDS = ("text", "prompt", "question", "instruction")
+_FILE_FIX = ('give one JSON object per line with a "text" (or "prompt", "question", "instruction") string, a "messages" '
+             'list ([{"role": "user", "content": "..."}]), a ShareGPT "conversations" list or an MT-Bench "turns" list, '
+             'or a .txt file with one prompt per line')
+_SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "system": "system",
+                   "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+
+
+def _row_prompt(row: dict) -> tuple[str, list[dict] | None] | str:
+    """The prompt of one JSONL object as (user text, chat messages or None), or why it has none (a string).
+
+    Shapes (:data:`TEXT_FIELDS`, then): ``messages`` [{"role", "content"}] (the whole chat is the prompt);
+    ``conversations`` [{"from", "value"}] (ShareGPT: converted to messages, cut after the last human turn, so the
+    target answers it); ``turns`` [str, ...] (MT-Bench: the first turn, as the packaged ``mtbench`` set takes it).
+    An Alpaca ``instruction`` with a non-empty ``input`` string is the two joined by a blank line.
+    """
+    for key in TEXT_FIELDS:
+        if key in row and not isinstance(row[key], str):
+            return f'"{key}" is {type(row[key]).__name__}, not a string'
+        if key in row:
+            extra = row.get("input") if key == "instruction" else None
+            return (row[key] + "\n\n" + extra if isinstance(extra, str) and extra.strip() else row[key]), None
+    if "messages" in row:
+        why = _messages_problem(row["messages"])
+        return why if why is not None else (row["messages"][-1]["content"], row["messages"])
+    if "conversations" in row:
+        conv = row["conversations"]
+        if not isinstance(conv, list) or not all(isinstance(t, dict) and isinstance(t.get("value"), str)
+                                                 and t.get("from") in _SHAREGPT_ROLES for t in conv):
+            return ('"conversations" is not a list of {"from": human|gpt|system, "value": string} turns')
+        msgs = [{"role": _SHAREGPT_ROLES[t["from"]], "content": t["value"]} for t in conv]
+        last = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=None)
+        if last is None:
+            return '"conversations" has no human turn to answer'
+        return msgs[last]["content"], msgs[: last + 1]
+    if "turns" in row:
+        turns = row["turns"]
+        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
+            return '"turns" is not a non-empty list of strings'
+        return turns[0], None
+    return None
 
 
 def _messages_problem(messages) -> str | None:
@@ -126,8 +169,10 @@ def load_prompt_file(path: str | Path, limit: int | None = None) -> tuple[list[P
     Formats: JSONL (suffix ``.jsonl`` / ``.ndjson``, or any suffix but ``.txt`` whose first non-blank line starts
     with ``{``): one object per line with a ``text`` string (one user turn, rendered like the packaged sets) or a
     ``messages`` list of ``{"role", "content"}`` strings (a whole chat, rendered through the target's chat template
-    with the generation prompt added); other fields are ignored, ``text`` wins when a line has both. Anything else is
-    plain text: one prompt per line (UTF-8, blank lines skipped, the line's own whitespace kept but its end of line).
+    with the generation prompt added), or the shapes other tools write (:func:`_row_prompt`: ``prompt``,
+    ``question``, ``instruction`` [+ ``input``], ShareGPT ``conversations``, MT-Bench ``turns``); other fields are
+    ignored, the first shape present wins. Anything else is plain text: one prompt per line (UTF-8, blank lines
+    skipped, the line's own whitespace kept but its end of line). A UTF-8 byte-order mark at the start is dropped.
 
     Args:
         path: the file. limit: keep the first ``limit`` prompts (None: all; every line is checked either way); the
@@ -138,7 +183,7 @@ def load_prompt_file(path: str | Path, limit: int | None = None) -> tuple[list[P
         file's bytes, "format": "jsonl" | "text", "name": the data set name, "prompts": count returned}``.
     Raises:
         ValueError: the file is missing, unreadable, not UTF-8 or holds no prompt; a JSONL line that is not JSON,
-            not an object, or has neither a ``text`` string nor a valid ``messages`` list; or a bad ``limit``. One
+            not an object, or has none of the shapes above (or a malformed one); or a bad ``limit``. One
             line naming the file (and the line number) and the fix.
     """
     if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 0):
@@ -150,7 +195,7 @@ def load_prompt_file(path: str | Path, limit: int | None = None) -> tuple[list[P
         raise ValueError(f"{path}: cannot read the prompt file ({exc.strerror or type(exc).__name__}); "
                          "give an existing JSONL or text file") from None
     try:
-        lines = data.decode("utf-8").splitlines()
+        lines = data.decode("utf-8-sig").splitlines()  # a byte-order mark (Windows editors write one) is not text
     except UnicodeDecodeError as exc:
         raise ValueError(f"{path}: byte {exc.start} is not UTF-8; save the prompt file as UTF-8") from None
     digest = hashlib.sha256(data).hexdigest()
@@ -171,16 +216,13 @@ def load_prompt_file(path: str | Path, limit: int | None = None) -> tuple[list[P
             raise ValueError(f"{path}:{no}: not JSON ({exc.msg} at column {exc.colno}); {_FILE_FIX}") from None
         if not isinstance(row, dict):
             raise ValueError(f"{path}:{no}: a JSON {type(row).__name__}, not an object; {_FILE_FIX}")
-        if isinstance(row.get("text"), str):
-            prompts.append(Prompt(name, str(no), row["text"]))
-        elif "messages" in row:
-            why = _messages_problem(row["messages"])
-            if why is not None:
-                raise ValueError(f"{path}:{no}: {why}; {_FILE_FIX}")
-            prompts.append(Prompt(name, str(no), row["messages"][-1]["content"], messages=row["messages"]))
-        else:
-            have = "a non-string \"text\"" if "text" in row else f"fields {sorted(row)}" if row else "no fields"
-            raise ValueError(f"{path}:{no}: neither a \"text\" string nor \"messages\" ({have}); {_FILE_FIX}")
+        got = _row_prompt(row)
+        if isinstance(got, str):
+            raise ValueError(f"{path}:{no}: {got}; {_FILE_FIX}")
+        if got is None:
+            have = f"fields {sorted(row)}" if row else "no fields"
+            raise ValueError(f"{path}:{no}: no prompt field ({have}); {_FILE_FIX}")
+        prompts.append(Prompt(name, str(no), got[0], messages=got[1]))
     if not prompts:
         raise ValueError(f"{path}: holds no prompt (empty or blank lines only); {_FILE_FIX}")
     prompts = prompts[:limit]
@@ -197,6 +239,8 @@ def add_prompt_source_args(ap) -> None:
                         help="packaged prompt sets")
     source.add_argument("--prompts", metavar="FILE", default=None,
                         help="your own prompts instead of the packaged sets: JSONL lines with a \"text\" string (one "
-                             "user turn) or a \"messages\" chat list (rendered with the target's chat template), or a "
+                             "user turn; also \"prompt\", \"question\", \"instruction\") or a \"messages\" chat list "
+                             "(rendered with the target's chat template; also ShareGPT \"conversations\", MT-Bench "
+                             "\"turns\": the first), or a "
                              "text file with one prompt per line; the first --limit of them in file order; the report "
                              "names the file and its sha256 as the data set")

@@ -20,6 +20,7 @@ from rich.console import Console
 from tqdm.auto import tqdm
 
 from dartree.decode.precision import drafter_tau, pick_dtype, time_modes
+from dartree.decode.inputs import check_prompt_set
 from dartree.decode.generate import ARStepper, GenerateOutput, autoregressive_generate, speculative_generate
 from dartree.decode.harness.peers import load_bf16_twin, load_zlab_drafter, run_peer
 from dartree.decode.harness.prompts import Prompt, load_prompt_file, load_prompts
@@ -32,7 +33,7 @@ from dartree.models.dtypes import DTYPES, dtype_candidates
 from dartree.models.generation import sampling_problem, sampling_settings
 from dartree.models.generation import stop_ids as target_stop_ids
 from dartree.models.packed import choose_linear, pack_linears, tune_linears
-from dartree.models.target import check_speculative_target, load_target
+from dartree.models.target import load_target
 
 LOOKUP_SUFFIX = "+lookup"  # BUILDER+lookup: the builder's tree with a prompt-lookup chain grafted on (decode/lookup.py)
 
@@ -96,10 +97,8 @@ def encode_prompts(encode: Callable[[str], list[int]], prompts: list[Prompt], ta
         one [T_i] id list per prompt.
     Raises:
         ValueError: the chat template fails on a prompt, or a prompt plus ``max_new_tokens`` does not fit the
-            target's context (:func:`dartree.decode.inputs.check_context`); one line naming the prompt.
+            target's context (:func:`dartree.decode.inputs.check_prompt_set`); one line naming the prompt.
     """
-    from dartree.decode.inputs import check_context
-
     out = []
     for p in prompts:
         try:
@@ -107,8 +106,8 @@ def encode_prompts(encode: Callable[[str], list[int]], prompts: list[Prompt], ta
         except Exception as exc:  # a template's own error (jinja2, ValueError, ...): one line naming the prompt
             raise ValueError(f"the chat template failed on prompt {p.dataset}:{p.id}: {type(exc).__name__}: "
                              f"{(str(exc).strip().splitlines() or [''])[0]}") from None
-        check_context(target, len(ids), max_new_tokens, f"prompt {p.dataset}:{p.id}", "lower --max-new-tokens")
         out.append(ids)
+    check_prompt_set(target, out, [f"{p.dataset}:{p.id}" for p in prompts], max_new_tokens)
     return out
 
 
@@ -251,7 +250,7 @@ def _load_drafter_and_prompts(args: argparse.Namespace, target, dtype: torch.dty
         prompt_ids = encode_prompts(encode, prompts, target, args.max_new_tokens)
         if dm is not None:  # a verify tree reaches a proposal (depth <= P) or a lookup token (depth <= --lookup)
             depth = max(dm.drafter.cfg.num_proposals, args.lookup if any(LOOKUP_SUFFIX in m for m in methods) else 0)
-            check_speculative_target(target, max(map(len, prompt_ids), default=0) + args.max_new_tokens + depth)
+            check_prompt_set(target, prompt_ids, [f"{p.dataset}:{p.id}" for p in prompts], args.max_new_tokens, depth)
     except ValueError as exc:
         raise Refused(f"error: {exc}") from None
     return dm, prompts, prompt_ids
