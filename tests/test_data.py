@@ -150,6 +150,37 @@ def test_every_turn_is_the_targets_own_greedy_answer_to_its_history_and_resumes(
     assert _answers(row)[1] == autoregressive_generate(target, hist, max_new_tokens=10, stop_ids=[STOP]).tokens
 
 
+def test_requeued_follow_ups_and_groups_give_the_same_conversations(target, tmp_path):
+    """The GPU schedule: each next turn requeued as a whole-history prompt (not continued alone in its slot), a
+    refill threshold, and conversations entering group by group with a callback as each one completes. In fp32 the
+    file equals the default schedule's; every conversation completes once, groups finish in order."""
+    from dartree.training.data import RegenOptions
+
+    dialogues = random_dialogues(8, 3, 5, 96, seed=4, stop_id=STOP)
+    ref = regenerate_dialogues(target, _spec(), dialogues, tmp_path / "follow", stop_id=STOP).read_text()
+    groups = [1, 1, 0, 0, 2, 2, 0, 1]
+    finished = []
+    opts = RegenOptions(requeue=True, min_free=2, prefill_tokens=16, groups=groups, on_complete=finished.append)
+    got = regenerate_dialogues(target, _spec(batch_size=3), dialogues, tmp_path / "requeue", stop_id=STOP,
+                               options=opts).read_text()
+    assert got == ref
+    assert sorted(finished) == list(range(8))
+    order = [groups[c] for c in finished]  # the first 3 slots hold group 0; group 2 enters last
+    assert order[0] == 0 and sum(i for i, g in enumerate(order) if g == 2) / 2 > sum(
+        i for i, g in enumerate(order) if g == 0) / 3, order
+    # a resumed run reports the conversations an earlier run finished before anything is generated
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    rows = [json.loads(line) for line in ref.splitlines()]
+    one = [r for r in rows if r["turns"] == 1][0]
+    (cut / "responses.partial.jsonl").write_text(json.dumps({"index": one["index"], "turn": 0,
+                                                             "response_ids": _answers(one)[0]}) + "\n")
+    again = []
+    got = regenerate_dialogues(target, _spec(), dialogues, cut, stop_id=STOP,
+                               options=RegenOptions(requeue=True, on_complete=again.append)).read_text()
+    assert got == ref and again[0] == one["index"] and sorted(again) == list(range(8))
+
+
 def _answers(row):
     """The answers of one row, split at the mask's 0 -> 1 edges."""
     out, prev = [], 0

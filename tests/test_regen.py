@@ -106,11 +106,43 @@ def test_continuous_greedy_packs_linears_only_while_it_runs(target, stop_and_ref
         list(continuous_greedy(target.model, prompts, max_new_tokens=2, stop_id=stop, linear="mkl"))
 
 
+@pytest.mark.parametrize("min_free,prefill_tokens", [(4, 20), (13, 4096), (2, 1)])
+def test_a_refill_threshold_and_other_prefill_sizes_keep_every_row_greedy(target, stop_and_reference, min_free,
+                                                                          prefill_tokens):
+    """The GPU schedule (refill only once min_free slots are free, larger or smaller prefill forwards) changes when
+    rows enter, never their tokens: each still equals one-prompt-at-a-time greedy decoding (fp32)."""
+    prompts, stop, ref = stop_and_reference
+    got = dict(continuous_greedy(target.model, prompts, max_new_tokens=MAX_NEW, stop_id=stop, slots=6,
+                                 min_free=min_free, prefill_tokens=prefill_tokens))
+    assert sorted(got) == list(range(len(prompts)))
+    assert [got[i] for i in range(len(prompts))] == ref
+
+
+def test_a_refill_threshold_waits_for_free_slots(target, stop_and_reference, monkeypatch):
+    """With min_free=3 of 4 slots, no prefill runs while only 1 or 2 slots are free (and rows remain queued)."""
+    import dartree.training.regen as regen
+
+    prompts, stop, _ = stop_and_reference
+    seen = []
+    real = regen._SlotRun.refill
+
+    def spy(run, free):
+        seen.append((len(free), sum(o >= 0 for o in run.owner), len(run.pending)))
+        return real(run, free)
+
+    monkeypatch.setattr(regen._SlotRun, "refill", spy)
+    list(continuous_greedy(target.model, prompts, max_new_tokens=MAX_NEW, stop_id=stop, slots=4, min_free=3))
+    assert seen[0] == (4, 0, len(prompts))  # the first fill
+    assert len(seen) > 2 and all(free >= 3 or busy == 0 for free, busy, _ in seen[1:])
+
+
 def test_continuous_greedy_rejects_bad_arguments(target):
     with pytest.raises(ValueError, match="max_new_tokens"):
         list(continuous_greedy(target.model, [[3, 4]], max_new_tokens=0, stop_id=1))
     with pytest.raises(ValueError, match="at least one token"):
         list(continuous_greedy(target.model, [[3, 4], []], max_new_tokens=2, stop_id=1))
+    with pytest.raises(ValueError, match="min_free"):
+        list(continuous_greedy(target.model, [[3, 4]], max_new_tokens=2, stop_id=1, min_free=0))
 
 
 def test_regenerate_responses_resumes_after_a_torn_write(target, stop_and_reference, tmp_path):

@@ -511,18 +511,21 @@ class _TurnQueue:
     """
 
     def __init__(self, dialogues: Sequence[Sequence[Sequence[int]]], done: dict, spec: DataSpec,
-                 stop_id: int | Sequence[int]):
+                 stop_id: int | Sequence[int], groups: Sequence[int] | None = None):
         self.dialogues, self.done, self.spec, self.stop_id = dialogues, done, spec, stop_id
         self.prompts: list[list[int]] = []
         self.turn_of: list[tuple[int, int]] = []
         self.queue: list[int] = []
         self.multi = any(len(d) > 1 for d in dialogues)
+        self.finished: list[int] = []  # conversations with nothing left to generate (already, on a resumed run)
         for c in range(len(dialogues)):  # each conversation's first turn not done yet (its earlier ones are)
             t = 0
             while (c, t) in done:
                 t += 1
-            self._offer(c, t)
-        self.queue.sort(key=lambda j: (len(self.prompts[j]), j))
+            if not self._offer(c, t):
+                self.finished.append(c)
+        group = (lambda j: groups[self.turn_of[j][0]]) if groups is not None else (lambda j: 0)
+        self.queue.sort(key=lambda j: (group(j), len(self.prompts[j]), j))
 
     def _history(self, c: int, t: int) -> list[int]:
         """The prompt of turn t of conversation c: its first t + 1 segments around its first t answers."""
@@ -533,15 +536,36 @@ class _TurnQueue:
         """A turn t >= 1 is generated only while its prompt plus ``max_new_tokens`` fits in ``max_seq_tokens``."""
         return t == 0 or len(ids) + self.spec.max_new_tokens <= self.spec.max_seq_tokens
 
-    def _offer(self, c: int, t: int) -> None:
-        """Queue turn t of conversation c when it exists, is not done and its prompt fits."""
+    def _offer(self, c: int, t: int) -> bool:
+        """Queue turn t of conversation c when it exists, is not done and its prompt fits; returns whether it did."""
         if t >= len(self.dialogues[c]) or (c, t) in self.done:
-            return
+            return False
         ids = self._history(c, t)
         if self._fits(t, ids):
             self.prompts.append(ids)
             self.turn_of.append((c, t))
             self.queue.append(len(self.prompts) - 1)
+            return True
+        return False
+
+    def ends_after(self, j: int) -> bool:
+        """Row j's conversation has no turn left to generate once row j's answer is done (no next turn, or the
+        next one does not fit ``max_seq_tokens``)."""
+        c, t = self.turn_of[j]
+        if t + 1 >= len(self.dialogues[c]) or (c, t + 1) in self.done:
+            return True
+        return not self._fits(t + 1, self._history(c, t + 1))
+
+    def requeue(self, j: int, resp: list[int]) -> bool:
+        """The next turn of row j's conversation, as a whole-history prompt at the head of the queue (``feed``), in
+        place of :meth:`follow`'s continuation in the same slot: it is then prefilled in the next grouped refill
+        with other rows instead of alone. Needs row j's answer in ``done``. Returns False (nothing queued) when
+        the conversation ends here."""
+        c, t = self.turn_of[j]
+        if self._offer(c, t + 1):
+            self.queue.insert(0, self.queue.pop())
+            return True
+        return False
 
     def max_len(self) -> int:
         """Keys per generation slot: the longest queued prompt, first prompt or ``max_seq_tokens`` (a later turn's
@@ -565,26 +589,60 @@ class _TurnQueue:
         return len(self.prompts) - 1, ids[len(self.prompts[j]) + len(resp):]
 
 
+@dataclass
+class RegenOptions:
+    """How :func:`regenerate_dialogues` schedules the target (not what it generates: in fp32 every choice gives the
+    same tokens; none is part of a data set's cache key).
+
+    Attributes:
+        requeue: a conversation's next turn enters the queue's head as a whole-history prompt
+            (:meth:`_TurnQueue.requeue`) instead of continuing alone in its slot (``follow``); on a GPU the grouped
+            prefill of the whole history costs less than a batch-1 forward per follow-up.
+        min_free, prefill_tokens: :func:`~dartree.training.regen.continuous_greedy`'s refill threshold (slots)
+            and padded tokens per prefill forward (None: its default).
+        groups: per conversation, a group number (e.g. its shard): the queue enters group by group, shortest
+            first within a group, so groups finish in order; None: one group (shortest first overall).
+        on_complete: called as ``on_complete(c)`` once conversation c has nothing left to generate (also for
+            conversations an earlier run finished), after its answers are in the partial log's buffer.
+    """
+
+    requeue: bool = False
+    min_free: int = 1
+    prefill_tokens: int | None = None
+    groups: Sequence[int] | None = None
+    on_complete: Any = None
+
+
 def _generate_turns(target: Target, spec: DataSpec, turns: _TurnQueue, log: "_PartialLog",
-                    deadline: float | None) -> None:
+                    deadline: float | None, opts: RegenOptions | None = None) -> None:
     """Run every queued turn (and the turns that follow them) through one ``continuous_greedy`` call, recording each
     answer in ``turns.done`` and ``log`` as it finishes; stops early past ``deadline``.
 
     With one turn per conversation nothing follows a turn: the prompts enter as a fixed queue (no ``feed``; slots
     capped at the prompts, keys per slot the longest prompt plus ``max_new_tokens``), the single-turn regeneration
-    every single-turn data set was made with. Otherwise the queue is fed (``feed``, ``follow``, ``max_len``
-    :meth:`_TurnQueue.max_len`)."""
+    every single-turn data set was made with. Otherwise the queue is fed (``feed``, ``max_len``
+    :meth:`_TurnQueue.max_len`), and the next turn either continues in its slot (``follow``) or is requeued
+    (``opts.requeue``)."""
+    opts = opts or RegenOptions()
+    done_cb = opts.on_complete or (lambda c: None)
+    for c in turns.finished:
+        done_cb(c)
     if not turns.queue:
         return
-    fed = dict(feed=True, max_len=turns.max_len(), follow=turns.follow) if turns.multi else {}
+    fed = {}
+    if turns.multi:
+        fed = dict(feed=True, max_len=turns.max_len(), follow=None if opts.requeue else turns.follow)
     t0, n_tok = time.time(), 0
     bar = tqdm(total=sum(len(d) for d in turns.dialogues) - len(turns.done), desc="regenerating turns", unit="resp")
     for j, resp in continuous_greedy(target.model, turns.prompts, max_new_tokens=spec.max_new_tokens,
                                      stop_ids=sorted(_stop_set(turns.stop_id)), slots=spec.batch_size,
-                                     order=turns.queue, **fed):
+                                     order=turns.queue, min_free=opts.min_free, prefill_tokens=opts.prefill_tokens,
+                                     **fed):
         c, t = turns.turn_of[j]
         turns.done[(c, t)] = resp
         log.add({"index": c, "turn": t, "response_ids": resp})
+        if not turns.multi or (not turns.requeue(j, resp) if opts.requeue else turns.ends_after(j)):
+            done_cb(c)
         n_tok += len(resp)
         bar.update(1)
         bar.set_postfix(tok_s=f"{n_tok / (time.time() - t0):.0f}")
@@ -612,7 +670,7 @@ def _dialogue_rows(dialogues: Sequence[Sequence[Sequence[int]]], done: dict, sto
 
 def regenerate_dialogues(target: Target, spec: DataSpec, dialogues: Sequence[Sequence[Sequence[int]]],
                          folder: Path, *, stop_id: int | Sequence[int], key: dict | None = None,
-                         deadline: float | None = None) -> Path | None:
+                         deadline: float | None = None, options: RegenOptions | None = None) -> Path | None:
     """Regenerate every assistant turn of ``dialogues`` with the target's greedy answers; returns the path of
     ``folder/responses.jsonl``. Single-turn data is the case of one segment per conversation.
 
@@ -638,6 +696,8 @@ def regenerate_dialogues(target: Target, spec: DataSpec, dialogues: Sequence[Seq
         key: written to ``folder/spec.json`` for reference.
         deadline: a ``time.time()`` value: past it the finished rows are flushed and None is returned (the
             next call resumes from them); None runs to the end.
+        options: scheduling (:class:`RegenOptions`: requeued follow-ups, refill threshold, prefill size, groups
+            that finish in order with a callback per finished conversation); default: the CPU schedule.
     Raises:
         ValueError: ``spec.max_new_tokens < 1`` or an empty segment 0.
     """
@@ -654,7 +714,8 @@ def regenerate_dialogues(target: Target, spec: DataSpec, dialogues: Sequence[Seq
     partial = folder / "responses.partial.jsonl"
     log = _PartialLog(partial)
     done = {(int(r["index"]), int(r.get("turn", 0))): list(r["response_ids"]) for r in log.read()}
-    _generate_turns(target, spec, _TurnQueue(dialogues, done, spec, stop_id), log, deadline)
+    opts = options or RegenOptions()
+    _generate_turns(target, spec, _TurnQueue(dialogues, done, spec, stop_id, opts.groups), log, deadline, opts)
     log.flush()
     if deadline is not None and time.time() > deadline:
         return None

@@ -160,6 +160,8 @@ def continuous_greedy(
     feed: bool = False,
     max_len: int | None = None,
     follow: Callable[[int, list[int]], tuple[int, list[int]] | None] | None = None,
+    min_free: int = 1,
+    prefill_tokens: int | None = None,
 ) -> Iterator[tuple[int, list[int]]]:
     """Greedy responses of a Hugging Face causal LM to ``prompts``, yielded as ``(prompt index, response ids)``
     in the order rows finish; a response ends with a stop id when the model stopped, else has
@@ -189,19 +191,19 @@ def continuous_greedy(
             conversation: the turn end and the next user turn), and it continues in the same slot, on the keys
             and values already there, so only ``extra`` is prefilled (not the whole history again). j2 must be
             an index of ``prompts`` (the caller appends it first).
+        min_free: refill only once at least this many slots are free (or no slot is busy): each refill is one
+            more prefill forward, which on a GPU costs about a decode step whatever its size, so with many slots a
+            threshold (e.g. ``slots // 16``) keeps the refills from running at nearly every step. 1 (the default)
+            refills at every step that frees a slot.
+        prefill_tokens: padded tokens per prefill forward (rows x longest prompt of the group); default
+            :data:`PREFILL_TOKENS` (sized for a CPU; a GPU takes 64k at about the cost of 4k).
     Raises:
-        ValueError: an empty prompt, ``max_new_tokens < 1`` or ``slots < 1``; no stop id at all (neither
-            ``stop_id`` nor ``stop_ids``); ``onednn`` where it cannot run.
+        ValueError: an empty prompt, ``max_new_tokens < 1``, ``slots < 1``, ``min_free < 1`` or
+            ``prefill_tokens < 1``; no stop id at all (neither ``stop_id`` nor ``stop_ids``); ``onednn`` where it
+            cannot run.
     """
     stops = frozenset(int(s) for s in ([] if stop_id is None else [stop_id]) + list(stop_ids))
-    if not stops:
-        raise ValueError("continuous_greedy: give the end-of-turn token(s) as stop_ids (or stop_id)")
-    if max_new_tokens < 1 or slots < 1:
-        raise ValueError(f"continuous_greedy: max_new_tokens ({max_new_tokens}) and slots ({slots}) must be >= 1")
-    if any(len(p) == 0 for p in prompts):
-        raise ValueError("continuous_greedy: every prompt needs at least one token")
-    if feed and (not isinstance(order, list) or max_len is None):
-        raise ValueError("continuous_greedy(feed=True) needs order as a list (the queue) and max_len")
+    _check_arguments(prompts, stops, max_new_tokens, slots, min_free, prefill_tokens, feed, order, max_len)
     if feed:
         pending = order
     else:
@@ -218,11 +220,25 @@ def continuous_greedy(
         pack_linears(m, "onednn")
     try:
         yield from _continuous_greedy(model, prompts, pending, max_new_tokens=max_new_tokens, stops=stops,
-                                      slots=slots, max_len=max_len, feed=feed, follow=follow)
+                                      slots=slots, max_len=max_len, feed=feed, follow=follow, min_free=min_free,
+                                      prefill_tokens=prefill_tokens or PREFILL_TOKENS)
     finally:
         for m in swapped:
             if is_packed(m):
                 pack_linears(m, "aten")
+
+
+def _check_arguments(prompts, stops, max_new_tokens, slots, min_free, prefill_tokens, feed, order, max_len) -> None:
+    """:func:`continuous_greedy`'s argument checks (its Raises)."""
+    if not stops:
+        raise ValueError("continuous_greedy: give the end-of-turn token(s) as stop_ids (or stop_id)")
+    if max_new_tokens < 1 or slots < 1 or min_free < 1 or (prefill_tokens is not None and prefill_tokens < 1):
+        raise ValueError(f"continuous_greedy: max_new_tokens ({max_new_tokens}), slots ({slots}), min_free "
+                         f"({min_free}) and prefill_tokens ({prefill_tokens}) must be >= 1")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("continuous_greedy: every prompt needs at least one token")
+    if feed and (not isinstance(order, list) or max_len is None):
+        raise ValueError("continuous_greedy(feed=True) needs order as a list (the queue) and max_len")
 
 
 class _SlotRun:
@@ -232,8 +248,9 @@ class _SlotRun:
     slabs (:meth:`compact`) and one decode step of every busy slot (:meth:`decode_step`)."""
 
     def __init__(self, model, prompts, pending: list, *, max_new_tokens: int, stops: frozenset, slots: int,
-                 max_len: int | None, feed: bool):
+                 max_len: int | None, feed: bool, prefill_tokens: int = PREFILL_TOKENS):
         self.model, self.prompts, self.pending = model, prompts, pending
+        self.prefill_tokens = prefill_tokens
         self.max_new_tokens, self.stops = max_new_tokens, stops
         self.device = next(model.parameters()).device
         self.dtype = next(model.parameters()).dtype
@@ -250,12 +267,12 @@ class _SlotRun:
 
     def refill(self, free: list[int]) -> None:
         """Give the free slots the next prompts of the queue. Prefill runs in groups of similar length (the queue
-        is shortest first) of at most :data:`PREFILL_TOKENS` padded tokens, so one long prompt does not pad every
-        other row of the batch to its length."""
+        is shortest first) of at most ``prefill_tokens`` padded tokens (:data:`PREFILL_TOKENS` unless the run was
+        given another), so one long prompt does not pad every other row of the batch to its length."""
         take = [self.pending.pop(0) for _ in range(min(len(free), len(self.pending)))]
         group: list[int] = []
         for i in take:
-            if group and (len(group) + 1) * max(len(self.prompts[q]) for q in group + [i]) > PREFILL_TOKENS:
+            if group and (len(group) + 1) * max(len(self.prompts[q]) for q in group + [i]) > self.prefill_tokens:
                 self.prefill(free[: len(group)], group)
                 free = free[len(group):]
                 group = []
@@ -345,21 +362,23 @@ class _SlotRun:
                                attention_mask=mask.to(self.device), past_key_values=cache,
                                use_cache=True).last_hidden_state
         tok = self.head(hid[:, -1]).float().argmax(-1).cpu()
+        ids = tok.tolist()  # one device-to-host copy a step, not one per slot
         for s in range(cache.slots):
             if self.owner[s] >= 0:
-                self.out[s].append(int(tok[s]))
-                self.last[s] = tok[s]
+                self.out[s].append(ids[s])
+        self.last = torch.where(busy_mask, tok, self.last)
         cache.pos = pos + busy_mask.long()
 
 
 @torch.no_grad()
 def _continuous_greedy(model, prompts, pending, *, max_new_tokens: int, stops: frozenset, slots: int,
-                       max_len: int | None = None, feed: bool = False, follow=None):
+                       max_len: int | None = None, feed: bool = False, follow=None, min_free: int = 1,
+                       prefill_tokens: int = PREFILL_TOKENS):
     """The body of :func:`continuous_greedy` (arguments checked there; ``pending`` is the entry order): finished
-    rows are yielded (and continued by ``follow`` or their slot freed), free slots refilled, and otherwise every
-    busy slot decodes one token (:class:`_SlotRun`)."""
+    rows are yielded (and continued by ``follow`` or their slot freed), free slots refilled once ``min_free`` are
+    free (or none is busy), and otherwise every busy slot decodes one token (:class:`_SlotRun`)."""
     run = _SlotRun(model, prompts, pending, max_new_tokens=max_new_tokens, stops=stops, slots=slots, max_len=max_len,
-                   feed=feed)
+                   feed=feed, prefill_tokens=prefill_tokens)
     run.refill(list(range(run.cache.slots)))
     while True:
         done = [s for s in range(run.cache.slots) if run.owner[s] >= 0 and run.finished(s)]
@@ -374,7 +393,7 @@ def _continuous_greedy(model, prompts, pending, *, max_new_tokens: int, stops: f
         if done and follow is not None:
             continue  # a continued row may already be finished (an immediate stop)
         free = [s for s in range(run.cache.slots) if run.owner[s] < 0]
-        if free and pending:
+        if free and pending and (len(free) >= min(min_free, run.cache.slots) or len(free) == run.cache.slots):
             run.refill(free)
             continue  # a refilled row may already be finished (max_new_tokens 1 or an immediate stop)
         busy = [s for s in range(run.cache.slots) if run.owner[s] >= 0]
