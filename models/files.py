@@ -69,13 +69,36 @@ def replace_folder(tmp: Path, dest: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def _carry(src: Path, dst: Path) -> None:
+    """``src`` (file, link or folder) at ``dst``: links kept as links, files hard-linked (copied across devices)."""
+    if src.is_symlink():
+        os.symlink(os.readlink(src), dst)
+    elif src.is_dir():
+        shutil.copytree(src, dst, symlinks=True, copy_function=_link_or_copy)
+    else:
+        _link_or_copy(src, dst)
+
+
+def _link_or_copy(src, dst) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
 @contextlib.contextmanager
-def atomic_folder(dest: Path) -> Iterator[Path]:
+def atomic_folder(dest: Path, keep_others: bool = True) -> Iterator[Path]:
     """A fresh temporary folder beside ``dest`` to fill; when the block ends without an error it replaces ``dest``
     (:func:`replace_folder`), else it is removed and ``dest`` stays as it was.
 
+    A program owns the files it writes, not the folder: with ``keep_others`` every entry of an existing ``dest``
+    that the block did not write (a checkpoint's ``learning_curve.json`` beside a re-converted ``config.json`` and
+    ``model.safetensors``, a user's notes) is carried into the new version (hard-linked where the file system
+    allows, else copied) before the swap, so replacing a folder never deletes what its writer did not write.
+
     Args:
         dest: the folder to (re)create; its parent is created.
+        keep_others: carry over the entries of an existing ``dest`` that the block did not write (default).
     Yields:
         the temporary folder (Path).
     Raises:
@@ -86,6 +109,10 @@ def atomic_folder(dest: Path) -> Iterator[Path]:
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=f".{dest.name}.tmp-"))
     try:
         yield tmp
+        if keep_others and dest.is_dir():
+            for entry in dest.iterdir():
+                if not (tmp / entry.name).exists() and not (tmp / entry.name).is_symlink():
+                    _carry(entry, tmp / entry.name)
         os.chmod(tmp, 0o777 & ~_umask())
         replace_folder(tmp, dest)
     finally:
@@ -95,7 +122,7 @@ def atomic_folder(dest: Path) -> Iterator[Path]:
 
 def write_folder_atomically(dest: Path, files: dict[str, bytes | dict]) -> None:
     """Write a folder of files so that ``dest`` is either its old version or the complete new one
-    (:func:`atomic_folder`).
+    (:func:`atomic_folder`; the old version's other files stay).
 
     Args:
         dest: the folder to (re)create.

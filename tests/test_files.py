@@ -41,7 +41,7 @@ def test_a_folder_is_swapped_whole_and_an_error_inside_the_block_keeps_the_old_o
             (tmp / "a.txt").write_bytes(b"2")
             raise RuntimeError("boom")
     assert sorted(p.name for p in dest.iterdir()) == ["a.txt", "w.safetensors"] and (dest / "a.txt").read_bytes() == b"1"
-    with atomic_folder(dest) as tmp:
+    with atomic_folder(dest, keep_others=False) as tmp:  # the writer owns the whole folder: a clean swap
         (tmp / "b.txt").write_bytes(b"3")
     assert sorted(p.name for p in dest.iterdir()) == ["b.txt"] and _leftovers(tmp_path) == []
 
@@ -55,3 +55,40 @@ def test_a_writer_killed_mid_write_leaves_the_old_folder(tmp_path):
               "    os._exit(9)\n")
     r = subprocess.run([sys.executable, "-c", script, str(dest)], capture_output=True)
     assert r.returncode == 9 and (dest / "x").read_bytes() == b"old"
+
+
+def test_replacing_a_folder_keeps_the_files_its_writer_did_not_write(tmp_path):
+    dest = tmp_path / "ckpt"
+    write_folder_atomically(dest, {"config.json": b"old", "model.safetensors": {"tensors": {"w": torch.zeros(2)}}})
+    (dest / "learning_curve.json").write_text("[1, 2]")  # placed beside it by hand, as checkpoints/README.md says
+    (dest / "notes").mkdir()
+    (dest / "notes" / "a.txt").write_text("mine")
+    write_folder_atomically(dest, {"config.json": b"new", "model.safetensors": {"tensors": {"w": torch.ones(2)}}})
+    assert (dest / "config.json").read_bytes() == b"new" and torch.equal(load_file(dest / "model.safetensors")["w"],
+                                                                          torch.ones(2))
+    assert (dest / "learning_curve.json").read_text() == "[1, 2]" and (dest / "notes" / "a.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary or old folder left
+    with atomic_folder(dest, keep_others=False) as tmp:  # a writer that owns the whole folder
+        (tmp / "config.json").write_bytes(b"only")
+    assert sorted(p.name for p in dest.iterdir()) == ["config.json"]
+
+
+def test_converting_into_a_shipped_folder_keeps_its_learning_curve(tmp_path):
+    import json
+
+    from dartree.convert.to_dartree import main as convert_main
+
+    from pathlib import Path
+
+    from dartree.convert.to_dartree import convert
+
+    src = tmp_path / "src"
+    dest = tmp_path / "shipped"
+    repo = Path(__file__).resolve().parents[1]
+    convert(repo / "checkpoints" / "dspark_b16", src)
+    convert(repo / "checkpoints" / "dspark_b16", dest)
+    (dest / "learning_curve.json").write_text(json.dumps([{"train_tokens": 1, "holdout_chain_tau": 1.2}]))
+    assert convert_main([str(src), "--out", str(dest)]) == 0  # the documented shipping command
+    assert json.loads((dest / "learning_curve.json").read_text())[0]["holdout_chain_tau"] == 1.2
+    assert convert_main([str(dest), "--out", str(dest)]) == 0  # in place
+    assert (dest / "learning_curve.json").exists() and (dest / "model.safetensors").exists()
