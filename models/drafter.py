@@ -171,10 +171,12 @@ class BlockAttention:
 
     @classmethod
     def from_anchors(cls, anchors: torch.Tensor, ctx_len: int, block_size: int) -> "BlockAttention":
-        """anchors [A] int64 -> the structure for A blocks of ``block_size`` over ``ctx_len`` context keys."""
+        """anchors [A] int64 -> the structure for A blocks of ``block_size`` over ``ctx_len`` context keys; the bias is
+        built on ``anchors``' device (the training device: no per-layer host-to-device copy)."""
         q_anchor = anchors.repeat_interleave(block_size)  # [A*L]
-        vis = torch.arange(ctx_len)[None, :] < q_anchor[:, None]
-        bias = torch.zeros(vis.shape, dtype=torch.float32).masked_fill_(~vis, torch.finfo(torch.float32).min)
+        vis = torch.arange(ctx_len, device=anchors.device)[None, :] < q_anchor[:, None]
+        bias = torch.zeros(vis.shape, dtype=torch.float32, device=anchors.device).masked_fill_(
+            ~vis, torch.finfo(torch.float32).min)
         return cls(bias, block_size)
 
 

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from conftest import make_drafter
 from dartree.decode.generate import draft_block
@@ -1131,3 +1133,206 @@ def test_batch_normalisation_all_reduces_its_denominator_across_processes(tmp_pa
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
     assert max(abs(x - y) for x, y in zip(one["losses"], mean["losses"])) > 1e-4  # the option changes the loss
+
+
+# ---- the training device (train.device), the plain-torch engine (train.engine=torch), stored losses ----
+
+def test_train_device_resolves_auto_and_bf16_follows_the_device(monkeypatch):
+    import dartree.training.recipe as recipe_mod
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    cfg = load_recipe(["recipe=tiny_dspark", "train.device=auto", "train.bf16=auto", "target.gen_dtype=auto"])
+    assert cfg.train.device == "cpu"
+    native = recipe_mod.native_bf16()[0]  # on the CPU, auto follows the CPU's bf16 arithmetic as before
+    assert (cfg.train.bf16, cfg.target.gen_dtype) == (native, "bfloat16" if native else "float32")
+    assert load_recipe(["recipe=tiny_dspark", "train.device=cpu"]).train.device == "cpu"
+    # a GPU machine whose CPU has no native bf16: auto picks cuda, and bf16 comes from the GPU, not the CPU
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Test GPU")
+    monkeypatch.setattr(recipe_mod, "native_bf16", lambda: (False, "this CPU has no native bf16"))
+    cfg = load_recipe(["recipe=dspark_b16", "train.device=auto"])
+    assert (cfg.train.device, cfg.train.bf16, cfg.target.gen_dtype) == ("cuda", True, "bfloat16")
+    cfg = load_recipe(["recipe=dspark_b16", "train.device=cpu"])  # the CPU run on the same machine: fp32
+    assert (cfg.train.device, cfg.train.bf16, cfg.target.gen_dtype) == ("cpu", False, "float32")
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)  # a pre-Ampere GPU
+    cfg = load_recipe(["recipe=dspark_b16"])
+    assert (cfg.train.device, cfg.train.bf16, cfg.target.gen_dtype) == ("cuda", False, "float32")
+
+
+def test_train_device_cuda_without_cuda_is_one_line_naming_the_fix(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RecipeError) as info:
+        load_recipe(["recipe=tiny_dspark", "train.device=cuda"])
+    msg = str(info.value)
+    assert "train.device=cuda" in msg and "train.device=cpu" in msg and "\n" not in msg
+    with pytest.raises(RecipeError, match=r"train.device='tpu' is not allowed: use one of \['auto', 'cpu', 'cuda'\]"):
+        load_recipe(["recipe=tiny_dspark", "train.device=tpu"])
+    with pytest.raises(RecipeError, match=r"train.engine='jax' is not allowed: use one of \['deepspeed', 'torch'\]"):
+        load_recipe(["recipe=tiny_dspark", "train.engine=jax"])
+    with pytest.raises(RecipeError, match="deepspeed.zero_stage=2 needs train.engine=deepspeed"):
+        load_recipe(["recipe=tiny_dspark", "train.engine=torch", "deepspeed.zero_stage=2"])
+
+
+def test_training_device_is_the_local_ranks_gpu(monkeypatch):
+    from omegaconf import OmegaConf
+
+    from dartree.training.build import training_device
+    from dartree.training.engine import process_group_backend
+
+    cfg = OmegaConf.create({"train": {"device": "cpu"}})
+    assert training_device(cfg) == torch.device("cpu") and process_group_backend(torch.device("cpu")) == "gloo"
+    cfg.train.device = "cuda"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RecipeError, match="train.device=cuda but torch sees no CUDA device"):
+        training_device(cfg)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert training_device(cfg) == torch.device("cuda", 1)
+    cfg.train.device = "auto"
+    assert training_device(cfg, local_rank=0) == torch.device("cuda", 0)
+    with pytest.raises(RecipeError, match="local rank 2 has no GPU of its own"):
+        training_device(cfg, local_rank=2)
+    # CUDA collectives through NCCL, and a backend left for the CPU tensors (barriers, the trainer's flags)
+    assert process_group_backend(torch.device("cuda", 1)) == "cpu:gloo,cuda:nccl"
+
+
+class _DeviceLog(TorchDispatchMode):
+    """Records every aten op whose tensor arguments sit on more than one device (a CPU 0-dim scalar excepted, as
+    torch allows it) and counts the op outputs per device type."""
+
+    def __init__(self):
+        super().__init__()
+        self.mixed, self.outputs = [], {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        ts = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)]
+        devs = {t.device.type for t in ts if not (t.device.type == "cpu" and t.dim() == 0)}
+        if len(devs) > 1:
+            self.mixed.append(f"{func}: {sorted(devs)}")
+        out = func(*args, **kwargs)
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                self.outputs[t.device.type] = self.outputs.get(t.device.type, 0) + 1
+        return out
+
+
+class _MetaFeatures:
+    """One training sequence (tokens on the CPU, as both data classes hold them) whose features, final states and
+    log-sum-exp live on the ``meta`` device: shapes without values, what a step on a non-CPU device reads."""
+
+    def __init__(self, tokens: torch.Tensor, prompt_len: int, feat_dim: int, hidden: int):
+        self.tokens, self.prompt_len, self.feat_dim, self.hidden = tokens, prompt_len, feat_dim, hidden
+
+    def sequence(self, i):
+        t = self.tokens.numel()
+        return (self.tokens, torch.empty(t, self.feat_dim, dtype=torch.bfloat16, device="meta"),
+                torch.empty(t, self.hidden, dtype=torch.bfloat16, device="meta"), self.prompt_len)
+
+    def mask_of(self, i):
+        m = torch.zeros(self.tokens.numel(), dtype=torch.bool)
+        m[self.prompt_len:] = True
+        return m
+
+    def lse_of(self, i):
+        return torch.empty(self.tokens.numel(), device="meta")
+
+
+@pytest.mark.parametrize("args", [["recipe=tiny_dspark", "drafter.draft_vocab_size=40"], ["recipe=tiny_domino"],
+                                  ["recipe=tiny_dflash"], ["recipe=tiny_dflash2"],
+                                  ["recipe=tiny_dspark", "train.fused_loss=false"]],
+                         ids=["dspark-draft-vocab", "domino", "dflash", "dflash2", "dspark-materialised"])
+def test_a_step_builds_its_tensors_on_the_targets_device_and_never_reads_them_back(args):
+    """The target, drafter and head on the ``meta`` device (the trainer's order: the target moved before the head
+    binds its embedding), the features there too: every tensor the step builds (block, positions, anchors, labels,
+    previous tokens, valid mask, the draft-vocabulary map, the attention bias, the loss pieces) must be on that
+    device, since an op mixing a CPU tensor with a meta one is recorded (or raises), and a read back to the host
+    (``.item()``, ``float()``, ``bool()``) raises on meta. The forward and the backward run there."""
+    from dartree.training.build import build_models, load_recipe_target, parse_recipe_dtype
+    from dartree.training.step import sequence_loss
+
+    cfg = load_recipe(args)
+    target = load_recipe_target(cfg.target.path, parse_recipe_dtype(cfg.target.dtype, "target.dtype"), device="meta")
+    assert target.device.type == "meta"
+    drafter, head = build_models(cfg, target)
+    drafter.to("meta"), head.to("meta")
+    target.set_layer_ids(drafter.cfg.target_layer_ids)
+    tokens = torch.randint(1, target.vocab_size, (30,), generator=torch.Generator().manual_seed(0))
+    data = _MetaFeatures(tokens, 6, len(drafter.cfg.target_layer_ids) * target.hidden_size, target.hidden_size)
+    log = _DeviceLog()
+    with log:
+        out = sequence_loss(drafter, head, target, data, 0, cfg, torch.Generator().manual_seed(1), lam=0.5)
+        out.loss.backward()
+    assert log.mixed == []
+    assert log.outputs["meta"] > 300  # the whole step ran there (drafter, head, loss, backward)
+    for name in ("loss", "ce", "l1", "bce", "base_ce", "acc_per_pos", "count_per_pos", "hit"):
+        assert getattr(out, name).device.type == "meta", name
+    grads = [p.grad for p in [*drafter.parameters(), *head.parameters()] if p.grad is not None]
+    assert grads and all(g.device.type == "meta" for g in grads)
+
+
+# Logged losses and parameter checksums of fixed-seed tiny runs (one thread, 4 steps), recorded on main at 23a0160
+# before the training device existed (Intel Xeon with AMX, torch 2.13 CPU): the CPU path must still give them.
+STORED_RUNS = {
+    "dspark": (["recipe=tiny_dspark"], [2.233654, 2.269674, 2.206877, 2.247732], 145.4714250000534),
+    "domino": (["recipe=tiny_domino"], [5.146103, 5.216811, 5.001017, 5.203608], 160.0865054736405),
+    "dspark-vocab-batch": (["recipe=tiny_dspark", "drafter.draft_vocab_size=40", "loss.normalization=batch"],
+                           [2.273394, 2.331017, 2.269743, 2.39414], 1943.4971798270908),
+}
+# tiny_dspark over 6 steps (the schedule follows the planned steps, so its first 4 losses are not the above)
+STORED_DSPARK_6 = [2.233654, 2.269674, 2.206877, 2.2472, 2.302176, 2.253176]
+
+
+@pytest.fixture(scope="module")
+def stored_runs(tmp_path_factory):
+    cache, root = tmp_path_factory.mktemp("cache"), tmp_path_factory.mktemp("stored")
+    out = {}
+    for name, (args, _, _) in STORED_RUNS.items():
+        for engine in ("deepspeed", "torch"):
+            _train([*args, "train.max_steps=4", "train.threads=1", f"train.engine={engine}",
+                    f"output_dir={root / engine / name}"], cache)
+            out[engine, name] = json.loads((root / engine / name / "summary.json").read_text())
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(STORED_RUNS))
+def test_tiny_recipes_reproduce_their_stored_losses_on_the_cpu(stored_runs, name):
+    _, losses, checksum = STORED_RUNS[name]
+    s = stored_runs["deepspeed", name]
+    assert s["recipe"] and len(s["losses"]) == 4
+    torch.testing.assert_close(torch.tensor(s["losses"]), torch.tensor(losses), rtol=1e-4, atol=0)
+    assert s["param_checksum"] == pytest.approx(checksum, rel=1e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(STORED_RUNS))
+def test_the_torch_engine_logs_deepspeed_stage0_losses(stored_runs, name):
+    """train.engine=torch (2 sequences per step: gradient accumulation, clipping, the LR schedule) against
+    DeepSpeed ZeRO stage 0 on the same fixed-seed recipe: the same losses and final weights."""
+    t, d = stored_runs["torch", name], stored_runs["deepspeed", name]
+    torch.testing.assert_close(torch.tensor(t["losses"]), torch.tensor(d["losses"]), rtol=1e-4, atol=0)
+    assert t["param_checksum"] == pytest.approx(d["param_checksum"], rel=1e-6)
+    assert t["predictions"] == d["predictions"] > 0
+
+
+@pytest.mark.slow
+def test_the_torch_engine_resumes_after_sigkill_with_the_same_losses(tmp_path):
+    """The torch engine's resumable state (model.safetensors + state.pt, written atomically): a run killed after
+    step 5 (saved at step 4) and resumed logs the 6 losses of an uninterrupted DeepSpeed run."""
+    from dartree.training.engine import RESUME_DIR, RESUME_TAG
+    from dartree.training.torch_engine import MODEL_FILE, STATE_FILE
+
+    cache, out = tmp_path / "cache", tmp_path / "run"
+    args = ["recipe=tiny_dspark", "train.max_steps=6", "train.threads=1", "train.engine=torch",
+            "train.save_every_steps=2", f"output_dir={out}"]
+    r = _train(args, cache, check=False, script=("-c", KILL_AT_STEP_5))
+    assert r.returncode == -9, r.stderr[-2000:]
+    saved = out / RESUME_DIR / RESUME_TAG
+    assert (saved / MODEL_FILE).exists() and (saved / STATE_FILE).exists()
+    r = _train([*args, "resume=true"], cache)
+    assert "at step 4/6" in r.stdout
+    s = json.loads((out / "summary.json").read_text())
+    torch.testing.assert_close(torch.tensor(s["losses"]), torch.tensor(STORED_DSPARK_6), rtol=1e-4, atol=0)

@@ -49,17 +49,48 @@ def parse_recipe_dtype(name: str, key: str) -> torch.dtype:
         raise RecipeError(str(exc)) from None
 
 
-def load_recipe_target(path: str, dtype: torch.dtype) -> Target:
-    """:func:`~dartree.models.target.load_target` for a recipe's ``target.path``.
+def training_device(cfg: DictConfig, local_rank: int | None = None) -> torch.device:
+    """The device this process trains on: ``train.device`` (``cpu``, ``cuda``, or ``auto`` resolved here as
+    :func:`~dartree.training.recipe.resolve_train_device` does at load time); on CUDA the GPU of this process's local
+    rank (``local_rank``, default ``$LOCAL_RANK`` or 0), so N processes of one machine use N GPUs.
+
+    Raises:
+        RecipeError: ``train.device=cuda`` without a CUDA device, or a local rank with no GPU of its own (one line,
+            naming the fix).
+    """
+    import os
+
+    name = cfg.train.get("device", "cpu")
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise RecipeError("train.device=cuda but torch sees no CUDA device (torch.cuda.is_available() is False); "
+                          "use train.device=cpu or train.device=auto")
+    rank = int(os.environ.get("LOCAL_RANK", "0") or 0) if local_rank is None else int(local_rank)
+    if rank >= torch.cuda.device_count():
+        raise RecipeError(f"local rank {rank} has no GPU of its own ({torch.cuda.device_count()} visible): start at "
+                          f"most {torch.cuda.device_count()} processes per machine")
+    return torch.device("cuda", rank)
+
+
+def load_recipe_target(path: str, dtype: torch.dtype, device: torch.device | str | None = None) -> Target:
+    """:func:`~dartree.models.target.load_target` for a recipe's ``target.path``, moved to ``device`` (default: where
+    it loads, the CPU). Move it before anything binds its weights (the gru head binds its embedding matrix,
+    :func:`build_models`, :func:`load_init`).
 
     Raises:
         RecipeError: the target cannot be loaded (missing folder, no config.json, a missing package), named.
     """
     try:
-        return load_target(path, dtype=dtype)
+        target = load_target(path, dtype=dtype)
     except (OSError, RuntimeError, ValueError) as exc:
         reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         raise RecipeError(f"target.path={path!r} cannot be loaded: {reason}") from None
+    if device is not None and torch.device(device) != target.device:
+        target.model.to(device)
+    return target
 
 
 def build_models(cfg: DictConfig, target: Target):
@@ -167,7 +198,9 @@ def prepare_data(cfg: DictConfig, target: Target) -> BlockData:
     if d.source not in ("sharegpt", "random"):
         raise RecipeError(f"data.source {d.source!r} is not 'sharegpt', 'random' or 'campaign'")
     gen_dtype = parse_recipe_dtype(cfg.target.gen_dtype, "target.gen_dtype")
-    gen_target = target if gen_dtype == target.dtype else load_recipe_target(cfg.target.path, gen_dtype)
+    # regeneration runs where the target is (continuous_greedy follows the model's device)
+    gen_target = (target if gen_dtype == target.dtype
+                  else load_recipe_target(cfg.target.path, gen_dtype, device=target.device))
     # every stage stops where the target's own generate stops (dartree.models.generation.stop_ids)
     try:
         responses = regenerate_responses(gen_target, spec, source=d.source, holdout=d.holdout,

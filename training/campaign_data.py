@@ -7,6 +7,7 @@ for 5 x 576 bf16 features: 13 GB at 4x the shipped data), ``sequence(i)`` runs o
 sequence and captures the layer outputs and the final normed hidden state there. The cost is one target prefill
 per training sequence visit, shared by the ``train.num_anchors`` blocks drawn from it; the last few sequences stay
 in a small cache, and the held-out sequences' features stay (every held-out evaluation revisits all of them).
+Features stay on the target's device (the training device), where the step reads them.
 
 Dimension letters as in :mod:`dartree.models.target`: T tokens of one sequence, D hidden size, nL captured layers.
 """
@@ -88,7 +89,7 @@ class CampaignData:
         self.features_path = None
         self.lse = None
         self.need_lse = False  # set by the trainer when a draft vocabulary trains with target distributions
-        self.forward_s = 0.0  # seconds spent in target forwards (the online-feature cost)
+        self.forward_s = 0.0  # seconds spent in target forwards (the online-feature cost; on CUDA the launches only)
         self.forward_tokens = 0
 
     def __len__(self) -> int:
@@ -118,15 +119,16 @@ class CampaignData:
         captured = {}
         hook = tgt.model.model.norm.register_forward_hook(lambda m, a, o: captured.__setitem__("final", o))
         try:
-            out = tgt.forward(self.tokens[i][None].to(tgt.device), logits_slice=slice(0, 0))
+            out = tgt.forward(self.tokens[i][None].to(tgt.device, non_blocking=True), logits_slice=slice(0, 0))
         finally:
             hook.remove()
-        feats = out.features[0].to(torch.bfloat16).cpu()  # [T, nL*D], as the feature file stores them
-        final = captured["final"][0].to(torch.bfloat16).cpu()  # [T, D]
+        # on the target's device (the training device): the step reads them there, no round trip through the host
+        feats = out.features[0].to(torch.bfloat16)  # [T, nL*D], as the feature file stores them
+        final = captured["final"][0].to(torch.bfloat16)  # [T, D]
         lse = None
         if getattr(self, "need_lse", False):
             w = tgt.lm_head.weight
-            lse = torch.logsumexp(torch.nn.functional.linear(final.to(w.device, w.dtype), w).float(), dim=-1).cpu()
+            lse = torch.logsumexp(torch.nn.functional.linear(final.to(w.device, w.dtype), w).float(), dim=-1)
         self.forward_s += time.time() - t0
         self.forward_tokens += int(self.tokens[i].numel())
         hit = (feats, final, lse)
@@ -138,14 +140,15 @@ class CampaignData:
         return hit
 
     def sequence(self, i: int):
-        """(tokens [T] int64, feats [T, nL*D] bf16, final [T, D] bf16, prompt_len) of sequence i: the target's
-        captured layer outputs and final normed hidden state, computed by one forward (bf16, as stored features)."""
+        """(tokens [T] int64 on the CPU, feats [T, nL*D] bf16, final [T, D] bf16, prompt_len) of sequence i: the
+        target's captured layer outputs and final normed hidden state, computed by one forward (bf16, as stored
+        features), on the target's device."""
         feats, final, _ = self._features(i)
         return self.tokens[i], feats, final, self.prompt_len[i]
 
     def lse_of(self, i: int) -> torch.Tensor:
-        """Target log-sum-exp over the full vocabulary, [T] fp32, of sequence i (from the bf16 final states, as
-        :func:`~dartree.training.data.target_lse` computes it from the feature file)."""
+        """Target log-sum-exp over the full vocabulary, [T] fp32 on the target's device, of sequence i (from the bf16
+        final states, as :func:`~dartree.training.data.target_lse` computes it from the feature file)."""
         self.need_lse = True
         feats, final, lse = self._features(i)
         if lse is None:

@@ -83,7 +83,10 @@ RECIPE_FIELDS = {
     "train.warmup_ratio": Range(0, 1, integer=False),
     "train.weight_decay": Range(0, integer=False),
     "train.grad_clip": Range(0, integer=False, note="0: no clipping"),
-    "train.bf16": Flag(auto=True, note="auto: bf16 autocast where bf16 arithmetic is native, else fp32"),
+    "train.bf16": Flag(auto=True, note="auto: bf16 autocast where the training device has native bf16 arithmetic, "
+                                       "else fp32"),
+    "train.device": Choice(("auto", "cpu", "cuda"), note="auto: cuda where torch.cuda.is_available(), else cpu"),
+    "train.engine": Choice(("deepspeed", "torch"), note="torch: the plain-torch engine, ZeRO stage 0 only"),
     "train.fused_loss": Flag(),
     "train.threads": Range(0, note="0: torch's default"),
     "train.save_every_minutes": Range(0, integer=False, note="0: off"),
@@ -126,6 +129,9 @@ def recipe_problems(cfg: DictConfig) -> list[str]:
     if da.holdout_set == "tail" and da.holdout_turns:
         out.append(f"data.holdout_turns={da.holdout_turns} applies to the fixed held-out set only: set "
                    "data.holdout_set=fixed, or data.holdout_turns=0")
+    if tr.get("engine", "deepspeed") == "torch" and cfg.deepspeed.zero_stage:
+        out.append(f"deepspeed.zero_stage={cfg.deepspeed.zero_stage} needs train.engine=deepspeed (the torch engine "
+                   "keeps whole tensors on every process): set deepspeed.zero_stage=0 or train.engine=deepspeed")
     if da.max_turns > 1 and da.max_seq_tokens <= da.max_new_tokens:
         out.append(f"data.max_seq_tokens={da.max_seq_tokens} leaves no room for a later turn's history: must be > "
                    f"data.max_new_tokens={da.max_new_tokens}")

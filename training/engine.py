@@ -2,8 +2,10 @@
 
 ``deepspeed training/train.py recipe=...`` or ``torchrun --nproc_per_node N training/train.py recipe=...`` start
 N data-parallel processes; a plain ``python training/train.py`` is one process (the rendezvous variables
-RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are filled in for it). The backend is gloo on CPU and
-nccl on CUDA. ZeRO stage 0-3 comes from the recipe (``deepspeed.zero_stage``).
+RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are filled in for it), on one GPU too. The backend is
+gloo on CPU and ``cpu:gloo,cuda:nccl`` on CUDA (:func:`process_group_backend`). ZeRO stage 0-3 comes from the
+recipe (``deepspeed.zero_stage``). ``train.engine=torch`` swaps DeepSpeed for the plain-torch engine of
+:mod:`dartree.training.torch_engine` (same methods, ZeRO stage 0).
 
 Resumable state lives in ``<output_dir>/resume`` (DeepSpeed's own checkpoint: model, optimiser, LR scheduler,
 plus the trainer's client state: step, logged losses). It is written into ``resume.tmp`` by every rank and
@@ -124,26 +126,69 @@ def stale_build_lock_watch(poll_s: float = 15.0, stale_s: float = BUILD_LOCK_STA
         thread.join()
 
 
-def init_distributed() -> tuple[int, int]:
+def process_group_backend(device: torch.device) -> str:
+    """The ``torch.distributed`` backend for training on ``device``: ``gloo`` on the CPU; on CUDA
+    ``cpu:gloo,cuda:nccl``, so the gradients (CUDA tensors) go through NCCL while a collective on a CPU tensor
+    (a barrier, the trainer's flags) still has a backend: under pure ``nccl`` it would raise."""
+    return "cpu:gloo,cuda:nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_distributed(device: torch.device | str | None = None, engine: str = "deepspeed") -> tuple[int, int]:
     """Join (or, for a single process without a launcher, create) the process group; returns (rank, world).
 
-    DeepSpeed loads (first time: compiles, about a minute) its shared-memory comm op here on CPU; a build lock left
-    by a killed process is cleared (:func:`stale_build_lock_watch`) instead of hanging the run.
+    Args:
+        device: the training device (:func:`~dartree.training.build.training_device`); default: ``cuda`` where
+            torch sees one, else the CPU. It picks the backend (:func:`process_group_backend`), and on CUDA it
+            becomes this process's current device (its local rank's GPU).
+        engine: ``deepspeed`` (DeepSpeed creates the group and loads its comm op; on CPU it compiles it the first
+            time, about a minute, and a build lock left by a killed process is cleared by
+            :func:`stale_build_lock_watch` instead of hanging the run) or ``torch`` (plain
+            ``torch.distributed.init_process_group``: no DeepSpeed import, no compiled op).
 
     Raises:
-        RuntimeError: DeepSpeed is not installed (fix: ``make setup``, which installs it with DS_BUILD_OPS=0).
+        RuntimeError: engine ``deepspeed`` without DeepSpeed installed (fix: ``make setup``, which installs it with
+            DS_BUILD_OPS=0, or ``train.engine=torch``); DeepSpeed already imported with a CUDA accelerator while
+            this run trains on the CPU (fix: ``DS_ACCELERATOR=cpu`` or ``train.engine=torch``).
     """
-    try:
-        import deepspeed
-    except ImportError as exc:
-        raise RuntimeError("training needs DeepSpeed: run `make setup` (installs it with DS_BUILD_OPS=0)") from exc
+    import sys
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if engine == "deepspeed":
+        # DeepSpeed's engine moves the module to its accelerator's device, chosen once per process at the first
+        # get_accelerator(): for a CPU run on a machine with a GPU, choose the CPU (without leaving DS_ACCELERATOR
+        # set for the processes this one starts)
+        pick_cpu = (device.type == "cpu" and torch.cuda.is_available() and "deepspeed" not in sys.modules
+                    and "DS_ACCELERATOR" not in os.environ)
+        if pick_cpu:
+            os.environ["DS_ACCELERATOR"] = "cpu"
+        try:
+            import deepspeed
+            from deepspeed.accelerator import get_accelerator
+
+            get_accelerator()
+        except ImportError as exc:
+            raise RuntimeError("training needs DeepSpeed: run `make setup` (installs it with DS_BUILD_OPS=0), or "
+                               "use train.engine=torch") from exc
+        finally:
+            if pick_cpu:
+                os.environ.pop("DS_ACCELERATOR", None)
+        if get_accelerator().device_name() != device.type:
+            raise RuntimeError(f"train.device={device.type} but DeepSpeed's accelerator is "
+                               f"{get_accelerator().device_name()!r} (it would move the drafter there): set "
+                               f"DS_ACCELERATOR={device.type} before the run, or use train.engine=torch")
     if "WORLD_SIZE" not in os.environ:
         os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
     if not dist.is_initialized():
-        with stale_build_lock_watch():
-            deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo",
-                                       verbose=False)
+        if engine == "deepspeed":
+            with stale_build_lock_watch():
+                deepspeed.init_distributed(dist_backend=process_group_backend(device), verbose=False)
+        else:
+            dist.init_process_group(process_group_backend(device))
     return dist.get_rank(), dist.get_world_size()
 
 
@@ -245,12 +290,14 @@ def full_state_dict(module: torch.nn.Module, zero_stage: int) -> dict[str, torch
 
 
 RECIPE_FILE = "recipe.json"
-# recipe keys that may change between a run and its resumption (everything else must match). ``init_from`` may:
+# recipe keys that may change between a run and its resumption (everything else must match). ``train.device`` may:
+# the state loads onto the engine's device (and a recipe saved before the field records none, while the resolved
+# value is never ``auto``). ``init_from`` may:
 # the saved state holds the weights, and the starting checkpoint only builds the model (one of another shape
 # fails loading the state); its folder may be gone by the time the run resumes (a campaign checkpoint replaced).
 RESUMABLE_CHANGES = {"resume", "output_dir", "init_from", "train.max_steps", "train.max_minutes", "train.epochs",
                      "train.save_every_minutes", "train.save_every_steps", "train.eval_every_steps", "train.threads",
-                     "train.fused_loss",
+                     "train.fused_loss", "train.device",
                      "wandb.enabled",
                      "wandb.mode", "wandb.project"}
 

@@ -21,6 +21,7 @@ a block after the first masked one.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -67,7 +68,7 @@ class LossOut:
     hit: torch.Tensor = None
 
     def __post_init__(self):
-        zero = torch.zeros(())
+        zero = torch.zeros((), device=getattr(self.loss, "device", None))  # beside the loss (the trainer stacks them)
         self.bce = zero if self.bce is None else self.bce
         self.base_ce = zero if self.base_ce is None else self.base_ce
 
@@ -167,7 +168,7 @@ def domino_loss(logits: torch.Tensor, base_logits: torch.Tensor, labels: torch.T
     ce = (w * _ce(logits, labels)).sum() / wsum
     base_ce = (w * _ce(base_logits, labels)).sum() / wsum
     acc, cnt, hit = _accuracy(logits, labels, valid)
-    return LossOut((1 - lam) * ce + lam * base_ce, ce.detach(), torch.zeros(()), acc, cnt,
+    return LossOut((1 - lam) * ce + lam * base_ce, ce.detach(), torch.zeros((), device=logits.device), acc, cnt,
                    base_ce=base_ce.detach(), hit=hit)
 
 
@@ -215,8 +216,8 @@ def dspark_loss(
     w_ce = decay_weights(valid & (labels >= 0), gamma)
     nll = -logp.gather(-1, labels.clamp(min=0).reshape(-1, 1)).view(a, p) * (labels >= 0).float()
     ce_term = (w_ce * nll).sum() / _den(w_ce, denom)
-    l1_term = torch.zeros((), dtype=torch.float32)
-    bce_term = torch.zeros((), dtype=torch.float32)
+    l1_term = torch.zeros((), dtype=torch.float32, device=logits.device)
+    bce_term = torch.zeros((), dtype=torch.float32, device=logits.device)
     has_target = target_logits is not None or target_probs is not None
     if conf_logits is not None and not has_target:
         raise ValueError("the confidence BCE needs target_logits (its label is 1 - TV distance to p_t)")
@@ -251,11 +252,14 @@ class _FusedBlockLoss(torch.autograd.Function):
     the forward, chunk by chunk, and scaled by the upstream gradient in the backward."""
 
     @staticmethod
-    def forward(ctx, h, a, w_head, w_out, t_h, t_lse, labels, c_ce, c_base, c_l1, chunk, want_grad):
+    def forward(ctx, h, a, w_head, w_out, t_h, t_lse, labels, c_ce, c_base, c_l1, chunk, want_grad, with_base):
         n, d = h.shape
         dt, dev = w_out.dtype, h.device
         f32 = torch.float32
-        with torch.autocast(dev.type, enabled=False), torch.no_grad():
+        # autocast off where the device type has one (not ``meta``, where the device tests run the step)
+        no_autocast = (torch.autocast(dev.type, enabled=False) if torch.amp.is_autocast_available(dev.type)
+                       else contextlib.nullcontext())
+        with no_autocast, torch.no_grad():
             hm = h.detach().to(dt)
             am = None if a is None else a.detach().to(dt)
             whm = None if w_head is None else w_head.detach().to(dt)
@@ -264,7 +268,6 @@ class _FusedBlockLoss(torch.autograd.Function):
             g_all = None if a is None or not want_grad else torch.empty(n, w_out.shape[0], dtype=dt, device=dev)
             nll, base_nll, l1 = (torch.zeros(n, dtype=f32, device=dev) for _ in range(3))
             hit = torch.zeros(n, dtype=torch.bool, device=dev)
-            with_base = bool((c_base != 0).any())
             for s0 in range(0, n, chunk):
                 e = slice(s0, min(n, s0 + chunk))
                 rows = torch.arange(e.stop - s0, device=dev)
@@ -335,7 +338,7 @@ class _FusedBlockLoss(torch.autograd.Function):
         dh, da, dw = ctx.dtypes
         out_a = None if grad_a is None else (grad_a * g_loss).to(da)
         out_w = None if grad_w is None else (grad_w * g_loss).to(dw)
-        return (grad_h * g_loss).to(dh), out_a, out_w, None, None, None, None, None, None, None, None, None
+        return (grad_h * g_loss).to(dh), out_a, out_w, None, None, None, None, None, None, None, None, None, None
 
 
 def fused_block_loss(
@@ -355,6 +358,7 @@ def fused_block_loss(
     conf_weight: float = 0.0,
     chunk: int | None = None,
     denom: float | None = None,
+    rows: torch.Tensor | None = None,
 ) -> LossOut:
     """The dflash / dspark / domino losses without materialising the [A, P, V'] logits (Liger-style fused
     linear cross-entropy, extended to DSpark's L1 and Domino's base CE).
@@ -383,6 +387,9 @@ def fused_block_loss(
         chunk: rows per chunk; None: about 2M logits per chunk (256 rows of an 8,192-token draft vocabulary;
             fastest of 16..512 on the 2-core CPU here, where larger matmuls beat cache residency).
         denom: None: normalise per sequence; else every weighted sum over this shared batch denominator.
+        rows: [N] int64 flat indices of the True entries of ``valid`` (``valid.reshape(-1).nonzero()[:, 0]``), on
+            ``hidden``'s device; None finds them here. A caller that knows them on the host passes them, so that a
+            CUDA step does not wait for the device at the ``nonzero``.
     Returns:
         LossOut as :func:`dspark_loss` (``lam`` None) or :func:`domino_loss`.
     Raises:
@@ -391,13 +398,16 @@ def fused_block_loss(
     chunk = _fused_chunk(chunk, w_out, target_hidden, lam, conf_logits)
     in_vocab = valid & (labels >= 0)
     w, w_ce = decay_weights(valid, gamma), decay_weights(in_vocab, gamma)
-    rows = valid.reshape(-1).nonzero()[:, 0]  # only valid predictions are computed
+    if rows is None:
+        rows = valid.reshape(-1).nonzero()[:, 0]  # only valid predictions are computed
     c_ce, c_base, c_l1 = _fused_coefficients(rows, w, w_ce, lam=lam, ce_weight=ce_weight, l1_weight=l1_weight,
                                              with_l1=target_hidden is not None, denom=denom, device=hidden.device)
     h, a, wh, t_h, t_lse, lab = _fused_rows(rows, hidden, labels, factors, target_hidden, target_lse)
+    # Domino's base CE is computed where its weight can be non-zero (known on the host: no device sync)
+    with_base = lam is not None and lam != 0
     loss, nll_r, base_r, l1_r, hit_r = _FusedBlockLoss.apply(h, a, wh, w_out, t_h, t_lse, lab, c_ce.float(),
                                                               c_base.float(), c_l1.float(), int(chunk),
-                                                              torch.is_grad_enabled())
+                                                              torch.is_grad_enabled(), with_base)
     grid = (rows, labels.shape, hidden.device)
     nll, l1, hit = _scatter(nll_r, *grid), _scatter(l1_r, *grid), _scatter(hit_r, *grid, torch.bool)
     ce_term = (w_ce * nll).sum() / _den(w_ce, denom)
@@ -405,10 +415,11 @@ def fused_block_loss(
     acc = hit.float().sum(0) / cnt.clamp_min(1)
     if lam is not None:
         base_ce = (w_ce * _scatter(base_r, *grid)).sum() / _den(w_ce, denom)
-        return LossOut(loss, ce_term.detach(), torch.zeros(()), acc, cnt, base_ce=base_ce.detach(), hit=hit)
+        return LossOut(loss, ce_term.detach(), torch.zeros((), device=hidden.device), acc, cnt,
+                       base_ce=base_ce.detach(), hit=hit)
     wsum = _den(w, denom)
-    l1_term = (w * l1).sum() / wsum if target_hidden is not None else torch.zeros(())
-    bce_term = torch.zeros((), dtype=torch.float32)
+    l1_term = (w * l1).sum() / wsum if target_hidden is not None else torch.zeros((), device=hidden.device)
+    bce_term = torch.zeros((), dtype=torch.float32, device=hidden.device)
     if conf_logits is not None:
         label = (1 - 0.5 * l1).clamp(0, 1)
         bce = F.binary_cross_entropy_with_logits(conf_logits.float(), label, reduction="none")

@@ -107,6 +107,8 @@ class TrainSection:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     bf16: Any = "auto"  # autocast the drafter to bf16 (true / false / auto: see resolve_auto_dtypes)
+    device: str = "auto"  # cpu | cuda | auto (cuda where torch.cuda.is_available(), else cpu): see resolve_train_device
+    engine: str = "deepspeed"  # deepspeed | torch (a plain-torch engine, one process or DDP-style all-reduce)
     fused_loss: bool = True  # chunked logits+loss+gradient (losses.fused_block_loss); false: materialised logits
     threads: int = 0  # torch threads; 0 = torch default
     save_every_minutes: float = 15.0  # resumable checkpoint every this many minutes (0: off)
@@ -218,21 +220,57 @@ def load_recipe(args: list[str]) -> DictConfig:
     if schema.data.source not in ("sharegpt", "random", "campaign"):
         raise RecipeError(f"data.source {schema.data.source!r} is unknown; use 'sharegpt', 'random' or 'campaign'")
     check_recipe(schema)  # every numeric field in range, no combination that trains nothing (one line, named)
-    for line in resolve_auto_dtypes(schema):
+    for line in [*resolve_train_device(schema), *resolve_auto_dtypes(schema)]:
         if os.environ.get("RANK", "0") == "0":
             print(line, flush=True)
     return schema
 
 
-def resolve_auto_dtypes(cfg: DictConfig) -> list[str]:
-    """Replace ``target.gen_dtype=auto`` and ``train.bf16=auto`` in place by what this machine runs fastest.
+def resolve_train_device(cfg: DictConfig) -> list[str]:
+    """Replace ``train.device=auto`` in place by the device training runs on: ``cuda`` where
+    ``torch.cuda.is_available()``, else ``cpu``; check that an explicit ``cuda`` can run here. The resolved value is
+    what the run records (recipe.json beside its resumable state, training.json beside the checkpoint), and what
+    :func:`resolve_auto_dtypes` then decides bf16 from. Returns one line when ``auto`` was resolved (printed by
+    train), else none.
 
-    auto means bf16 (regeneration in bfloat16, drafter autocast to bf16) where
-    :func:`~dartree.models.dtypes.native_bf16` holds, else
-    float32 / false. The resolved values are what the run records (recipe.yaml beside the checkpoint, the data
-    cache key), so a run is reproducible from its record. Returns one line per field resolved (printed by train).
+    Raises:
+        RecipeError: ``train.device=cuda`` where torch sees no CUDA device (a CPU build of torch, no GPU, or
+            ``CUDA_VISIBLE_DEVICES`` empty), one line naming the fix.
     """
-    native, why = native_bf16()
+    import torch
+
+    lines = []
+    with open_dict(cfg):
+        if cfg.train.device == "auto":
+            cfg.train.device = "cuda" if torch.cuda.is_available() else "cpu"
+            lines.append(f"train.device=auto -> {cfg.train.device}: torch.cuda.is_available() is "
+                         f"{torch.cuda.is_available()}")
+    if cfg.train.device == "cuda" and not torch.cuda.is_available():
+        raise RecipeError(f"train.device=cuda but torch sees no CUDA device (torch {torch.__version__}, "
+                          f"torch.cuda.is_available() is False); use train.device=cpu or train.device=auto")
+    return lines
+
+
+def resolve_auto_dtypes(cfg: DictConfig) -> list[str]:
+    """Replace ``target.gen_dtype=auto`` and ``train.bf16=auto`` in place by what the training device runs fastest.
+
+    auto means bf16 (regeneration in bfloat16, drafter autocast to bf16) where the device has native bf16
+    arithmetic, else float32 / false: on ``train.device=cuda`` where ``torch.cuda.is_bf16_supported()`` (every GPU
+    since Ampere), on the CPU where :func:`~dartree.models.dtypes.native_bf16` holds. A recipe whose ``train.device``
+    is still ``auto`` is resolved first (:func:`resolve_train_device`). The resolved values are what the run
+    records (recipe.yaml beside the checkpoint, the data cache key), so a run is reproducible from its record.
+    Returns one line per field resolved (printed by train).
+    """
+    if cfg.train.device == "auto":
+        resolve_train_device(cfg)
+    if cfg.train.device == "cuda":
+        import torch
+
+        native = bool(torch.cuda.is_bf16_supported())
+        why = (f"CUDA device {torch.cuda.get_device_name()} "
+               f"{'has' if native else 'has no'} native bf16 arithmetic")
+    else:
+        native, why = native_bf16()
     lines = []
     with open_dict(cfg):
         if cfg.target.gen_dtype == "auto":

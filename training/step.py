@@ -10,6 +10,8 @@ target distribution (DSpark, Sec. 3.3), fused with the lm_head (:mod:`dartree.tr
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig
@@ -62,21 +64,25 @@ class TrainModule(torch.nn.Module):
 def output_rows(target: Target, vocab: torch.Tensor | None,
                  dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The frozen lm_head rows the drafter is trained on ([V, D] or the draft vocabulary's [N, D]), in ``dtype``
-    (default: the target's), and the map token id -> draft-vocabulary index (-1 outside; None without a
-    vocabulary), computed once per (target, vocabulary, dtype) and reused."""
+    (default: the target's), and the map token id -> draft-vocabulary index ([V] int64, -1 outside; None without a
+    vocabulary), both on the target's device, computed once per (target, vocabulary, dtype) and reused. ``vocab``
+    ([N] int64, the drafter's ``draft_vocab`` buffer) must be on that device too."""
     w = target.lm_head.weight
     dtype = w.dtype if dtype is None else dtype
     key = (w.data_ptr(), w._version, tuple(w.shape), dtype, None if vocab is None else vocab.data_ptr(),
            None if vocab is None else vocab._version)
     cache = target.__dict__.setdefault("_draft_rows", {})
     hit = cache.get(key)
-    if hit is None or (vocab is not None and not torch.equal(hit[2], vocab)):
+    # the entry holds the vocabulary tensor itself: while cached its address cannot be reused by another tensor, and
+    # an in-place change bumps its version, so (address, version, identity) decide without reading its values
+    # (a comparison of values would wait for the device at every sequence)
+    if hit is None or (vocab is not None and hit[2] is not vocab):
         if vocab is None:
             hit = (w.detach().to(dtype), None, None)
         else:
-            inv = torch.full((target.vocab_size,), -1, dtype=torch.long)
-            inv[vocab] = torch.arange(vocab.numel())
-            hit = (w.detach()[vocab].to(dtype).contiguous(), inv, vocab.clone())
+            inv = torch.full((target.vocab_size,), -1, dtype=torch.long, device=w.device)
+            inv[vocab] = torch.arange(vocab.numel(), device=w.device)
+            hit = (w.detach()[vocab].to(dtype).contiguous(), inv, vocab)
         if len(cache) > 4:
             cache.clear()
         cache[key] = hit
@@ -85,12 +91,14 @@ def output_rows(target: Target, vocab: torch.Tensor | None,
 
 def block_targets(tokens: torch.Tensor, prompt_len: int, loss_mask: torch.Tensor | None, cfg: DictConfig,
                   num_proposals: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Anchors and label positions of one training sequence, and which predictions carry a loss.
+    """Anchors and label positions of one training sequence, and which predictions carry a loss, on the CPU (where
+    the tokens, the loss mask and the anchor RNG are; :func:`sequence_loss` copies them to the training device).
 
     Args:
         tokens: [T] int64. prompt_len: tokens before the first response token. loss_mask: [T] bool (True on the
             target's own tokens) or None (everything after the prompt). num_proposals: P. gen: the sequence's
-            anchor RNG (seeded per (seed, step, sequence): the same draw wherever it is made).
+            anchor RNG, a CPU generator (seeded per (seed, step, sequence): the same draw wherever it is made, on
+            every device).
     Returns:
         (anchors [A] int64, label positions [A, P] int64 = anchor + 1 + j, valid [A, P] bool): in range and,
         with a loss mask, supervised (``loss.cumulative_mask``: DSpark's in-block cumulative rule,
@@ -112,6 +120,12 @@ def sequence_weight(data: BlockData, i: int, cfg: DictConfig, num_proposals: int
     return weight_sum(valid, cfg.loss.gamma)
 
 
+def _autocast(dev: torch.device, bf16: bool):
+    """bf16 autocast on ``dev``'s device type (``train.bf16``), or no context at all in fp32 (so a step also runs on
+    a device type autocast does not know, such as ``meta``, which the device tests use)."""
+    return torch.autocast(device_type=dev.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
 def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: DictConfig, gen: torch.Generator,
                   lam: float = 0.0, denom: float | None = None):
     """Forward one training sequence with random anchors under the recipe's loss; returns LossOut or None
@@ -128,6 +142,7 @@ def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: D
     :data:`DFLASH2_BASE_WEIGHT`.
     """
     tokens, feats, final, plen = data.sequence(i)
+    dev = target.device  # the training device: the drafter, the target and every step tensor live there
     s = tokens.numel()
     dc = drafter.cfg
     L, off, P = dc.block_size, dc.proposal_offset, dc.num_proposals
@@ -136,9 +151,16 @@ def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: D
     a = anchors.numel()
     if a == 0:
         return None
-    block = torch.full((a, L), dc.mask_token_id, dtype=torch.long)
+    # the rows that carry a loss, found on the host (a nonzero() on the device would wait for its queue)
+    rows = valid.reshape(-1).nonzero()[:, 0]
+    # one asynchronous copy each (pageable host memory is staged; the host does not wait for the device); features
+    # stored on the host (a feature file) travel here too, online features are on the device already: no-ops there
+    # and on the CPU
+    tokens, feats, final, anchors, lp, valid, rows = (
+        t.to(dev, non_blocking=True) for t in (tokens, feats, final, anchors, lp, valid, rows))
+    block = torch.full((a, L), dc.mask_token_id, dtype=torch.long, device=dev)
     block[:, 0] = tokens[anchors]
-    q_pos = (anchors[:, None] + torch.arange(L)).reshape(1, -1)
+    q_pos = (anchors[:, None] + torch.arange(L, device=dev)).reshape(1, -1)
     x = target.embed(block.reshape(1, -1)).to(torch.float32)  # raw lookup, as z-lab embeds the block
     mask = BlockAttention.from_anchors(anchors, s, L)  # = block_attention_mask, over each block's own keys
     lc = cfg.loss
@@ -154,8 +176,8 @@ def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: D
     if vocab is not None:  # label index within the draft vocabulary, -1 outside it (a sure miss)
         labels = inv[labels]
     with_target = lc.type == "dspark" and (lc.l1_weight or getattr(head, "confidence_head", False))
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
-        hidden = drafter(x, q_pos, feats, torch.arange(s)[None], mask=mask)
+    with _autocast(dev, bf16):
+        hidden = drafter(x, q_pos, feats, torch.arange(s, device=dev)[None], mask=mask)
         hidden = hidden.view(a, L, -1)[:, off:]  # [A, P, D]
         factors = None if lc.type == "dflash" else head.block_factors(prev, hidden, vocab)
         conf = None
@@ -164,21 +186,22 @@ def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: D
             d = hidden.shape[-1]
             conf = head.confidence_logits(hidden.float().reshape(-1, d), states.reshape(a * P, -1)).view(a, P)
     t_hidden = final[(lp - 1).clamp(max=s - 1)] if with_target else None
-    t_lse = data.lse_of(i)[(lp - 1).clamp(max=s - 1)] if with_target and vocab is not None else None
+    t_lse = (data.lse_of(i).to(dev, non_blocking=True)[(lp - 1).clamp(max=s - 1)]
+             if with_target and vocab is not None else None)
     if lc.type == "dflash2":  # base (unary) and selector-corrected CE weighted equally (speculators' alpha = 1)
         lam = DFLASH2_BASE_WEIGHT
     if fused:
         if lc.type in ("domino", "dflash2"):
             return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, factors=factors, lam=lam,
-                                    denom=denom)
+                                    denom=denom, rows=rows)
         if lc.type == "dflash":
-            return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, denom=denom)
+            return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, denom=denom, rows=rows)
         return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, factors=factors,
                                 target_hidden=t_hidden, target_lse=t_lse, ce_weight=lc.ce_weight,
                                 l1_weight=lc.l1_weight, conf_logits=conf,
-                                conf_weight=lc.conf_weight if conf is not None else 0.0, denom=denom)
+                                conf_weight=lc.conf_weight if conf is not None else 0.0, denom=denom, rows=rows)
     # the reference path: materialised [A, P, V'] logits through autograd (train.fused_loss=false)
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+    with _autocast(dev, bf16):
         base = F.linear(hidden, w_out)  # [A, P, V] (or [A, P, N] on a draft vocabulary)
         if lc.type == "dflash":
             return dspark_loss(base, labels, valid, None, gamma=lc.gamma, ce_weight=1.0, l1_weight=0.0, denom=denom)

@@ -1,10 +1,14 @@
 """The training loop as named stages over one state: :class:`Trainer` sets a run up (target, drafter and head, data,
-optimiser and DeepSpeed engine, resumed state), :meth:`Trainer.train_step` runs one optimiser step,
+optimiser and engine, resumed state), :meth:`Trainer.train_step` runs one optimiser step,
 :meth:`Trainer.after_step` logs, evaluates and saves, and :meth:`Trainer.finish` writes the checkpoint and summary.
 
 Every rank runs the same code; rank 0 writes files. Anchors are drawn per (seed, step, sequence)
-(:func:`~dartree.training.step.seed_mix`), so a resumed run, or one on another number of processes, sees the same
-batches and anchors.
+(:func:`~dartree.training.step.seed_mix`), so a resumed run, or one on another number of processes or another
+device, sees the same batches and anchors.
+
+The device is ``train.device`` (:func:`~dartree.training.build.training_device`): the target, the drafter and head,
+the online features and every step tensor live there, and the step's loss terms are summed there, so a CUDA step
+waits for the device once (its logged losses), not once per sequence. With one process there is no collective.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from dartree.training.build import (
     parse_recipe_dtype,
     prepare_data,
     save_training_checkpoint,
+    training_device,
 )
 from dartree.training.checks import check_against_target, check_output_dir, check_recipe
 from dartree.training.curves import plot_curve_file
@@ -139,7 +144,12 @@ class Trainer:
         self.t_start = time.time()
         check_recipe(cfg)  # also here: a config built or edited in Python after load_recipe
         check_output_dir(cfg.output_dir)
-        self.rank, self.world = init_distributed()
+        self.device = training_device(cfg)
+        self.engine_name = cfg.train.get("engine", "deepspeed")
+        try:
+            self.rank, self.world = init_distributed(self.device, self.engine_name)
+        except RuntimeError as exc:  # DeepSpeed missing, or bound to another device: the fix is a recipe value
+            raise RecipeError(str(exc).splitlines()[0]) from None
         self.main = self.rank == 0
         if cfg.train.threads:
             torch.set_num_threads(cfg.train.threads)
@@ -176,7 +186,9 @@ class Trainer:
 
     def _build_models(self) -> None:
         cfg = self.cfg
-        self.target = load_recipe_target(cfg.target.path, parse_recipe_dtype(cfg.target.dtype, "target.dtype"))
+        # on the training device before build_models / load_init bind its embedding (the gru head keeps a reference)
+        self.target = load_recipe_target(cfg.target.path, parse_recipe_dtype(cfg.target.dtype, "target.dtype"),
+                                         device=self.device)
         check_against_target(cfg, self.target)  # layer ids, mask id, vocabulary sizes: before the data stage
         if cfg.init_from:
             self.drafter, self.head = load_init(cfg.init_from, self.target, cfg)
@@ -184,6 +196,9 @@ class Trainer:
                      f"{self.drafter.cfg.block_size}, head {self.head.type_name}")
         else:
             self.drafter, self.head = build_models(cfg, self.target)
+        if self.device.type != "cpu":  # built on the CPU; DeepSpeed would move the module, the torch engine does not
+            self.drafter.to(self.device)
+            self.head.to(self.device)
         self.target.set_layer_ids(self.drafter.cfg.target_layer_ids)
 
     def _on_rank0_first(self, fn):
@@ -239,6 +254,12 @@ class Trainer:
         self.lr = WarmupCosine(max(1, int(cfg.train.warmup_ratio * self.total)), self.total, self.cap_s)
         self.sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr)
         self.stage = int(cfg.deepspeed.zero_stage)
+        if self.engine_name == "torch":
+            from dartree.training.torch_engine import TorchEngine
+
+            self.engine = TorchEngine(self.module, opt, self.sched, grad_accum=self.sps // self.world,
+                                      grad_clip=cfg.train.grad_clip)
+            return
         dsc = ds_config(self.stage, self.sps // self.world, cfg.train.grad_clip)
         dsc["zero_allow_untested_optimizer"] = True
         self.engine = make_engine(self.module, opt, self.sched, dsc)
@@ -254,6 +275,8 @@ class Trainer:
             self.log(f"resume=true but {self.out_dir / 'resume'} holds no state: starting from step 0")
             return
         self.state = TrainState.from_client(client)
+        if self.state.acc_ema is not None:  # the client state holds plain lists; the EMA lives on the device
+            self.state.acc_ema = self.state.acc_ema.to(self.device)
         check_resume_length(self.state.step, self.total, self.cfg, self.out_dir)
         self.log(f"resumed {self.out_dir / 'resume'} at step {self.state.step}/{self.total}")
 
@@ -279,8 +302,23 @@ class Trainer:
         p = self.drafter.cfg.num_proposals
         wsum = torch.tensor([sum(sequence_weight(self.data, i, self.cfg, p, self._anchor_gen(step, i)) for i in mine)],
                             dtype=torch.float64)
-        dist.all_reduce(wsum)
+        wsum = self._all_reduce(wsum)
         return max(float(wsum), 1e-8) / self.sps
+
+    def _collective(self, t: torch.Tensor, op) -> torch.Tensor:
+        """``op(t)`` (an in-place collective: all_reduce, broadcast from rank 0) over the processes, on a device the
+        process group's backend serves (a CUDA tensor under NCCL, else the CPU); returns the result on ``t``'s
+        device. One process: ``t`` itself, no collective."""
+        if self.world == 1:
+            return t
+        comm = self.device if self.device.type == "cuda" and "nccl" in dist.get_backend() else torch.device("cpu")
+        x = t.to(comm)
+        op(x)
+        return x.to(t.device)
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of ``t`` over the processes (:meth:`_collective`)."""
+        return self._collective(t, dist.all_reduce)
 
     def train_step(self) -> dict:
         """One optimiser step over this rank's share of the step's batch; returns the step's mean loss terms
@@ -294,7 +332,7 @@ class Trainer:
         st.seen_tokens += self.data.num_tokens(batch)
         mine = batch[self.rank::self.world]
         denom = self._batch_denominator(st.step, mine)
-        sums = torch.zeros(5)  # loss, ce, l1, bce, predictions
+        sums = torch.zeros(5, device=self.device)  # loss, ce, l1, bce, predictions: summed on the device
         for i in mine:
             out = self.engine(self.target, self.data, i, cfg, self._anchor_gen(st.step, i), lam, denom)
             if out is None:  # pragma: no cover - BlockData keeps only sequences with anchors
@@ -304,11 +342,13 @@ class Trainer:
             loss, o_ce, o_l1, o_bce, o_acc, o_cnt = out
             self.engine.backward(loss)
             self.engine.step()
-            sums += torch.tensor([float(loss.detach()), float(o_ce), float(o_l1), float(o_bce), float(o_cnt.sum())])
+            # no host sync per sequence: the pieces are rounded to fp32 and summed where they are
+            sums += torch.stack([t.detach().to(torch.float32) for t in (loss, o_ce, o_l1, o_bce, o_cnt.sum())])
             st.acc_ema = o_acc if st.acc_ema is None else 0.9 * st.acc_ema + 0.1 * o_acc
-        dist.all_reduce(sums)
-        tot, ce, l1, bce = (sums[:4] / self.sps).tolist()
-        st.preds += int(sums[4])
+        sums = self._all_reduce(sums)
+        *means, preds = torch.cat([sums[:4] / self.sps, sums[4:]]).tolist()  # the step's one wait on the device
+        tot, ce, l1, bce = means
+        st.preds += int(preds)
         st.step += 1
         st.losses.append(round(tot, 6))
         return {"loss": tot, "ce": ce, "l1": l1, "bce": bce, "lam": lam}
@@ -353,7 +393,7 @@ class Trainer:
             float(bool(cfg.train.max_minutes) and time.time() - self.lr.t0 > self.cap_s),
             float(bool(cfg.train.save_every_minutes) and time.time() - self.last_save > cfg.train.save_every_minutes * 60),
         ])
-        dist.broadcast(flags, 0)
+        flags = self._collective(flags, lambda x: dist.broadcast(x, 0))
         capped = bool(flags[0])
         if cfg.train.eval_every_steps and step % cfg.train.eval_every_steps == 0 and step < self.total:
             self.evaluate()
