@@ -2,6 +2,7 @@
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -51,7 +52,8 @@ def test_settings_errors_name_the_key_and_the_fix(tmp_path):
         load_settings(["data.math_generators=[dice,gsm_symbolic]"], folder=tmp_path)
     with pytest.raises(CampaignError, match="data.mix"):
         load_settings(["data.mix={chat: 0, code: 0, math: 0}"], folder=tmp_path)
-    with pytest.raises(CampaignError, match="stage="):
+    with pytest.raises(CampaignError, match="stage='eval': use one of data, train, all, verify, status, baseline, "
+                                            "curve, plan"):
         load_settings(["stage=eval"], folder=tmp_path)
 
 
@@ -223,6 +225,74 @@ def test_the_curve_counts_the_predictions_of_a_runs_own_lineage(tmp_path, monkey
     assert parent_of(cfg, "x", state, "/repo/checkpoints/x") is None  # shipped, before the campaign shipped one
     state["x"]["shipped_run"] = "/r/x-3"
     assert parent_of(cfg, "x", state, "/repo/checkpoints/x") == "/r/x-3"
+
+
+def test_a_lineage_from_scratch_counts_its_own_data_and_the_state_lock_keeps_every_writer(tmp_path):
+    """A burst run trained from random weights (from_scratch) and its continuation count only their own shards
+    and predictions; two writers under locked_state both keep their runs."""
+    from dartree.training.campaign_train import curve_points, locked_state, read_state
+
+    folder = tmp_path / "c"
+    folder.mkdir()
+    cfg = load_settings(SMALL + [f"dir={folder}"], folder=folder)
+    (folder / "manifest.json").write_text(json.dumps({"data": None, "holdout": None, "shards": [
+        {"response_tokens": 100}, {"response_tokens": 50}]}))
+    with locked_state(cfg) as state:
+        state["baseline"] = {"x": {"response_tokens": 1000, "predictions": 10_000, "holdout_chain_tau": 1.4}}
+        state["x"] = {"runs": [{"output_dir": "/r/x-1", "parent": None, "shards": 1, "predictions": 7,
+                                "holdout_chain_tau": 1.5}]}
+    with locked_state(cfg) as state:  # a second process adds its run to what the first wrote
+        state["x"]["runs"] += [
+            {"output_dir": "/g/x-2", "parent": None, "from_scratch": True, "shards": 2, "predictions": 900,
+             "holdout_chain_tau": 1.3},
+            {"output_dir": "/r/x-2", "parent": "/g/x-2", "shards": 2, "predictions": 40, "holdout_chain_tau": 1.35}]
+    assert len(read_state(cfg)["x"]["runs"]) == 3
+    pts = curve_points(cfg)["x"]
+    assert [p["response_tokens"] for p in pts] == [1000, 1100, 150, 150]
+    assert [p["predictions"] for p in pts] == [10_000, 10_007, 900, 940]
+    assert pts[2]["label"] == "2 shards (from scratch)" and pts[3]["label"] == "2 shards (from scratch)"
+
+
+def test_gpu_settings_are_checked_by_name(tmp_path):
+    with pytest.raises(CampaignError, match="shards_per_call, gen_min_free and gen_prefill_tokens"):
+        load_settings(["shards_per_call=0"], folder=tmp_path)
+    with pytest.raises(CampaignError, match="device='tpu'"):
+        load_settings(["device=tpu"], folder=tmp_path)
+    with pytest.raises(CampaignError, match="stage=plan needs shards=K"):
+        load_settings(["stage=plan"], folder=tmp_path)
+    with pytest.raises(CampaignError, match=r"train.shares=\[1\]"):
+        load_settings(["train.recipes=[a,b]", "train.shares=[1]"], folder=tmp_path)
+    with pytest.raises(CampaignError, match="train.init='warm'"):
+        load_settings(["train.init=warm"], folder=tmp_path)
+    import torch
+
+    from dartree.training.campaign import resolve_device
+
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(CampaignError, match="use device=cpu or device=auto"):
+            resolve_device("cuda")
+
+
+@pytest.mark.slow
+def test_the_plan_reproduces_the_committed_pool_ranges():
+    """Walking the pool once cuts it as the committed shards were cut (held-out set and shards 0..N-1)."""
+    from dartree.training.campaign import REPO, _next_names, write_plan
+
+    cfg = load_settings([])
+    committed = read_manifest(REPO / "campaign")
+    empty = {"data": None, "holdout": None, "shards": []}
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg.dir = tmp  # an empty campaign: the plan starts at pool position 0 with the held-out set
+        plan = write_plan(cfg, Path(tmp) / "p.json.gz", 1 + len(committed["shards"]))
+    assert [e["name"] for e in plan["entries"]] == [n for n, _ in _next_names(cfg, empty, len(plan["entries"]))]
+    assert [e["pool"] for e in plan["entries"]] == [committed["holdout"]["pool"]] + [s["pool"] for s in
+                                                                                    committed["shards"]]
+    assert [len(e["items"]) for e in plan["entries"]] == [committed["holdout"]["conversations"]] + [
+        s["conversations"] for s in committed["shards"]]
 
 
 @pytest.mark.slow

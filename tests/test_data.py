@@ -154,17 +154,23 @@ def test_requeued_follow_ups_and_groups_give_the_same_conversations(target, tmp_
     """The GPU schedule: each next turn requeued as a whole-history prompt (not continued alone in its slot), a
     refill threshold, and conversations entering group by group with a callback as each one completes. In fp32 the
     file equals the default schedule's; every conversation completes once, groups finish in order."""
-    from dartree.training.data import RegenOptions
+    from dartree.training.data import RegenOptions, dialogue_row
 
     dialogues = random_dialogues(8, 3, 5, 96, seed=4, stop_id=STOP)
     ref = regenerate_dialogues(target, _spec(), dialogues, tmp_path / "follow", stop_id=STOP).read_text()
     groups = [1, 1, 0, 0, 2, 2, 0, 1]
-    finished = []
-    opts = RegenOptions(requeue=True, min_free=2, prefill_tokens=16, groups=groups, on_complete=finished.append)
+    finished, rows_seen = [], {}
+
+    def complete(c, answers):
+        finished.append(c)
+        rows_seen[c] = json.dumps(dialogue_row(c, dialogues[c], answers, STOP))
+
+    opts = RegenOptions(requeue=True, min_free=2, prefill_tokens=16, groups=groups, on_complete=complete)
     got = regenerate_dialogues(target, _spec(batch_size=3), dialogues, tmp_path / "requeue", stop_id=STOP,
                                options=opts).read_text()
     assert got == ref
     assert sorted(finished) == list(range(8))
+    assert "".join(rows_seen[c] + "\n" for c in range(8)) == ref  # each callback had the conversation's final row
     order = [groups[c] for c in finished]  # the first 3 slots hold group 0; group 2 enters last
     assert order[0] == 0 and sum(i for i, g in enumerate(order) if g == 2) / 2 > sum(
         i for i, g in enumerate(order) if g == 0) / 3, order
@@ -177,7 +183,7 @@ def test_requeued_follow_ups_and_groups_give_the_same_conversations(target, tmp_
                                                              "response_ids": _answers(one)[0]}) + "\n")
     again = []
     got = regenerate_dialogues(target, _spec(), dialogues, cut, stop_id=STOP,
-                               options=RegenOptions(requeue=True, on_complete=again.append)).read_text()
+                               options=RegenOptions(requeue=True, on_complete=lambda c, a: again.append(c))).read_text()
     assert got == ref and again[0] == one["index"] and sorted(again) == list(range(8))
 
 

@@ -14,7 +14,7 @@ PACKAGES = {"kernels": "kernels", "models": "models", "decode": "decode", "decod
 # tools: the evaluation harness, the CLIs and programs that sit on several libraries, the Python API
 TOOLS = {
     "decode": {"bench", "eval"},  # the harness's two commands; the harness itself is decode/harness/ (all tools)
-    "training": {"train", "campaign", "campaign_train", "parity", "bench", "prepare"},
+    "training": {"train", "campaign", "campaign_train", "parity", "bench", "prepare", "burst"},
     "kernels": {"gpu_check"}, "models": set(), "convert": set(),
 }
 RANK = {"kernels": 0, "models": 1, "decode": 2, "training": 2, "convert": 2}

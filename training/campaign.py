@@ -19,6 +19,12 @@ continues from (commit them). ``campaign.py stage=verify shard=K`` regenerates s
 ``stage=baseline`` scores the shipped checkpoints on the campaign's held-out set; ``stage=curve`` draws the
 scaling curve (``checkpoints/campaign_curve.png``) from them and the recorded training runs.
 
+On a GPU (``device=cuda``, e.g. the burst, :mod:`dartree.training.burst`): ``shards_per_call`` shards share one
+continuous batch and each is written as soon as it is complete; follow-up turns are requeued as whole-history
+prompts (``gen_requeue``), refills wait for ``gen_min_free`` free slots and prefills take ``gen_prefill_tokens``.
+``stage=plan shards=K out=FILE`` writes the next K pieces' tokenized prompts (:func:`write_plan`), so a machine
+without the prompt packages regenerates them with ``plan=FILE``.
+
 Training stage (``stage=train``): see :mod:`dartree.training.campaign_train`.
 
 Sources: DFlash (github.com/z-lab/dflash) and DSpark (arXiv 2607.05147) train on target-regenerated responses;
@@ -47,14 +53,18 @@ from dartree.training.campaign_store import (  # noqa: F401  (the store's names,
     REPO,
     CampaignError,
     cpu_model,
+    device_name,
     read_manifest,
     read_shard,
+    resolve_device,
     shard_table,
     write_manifest,
 )
 
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 POOL_VERSION = 1
+PLAN_VERSION = 1
+STAGES = ("data", "train", "all", "verify", "status", "baseline", "curve", "plan")
 
 
 @dataclass
@@ -87,6 +97,10 @@ class TrainSettings:
     epochs: float = 1.0  # passes over the shards of one run (a new run starts when new shards have landed)
     eval_every_steps: int = 200
     overrides: list = field(default_factory=list)  # more training/train.py key=value words
+    shares: list = field(default_factory=list)  # per recipe, its share of the training time ([]: equal shares)
+    init: str = "latest"  # latest: continue the latest weights (run, committed, shipped); scratch: random init
+    min_minutes: float = 2.0  # a recipe with less time than this left is not started
+    overhead_minutes: float = 0.0  # kept from each run's train.max_minutes for its set-up, held-out eval and save
 
 
 @dataclass
@@ -99,8 +113,17 @@ class CampaignSettings:
     threads: int = 1  # torch threads (leave the other core free)
     dir: str = ""  # campaign folder (default: campaign/ in the repository)
     target: str = "smollm2"
-    gen_dtype: str = "auto"  # auto: bfloat16 where the CPU has native bf16 arithmetic, else float32
+    gen_dtype: str = "auto"  # auto: bfloat16 on CUDA or where the CPU has native bf16 arithmetic, else float32
     gen_slots: int = 64
+    device: str = "cpu"  # where the data stage runs the target: cpu | cuda | auto (cuda where available)
+    shards_per_call: int = 1  # stage=data: shards regenerated together (one continuous batch; 32 on a GPU)
+    gen_min_free: int = 1  # refill once this many slots are free (a GPU: gen_slots // 16)
+    gen_prefill_tokens: int = 4096  # padded tokens per prefill forward (a GPU: 65536)
+    gen_requeue: bool = False  # a conversation's next turn re-enters the queue as a whole-history prompt (a GPU)
+    plan: str = ""  # stage=data: take the prompts from this plan file (stage=plan writes it); "": walk the pool
+    shards: int = 0  # stage=plan: how many shards to plan (the held-out set counts as one while it is missing)
+    out: str = ""  # stage=plan: the plan file to write (.json.gz)
+    runs_dir: str = ""  # training runs (default: the user cache, campaign-runs/)
     shard: int = -1  # stage=verify: the shard to regenerate
     data: DataSettings = field(default_factory=DataSettings)
     train: TrainSettings = field(default_factory=TrainSettings)
@@ -137,10 +160,22 @@ def load_settings(args: list[str], folder: Path | None = None) -> DictConfig:
             raise CampaignError(f"bad value for {getattr(exc, 'full_key', '?')!r} in {label}: {msg}") from None
     if not schema.dir:
         schema.dir = str(base)
-    if schema.stage not in ("data", "train", "all", "verify", "status", "baseline", "curve"):
-        raise CampaignError(f"stage={schema.stage!r}: use data, train, all, verify, status, baseline or curve")
+    if schema.stage not in STAGES:
+        raise CampaignError(f"stage={schema.stage!r}: use one of {', '.join(STAGES)}")
     if schema.hours <= 0 or schema.threads < 1 or schema.gen_slots < 1 or not 0 <= schema.train_share <= 1:
         raise CampaignError("hours must be > 0, threads and gen_slots >= 1, train_share in [0, 1]")
+    if schema.shards_per_call < 1 or schema.gen_min_free < 1 or schema.gen_prefill_tokens < 1:
+        raise CampaignError("shards_per_call, gen_min_free and gen_prefill_tokens must be >= 1")
+    if schema.device not in ("cpu", "cuda", "auto"):
+        raise CampaignError(f"device={schema.device!r}: use cpu, cuda or auto")
+    t = schema.train
+    if t.init not in ("latest", "scratch") or (len(t.shares) and len(t.shares) != len(t.recipes)) \
+            or any(float(w) <= 0 for w in t.shares) or t.min_minutes < 0 or t.overhead_minutes < 0:
+        raise CampaignError(f"train.init={t.init!r} (latest or scratch), train.shares={list(t.shares)} (one weight "
+                            f"> 0 per recipe of {list(t.recipes)}, or []), train.min_minutes and "
+                            "train.overhead_minutes >= 0")
+    if schema.stage == "plan" and (schema.shards < 1 or not schema.out):
+        raise CampaignError("stage=plan needs shards=K (>= 1) and out=FILE.json.gz")
     d = schema.data
     if d.shard_size < 1 or d.holdout < 1 or d.max_turns < 1 or d.max_new_tokens < 1:
         raise CampaignError("data.shard_size, data.holdout, data.max_turns and data.max_new_tokens must be >= 1")
@@ -325,6 +360,12 @@ def usable_items(settings: DictConfig, tokenizer, start: int, n: int, end: int |
 
 
 def _git_commit() -> str:
+    """The project's commit: ``$DARTREE_COMMIT`` where set (a copy of the tree without ``.git``, e.g. on a GPU
+    machine), else ``git rev-parse --short HEAD``, else "unknown"."""
+    import os
+
+    if os.environ.get("DARTREE_COMMIT"):
+        return os.environ["DARTREE_COMMIT"]
     try:
         return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"], capture_output=True,
                               text=True, timeout=10).stdout.strip() or "unknown"
@@ -332,25 +373,146 @@ def _git_commit() -> str:
         return "unknown"
 
 
-def _gen_dtype(cfg: DictConfig):
+def _gen_dtype(cfg: DictConfig, device=None):
     from dartree.models.dtypes import native_bf16, parse_dtype
 
     if cfg.gen_dtype == "auto":
-        return parse_dtype("bfloat16" if native_bf16()[0] else "float32")
+        on_gpu = getattr(device, "type", "cpu") == "cuda"
+        return parse_dtype("bfloat16" if on_gpu or native_bf16()[0] else "float32")
     try:
         return parse_dtype(cfg.gen_dtype, "gen_dtype")
     except ValueError as exc:
         raise CampaignError(f"{exc} (or auto)") from None
 
 
-def _regenerate(target, cfg: DictConfig, items: list, folder: Path, deadline: float | None):
-    """Regenerate one shard's items into ``folder`` (resumable); returns (rows, seconds) or None at the deadline."""
-    from dartree.training.data import DataSpec, regenerate_dialogues
+# ---------------------------------------------------------------------------------------------------------- plan
+
+
+def next_start(manifest: dict) -> int:
+    """The pool position the next shard starts at: after the last training shard, else after the held-out set,
+    else 0."""
+    if manifest["shards"]:
+        return int(manifest["shards"][-1]["pool"][1])
+    return int(manifest["holdout"]["pool"][1]) if manifest["holdout"] else 0
+
+
+def _next_names(cfg: DictConfig, manifest: dict, count: int) -> list[tuple[str, int]]:
+    """The next ``count`` pieces the data stage makes, as (name, conversations): the held-out set first while the
+    manifest has none, then training shards ``train-NNNNN`` in order."""
+    out, k = [], len(manifest["shards"])
+    if manifest["holdout"] is None:
+        out.append(("holdout", int(cfg.data.holdout)))
+    while len(out) < count:
+        out.append((f"train-{k:05d}", int(cfg.data.shard_size)))
+        k += 1
+    return out
+
+
+def write_plan(cfg: DictConfig, path: Path, count: int, tokenizer=None) -> dict:
+    """Plan the next ``count`` pieces of the data stage (the held-out set while missing, then training shards):
+    walk the pool once from the campaign's next start and cut it exactly as repeated :func:`usable_items` calls
+    would, keeping each usable item's id, kind and chat-template segments (token ids). A machine without the
+    prompt packages (ShareGPT, reasoning-gym, HumanEval, MT-Bench) or the tokenizer then regenerates them with
+    ``plan=FILE`` (:func:`run_data`). Written atomically as gzip JSON: ``{"version", "data" (:func:`data_key`),
+    "start", "entries": [{"name", "pool": [start, end], "items": [{"id", "kind", "segments"}]}]}``.
+
+    Args:
+        tokenizer: the target's tokenizer (default: loaded from ``cfg.target``'s folder).
+    Returns:
+        The plan (as written).
+    Raises:
+        CampaignError: the pool runs out before the first piece is complete.
+    """
+    import gzip
+
+    from dartree.models.files import write_file_atomically
+    from dartree.training.data import dialogue_segments
+
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        from dartree.models.target import resolve_target_path
+
+        tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(cfg.target))
+    manifest = read_manifest(Path(cfg.dir))
+    start = next_start(manifest)
+    names = iter(_next_names(cfg, manifest, count))
+    entries, (name, want) = [], next(names)
+    items, first, pos = [], start, start
+    for k, item in enumerate(pool_items(cfg)):
+        if k < start:
+            continue
+        pos = k + 1
+        segs = dialogue_segments(tokenizer, item.turns, int(cfg.data.max_prompt_tokens))
+        if segs is not None:
+            items.append({"id": item.id, "kind": item.kind, "segments": [list(map(int, s)) for s in segs]})
+        if len(items) == want:
+            entries.append({"name": name, "pool": [first, pos], "items": items})
+            if len(entries) == count:
+                break
+            (name, want), items, first = next(names), [], pos
+    if not entries:
+        raise CampaignError(f"the pool ran out before {name} was complete ({len(items)} of {want} items)")
+    plan = {"version": PLAN_VERSION, "data": data_key(cfg), "start": start, "entries": entries,
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "dartree": _git_commit()}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_file_atomically(path, gzip.compress(json.dumps(plan, separators=(",", ":")).encode(), 6))
+    return plan
+
+
+def read_plan(path: Path, cfg: DictConfig, manifest: dict) -> dict:
+    """A plan file (:func:`write_plan`), checked against the campaign it is about to extend.
+
+    Raises:
+        CampaignError: the file is missing or unreadable, another plan version, other data settings (named), or
+            it starts elsewhere than the campaign's next pool position (the manifest moved on since it was
+            written: plan again).
+    """
+    import gzip
+
+    try:
+        plan = json.loads(gzip.decompress(Path(path).read_bytes()))
+    except (OSError, ValueError, EOFError) as exc:
+        raise CampaignError(f"plan={path} cannot be read ({str(exc).splitlines()[0] if str(exc) else exc!r}); "
+                            "write it with `python training/campaign.py stage=plan shards=K out=FILE`") from None
+    if plan.get("version") != PLAN_VERSION:
+        raise CampaignError(f"plan={path} is version {plan.get('version')}, this code reads {PLAN_VERSION}; plan "
+                            "again")
+    key = data_key(cfg)
+    if plan["data"] != key:
+        diff = sorted(k for k in set(key) | set(plan["data"]) if key.get(k) != plan["data"].get(k))
+        raise CampaignError(f"plan={path} was made with other data settings ({diff}); plan again with these")
+    if plan["start"] != next_start(manifest) or plan["entries"][0]["name"] != _next_names(cfg, manifest, 1)[0][0]:
+        raise CampaignError(f"plan={path} starts at pool position {plan['start']} ({plan['entries'][0]['name']}) "
+                            f"but the campaign's next is {next_start(manifest)} "
+                            f"({_next_names(cfg, manifest, 1)[0][0]}); plan again from this manifest")
+    return plan
+
+
+def _planned_items(plan: dict, name: str, start: int) -> tuple[list, int] | None:
+    """(items as (PoolItem, segments), end) of the plan's piece ``name`` starting at ``start``; None past the
+    plan's last piece."""
+    for e in plan["entries"]:
+        if e["name"] == name and e["pool"][0] == start:
+            items = [(PoolItem(i["id"], i["kind"], []), i["segments"]) for i in e["items"]]
+            return items, int(e["pool"][1])
+    return None
+
+
+def _spec_for(cfg: DictConfig, n: int):
+    from dartree.training.data import DataSpec
 
     d = cfg.data
-    spec = DataSpec(num_prompts=len(items), max_prompt_tokens=int(d.max_prompt_tokens),
-                    max_new_tokens=int(d.max_new_tokens), batch_size=int(cfg.gen_slots), max_turns=int(d.max_turns),
-                    max_seq_tokens=int(d.max_seq_tokens))
+    return DataSpec(num_prompts=n, max_prompt_tokens=int(d.max_prompt_tokens), max_new_tokens=int(d.max_new_tokens),
+                    batch_size=int(cfg.gen_slots), max_turns=int(d.max_turns), max_seq_tokens=int(d.max_seq_tokens))
+
+
+def _regenerate(target, cfg: DictConfig, items: list, folder: Path, deadline: float | None):
+    """Regenerate one shard's items into ``folder`` (resumable); returns (rows, seconds) or None at the deadline."""
+    from dartree.training.data import regenerate_dialogues
+
+    spec = _spec_for(cfg, len(items))
     t0 = time.time()
     from dartree.models.generation import stop_ids
 
@@ -374,12 +536,13 @@ def _note_seconds(folder: Path, seconds: float) -> None:
     write_file_atomically(spent, json.dumps({"seconds": before + seconds}))
 
 
-def _record(name: str, rows: list, items: list, start: int, end: int, seconds: float, dtype, cfg, blob: bytes) -> dict:
+def _record(name: str, rows: list, items: list, start: int, end: int, seconds: float, dtype, cfg, blob: bytes,
+            device: str = "cpu") -> dict:
     resp = sum(sum(r["loss_mask"]) for r in rows)
     kinds: dict = {}
     for it, _ in items:
         kinds[it.kind] = kinds.get(it.kind, 0) + 1
-    return {
+    rec = {
         "file": f"data/{name}.parquet", "sha256": hashlib.sha256(blob).hexdigest(), "bytes": len(blob),
         "pool": [start, end], "conversations": len(rows), "kinds": kinds,
         "turns": sum(int(r["turns"]) for r in rows), "response_tokens": int(resp),
@@ -391,6 +554,120 @@ def _record(name: str, rows: list, items: list, start: int, end: int, seconds: f
         "command": "python training/campaign.py stage=verify shard="
                    + (str(int(name.split("-")[-1])) if name != "holdout" else "-1"),
     }
+    if device != "cpu":  # the regenerating device, where it is not the CPU named above
+        rec.update(device=device, shards_per_call=int(cfg.shards_per_call))
+    return rec
+
+
+class _Wave:
+    """Pieces (the held-out set and/or training shards) regenerated together in one continuous batch: each piece is
+    a group of the batch (:class:`~dartree.training.data.RegenOptions`), written to the campaign, in pool order, as
+    soon as its conversations are complete (:meth:`complete`), so a deadline loses only unfinished pieces. A
+    piece's ``seconds`` is the time since the previous piece was written (or the wave began), so they sum to the
+    wave's time."""
+
+    def __init__(self, cfg: DictConfig, manifest: dict, pieces: list, dtype, device: str, stop, seconds_before: float):
+        self.cfg, self.manifest, self.pieces, self.dtype, self.device, self.stop = (cfg, manifest, pieces, dtype,
+                                                                                     device, stop)
+        self.offsets, c = [], 0
+        for _, _, items, _ in pieces:
+            self.offsets.append(c)
+            c += len(items)
+        self.groups = [g for g, (_, _, items, _) in enumerate(pieces) for _ in items]
+        self.dialogues = [segs for _, _, items, _ in pieces for _, segs in items]
+        self.rows: dict = {}  # conversation -> its final row (wave numbering)
+        self.done: set = set()  # conversations with nothing left to generate
+        self.written = 0
+        self.t_last = time.time() - seconds_before
+
+    def complete(self, c: int, answers: list) -> None:
+        """``RegenOptions.on_complete``: keep conversation c's row; write every piece now complete, in order."""
+        from dartree.training.data import dialogue_row
+
+        if answers:
+            self.rows[c] = dialogue_row(c, self.dialogues[c], answers, self.stop)
+        self.done.add(c)
+        self.flush()
+
+    def flush(self) -> None:
+        """Write the complete pieces at the head of the wave."""
+        while self.written < len(self.pieces):
+            g = self.written
+            lo, n = self.offsets[g], len(self.pieces[g][2])
+            if not all(c in self.done for c in range(lo, lo + n)):
+                return
+            rows = [{**self.rows[c], "index": c - lo} for c in range(lo, lo + n) if c in self.rows]
+            self._write(g, rows)
+            self.written += 1
+
+    def _write(self, g: int, rows: list) -> None:
+        from dartree.models.files import write_file_atomically
+
+        name, start, items, end = self.pieces[g]
+        now = time.time()
+        blob = shard_table(rows, items)
+        write_file_atomically(Path(self.cfg.dir) / "data" / f"{name}.parquet", blob)
+        rec = _record(name, rows, items, start, end, now - self.t_last, self.dtype, self.cfg, blob, self.device)
+        self.t_last = now
+        if name == "holdout":
+            self.manifest["holdout"] = rec
+        else:
+            self.manifest["shards"].append(rec)
+        write_manifest(Path(self.cfg.dir), self.manifest)
+        m = self.manifest
+        print(f"campaign data: {name}: {rec['conversations']} conversations, {rec['response_tokens']} response "
+              f"tokens in {rec['seconds'] / 60:.1f} min ({rec['response_tokens_per_s']} tokens/s, "
+              f"{rec.get('device', rec['cpu'])}); total {m['totals']['response_tokens']} response tokens in "
+              f"{m['totals']['shards']} shards", flush=True)
+
+
+def _next_pieces(cfg: DictConfig, manifest: dict, tok, plan: dict | None) -> list:
+    """The next ``shards_per_call`` pieces as (name, start, items, end): from the plan, or by walking the pool; the
+    held-out set goes alone. Fewer (or none) where the pool or the plan runs out."""
+    pieces, start = [], next_start(manifest)
+    names = _next_names(cfg, manifest, int(cfg.shards_per_call))
+    if names[0][0] == "holdout":
+        names = names[:1]
+    for name, n in names:
+        got = _planned_items(plan, name, start) if plan is not None else usable_items(cfg, tok, start, n)
+        if got is None or not got[0]:
+            break
+        pieces.append((name, start, got[0], got[1]))
+        start = got[1]
+        if len(got[0]) < n:  # the pool ran out inside this piece
+            break
+    return pieces
+
+
+def _run_wave(target, cfg: DictConfig, manifest: dict, pieces: list, work: Path, dtype, device: str,
+              deadline: float) -> bool:
+    """Regenerate ``pieces`` in one continuous batch (resumable in ``work``); returns False at the deadline."""
+    from dartree.models.generation import stop_ids
+    from dartree.training.data import RegenOptions, regenerate_dialogues
+
+    first = pieces[0][0]
+    folder = work / (first if len(pieces) == 1 else f"wave-{first}-x{len(pieces)}")
+    spent = folder / "seconds.json"
+    before = json.loads(spent.read_text())["seconds"] if spent.exists() else 0.0
+    stops = stop_ids(target)
+    wave = _Wave(cfg, manifest, pieces, dtype, device, stops, before)
+    opts = RegenOptions(requeue=bool(cfg.gen_requeue), min_free=int(cfg.gen_min_free),
+                        prefill_tokens=int(cfg.gen_prefill_tokens), groups=wave.groups, on_complete=wave.complete)
+    t0 = time.time()
+    ids = [it.id for _, _, items, _ in pieces for it, _ in items]
+    path = regenerate_dialogues(target, _spec_for(cfg, len(ids)), wave.dialogues, folder, stop_id=stops,
+                                key={"ids": ids}, deadline=deadline, options=opts)
+    if path is None:
+        _note_seconds(folder, time.time() - t0)
+        return False
+    if wave.written < len(pieces):  # a finished wave found on disk: its rows come from the file
+        for line in open(path):
+            if line.strip():
+                r = json.loads(line)
+                wave.rows[int(r["index"])] = r
+        wave.done.update(range(len(ids)))
+        wave.flush()
+    return True
 
 
 def run_data(cfg: DictConfig, deadline: float, work: Path | None = None) -> dict:
@@ -398,12 +675,17 @@ def run_data(cfg: DictConfig, deadline: float, work: Path | None = None) -> dict
     ``deadline`` (a ``time.time()`` value) or ``data.goal_response_tokens``; returns the manifest. ``work``: the
     folder of unfinished shards (default: the user cache, ``cache_root()/campaign/<settings hash>-<dtype>``).
 
+    ``device`` places the target (cuda: bf16 by ``gen_dtype=auto``); ``shards_per_call`` shards share one
+    continuous batch (:class:`_Wave`: each written as soon as it is complete); ``gen_requeue``,
+    ``gen_min_free`` and ``gen_prefill_tokens`` set the GPU schedule; ``plan=FILE`` takes the prompts from a plan
+    (:func:`write_plan`) instead of the prompt packages.
+
     Raises:
-        CampaignError: the manifest was made with other data settings (named; start a new campaign folder).
+        CampaignError: the manifest (or the plan) was made with other data settings (named; start a new campaign
+            folder), or the plan starts elsewhere than the campaign's next shard.
     """
     import torch
 
-    from dartree.models.files import write_file_atomically
     from dartree.models.target import cache_root, load_target
 
     folder = Path(cfg.dir)
@@ -415,48 +697,28 @@ def run_data(cfg: DictConfig, deadline: float, work: Path | None = None) -> dict
         diff = sorted(k for k in set(key) | set(manifest["data"]) if key.get(k) != manifest["data"].get(k))
         raise CampaignError(f"{folder / 'manifest.json'} was made with other data settings ({diff}); put them back "
                             "or start a new campaign with dir=NEW_FOLDER")
-    dtype = _gen_dtype(cfg)
+    plan = read_plan(Path(cfg.plan), cfg, manifest) if cfg.plan else None
+    device = resolve_device(cfg.device)
+    dtype = _gen_dtype(cfg, device)
     torch.set_num_threads(int(cfg.threads))
     target = load_target(cfg.target, dtype=dtype)
-    tok = target.tokenizer
+    target.model.to(device)
     if work is None:
         tag = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
         work = cache_root() / "campaign" / f"{tag}-{str(dtype).replace('torch.', '')}"
-    work = Path(work)
-    d = cfg.data
     while time.time() < deadline:
-        if manifest["holdout"] is None:
-            name, start, n = "holdout", 0, int(d.holdout)
-        else:
-            done = sum(s["response_tokens"] for s in manifest["shards"])
-            if done >= int(d.goal_response_tokens):
-                print(f"campaign data: goal reached ({done} response tokens)", flush=True)
-                break
-            start = manifest["shards"][-1]["pool"][1] if manifest["shards"] else manifest["holdout"]["pool"][1]
-            name, n = f"train-{len(manifest['shards']):05d}", int(d.shard_size)
-        items, end = usable_items(cfg, tok, start, n)
-        if not items:
-            print("campaign data: the pool is exhausted", flush=True)
+        done = sum(s["response_tokens"] for s in manifest["shards"])
+        if manifest["holdout"] is not None and done >= int(cfg.data.goal_response_tokens):
+            print(f"campaign data: goal reached ({done} response tokens)", flush=True)
             break
-        t0 = time.time()
-        got = _regenerate(target, cfg, items, work / name, deadline)
-        if got is None:
-            _note_seconds(work / name, time.time() - t0)
-            print(f"campaign data: wall-clock limit inside {name}; it resumes there", flush=True)
+        pieces = _next_pieces(cfg, manifest, target.tokenizer, plan)
+        if not pieces:
+            print("campaign data: " + ("the plan is used up" if plan is not None else "the pool is exhausted"),
+                  flush=True)
             break
-        rows, seconds = got
-        blob = shard_table(rows, items)
-        write_file_atomically(folder / "data" / f"{name}.parquet", blob)
-        rec = _record(name, rows, items, start, end, seconds, dtype, cfg, blob)
-        if name == "holdout":
-            manifest["holdout"] = rec
-        else:
-            manifest["shards"].append(rec)
-        write_manifest(folder, manifest)
-        print(f"campaign data: {name}: {rec['conversations']} conversations, {rec['response_tokens']} response "
-              f"tokens in {seconds / 60:.1f} min ({rec['response_tokens_per_s']} tokens/s, {rec['cpu']}); total "
-              f"{manifest['totals']['response_tokens']} response tokens in {manifest['totals']['shards']} shards",
-              flush=True)
+        if not _run_wave(target, cfg, manifest, pieces, Path(work), dtype, device_name(device), deadline):
+            print(f"campaign data: wall-clock limit inside {pieces[0][0]}; it resumes there", flush=True)
+            break
     return manifest
 
 
@@ -533,6 +795,13 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if cfg.stage == "verify":
             return run_verify(cfg)
+        if cfg.stage == "plan":
+            plan = write_plan(cfg, Path(cfg.out), int(cfg.shards))
+            n = sum(len(e["items"]) for e in plan["entries"])
+            print(f"campaign plan: {cfg.out}: {len(plan['entries'])} pieces ({plan['entries'][0]['name']} .. "
+                  f"{plan['entries'][-1]['name']}), {n} conversations, pool {plan['start']} .. "
+                  f"{plan['entries'][-1]['pool'][1]}, {Path(cfg.out).stat().st_size:,} bytes")
+            return 0
         if cfg.stage in ("baseline", "curve"):
             from dartree.training.campaign_train import holdout_baseline, plot_curve
 

@@ -35,6 +35,30 @@ def cpu_model() -> str:
         pass
     return f"{name} ({torch.backends.cpu.get_cpu_capability()}, {os.cpu_count()} CPUs)"
 
+def resolve_device(name: str):
+    """``cpu``, ``cuda`` or ``auto`` (cuda where available) as a ``torch.device``.
+
+    Raises:
+        CampaignError: ``cuda`` without a CUDA device (fix: device=cpu or auto).
+    """
+    import torch
+
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda" and not torch.cuda.is_available():
+        raise CampaignError("device=cuda but torch sees no CUDA device; use device=cpu or device=auto")
+    return torch.device(name)
+
+
+def device_name(device) -> str:
+    """What a shard record names as its device: the GPU's name and ``cuda``, or ``cpu``."""
+    import torch
+
+    if getattr(device, "type", str(device)) == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, cuda"
+    return "cpu"
+
+
 def read_manifest(folder: Path) -> dict:
     """``<folder>/manifest.json``, or an empty manifest (no shards) when there is none.
 

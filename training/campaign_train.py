@@ -14,13 +14,14 @@ held-out chain tau on the campaign's held-out set, and the CPU.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from pathlib import Path
 
 from omegaconf import DictConfig
 
-from dartree.training.campaign_store import REPO, CampaignError, cpu_model, read_manifest
+from dartree.training.campaign_store import REPO, CampaignError, cpu_model, device_name, read_manifest, resolve_device
 
 
 def _state_path(cfg: DictConfig) -> Path:
@@ -89,14 +90,59 @@ def parent_of(cfg: DictConfig, recipe: str, state: dict, init: str) -> str | Non
     return rec.get("shipped_run")
 
 
+@contextlib.contextmanager
+def locked_state(cfg: DictConfig):
+    """The training state read under an exclusive lock (``train_state.json.lock``, ``fcntl.flock``) and written
+    atomically when the block ends without error: campaign processes training recipes side by side (the burst)
+    each add their own run without losing the others'."""
+    import fcntl
+
+    from dartree.models.files import write_file_atomically
+
+    path = _state_path(cfg)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(path.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        state = read_state(cfg)
+        yield state
+        write_file_atomically(path, json.dumps(state, indent=1) + "\n")
+
+
+def recipe_has(key: str) -> bool:
+    """Whether the recipe schema has the dotted ``key`` (e.g. ``train.device``), so the campaign passes settings
+    only to a trainer that takes them."""
+    from omegaconf import OmegaConf
+
+    from dartree.training.recipe import Recipe
+
+    return OmegaConf.select(OmegaConf.structured(Recipe), key, default="<absent>") != "<absent>"
+
+
+def _device_words(cfg: DictConfig) -> list[str]:
+    """``train.device=...`` for the recipe where the trainer takes it and the campaign is not on the CPU."""
+    return [f"train.device={cfg.device}"] if cfg.device != "cpu" and recipe_has("train.device") else []
+
+
+def _minutes_for(cfg: DictConfig, k: int, deadline: float) -> float:
+    """Recipe k's minutes: its share (``train.shares``, else equal) of the time left among recipes k, k+1, ..."""
+    tc = cfg.train
+    w = [float(x) for x in tc.shares] if len(tc.shares) else [1.0] * len(tc.recipes)
+    return (deadline - time.time()) / 60 * w[k] / sum(w[k:])
+
+
 def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -> dict:
-    """Train each recipe of ``cfg.train.recipes`` on the committed shards until ``deadline`` (shared equally);
-    returns the updated training state (also written to ``campaign/train_state.json``).
+    """Train each recipe of ``cfg.train.recipes`` on the committed shards until ``deadline`` (by
+    ``train.shares``, else equally); returns the updated training state (also written to
+    ``campaign/train_state.json``, under :func:`locked_state`).
+
+    ``train.init=scratch`` starts a new run from random weights (recorded ``from_scratch``; the curve then counts
+    its own data and predictions only); ``train.overhead_minutes`` is kept from each run's ``train.max_minutes``
+    for its set-up, held-out evaluation and save; a recipe with under ``train.min_minutes`` left is not started.
+    ``runs_root`` (else ``runs_dir``, else the user cache): where the runs live.
 
     Raises:
         CampaignError: a training run failed (its exit status and output folder named).
     """
-    from dartree.models.files import write_file_atomically
     from dartree.models.target import cache_root
     from dartree.training.train import main as train_main
 
@@ -106,37 +152,45 @@ def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -
         print(f"campaign train: {n} training shards, fewer than train.min_shards={tc.min_shards}; the data stage "
               "goes first", flush=True)
         return read_state(cfg)
-    root = Path(runs_root) if runs_root is not None else cache_root() / "campaign-runs"
-    recipes = list(tc.recipes)
-    for k, recipe in enumerate(recipes):
-        minutes = (deadline - time.time()) / 60 / (len(recipes) - k)
-        if minutes < 2:
+    root = Path(runs_root or cfg.runs_dir or cache_root() / "campaign-runs")
+    for k, recipe in enumerate(list(tc.recipes)):
+        minutes = _minutes_for(cfg, k, deadline)
+        if minutes < float(tc.min_minutes):
             break
         state = read_state(cfg)
         out = root / f"{recipe}-{n:05d}"
-        runs = state.setdefault(recipe, {"runs": []})["runs"]
+        runs = state.get(recipe, {}).get("runs", [])
         init, resumable = start_for(cfg, recipe, state, out)
+        scratch = tc.init == "scratch" and not resumable
         same = [r for r in runs if r["output_dir"] == str(out)]
-        parent = same[-1].get("parent") if resumable else parent_of(cfg, recipe, state, init)
+        parent = same[-1].get("parent") if resumable else (None if scratch else parent_of(cfg, recipe, state, init))
         args = [f"recipe={recipe}", "data.source=campaign", f"data.campaign_dir={cfg.dir}",
-                f"data.campaign_shards={n}", f"init_from={init}", f"output_dir={out}", "resume=true",
-                f"train.max_minutes={minutes:.1f}", f"train.epochs={tc.epochs}", f"train.threads={cfg.threads}",
-                f"train.eval_every_steps={tc.eval_every_steps}", *list(tc.overrides)]
+                f"data.campaign_shards={n}", *([] if scratch else [f"init_from={init}"]), f"output_dir={out}",
+                "resume=true", f"train.max_minutes={max(minutes - float(tc.overhead_minutes), 0.1):.2f}",
+                f"train.epochs={tc.epochs}", f"train.threads={cfg.threads}",
+                f"train.eval_every_steps={tc.eval_every_steps}", *_device_words(cfg), *list(tc.overrides)]
         print("campaign train: python training/train.py " + " ".join(args), flush=True)
         rc = train_main(args)
         if rc != 0:
             raise CampaignError(f"training {recipe} on {n} shards exited with {rc}; see the output above and {out}")
         summary = json.loads((out / "summary.json").read_text())
-        rec = {"output_dir": str(out), "init_from": init, "parent": parent, "shards": n, "steps": summary["steps"],
-               "predictions": summary["predictions"], "train_tokens": summary["train_tokens"],
-               "holdout_chain_tau": summary.get("holdout_chain_tau"), "holdout_tf_tau": summary.get("holdout_tf_tau"),
-               "stopped_by_time_cap": summary["stopped_by_time_cap"], "cpu": cpu_model(),
-               "threads": int(cfg.threads), "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        if resumable:
-            runs[runs.index(same[-1])] = rec
-        else:  # a new run, or the same shards again on a machine without that run: a record of its own
-            runs.append(rec)
-        write_file_atomically(_state_path(cfg), json.dumps(state, indent=1) + "\n")
+        rec = {"output_dir": str(out), "init_from": None if scratch else init, "parent": parent, "shards": n,
+               "steps": summary["steps"], "predictions": summary["predictions"],
+               "train_tokens": summary["train_tokens"], "holdout_chain_tau": summary.get("holdout_chain_tau"),
+               "holdout_tf_tau": summary.get("holdout_tf_tau"), "stopped_by_time_cap": summary["stopped_by_time_cap"],
+               "cpu": cpu_model(), "threads": int(cfg.threads),
+               "updated": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        if scratch or (same and same[-1].get("from_scratch")):
+            rec["from_scratch"] = True
+        if cfg.device != "cpu":
+            rec["device"] = device_name(resolve_device(cfg.device))
+        with locked_state(cfg) as state:
+            runs = state.setdefault(recipe, {"runs": []})["runs"]
+            old = [i for i, r in enumerate(runs) if r["output_dir"] == str(out)]
+            if resumable and old:
+                runs[old[-1]] = rec
+            else:  # a new run, or the same shards again on a machine without that run: a record of its own
+                runs.append(rec)
         print(f"campaign train: {recipe} on {n} shards: step {rec['steps']}, {rec['predictions']} predictions, "
               f"held-out chain tau {rec['holdout_chain_tau']}", flush=True)
     return read_state(cfg)
@@ -222,7 +276,8 @@ def curve_points(cfg: DictConfig) -> dict:
     runs it continued: its ``parent`` chain, :func:`parent_of`) and ``holdout_chain_tau`` (on the campaign's
     held-out set), and ``eval_chain_tau`` where the record has one (``decode/eval.py --tree chain`` on the
     evaluation prompts, added to the record by hand with the command in checkpoints/README.md). A run recorded
-    without ``parent`` (before lineage was recorded) counts every earlier run."""
+    without ``parent`` (before lineage was recorded) counts every earlier run. A lineage that began from random
+    weights (``from_scratch``, e.g. a GPU burst) counts its own shards and predictions only, not the baseline's."""
     state = read_state(cfg)
     m = read_manifest(Path(cfg.dir))
     per_shard = [s["response_tokens"] for s in m["shards"]]
@@ -230,7 +285,8 @@ def curve_points(cfg: DictConfig) -> dict:
     for recipe, base in state.get("baseline", {}).items():
         keys = ("response_tokens", "predictions", "holdout_chain_tau", "eval_chain_tau")
         pts = [{"label": "baseline", **{k: base[k] for k in keys if k in base}}]
-        total = {}  # output_dir -> predictions of that run's lineage, since the baseline
+        total = {}  # output_dir -> predictions of that run's lineage, since the baseline (or since scratch)
+        fresh = set()  # runs whose lineage began from random weights (from_scratch): no baseline data in it
         running = 0
         for run in state.get(recipe, {}).get("runs", []):
             running += run["predictions"]
@@ -239,12 +295,15 @@ def curve_points(cfg: DictConfig) -> dict:
             else:
                 own = running
             total[run["output_dir"]] = own
-            preds = base["predictions"] + own
+            if run.get("from_scratch") or run.get("parent") in fresh:
+                fresh.add(run["output_dir"])
+            b = {"response_tokens": 0, "predictions": 0} if run["output_dir"] in fresh else base
             if run.get("holdout_chain_tau") is None:
                 continue
-            pts.append({"label": f"{run['shards']} shards",  # continued from the shipped weights: both data sets
-                        "response_tokens": base["response_tokens"] + sum(per_shard[: run["shards"]]),
-                        "predictions": preds, "holdout_chain_tau": run["holdout_chain_tau"],
+            pts.append({"label": f"{run['shards']} shards" + (" (from scratch)" if b is not base else ""),
+                        # continued from the shipped weights: both data sets
+                        "response_tokens": b["response_tokens"] + sum(per_shard[: run["shards"]]),
+                        "predictions": b["predictions"] + own, "holdout_chain_tau": run["holdout_chain_tau"],
                         **({"eval_chain_tau": run["eval_chain_tau"]} if "eval_chain_tau" in run else {})})
         out[recipe] = pts
     return out

@@ -602,8 +602,9 @@ class RegenOptions:
             and padded tokens per prefill forward (None: its default).
         groups: per conversation, a group number (e.g. its shard): the queue enters group by group, shortest
             first within a group, so groups finish in order; None: one group (shortest first overall).
-        on_complete: called as ``on_complete(c)`` once conversation c has nothing left to generate (also for
-            conversations an earlier run finished), after its answers are in the partial log's buffer.
+        on_complete: called as ``on_complete(c, answers)`` once conversation c has nothing left to generate (also
+            for conversations an earlier run finished), with its answers in turn order (:func:`dialogue_row` makes
+            its final row).
     """
 
     requeue: bool = False
@@ -624,7 +625,11 @@ def _generate_turns(target: Target, spec: DataSpec, turns: _TurnQueue, log: "_Pa
     :meth:`_TurnQueue.max_len`), and the next turn either continues in its slot (``follow``) or is requeued
     (``opts.requeue``)."""
     opts = opts or RegenOptions()
-    done_cb = opts.on_complete or (lambda c: None)
+
+    def done_cb(c: int) -> None:
+        if opts.on_complete is not None:
+            opts.on_complete(c, answers_of(c, turns.dialogues[c], turns.done))
+
     for c in turns.finished:
         done_cb(c)
     if not turns.queue:
@@ -651,20 +656,31 @@ def _generate_turns(target: Target, spec: DataSpec, turns: _TurnQueue, log: "_Pa
     bar.close()
 
 
+def answers_of(c: int, segments: Sequence[Sequence[int]], done: dict) -> list[list[int]]:
+    """Conversation c's answers so far, in turn order (``done``: (conversation, turn) -> answer ids)."""
+    answers: list[list[int]] = []
+    while (c, len(answers)) in done and len(answers) < len(segments):
+        answers.append(done[(c, len(answers))])
+    return answers
+
+
+def dialogue_row(c: int, segments: Sequence[Sequence[int]], answers: Sequence[Sequence[int]],
+                 stop_id: int | Sequence[int]) -> dict:
+    """One row of responses.jsonl (:func:`regenerate_dialogues`' final format): ``{"index": c, "prompt_ids"
+    (segment 0), "response_ids" (everything after it), "loss_mask" (1 on answer tokens), "turns"}``."""
+    ids, mask = dialogue_tokens(segments[: len(answers)], answers, stop_id)
+    p = len(segments[0])
+    return {"index": c, "prompt_ids": ids[:p], "response_ids": ids[p:], "loss_mask": mask[p:], "turns": len(answers)}
+
+
 def _dialogue_rows(dialogues: Sequence[Sequence[Sequence[int]]], done: dict, stop_id: int | Sequence[int]) -> str:
     """responses.jsonl text: one row per conversation with at least one answer, in index order
     (:func:`regenerate_dialogues`' final format)."""
     rows = []
     for c, segs in enumerate(dialogues):
-        answers = []
-        while (c, len(answers)) in done and len(answers) < len(segs):
-            answers.append(done[(c, len(answers))])
-        if not answers:
-            continue
-        ids, mask = dialogue_tokens(segs[: len(answers)], answers, stop_id)
-        p = len(segs[0])
-        rows.append(json.dumps({"index": c, "prompt_ids": ids[:p], "response_ids": ids[p:], "loss_mask": mask[p:],
-                                "turns": len(answers)}) + "\n")
+        answers = answers_of(c, segs, done)
+        if answers:
+            rows.append(json.dumps(dialogue_row(c, segs, answers, stop_id)) + "\n")
     return "".join(rows)
 
 
