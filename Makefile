@@ -77,3 +77,19 @@ campaign: setup
 
 clean:
 	rm -rf reports runs .pytest_cache
+
+# The GPU burst (docs/burst.md): regenerate, train three recipes and evaluate on a lent GPU machine in one 9-minute
+# command. burst-payload builds the two uploads (.burst/up1, .burst/up2: the plan of BURST_SHARDS pieces, the target in
+# two parts, the wheels the machine lacks) and checks each against the upload limit; burst-dry runs the very same
+# script on this CPU with a tiny target (about 2 minutes); burst-apply merges what came back into campaign/.
+.PHONY: burst-payload burst-dry burst-apply
+BURST_SHARDS ?= 64
+burst-payload: $(VENV_DEP)
+	$(PY) training/burst.py stage=payload shards=$(BURST_SHARDS)
+
+burst-dry: $(VENV_DEP)
+	$(PY) -m pytest -q -m slow tests/test_burst.py -k dry_run
+
+# BURST_RESULTS: the folders of the returned files, comma-separated (set 1 first)
+burst-apply: $(VENV_DEP)
+	$(PY) training/burst.py stage=apply results=[$(BURST_RESULTS)]

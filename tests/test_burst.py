@@ -110,7 +110,8 @@ def test_the_dry_run_is_the_burst_on_a_cpu(tmp_path):
     recipes from scratch side by side, evaluation against AR, the result files split into sets of at most 8, a
     second set fetched, and apply: the shards, manifest, checkpoints and runs land in the campaign."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHON": sys.executable,
-           "BURST_DIR": str(tmp_path / "burst"), "BURST_KEEP": str(tmp_path / "keep"), "BURST_MINUTES": "4"}
+           "BURST_DIR": str(tmp_path / "burst"), "BURST_KEEP": str(tmp_path / "keep"), "BURST_MINUTES": "4",
+           "DARTREE_CACHE": str(tmp_path / "cache")}  # the compressed tiny target stays out of the user cache
     tiny = _tiny_target(tmp_path / "keep" / "target" / "tiny")
     camp = tmp_path / "camp"
     camp.mkdir()
