@@ -409,17 +409,26 @@ def fused_block_loss(
                                                               c_base.float(), c_l1.float(), int(chunk),
                                                               torch.is_grad_enabled(), with_base)
     grid = (rows, labels.shape, hidden.device)
+    return _fused_out(loss, grid, nll_r, base_r, l1_r, hit_r, valid, w, w_ce, denom, lam=lam,
+                      with_l1=target_hidden is not None, conf_logits=conf_logits, conf_weight=conf_weight)
+
+
+def _fused_out(loss, grid, nll_r, base_r, l1_r, hit_r, valid, w, w_ce, denom, *, lam, with_l1, conf_logits,
+               conf_weight) -> LossOut:
+    """:func:`fused_block_loss`'s per-row results (``*_r`` [N] over ``grid`` = (rows, [A, P] shape, device))
+    scattered back to [A, P] and reduced to its :class:`LossOut`; adds the confidence BCE to ``loss``."""
+    device = grid[2]
     nll, l1, hit = _scatter(nll_r, *grid), _scatter(l1_r, *grid), _scatter(hit_r, *grid, torch.bool)
     ce_term = (w_ce * nll).sum() / _den(w_ce, denom)
     cnt = valid.float().sum(0)
     acc = hit.float().sum(0) / cnt.clamp_min(1)
     if lam is not None:
         base_ce = (w_ce * _scatter(base_r, *grid)).sum() / _den(w_ce, denom)
-        return LossOut(loss, ce_term.detach(), torch.zeros((), device=hidden.device), acc, cnt,
+        return LossOut(loss, ce_term.detach(), torch.zeros((), device=device), acc, cnt,
                        base_ce=base_ce.detach(), hit=hit)
     wsum = _den(w, denom)
-    l1_term = (w * l1).sum() / wsum if target_hidden is not None else torch.zeros((), device=hidden.device)
-    bce_term = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    l1_term = (w * l1).sum() / wsum if with_l1 else torch.zeros((), device=device)
+    bce_term = torch.zeros((), dtype=torch.float32, device=device)
     if conf_logits is not None:
         label = (1 - 0.5 * l1).clamp(0, 1)
         bce = F.binary_cross_entropy_with_logits(conf_logits.float(), label, reduction="none")
