@@ -1250,8 +1250,10 @@ def test_a_step_builds_its_tensors_on_the_targets_device_and_never_reads_them_ba
     previous tokens, valid mask, the draft-vocabulary map, the attention bias, the loss pieces) must be on that
     device, since an op mixing a CPU tensor with a meta one is recorded (or raises), and a read back to the host
     (``.item()``, ``float()``, ``bool()``) raises on meta. The forward and the backward run there."""
+    from dataclasses import fields
+
     from dartree.training.build import build_models, load_recipe_target, parse_recipe_dtype
-    from dartree.training.step import sequence_loss
+    from dartree.training.step import sequence_loss, step_blocks
 
     cfg = load_recipe(args)
     target = load_recipe_target(cfg.target.path, parse_recipe_dtype(cfg.target.dtype, "target.dtype"), device="meta")
@@ -1261,6 +1263,13 @@ def test_a_step_builds_its_tensors_on_the_targets_device_and_never_reads_them_ba
     target.set_layer_ids(drafter.cfg.target_layer_ids)
     tokens = torch.randint(1, target.vocab_size, (30,), generator=torch.Generator().manual_seed(0))
     data = _MetaFeatures(tokens, 6, len(drafter.cfg.target_layer_ids) * target.hidden_size, target.hidden_size)
+    blocks = step_blocks(drafter, target, data, 0, cfg, torch.Generator().manual_seed(1))
+    built = {f.name: getattr(blocks, f.name) for f in fields(blocks)}
+    built["mask.ctx_bias"] = built.pop("mask").ctx_bias
+    if built["vocab"] is None:
+        del built["vocab"]
+    assert {k: v.device.type for k, v in built.items()} == {k: "meta" for k in built}
+    assert blocks.labels.shape == blocks.valid.shape == (4, drafter.cfg.num_proposals)  # train.num_anchors=4
     log = _DeviceLog()
     with log:
         out = sequence_loss(drafter, head, target, data, 0, cfg, torch.Generator().manual_seed(1), lam=0.5)

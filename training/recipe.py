@@ -118,7 +118,7 @@ class TrainSection:
 
 @dataclass
 class DeepSpeedSection:
-    zero_stage: int = 0  # ZeRO stage 0, 1, 2 or 3 (gloo on CPU, nccl on CUDA)
+    zero_stage: int = 0  # ZeRO stage 0, 1, 2 or 3 (train.engine=deepspeed; gloo on CPU, cpu:gloo,cuda:nccl on CUDA)
 
 
 @dataclass

@@ -11,6 +11,7 @@ target distribution (DSpark, Sec. 3.3), fused with the lm_head (:mod:`dartree.tr
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -126,80 +127,124 @@ def _autocast(dev: torch.device, bf16: bool):
     return torch.autocast(device_type=dev.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
-def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: DictConfig, gen: torch.Generator,
-                  lam: float = 0.0, denom: float | None = None):
-    """Forward one training sequence with random anchors under the recipe's loss; returns LossOut or None
-    when it has no anchor.
+@dataclass
+class StepBlocks:
+    """One training sequence's step tensors, every one on the training device (the target's): what
+    :func:`sequence_loss` feeds the drafter and the loss. A anchors, L block size, P proposals, T tokens.
 
-    Block n = [t[a_n], MASK x (L-1)] at positions a_n + arange(L); proposal j (at block position
-    proposal_offset + j) predicts t[a_n + 1 + j]; the head's previous token for proposal j is t[a_n + j].
-    Predictions whose label is past the end or (with the data's loss mask) not a target-written token carry no
-    loss (:func:`block_targets`). ``denom``: None normalises the loss by this sequence's weight sum; else by this
-    shared batch denominator (``loss.normalization=batch``: the step's weight sum over all processes divided by
-    ``train.seqs_per_step``, so that after DeepSpeed's averaging the step's gradient is that of
-    sum(weighted terms) / sum(weights), SpecForge's pooled loss).
-    ``lam`` is Domino's curriculum weight on the base CE (loss.type domino); loss.type dflash2 uses the fixed
-    :data:`DFLASH2_BASE_WEIGHT`.
+    Attributes:
+        x: [1, A*L, D] fp32 block embeddings (block n = [t[a_n], MASK x (L-1)]). q_pos: [1, A*L] int64 positions
+            a_n + arange(L). feats: [1, T, nL*D] context features (bf16 under ``train.bf16``, else fp32).
+        mask: the :class:`~dartree.models.drafter.BlockAttention` of the anchors (its bias on the device).
+        final: [T, D] the target's final normed states. lp: [A, P] int64 label positions a_n + 1 + j.
+        labels: [A, P] int64 label ids (draft-vocabulary indices with a vocabulary, -1 outside it).
+        prev: [A, P] int64 the head's previous tokens t[a_n + j]. valid: [A, P] bool predictions with a loss.
+        rows: [N] int64 flat indices of ``valid``'s True entries (found on the host).
+        w_out: [V or N, D] the frozen output rows (:func:`output_rows`). vocab: [N] draft vocabulary or None.
+    """
+
+    x: torch.Tensor
+    q_pos: torch.Tensor
+    feats: torch.Tensor
+    mask: BlockAttention
+    final: torch.Tensor
+    lp: torch.Tensor
+    labels: torch.Tensor
+    prev: torch.Tensor
+    valid: torch.Tensor
+    rows: torch.Tensor
+    w_out: torch.Tensor
+    vocab: torch.Tensor | None
+
+
+def step_blocks(drafter, target: Target, data: BlockData, i: int, cfg: DictConfig,
+                gen: torch.Generator) -> StepBlocks | None:
+    """The step tensors of training sequence i (:class:`StepBlocks`) on the target's device, or None when it has no
+    anchor. The anchors, label positions and valid mask are drawn on the host (:func:`block_targets`, the CPU
+    generator ``gen``), so every device sees the same anchors, and copied once, asynchronously; features read
+    from a file travel with them (online features are on the device already). Nothing here waits for the device.
     """
     tokens, feats, final, plen = data.sequence(i)
     dev = target.device  # the training device: the drafter, the target and every step tensor live there
     s = tokens.numel()
     dc = drafter.cfg
-    L, off, P = dc.block_size, dc.proposal_offset, dc.num_proposals
+    L = dc.block_size
     mask = data.mask_of(i) if hasattr(data, "mask_of") else None
-    anchors, lp, valid = block_targets(tokens, plen, mask, cfg, P, gen)
+    anchors, lp, valid = block_targets(tokens, plen, mask, cfg, dc.num_proposals, gen)
     a = anchors.numel()
     if a == 0:
         return None
     # the rows that carry a loss, found on the host (a nonzero() on the device would wait for its queue)
     rows = valid.reshape(-1).nonzero()[:, 0]
-    # one asynchronous copy each (pageable host memory is staged; the host does not wait for the device); features
-    # stored on the host (a feature file) travel here too, online features are on the device already: no-ops there
-    # and on the CPU
+    # one asynchronous copy each (pageable host memory is staged; the host does not wait for the device); no-ops
+    # for what is on the device already, and on the CPU
     tokens, feats, final, anchors, lp, valid, rows = (
         t.to(dev, non_blocking=True) for t in (tokens, feats, final, anchors, lp, valid, rows))
     block = torch.full((a, L), dc.mask_token_id, dtype=torch.long, device=dev)
     block[:, 0] = tokens[anchors]
     q_pos = (anchors[:, None] + torch.arange(L, device=dev)).reshape(1, -1)
     x = target.embed(block.reshape(1, -1)).to(torch.float32)  # raw lookup, as z-lab embeds the block
-    mask = BlockAttention.from_anchors(anchors, s, L)  # = block_attention_mask, over each block's own keys
-    lc = cfg.loss
     bf16 = bool(cfg.train.bf16)
-    fused = bool(cfg.train.get("fused_loss", True))
     vocab = drafter.draft_vocab if dc.draft_vocab_size else None
     # [V or N, D] frozen rows (bf16 once, not per call, for the fused loss); token id -> draft index (-1 outside)
-    w_out, inv = output_rows(target, vocab, torch.bfloat16 if fused and bf16 else None)
-    feats = feats[None] if bf16 and feats.dtype == torch.bfloat16 else feats[None].float()
-    lpc = lp.clamp(max=s - 1)
-    labels = tokens[lpc]
-    prev = tokens[(lp - 1).clamp(max=s - 1)]
+    w_out, inv = output_rows(target, vocab, torch.bfloat16 if bool(cfg.train.get("fused_loss", True)) and bf16
+                             else None)
+    labels = tokens[lp.clamp(max=s - 1)]
     if vocab is not None:  # label index within the draft vocabulary, -1 outside it (a sure miss)
         labels = inv[labels]
+    return StepBlocks(x=x, q_pos=q_pos, feats=feats[None] if bf16 and feats.dtype == torch.bfloat16
+                      else feats[None].float(), mask=BlockAttention.from_anchors(anchors, s, L), final=final,
+                      lp=lp, labels=labels, prev=tokens[(lp - 1).clamp(max=s - 1)], valid=valid, rows=rows,
+                      w_out=w_out, vocab=vocab)
+
+
+def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: DictConfig, gen: torch.Generator,
+                  lam: float = 0.0, denom: float | None = None):
+    """Forward one training sequence with random anchors under the recipe's loss; returns LossOut or None
+    when it has no anchor.
+
+    Block n = [t[a_n], MASK x (L-1)] at positions a_n + arange(L); proposal j (at block position
+    proposal_offset + j) predicts t[a_n + 1 + j]; the head's previous token for proposal j is t[a_n + j]
+    (:func:`step_blocks`, on the target's device). Predictions whose label is past the end or (with the data's loss
+    mask) not a target-written token carry no loss (:func:`block_targets`). ``denom``: None normalises the loss by
+    this sequence's weight sum; else by this shared batch denominator (``loss.normalization=batch``: the step's
+    weight sum over all processes divided by ``train.seqs_per_step``, so that after DeepSpeed's averaging the
+    step's gradient is that of sum(weighted terms) / sum(weights), SpecForge's pooled loss).
+    ``lam`` is Domino's curriculum weight on the base CE (loss.type domino); loss.type dflash2 uses the fixed
+    :data:`DFLASH2_BASE_WEIGHT`.
+    """
+    b = step_blocks(drafter, target, data, i, cfg, gen)
+    if b is None:
+        return None
+    dev, s = target.device, b.final.shape[0]
+    a, p = b.valid.shape
+    lc, bf16, off = cfg.loss, bool(cfg.train.bf16), drafter.cfg.proposal_offset
+    labels, valid, w_out, vocab, prev = b.labels, b.valid, b.w_out, b.vocab, b.prev
     with_target = lc.type == "dspark" and (lc.l1_weight or getattr(head, "confidence_head", False))
     with _autocast(dev, bf16):
-        hidden = drafter(x, q_pos, feats, torch.arange(s, device=dev)[None], mask=mask)
-        hidden = hidden.view(a, L, -1)[:, off:]  # [A, P, D]
+        hidden = drafter(b.x, b.q_pos, b.feats, torch.arange(s, device=dev)[None], mask=b.mask)
+        hidden = hidden.view(a, drafter.cfg.block_size, -1)[:, off:]  # [A, P, D]
         factors = None if lc.type == "dflash" else head.block_factors(prev, hidden, vocab)
         conf = None
         if lc.type == "dspark" and getattr(head, "confidence_head", False):
             states = head.block_states(prev, hidden.float())
             d = hidden.shape[-1]
-            conf = head.confidence_logits(hidden.float().reshape(-1, d), states.reshape(a * P, -1)).view(a, P)
-    t_hidden = final[(lp - 1).clamp(max=s - 1)] if with_target else None
-    t_lse = (data.lse_of(i).to(dev, non_blocking=True)[(lp - 1).clamp(max=s - 1)]
+            conf = head.confidence_logits(hidden.float().reshape(-1, d), states.reshape(a * p, -1)).view(a, p)
+    t_hidden = b.final[(b.lp - 1).clamp(max=s - 1)] if with_target else None
+    t_lse = (data.lse_of(i).to(dev, non_blocking=True)[(b.lp - 1).clamp(max=s - 1)]
              if with_target and vocab is not None else None)
     if lc.type == "dflash2":  # base (unary) and selector-corrected CE weighted equally (speculators' alpha = 1)
         lam = DFLASH2_BASE_WEIGHT
-    if fused:
+    if bool(cfg.train.get("fused_loss", True)):
         if lc.type in ("domino", "dflash2"):
             return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, factors=factors, lam=lam,
-                                    denom=denom, rows=rows)
+                                    denom=denom, rows=b.rows)
         if lc.type == "dflash":
-            return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, denom=denom, rows=rows)
+            return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, denom=denom, rows=b.rows)
         return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, factors=factors,
                                 target_hidden=t_hidden, target_lse=t_lse, ce_weight=lc.ce_weight,
                                 l1_weight=lc.l1_weight, conf_logits=conf,
-                                conf_weight=lc.conf_weight if conf is not None else 0.0, denom=denom, rows=rows)
+                                conf_weight=lc.conf_weight if conf is not None else 0.0, denom=denom, rows=b.rows)
     # the reference path: materialised [A, P, V'] logits through autograd (train.fused_loss=false)
     with _autocast(dev, bf16):
         base = F.linear(hidden, w_out)  # [A, P, V] (or [A, P, N] on a draft vocabulary)
