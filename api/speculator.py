@@ -20,7 +20,11 @@ from typing import Sequence
 
 import torch
 
-from dartree.decode.generate import DecodeStats, autoregressive_generate, speculative_generate
+from dartree.decode.budget import calibrate
+from dartree.decode.generate import (POLICY_PROMPT, DecodeStats, autoregressive_generate, seed_policy,
+                                     speculative_generate, warm_paths)
+from dartree.decode.inputs import check_speculative_args
+from dartree.decode.trees import BUILDER_ALIASES, BUILDERS, builder_name
 from dartree.models.chat import chat_prompt_ids, messages_prompt_ids, text_prompt_ids
 from dartree.models.checkpoint import DraftModel, load_dartree
 from dartree.models.generation import sampling_problem, sampling_settings, stop_ids
@@ -43,8 +47,11 @@ class Generation:
         prompt_ids: the prompt's token ids as fed to the target (after the chat template).
         stats: :class:`~dartree.decode.generate.DecodeStats` (``tau``, ``accept_lengths``, ``rounds``, per-stage
             seconds, ``prefill_s``, ``decode_s``).
-        seconds: wall time of the call (prefill, decode and any budget calibration).
+        seconds: wall time of the generation (prefill and decode).
         raw_text: the same tokens decoded with special tokens kept.
+        setup_s: wall time of a one-time setup the call ran first, outside ``seconds`` (0.0 when none): warming the
+            paths of a tree / budget / lookup setting not used before and, for ``budget="auto"``, calibrating and
+            seeding its policy (:meth:`SpeculativeDecoder.warm_up`).
     """
 
     text: str
@@ -53,6 +60,7 @@ class Generation:
     stats: DecodeStats
     seconds: float
     raw_text: str = ""
+    setup_s: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -68,7 +76,9 @@ class SpeculativeDecoder:
     ``generate`` stops), ``linear`` (the linear-layer backend, ``onednn`` or ``aten``), ``invariant`` (the entered
     :class:`~dartree.models.invariant.row_invariant` mode or None) and ``invariant_note`` (why), ``dtype`` (the
     models' torch dtype) and ``dtype_note`` (why: with ``load(dtype="auto")`` the figures it was chosen by), ``modes`` (the
-    ``contextlib.ExitStack`` holding the mode: ``decoder.modes.close()`` returns the target to its default kernels).
+    ``contextlib.ExitStack`` holding the mode: ``decoder.modes.close()`` returns the target to its default kernels),
+    ``cost_models`` ({(tree, lookup, builder parameters): the seeded ``budget="auto"`` policy}, kept across calls, so
+    what one call learns the next one starts from; :meth:`warm_up` fills it).
     """
 
     def __init__(self, target: Target, draft: DraftModel, *, linear: str = "aten",
@@ -79,6 +89,9 @@ class SpeculativeDecoder:
         self.dtype, self.dtype_note = target.dtype, f"{str(target.dtype).replace('torch.', '')} as loaded"
         self.stop_ids = stop_ids(target)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
+        self.cost_models: dict = {}  # (tree, lookup, builder params) -> its budget="auto" policy, kept across calls
+        self._timing = None  # the start-up calibration the policies copy (dartree.decode.budget.calibrate)
+        self._warmed: set = set()  # the settings warm_up prepared
 
     def prompt_ids(self, prompt: str | Sequence[dict] | Sequence[int], *, chat: bool = True) -> list[int]:
         """The token ids a prompt is fed to the target as.
@@ -128,8 +141,10 @@ class SpeculativeDecoder:
             tree: the tree builder: ``pruned`` (DARTree-pruned, default), ``chain``, ``ddtree``, ``pctree``,
                 ``fixed`` (DARTree-fixed), ``heap-sequential`` (:data:`dartree.decode.trees.BUILDERS`; the aliases
                 ``dartree-pruned`` / ``dartree-fixed`` work too).
-            budget: tree nodes verified per round B: None (the drafter's proposals P), an int, or ``"auto"`` (a
-                cost model measured on this machine picks B per round, 0 meaning a plain AR step).
+            budget: tree nodes verified per round B: an int, ``"auto"`` (a cost model measured on this machine picks
+                B per round, 0 meaning a plain AR step; :mod:`dartree.decode.budget`), or None (default):
+                ``"auto"`` at temperature 0, the drafter's proposals P above 0 (``"auto"``'s choices follow measured
+                times, so there a seed would fix the output's distribution but not the output).
             temperature: 0 for greedy (output equal to the target's), > 0 to sample (``seed`` seeds it).
             lookup: > 0 grafts a prompt-lookup chain of up to this many tokens onto each round's tree.
             chat: feed text through the chat template (default) or raw.
@@ -137,20 +152,67 @@ class SpeculativeDecoder:
                 top_p, ...), which the decoders do not apply; without it such a target is refused at T > 0.
             builder_params: the builder's parameters (``k`` candidates, ``width`` W, ``beta`` depth bonus).
         Returns:
-            :class:`Generation`.
+            :class:`Generation`. A setting (tree, budget kind, lookup, builder parameters) used for the first time
+            is prepared by :meth:`warm_up` before the timing starts; its time is ``setup_s``, not in ``seconds``.
         Raises:
             ValueError / TypeError / KeyError: a bad argument, named (the checks of
                 :func:`~dartree.decode.generate.speculative_generate`), or sampling settings as above.
         """
         self._check_sampling(temperature, ignore_generation_config)
         ids = self.prompt_ids(prompt, chat=chat)
+        budget = ("auto" if temperature == 0 else None) if budget is None else budget
+        check_speculative_args(self.target, self.draft.drafter, self.draft.head, builder=tree, budget=budget,
+                               builder_params=builder_params or None, builders=(*BUILDERS, *BUILDER_ALIASES))
+        setup = self.warm_up(tree=tree, budget=budget, lookup=lookup, **builder_params)
         gen = torch.Generator(device=self.target.device.type).manual_seed(seed) if temperature > 0 else None
+        policy = self.cost_models.get(self._key(tree, lookup, builder_params)) if budget == "auto" else None
         t0 = time.perf_counter()
         out = speculative_generate(self.target, self.draft.drafter, self.draft.head, ids, builder=tree,
                                    max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=self.stop_ids,
                                    budget=budget, generator=gen, lookup=lookup,
-                                   builder_params=builder_params or None)
-        return self._finish(out, ids, t0)
+                                   builder_params=builder_params or None, cost_model=policy)
+        g = self._finish(out, ids, t0)
+        g.setup_s = setup
+        return g
+
+    @staticmethod
+    def _key(tree: str, lookup: int, builder_params: dict) -> tuple:
+        """The policy's key of a setting: (builder's registered name, lookup, builder parameters)."""
+        return builder_name(tree), int(lookup), tuple(sorted(builder_params.items()))
+
+    def warm_up(self, *, tree: str = "pruned", budget: int | str | None = "auto", lookup: int = 0,
+                **builder_params) -> float:
+        """Prepare a decode setting before a timed call, so that no one-time cost and no unseeded policy is timed:
+        every code path it takes runs at every size it can take (:func:`~dartree.decode.generate.warm_paths`, a
+        short decode included), and for ``budget="auto"`` the machine's costs are calibrated (once per decoder,
+        :func:`~dartree.decode.budget.calibrate`) and this setting's policy is seeded by a calibration pass of its
+        own builder on :data:`~dartree.decode.generate.POLICY_PROMPT` (:func:`~dartree.decode.generate.seed_policy`).
+        :func:`load` runs it for the defaults (and the AR path); :meth:`generate` for a setting it has not seen.
+
+        Args:
+            tree, budget, lookup, builder_params: the setting, as :meth:`generate` takes them (an int budget, None
+                for P, or ``"auto"``).
+        Returns:
+            Seconds spent (0.0 when the setting was prepared already).
+        Raises:
+            KeyError / TypeError / ValueError: an unknown builder or a bad parameter (as :meth:`generate`).
+        """
+        key = self._key(tree, lookup, builder_params)
+        if (*key, budget) in self._warmed:
+            return 0.0
+        t0 = time.perf_counter()
+        target, dm, params = self.target, self.draft, builder_params or None
+        ids = self.prompt_ids(POLICY_PROMPT) if target.tokenizer is not None else list(range(2, 34))
+        warm_paths(target, dm.drafter, dm.head, ids, [(tree, budget, lookup)], builder_params=params,
+                   stop_ids=self.stop_ids)
+        if budget == "auto":
+            if self._timing is None:
+                self._timing = calibrate(target, dm.drafter, ids, max_budget=dm.drafter.cfg.num_proposals)
+            self.cost_models[key] = self._timing.fresh()
+            seed_policy(self.cost_models[key], target, dm.drafter, dm.head, ids, builder=tree,
+                        builder_params=params, lookup=lookup, stop_ids=self.stop_ids)
+        self._warmed.add((*key, budget))
+        return time.perf_counter() - t0
 
     def generate_ar(self, prompt: str | Sequence[dict] | Sequence[int], *, max_new_tokens: int = 256,
                     temperature: float = 0.0, seed: int = 0, chat: bool = True,
@@ -195,7 +257,8 @@ def _assemble(drafter, target, dtype: torch.dtype, linear: str, invariant: str) 
 
 def load(drafter: str | os.PathLike = DEFAULT_DRAFTER, target: str | os.PathLike = DEFAULT_TARGET, *,
          dtype: str = "auto", linear: str = "auto", threads: int | None = None,
-         chat_template_kwargs: dict | None = None, invariant: str = "auto") -> SpeculativeDecoder:
+         chat_template_kwargs: dict | None = None, invariant: str = "auto", warm_up: bool = True
+         ) -> SpeculativeDecoder:
     """Load a target and a dartree drafter checkpoint for speculative decoding.
 
     Args:
@@ -216,6 +279,11 @@ def load(drafter: str | os.PathLike = DEFAULT_DRAFTER, target: str | os.PathLike
             on for a CPU target in bfloat16, off in float32), ``on`` or ``off``. With it a
             verify row computes the AR step's bits, so at T = 0 ``generate`` equals ``generate_ar`` by
             construction; ``decoder.invariant_note`` says which was chosen and why.
+        warm_up: prepare the default setting before returning (:meth:`SpeculativeDecoder.warm_up`: every path of
+            DARTree-pruned with ``budget="auto"`` run at every size, the machine's costs calibrated and the policy
+            seeded by a calibration pass; plus a short AR decode), so that the first ``generate`` and
+            ``generate_ar`` are timed warm (a few seconds more at load). False leaves it to the first call, which
+            reports it as ``setup_s``.
     Returns:
         :class:`SpeculativeDecoder`.
     Raises:
@@ -270,4 +338,8 @@ def load(drafter: str | os.PathLike = DEFAULT_DRAFTER, target: str | os.PathLike
     if decoder.invariant is not None:  # closing decoder.modes restores the kernels, and says so here
         decoder.modes.callback(setattr, decoder, "invariant_note", "row-invariant verify: off (decoder.modes closed)")
         decoder.modes.callback(setattr, decoder, "invariant", None)
+    if warm_up:  # the first timed generate / generate_ar of the user's then pay no one-time cost
+        decoder.warm_up()
+        decoder.generate_ar(list(decoder.prompt_ids(POLICY_PROMPT) if tgt.tokenizer is not None else range(2, 34)),
+                            max_new_tokens=8)
     return decoder

@@ -343,14 +343,17 @@ def _bench_one(args, console, result: dict, combos: dict, dname: str, linear: st
         for col in ["method", "B", "tau", "draft", "tree_build", "tree_compile", "verify", "commit", "round",
                     "break-even tau", "speedup", "nodes"]:
             mt.add_column(col, justify="right")
-        for m, b in runs:
+        from dartree.decode.generate import POLICY_PROMPT, seed_policy, warm_paths
+
+        policy_ids = chat_prompt_ids(tok, POLICY_PROMPT)
+        for m, b in runs:  # every path warmed before the method's timing, nothing of it in a timed policy
+            warm_paths(target, dm.drafter, dm.head, policy_ids, [(m, b, 0)], stop_ids=stop)
             cm = None
             if b == "auto":
                 from dartree.decode.budget import calibrate
 
                 cm = calibrate(target, dm.drafter, prompts[0], max_budget=dm.drafter.cfg.num_proposals)
-            speculative_generate(target, dm.drafter, dm.head, warm, builder=m, max_new_tokens=8, stop_ids=stop, budget=b,
-                                 cost_model=cm)
+                seed_policy(cm, target, dm.drafter, dm.head, policy_ids, builder=m, stop_ids=stop)
             outs = []
             record = args.replay and b != "auto" and (m == "chain" or b == max(args.budget))
             for i, ids in enumerate(prompts):

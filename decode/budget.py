@@ -33,6 +33,16 @@ only the draft's cost and teaches the acceptance calibration nothing.
 The skip rule counts the tokens the target accepted, not the calibrated promise: the calibration pools every
 context, so where the drafter does worse than on average it promises too much.
 
+No few rounds can lock drafting out. Every timing sample is winsorised at :data:`OUTLIER_CLIP` times what the model
+expected of it, and the drafted round's cost that the bound divides by is the median of the last
+:data:`COST_WINDOW` rounds' costs (:meth:`CostModel.round_cost`), so rounds that paid a one-time cost or met a burst
+of other load barely move it; while drafting looks behind, a probe drafts at least every :meth:`CostModel.probe_gap`
+rounds (its cost bounded by a share of the AR steps around it), so the policy keeps looking whatever its statistics
+say. The policy starts from evidence, not from the first timed rounds: :func:`dartree.decode.generate.seed_policy`
+drafts and verifies a calibration prompt with the run's own builder before anything is timed, and
+:meth:`CostModel.finish_seeding` keeps that pass's acceptance calibration, round costs and tokens per round as a
+prior worth :data:`PRIOR_ROUNDS` rounds.
+
 The rule is the adaptive verification budget that DARTree (arXiv 2608.13524, conclusion) leaves as future work; it
 generalises DSpark's confidence-scheduled chain length (arXiv 2607.05147, Algorithm 1) from a chain to any tree
 builder. The timings are calibrated at start-up with a few forwards (:func:`calibrate`), in the process that
@@ -76,6 +86,39 @@ SHAPE_EMA = 0.1
 # A pair's residual ratio is clipped to [1 / PAIR_CLIP, PAIR_CLIP]: a pair that straddles a jump of the machine's speed
 # (a 1-token forward in a slow stretch, the T-token verify right after it calmed) says nothing about the curve's shape
 PAIR_CLIP = 1.5
+# Winsorising: a timing sample counts as at most OUTLIER_CLIP times what the model expected of it (and at least 1 /
+# OUTLIER_CLIP): a verify forward's residual against the curve, a draft or build time against its estimate, a round's
+# or an AR step's cost in AR steps against its modelled cost. A round that pays a one-time cost (numba loading, a new
+# oneDNN shape, first-call allocation) or meets a burst of other load then moves the model like a round 3x dearer,
+# not like one 50x dearer; a lasting slowdown still reaches the model, over a few rounds more.
+OUTLIER_CLIP = 3.0
+# The cost of a drafted round that should_draft sets the tokens against: the median (in AR steps of each round's
+# moment) of the last COST_WINDOW drafted rounds, padded with the modelled cost while fewer are in; up to
+# (COST_WINDOW - 1) // 2 outlying rounds in a row leave it where it was.
+COST_WINDOW = 9
+# Weight, in drafted rounds, of the calibration pass's evidence (seed_policy in dartree.decode.generate: rounds drafted
+# and verified on a calibration prompt before anything is timed); it fades like any round (DRAFT_DISCOUNT).
+PRIOR_ROUNDS = 8.0
+# While drafting looks behind, a probe drafts after at most max(PROBE_MIN_GAP, PROBE_RATIO * (c - 1)) rounds without
+# the drafter, c the modelled cost in AR steps of a drafted round verifying one node: the forced probes then cost at
+# most 1 / PROBE_RATIO of the time of the AR steps between them, and no state of the statistics stops the policy from
+# looking again (the discounted bound alone can take hundreds of rounds to probe after a run of costly rounds).
+PROBE_MIN_GAP, PROBE_RATIO = 16, 20.0
+# In the calibration pass every SEED_AR_EVERY-th round is a plain AR step: the alternative, timed by the same loop in
+# the same minutes as the drafted rounds it is weighed against
+SEED_AR_EVERY = 3
+
+
+def _clip(ratio: float, k: float) -> float:
+    """``ratio`` winsorised to [1 / k, k]."""
+    return min(max(ratio, 1.0 / k), k)
+
+
+def _median(vals: list[float]) -> float:
+    """The median of a non-empty list."""
+    v = sorted(vals)
+    mid = len(v) // 2
+    return v[mid] if len(v) % 2 else 0.5 * (v[mid - 1] + v[mid])
 
 
 def _pav(values: list[float], weights: list[float]) -> list[float]:
@@ -127,6 +170,12 @@ class CostModel:
         shape: {calibrated size T: correction} learnt in the loop for sizes T > 1 from consecutive 1-token and
             T-token verifies (:meth:`observe_verify`). ``t_ar`` stays the start-up figure; decisions use
             ``verify_time(1)``.
+        costs: the last :data:`COST_WINDOW` drafted rounds' costs in AR steps of their moment (winsorised at
+            :data:`OUTLIER_CLIP` times their modelled cost); their median is :meth:`round_cost`.
+        skipped: rounds in a row without the drafter (:meth:`probe_gap` forces a probe after that many).
+        probes: drafted rounds the policy ran while drafting looked behind (the bound's own and the forced ones).
+        prior: what the policy started from, after :meth:`finish_seeding` (the calibration pass: its rounds, their
+            tokens and AR steps per round, the weight kept); None without a pass.
     """
 
     t_ar: float
@@ -161,6 +210,14 @@ class CostModel:
     _last_verify: tuple | None = field(default=None, repr=False, compare=False)
     _probe: bool = field(default=False, repr=False, compare=False)
     _lost: bool = field(default=False, repr=False, compare=False)
+    costs: list = field(default_factory=list)
+    skipped: int = 0
+    probes: int = 0
+    prior: dict | None = None
+    _modelled_steps: float = field(default=0.0, repr=False, compare=False)
+    _force: int = field(default=0, repr=False, compare=False)
+    _seed_ar: int = field(default=0, repr=False, compare=False)
+    _seeded: int = field(default=0, repr=False, compare=False)
 
     @property
     def spec_rate(self) -> float | None:
@@ -192,7 +249,31 @@ class CostModel:
         mean = self.draft_tok / n
         var = max(self.draft_tok2 / n - mean * mean, 0.0)
         sd = ((var * n + SD_PRIOR ** 2 * SD_PRIOR_ROUNDS) / (n + SD_PRIOR_ROUNDS)) ** 0.5
-        return (mean + UCB_Z * sd / n ** 0.5) / ((self.draft_u if per_ar_step else self.draft_s) / n)
+        return (mean + UCB_Z * sd / n ** 0.5) / (self.round_cost() if per_ar_step else self.draft_s / n)
+
+    def round_cost(self) -> float:
+        """What a drafted round costs now, in AR steps of its moment: the median of the last :data:`COST_WINDOW`
+        drafted rounds' (winsorised) costs; while fewer are in, the window is padded with the latest round's modelled
+        cost or the median of those in, whichever is lower (the discounted mean cost ``draft_u / draft_n`` before
+        any round has a cost). A robust location (Huber 1964): a few rounds that paid a one-time cost do not move
+        it, a lasting change moves it within half a window, and a probe restarts the window with its own cost (what
+        drafting costs now, after a stretch without drafting)."""
+        if not self.costs:
+            return self.draft_u / self.draft_n if self.draft_n > 0 else self._modelled_steps
+        vals = sorted(self.costs)
+        if len(vals) < COST_WINDOW:
+            vals = sorted(vals + [min(self._modelled_steps, _median(vals))] * (COST_WINDOW - len(vals)))
+        return _median(vals)
+
+    def probe_gap(self, alternative: float = 1.0) -> int:
+        """Rounds without the drafter after which :meth:`should_draft` drafts a probe even while drafting looks
+        behind: max(:data:`PROBE_MIN_GAP`, :data:`PROBE_RATIO` x (c - 1 / a)), c = (t_draft + t_build +
+        t_verify(2)) / t_verify(1) the modelled cost of a one-node drafted round in AR steps, a = ``alternative``
+        the tokens per AR step of the rounds without the drafter (1 for plain AR steps). A probe commits at least
+        one token where the alternative would have committed c x a, so the forced probes lose at most
+        1 / PROBE_RATIO of the tokens of the rounds between them."""
+        c = (self.t_draft + self.t_build + self.verify_time(2)) / self.verify_time(1)
+        return max(PROBE_MIN_GAP, int(PROBE_RATIO * max(c - 1.0 / max(alternative, 1e-9), 0.0) + 0.999999))
 
     def _knots(self) -> list[tuple[int, float]]:
         """The calibrated sizes with their times corrected by :attr:`shape`, made non-decreasing in T (cached:
@@ -228,12 +309,13 @@ class CostModel:
         measured."""
         if seconds <= 0:
             return
-        ratio = seconds / max(self.verify_time(tokens), 1e-12)
+        ratio = _clip(seconds / max(self.verify_time(tokens), 1e-12), OUTLIER_CLIP)
         self.speed *= 1.0 + SPEED_EMA * (ratio - 1.0)
         if tokens == 1:  # a plain AR step's forward (or a drafted round that kept no node): what AR costs now
+            steps = _clip(seconds / self.verify_time(1), OUTLIER_CLIP)  # winsorised like every round
             self.ar_n += 1.0
-            self.ar_s += seconds
-            self.ar_u += seconds / self.verify_time(1)
+            self.ar_s += steps * self.verify_time(1)
+            self.ar_u += steps
             self.since_anchor = 0
         self._learn_shape(tokens, seconds)
 
@@ -258,9 +340,11 @@ class CostModel:
         self._last_verify = None
 
     def observe_draft(self, seconds: float) -> None:
-        """Fold one timed draft stage into ``t_draft`` (EMA, weight :data:`SPEED_EMA`), so the draft cost follows
-        the same drift as the verify scale."""
+        """Fold one timed draft stage of ``seconds`` into ``t_draft`` (EMA, weight :data:`SPEED_EMA`; the sample
+        winsorised at :data:`OUTLIER_CLIP` times ``t_draft``), so the draft cost follows the same drift as the verify
+        scale."""
         if seconds > 0:
+            seconds = self.t_draft * _clip(seconds / self.t_draft, OUTLIER_CLIP) if self.t_draft > 0 else seconds
             self.t_draft = (1 - SPEED_EMA) * self.t_draft + SPEED_EMA * seconds
 
     @property
@@ -273,6 +357,45 @@ class CostModel:
         method that shares this start-up measurement."""
         return CostModel(t_ar=self.t_ar, t_draft=self.t_draft, verify_s=dict(self.verify_s),
                          max_budget=self.max_budget, t_build=self.t_build, speed=self.speed, shape=dict(self.shape))
+
+    def start_seeding(self, rounds: int, ar_every: int = SEED_AR_EVERY) -> None:
+        """Begin a calibration pass: the next ``rounds`` calls of :meth:`should_draft` draft, except every
+        ``ar_every``-th, a plain AR step (0: none), and none is a probe; so that the pass teaches the acceptance
+        calibration, the drafted rounds' statistics and the AR steps' cost what drafting gives with this builder
+        against AR, before any timed round (:func:`dartree.decode.generate.seed_policy`)."""
+        self._force, self._seed_ar, self._seeded = int(rounds), int(ar_every), 0
+
+    def finish_seeding(self, source: str, weight: float = PRIOR_ROUNDS) -> dict:
+        """End the calibration pass: keep its evidence as the policy's starting point and return what that is.
+
+        The pass's drafted-round sums, and its AR steps' sums, are scaled down to at most ``weight`` rounds each (a
+        prior that the run's own rounds outweigh within a few dozen rounds, and that fades by :data:`DRAFT_DISCOUNT`
+        like any round); its acceptance calibration (``calib_*``, the per-bin counts, the lookup statistics), its
+        round costs (:attr:`costs`) and its timing updates stay as they are; its budgets leave the histogram.
+
+        Args:
+            source: what the pass ran on, for reports (e.g. ``"calibration prompt (64 tokens)"``).
+            weight: the prior's weight in drafted rounds (default :data:`PRIOR_ROUNDS`).
+        Returns:
+            :attr:`prior`: {"source", "rounds" (drafted in the pass), "weight", "tokens_per_round",
+            "ar_steps_per_round" (the winsorised median, :meth:`round_cost`), "ar_step" (what the pass's plain AR
+            steps cost in the same units; 1 when the calibrated curve is right), "calibration" (c), "budgets"}.
+        """
+        n, rounds = self.draft_n, self._seeded
+        tokens = self.draft_tok / n if n > 0 else None
+        for names, count in ((("draft_n", "draft_tok", "draft_tok2", "draft_s", "draft_u"), n),
+                             (("ar_n", "ar_s", "ar_u"), self.ar_n)):
+            for name in names if count > weight else ():
+                setattr(self, name, getattr(self, name) * weight / count)
+        self.prior = {"source": source, "rounds": rounds, "weight": min(n, weight), "tokens_per_round": tokens,
+                      "ar_steps_per_round": self.round_cost() if n > 0 else None, "calibration": self.calibration,
+                      "ar_step": self.ar_u / self.ar_n if self.ar_n > 0 else None,
+                      "budgets": {int(b): c for b, c in sorted(self.chosen.items())}}
+        self.chosen, self._force, self.since_anchor, self.skipped = {}, 0, 0, 0
+        self._probe = self._lost = False
+        self._pending = None
+        self.mark_gap()
+        return self.prior
 
     def calibration_curve(self) -> tuple[list[float], list[float]]:
         """The per-bin calibration map as knots (predicted p, calibrated p^), both non-decreasing, from (0, 0).
@@ -306,13 +429,17 @@ class CostModel:
         return f0 + t * (f1 - f0)
 
     def should_draft(self) -> bool:
-        """Whether this round drafts (False: a plain AR step, or a lookup chain alone): True while the upper
-        confidence bound of the drafted rounds' rate (:meth:`draft_bound`) is at least the rate of the alternative
-        (the timed 1-token forwards, or the undrafted lookup rounds, whichever is higher), and before any drafted
-        round, except that after :data:`ANCHOR_EVERY` drafted rounds in a row one round skips the drafter, so that
-        AR's cost is measured now. All three rates are tokens per AR step of each round's own moment, so a change
-        of the machine's speed between the rounds compared does not decide. Every call discounts the statistics by
-        :data:`DRAFT_DISCOUNT` (discounted UCB, Garivier & Moulines 2011)."""
+        """Whether this round drafts (False: a plain AR step, or a lookup chain alone).
+
+        True while the upper confidence bound of the drafted rounds' rate (:meth:`draft_bound`: the discounted mean
+        tokens of a drafted round plus :data:`UCB_Z` standard errors, over :meth:`round_cost`) is at least the rate of
+        the alternative (the timed 1-token forwards, or the undrafted lookup rounds, whichever is higher), and before
+        any drafted round, except that after :data:`ANCHOR_EVERY` drafted rounds in a row one round skips the
+        drafter, so that AR's cost is measured now. While the bound is below, a probe drafts once the bound rises
+        again or after :meth:`probe_gap` rounds without the drafter, whichever comes first. All rates are tokens per
+        AR step of each round's own moment, so a change of the machine's speed between the rounds compared does not
+        decide. Every call discounts the statistics by :data:`DRAFT_DISCOUNT` (discounted UCB, Garivier & Moulines
+        2011). During a calibration pass (:meth:`start_seeding`) every round drafts."""
         ar = self.ar_n / self.ar_u if self.ar_n > 0 and self.ar_u > 0 else 1.0
         lookup = self.undrafted_tok / self.undrafted_u if self.undrafted_n > 0 and self.undrafted_u > 0 else 0.0
         alternative = max(ar, lookup)
@@ -320,10 +447,20 @@ class CostModel:
         for name in ("draft_n", "draft_tok", "draft_tok2", "draft_s", "draft_u", "undrafted_n", "undrafted_tok",
                      "undrafted_s", "undrafted_u", "ar_n", "ar_s", "ar_u"):
             setattr(self, name, getattr(self, name) * DRAFT_DISCOUNT)
+        if self._force > 0:  # the calibration pass: rounds draft (every SEED_AR_EVERY-th an AR step), none probes
+            self._force -= 1
+            self.since_anchor, self.skipped, self._probe, self._lost = 0, 0, False, False
+            draft = not (self._seed_ar and self._force % self._seed_ar == 0)
+            self._seeded += int(draft)
+            return draft
         wins = bound is None or bound >= alternative
-        draft = wins and self.since_anchor < ANCHOR_EVERY
+        forced = not wins and self.skipped + 1 >= self.probe_gap(alternative)
+        draft = (wins and self.since_anchor < ANCHOR_EVERY) or forced
         self.since_anchor = self.since_anchor + 1 if draft else 0
-        self._probe, self._lost = draft and self._lost, not wins
+        self.skipped = 0 if draft else self.skipped + 1
+        self._probe = draft and (self._lost or forced)
+        self.probes += int(self._probe)
+        self._lost = not wins
         return draft
 
     def choose(self, tree: Tree, beta: float = 0.0, chain_pos: torch.Tensor | None = None,
@@ -343,9 +480,10 @@ class CostModel:
             after :meth:`should_draft` found drafting behind), so that it measures what drafting accepts now.
         """
         m = tree.size
-        lo, self._probe = int(drafted and self._probe and m > 0), False
+        probe, self._probe = drafted and self._probe, False
+        lo = int(probe and m > 0)
         if m == 0:
-            self._pending = (drafted, (self.t_draft + self.t_build if drafted else 0.0) + self.verify_time(1))
+            self._expect(drafted, 0, probe)
             return 0, 1.0
         adj = tree.score.float() + beta * tree.depth.float()
         order = torch.sort(adj, descending=True, stable=True).indices
@@ -360,27 +498,39 @@ class CostModel:
             rate = exp_tok / self.verify_time(b + 1)
             if rate > best_rate or b == lo:
                 best_b, best_rate, best_exp = b, rate, exp_tok
-        # the modelled seconds of this round, draft and build included for a drafted one: :meth:`record` adds them
-        # (or the round's measured seconds) with the tokens it really committed to the sums should_draft reads
-        self._pending = (drafted, (self.t_draft + self.t_build if drafted else 0.0) + self.verify_time(best_b + 1))
+        self._expect(drafted, best_b, probe)
         return best_b, best_exp
+
+    def _expect(self, drafted: bool, b: int, probe: bool = False) -> None:
+        """Note the modelled seconds and AR steps of the round :meth:`choose` just sized (b nodes kept; draft and
+        build included for a drafted one; ``probe``: a probe round): :meth:`record` adds them, or the round's
+        measured seconds winsorised against them, with the tokens it really committed to the sums
+        :meth:`should_draft` reads."""
+        sec = (self.t_draft + self.t_build if drafted else 0.0) + self.verify_time(b + 1)
+        self._pending = (drafted, sec, sec / self.verify_time(1), probe)
 
     def _observe_round(self, tokens: float, seconds: float | None) -> None:
         """Add the round :meth:`choose` sized, which committed ``tokens`` in ``seconds`` (None: its modelled
-        seconds), to the drafted or undrafted statistics."""
+        seconds), to the drafted or undrafted statistics; its cost in AR steps of this moment is winsorised at
+        :data:`OUTLIER_CLIP` times its modelled cost."""
         if self._pending is None:
             return
-        drafted, sec = self._pending
+        drafted, sec, modelled, probe = self._pending
         self._pending = None
+        steps = modelled
         if seconds is not None and seconds > 0:
-            sec = seconds
-        steps = sec / self.verify_time(1)  # in AR steps of this moment
+            steps = modelled * _clip(seconds / self.verify_time(1) / modelled, OUTLIER_CLIP)
+            sec = steps * self.verify_time(1)
         if drafted:
             self.draft_n += 1.0
             self.draft_tok += tokens
             self.draft_tok2 += tokens * tokens
             self.draft_s += sec
             self.draft_u += steps
+            # a probe measures what drafting costs now: it restarts the window, so costs measured before drafting
+            # stopped (a slow stretch, one-time costs) do not outvote the present (a costly probe keeps it off)
+            self.costs = [steps] if probe else (self.costs + [steps])[-COST_WINDOW:]
+            self._modelled_steps = modelled
         else:
             self.undrafted_n += 1.0
             self.undrafted_tok += tokens
@@ -424,11 +574,16 @@ class CostModel:
             setattr(self, name, [a + b for a, b in zip(getattr(self, name), add)])
 
     def observe_build(self, seconds: float) -> None:
-        """Fold one measured tree-build time into ``t_build`` (EMA)."""
-        self.t_build = seconds if self.t_build == 0.0 else 0.8 * self.t_build + 0.2 * seconds
+        """Fold one measured tree-build time (``seconds``) into ``t_build`` (EMA, weight 0.2; the first one sets it,
+        later ones are winsorised at :data:`OUTLIER_CLIP` times ``t_build``)."""
+        if self.t_build <= 0.0:
+            self.t_build = seconds
+        else:
+            self.t_build = 0.8 * self.t_build + 0.2 * self.t_build * _clip(seconds / self.t_build, OUTLIER_CLIP)
 
     def summary(self) -> dict:
-        """JSON-ready figures: timings (ms), calibration c and the budget histogram."""
+        """JSON-ready figures: timings (ms), calibration c, the budget histogram, the drafted round's cost in AR
+        steps, the probes and what the policy started from (:attr:`prior`)."""
         return {"t_ar_ms": 1000 * self.t_ar, "t_draft_ms": 1000 * self.t_draft, "t_build_ms": 1000 * self.t_build,
                 "speed": self.speed, "verify_shape": {int(t): c for t, c in sorted(self.shape.items())},
                 "verify_ms": {int(t): 1000 * s for t, s in sorted(self.verify_s.items())},
@@ -438,7 +593,8 @@ class CostModel:
                 "calibration_bins": {"edges": list(PROB_BINS[:-1]) + [1.0], "nodes": [int(n) for n in self.bin_n],
                                      "predicted": self.bin_pred, "accepted": self.bin_real},
                 "chosen_budgets": {int(b): n for b, n in sorted(self.chosen.items())},
-                "lookup_acceptance": self.lookup.summary()}
+                "round_cost_ar_steps": self.round_cost() if self.draft_n > 0 else None, "probes": self.probes,
+                "prior": self.prior, "lookup_acceptance": self.lookup.summary()}
 
 
 def prune_to(tree: Tree, budget: int, beta: float = 0.0, chain_pos: torch.Tensor | None = None):

@@ -83,7 +83,9 @@ def _add_method_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--tree", nargs="+", default=["pruned"],
                     help=f"methods besides the AR baseline: ar, {', '.join(sorted(BUILDERS))}, or all "
                          "(every builder once; heap-sequential is the slow exact reference); BUILDER+lookup also "
-                         "grafts a prompt-lookup chain onto each round's tree (--lookup tokens)")
+                         "grafts a prompt-lookup chain onto each round's tree (--lookup tokens); METHOD@B<n> runs "
+                         "METHOD at the fixed budget n beside --budget (with --budget auto the auto row is then "
+                         "METHOD@auto), so the report shows what auto chose against")
     ap.add_argument("--lookup", type=int, default=10,
                     help="tokens of the prompt-lookup chain of the +lookup methods (transformers' default, 10)")
     ap.add_argument("--lookup-ngram", type=int, default=3, help="longest n-gram the +lookup methods match")

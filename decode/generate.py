@@ -30,7 +30,7 @@ from dartree.decode.trees import BUILDER_ALIASES, BUILDERS, Tree, builder_name, 
 from dartree.decode.verify import compile_tree, target_tokens, verify
 from dartree.models.drafter import DFlashDrafter, DraftCache
 from dartree.models.heads import CorrectionHead
-from dartree.models.target import Target, check_speculative_target
+from dartree.models.target import Target, check_speculative_target, compact_cache
 
 STAGES = ("draft", "tree_build", "tree_compile", "verify", "commit")
 BETA_BUILDERS = ("pruned", "heap-sequential")  # builders that rank nodes by score + beta * depth
@@ -55,6 +55,8 @@ class DecodeStats:
             accepted_depths[i] + 1``, with equality except in a round cut short by a stop id or the length cap.
         budgets: per round, the verification budget used (nodes verified; with ``budget="auto"`` the cost
             model's choice, 0 = a plain AR step).
+        round_s: per round, its wall seconds from the draft to the commit (``lockstep`` time excluded), so a
+            round that paid a one-time cost shows.
         trees: only with ``speculative_generate(record_trees=True)``: per round a dict with the verify tree
             (``root`` token id, tree ``tokens`` / ``parents`` / ``depth`` / ``score`` as in ``Tree``, ``accepted``
             node indices root (0) first, and the ``bonus`` token id), for drawing and for replaying smaller budgets
@@ -71,6 +73,7 @@ class DecodeStats:
     budgets: list = field(default_factory=list)
     accepted_depths: list = field(default_factory=list)
     trees: list = field(default_factory=list)
+    round_s: list = field(default_factory=list)
 
     @property
     def rounds(self) -> int:
@@ -241,7 +244,9 @@ def speculative_generate(
             Its choices follow the round times it measures, so at T > 0 a seed fixes the output only under a
             fixed budget (the output's distribution is the target's either way).
         cost_model: the calibrated :class:`~dartree.decode.budget.CostModel` for ``budget="auto"`` (shared
-            across calls, so its acceptance calibration carries over); None calibrates one on this prompt.
+            across calls, so its acceptance calibration carries over; seed it with :func:`seed_policy` after
+            :func:`warm_paths`); None calibrates one on this prompt, warms every path of this setting and seeds the
+            policy with a pass over the prompt's first tokens, all before the prefill and outside ``stats``.
         builder_params: extra keyword arguments for the builder (``k``, ``width``, ``beta``).
         record_trees: also keep every round's verify tree and accepted path in ``stats.trees`` (for
             drawing; a few list copies per round).
@@ -292,7 +297,9 @@ def speculative_generate(
     if max_new_tokens == 0:
         return GenerateOutput(out, stats)
     if auto:
-        cm = cost_model if cost_model is not None else calibrate(target, drafter, prompt_ids)
+        cm = cost_model if cost_model is not None else _one_off_policy(
+            target, drafter, head, prompt_ids, dict(builder=builder, builder_params=builder_params, lookup=lookup,
+                                                    lookup_ngram=lookup_ngram), stop_ids, temperature, max_new_tokens)
         budget = cm.max_budget
         beta = float(params.get("beta", -0.2)) if builder in BETA_BUILDERS else 0.0
         cm.mark_gap()  # this decode's first verify does not follow the last one the model saw
@@ -384,9 +391,157 @@ def speculative_generate(
         st["tree_compile"] += tc2 - tc
         st["verify"] += td - tc2
         st["commit"] += te - td
+        stats.round_s.append(te - ta)
         if lockstep is not None:
             lockstep(len(out))
             lock_s += time.perf_counter() - te
     stats.decode_s = time.perf_counter() - t1 - lock_s
     stats.new_tokens = len(out)
     return GenerateOutput(out, stats)
+
+
+# ---- before anything is timed: every path warmed, the auto budget's policy seeded ----------------------------------
+
+# The calibration prompt of the ``budget="auto"`` policy (:func:`seed_policy`): an ordinary request, none of the
+# evaluated prompts, so that what the policy starts from depends on no prompt of the run.
+POLICY_PROMPT = "Explain in a short paragraph how a bicycle stays upright while it is moving."
+SEED_TOKENS = 64  # tokens the calibration pass decodes (about 30-50 drafted rounds with the packaged drafter)
+
+
+def _one_off_policy(target, drafter, head, prompt_ids, setting: dict, stop_ids, temperature: float,
+                    max_new_tokens: int) -> CostModel:
+    """The cost model of a ``budget="auto"`` call given none: calibrated on its prompt, every path of its setting
+    (builder, builder_params, lookup, lookup_ngram) warmed, seeded by a pass over the prompt's first tokens."""
+    cm = calibrate(target, drafter, prompt_ids)
+    warm_paths(target, drafter, head, prompt_ids, [(setting["builder"], "auto", setting["lookup"])],
+               builder_params=setting["builder_params"], lookup_ngram=setting["lookup_ngram"],
+               max_budget=cm.max_budget, stop_ids=stop_ids)
+    seed_policy(cm, target, drafter, head, prompt_ids, **setting, stop_ids=stop_ids, temperature=temperature,
+                new_tokens=min(SEED_TOKENS, max(8, max_new_tokens)), source="this prompt")
+    return cm
+
+
+def _run_nodes(run: tuple, proposals: int, max_budget: int) -> tuple[int, int]:
+    """(nodes the builder drafts, largest verify size T, root included) of one (builder, budget, lookup) setting."""
+    _, budget, lookup = run
+    nodes = max_budget if budget == "auto" else (proposals if budget is None else int(budget))
+    return nodes, nodes + int(lookup) + 1
+
+
+@torch.inference_mode()
+def warm_paths(target: Target, drafter: DFlashDrafter, head: CorrectionHead, context_ids: Sequence[int],
+               runs: Sequence[tuple], *, builder_params: dict | None = None, lookup_ngram: int = 3,
+               max_budget: int | None = None, stop_ids: Sequence[int] = ()) -> dict:
+    """Run every code path the decodes of ``runs`` take, at every size they can take, before anything is timed, so
+    that no one-time cost falls inside a timed round: the tree kernels' numba loading or compilation, oneDNN's
+    primitive for a row count it has not seen, first-call allocations.
+
+    Covered: the drafter forward with 1 .. 2(P + 1) new context rows (a round appends accepted + 1 rows, more after
+    rounds without a draft); each builder at the node count it drafts (``budget="auto"``: the cost model's
+    ``max_budget``), its top-b selection (:func:`~dartree.decode.budget.prune_to`) at every b, a grafted lookup chain;
+    tree compile and verify (forward, walk, KV compaction) at every verify size T = 1 .. nodes + lookup + 1; then one
+    short decode per setting (a ``budget="auto"`` one on a scratch :class:`~dartree.decode.budget.CostModel` that
+    drafts every round), which runs the loop's own code. The rejection sampler (``acceptance="rejection"``) is not
+    covered.
+
+    Args:
+        target, drafter, head: as :func:`speculative_generate`.
+        context_ids: [T0] token ids (T0 >= 2), e.g. a chat-templated prompt.
+        runs: (builder, budget, lookup) per decode setting: budget an int, None (P) or ``"auto"``; lookup the
+            grafted prompt-lookup chain's tokens (0: none).
+        builder_params: the builders' parameters (``k``, ``width``, ``beta``, ...), as :func:`speculative_generate`.
+        lookup_ngram: as :func:`speculative_generate`.
+        max_budget: B_max of the ``"auto"`` settings (default: P, the drafter's proposals).
+        stop_ids: the target's stop ids, for the short decodes.
+    Returns:
+        {"seconds": wall time, "verify_sizes": [T, ...] run, "draft_rows": [C, ...] run}.
+    Raises:
+        ValueError: fewer than 2 context tokens, or a setting :func:`speculative_generate` refuses.
+        KeyError: an unknown builder.
+    """
+    t0 = time.perf_counter()
+    ids = [int(t) for t in context_ids]
+    if len(ids) < 2:
+        raise ValueError(f"warm_paths needs at least 2 context tokens, got {len(ids)}")
+    p = drafter.cfg.num_proposals
+    bmax = p if max_budget is None else int(max_budget)
+    params = dict(builder_params or {})
+    cache, start, anchor = target.new_cache(), len(ids) - 1, ids[-1]
+    feats = target.forward(torch.tensor([ids[:-1]], device=target.device), cache=cache,
+                           logits_slice=slice(-1, None)).features[0]
+    dcache = DraftCache(len(drafter.layers))
+    block = draft_block(target, drafter, anchor, start, feats, dcache)  # the first draft: the prompt's rows
+    rows = list(range(1, 2 * (p + 1) + 1))
+    for c in rows:  # later drafts: c new rows each (values are irrelevant to the shapes)
+        block = draft_block(target, drafter, anchor, dcache.length + c, feats[-1:].expand(c, -1), dcache)
+    sizes: set[int] = {1}
+    for run in runs:
+        builder, _, lookup = run
+        nodes, top = _run_nodes(run, p, bmax)
+        sizes.update(range(1, top + 1))
+        name = builder_name(builder)
+        beta = float(params.get("beta", -0.2)) if name in BETA_BUILDERS else 0.0
+        tree = get_builder(name)(block, head, anchor, nodes, **params)
+        chain_pos = None
+        if lookup:
+            chain, n = lookup_match(torch.tensor(ids + ids), int(lookup), lookup_ngram)  # a repeat: a match
+            tree, chain_pos, _ = (*graft_chain(tree, chain, LookupStats().path_probs(chain.numel(), n)), n)
+        for b in range(tree.size + 1):
+            prune_to(tree, b, beta, chain_pos)
+    for t in sorted(sizes):  # tree compile + verify forward at every size, the cache cropped back after each
+        tree = Tree(torch.full((t - 1,), anchor, dtype=torch.long), torch.arange(t - 1, dtype=torch.long),
+                    torch.arange(1, t, dtype=torch.long), torch.zeros(t - 1))
+        inputs = compile_tree(tree, anchor, start, dtype=target.dtype, device=target.device) if t > 1 else None
+        verify(target, tree, anchor, start, cache, inputs=inputs)
+        compact_cache(cache, start, torch.zeros(0, dtype=torch.long))
+    _warm_decodes(target, drafter, head, ids, runs, params, lookup_ngram, bmax, stop_ids)
+    return {"seconds": time.perf_counter() - t0, "verify_sizes": sorted(sizes), "draft_rows": rows}
+
+
+def _warm_decodes(target, drafter, head, ids, runs, params, lookup_ngram, bmax, stop_ids) -> None:
+    """One short decode per (builder, budget, lookup) setting; an ``"auto"`` one on a scratch cost model that drafts
+    every round but every third, a plain AR step (its decisions do not matter here, only that the loop's code runs)."""
+    for builder, budget, lookup in runs:
+        cm = None
+        if budget == "auto":
+            cm = CostModel(t_ar=1.0, t_draft=0.1, verify_s={1: 1.0, 2: 1.0, bmax + 1: 1.0}, max_budget=bmax)
+            cm.start_seeding(1 << 30)
+        speculative_generate(target, drafter, head, ids, builder=builder, budget=budget, max_new_tokens=16,
+                             stop_ids=stop_ids, builder_params=params or None, cost_model=cm, lookup=int(lookup),
+                             lookup_ngram=lookup_ngram)
+
+
+def seed_policy(cost_model: CostModel, target: Target, drafter: DFlashDrafter, head: CorrectionHead,
+                context_ids: Sequence[int], *, builder: str = "pruned", builder_params: dict | None = None,
+                lookup: int = 0, lookup_ngram: int = 3, new_tokens: int = SEED_TOKENS, stop_ids: Sequence[int] = (),
+                temperature: float = 0.0, source: str = "calibration prompt") -> dict:
+    """Seed a ``budget="auto"`` cost model with a calibration pass, so that the policy starts from what drafting gives
+    with this builder rather than from the first timed rounds: :func:`speculative_generate` decodes up to
+    ``new_tokens`` tokens of ``context_ids`` with ``budget="auto"``, every round drafting but every
+    :data:`~dartree.decode.budget.SEED_AR_EVERY`-th, a plain AR step
+    (:meth:`~dartree.decode.budget.CostModel.start_seeding`); the rounds teach the acceptance calibration, the
+    drafted rounds' statistics (tokens per round, cost per round in AR steps, both measured by the loop) and what a
+    plain AR step costs beside them, and
+    :meth:`~dartree.decode.budget.CostModel.finish_seeding` keeps them as a prior worth
+    :data:`~dartree.decode.budget.PRIOR_ROUNDS` rounds. Run it after :func:`warm_paths`, so that the pass's rounds
+    pay no one-time cost. At T > 0 the pass samples with a fixed seed.
+
+    Args:
+        cost_model: the calibrated model (:func:`~dartree.decode.budget.calibrate`), updated in place.
+        target, drafter, head, builder, builder_params, lookup, lookup_ngram, stop_ids, temperature: as the run's
+            own decodes (:func:`speculative_generate`).
+        context_ids: [T0] prompt ids of the pass (e.g. :data:`POLICY_PROMPT` through the chat template).
+        new_tokens: tokens the pass decodes (it stops earlier at a stop id).
+        source: what the pass ran on, for reports.
+    Returns:
+        :attr:`~dartree.decode.budget.CostModel.prior` (rounds, tokens per round, AR steps per round, ...).
+    Raises:
+        ValueError / TypeError / KeyError: as :func:`speculative_generate`.
+    """
+    cost_model.start_seeding(new_tokens)
+    gen = torch.Generator(device=target.device.type).manual_seed(0) if temperature > 0 else None
+    out = speculative_generate(target, drafter, head, context_ids, builder=builder, max_new_tokens=new_tokens,
+                               temperature=temperature, stop_ids=stop_ids, budget="auto", generator=gen,
+                               builder_params=builder_params, cost_model=cost_model, lookup=lookup,
+                               lookup_ngram=lookup_ngram)
+    return cost_model.finish_seeding(f"{source} ({len(out.tokens)} tokens)")

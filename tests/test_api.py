@@ -40,6 +40,23 @@ def test_generate_equals_the_targets_greedy_output_with_stats(spec):
     assert set(ar.stats.accept_lengths) == {1} and ar.prompt_ids == out.prompt_ids  # one token per AR step
 
 
+def test_load_prepares_the_default_setting_and_a_new_setting_is_prepared_outside_the_timing(spec):
+    # load() warmed DARTree-pruned with the auto budget and seeded its policy: the first timed call has no setup
+    prior = spec.cost_models[("pruned", 0, ())].prior
+    assert prior["rounds"] > 0 and prior["tokens_per_round"] >= 1.0 and 0 < prior["weight"] <= 8
+    prompt = "Give two facts about the moon."
+    first = spec.generate(prompt, max_new_tokens=24)
+    assert first.setup_s == 0.0 and all(0 <= b <= spec.draft.drafter.cfg.num_proposals for b in first.stats.budgets)
+    # a setting used for the first time is prepared before the timing starts, once
+    new = spec.generate(prompt, max_new_tokens=24, tree="chain", lookup=4)
+    again = spec.generate(prompt, max_new_tokens=24, tree="chain", lookup=4)
+    assert new.setup_s > 0.0 and again.setup_s == 0.0 and new.tokens == again.tokens == first.tokens
+    assert spec.cost_models[("chain", 4, ())].prior["rounds"] > 0
+    # above temperature 0 the default budget is the drafter's P, so a seed fixes the output
+    hot = spec.generate(prompt, max_new_tokens=12, temperature=0.7, seed=3)
+    assert set(hot.stats.budgets) == {spec.draft.drafter.cfg.num_proposals}
+
+
 def test_prompts_as_text_messages_or_ids_agree(spec):
     text = "Name a prime number."
     ids = spec.prompt_ids(text)

@@ -97,6 +97,56 @@ def test_report_warnings_flag_tau_about_one_and_mismatches():
     assert "chain@auto took a plain AR step every round" in w[0] and "pruned@B0 drafted no tree nodes" in w[1]
 
 
+def test_the_drafter_warning_tells_a_policy_that_chose_not_to_draft_from_drafts_that_were_rejected():
+    """Issue 43: make run warned "the drafter contributes nothing" for auto rows whose policy had stopped drafting
+    while a fixed budget of the same builder gained in the same run. The warning now says which it is, with the
+    drafted rounds' own tokens and the fixed-budget row beside the auto one."""
+    from dartree.decode.harness.report import _budget_lines, aggregate
+
+    # the aggregate counts the drafted rounds (budget > 0) apart: 3 rounds, one an AR step
+    rows = [{"new_tokens": 6, "decode_s": 1.0, "accept_lengths": [1, 3, 2], "budgets": [0, 4, 2],
+             "accepted_depths": [0, 2, 1], "stage_s": {"draft": 0.1}, "tree_nodes": [0, 4, 2]}]
+    agg = aggregate(rows, [{"new_tokens": 6, "decode_s": 2.0, "accept_lengths": [1] * 5}])
+    assert (agg["drafted_rounds"], agg["drafted_tau"], agg["drafted_accepted"]) == (2, 2.5, 3)
+    assert agg["budget_histogram"] == {0: 1, 2: 1, 4: 1}
+    fixed = {"tau": 1.6, "speedup": 1.12, "paired_speedup": 1.15, "lossless": True, "mismatches": 0,
+             "budget_histogram": {8: 100}, "rounds": 100, "drafted_rounds": 100, "drafted_tau": 1.6,
+             "drafted_accepted": 60}
+
+    def auto_row(hist, tau, dtau, accepted):
+        drafted = sum(n for b, n in hist.items() if b > 0)
+        return {"tau": tau, "speedup": 0.99, "paired_speedup": 0.99, "lossless": True, "mismatches": 0,
+                "budget_histogram": hist, "rounds": sum(hist.values()), "drafted_rounds": drafted,
+                "drafted_tau": dtau, "drafted_accepted": accepted}
+
+    prior = {"source": "calibration prompt (64 tokens)", "rounds": 31, "weight": 8.0, "tokens_per_round": 1.5,
+             "ar_steps_per_round": 1.2, "ar_step": 1.0, "calibration": 0.6, "budgets": {}}
+    env = {"cost_models": {"pruned@auto": {"prior": prior}}, "paired": True}
+    skipped = {"methods": {"ar": {"tau": 1.0, "lossless": None}, "pruned@auto": auto_row({0: 90, 4: 10}, 1.02, 1.6, 6),
+                           "pruned@B8": fixed}, "environment": env}
+    w = report_warnings(skipped)
+    assert len(w) == 1 and "contributes nothing" not in w[0]
+    assert w[0].startswith("WARNING: pruned@auto tau = 1.020: the policy (--budget auto) chose not to draft (B=0 in 90 "
+                           "of 100 rounds); its 10 drafted rounds committed 1.60 tokens each, so the drafter does "
+                           "contribute; pruned@B8 (a fixed budget of the same builder, same prompts): tau 1.600")
+    assert "1.150x AR paired" in w[0]
+    rejected = dict(skipped, methods={**skipped["methods"], "pruned@auto": auto_row({0: 10, 4: 90}, 1.0, 1.0, 0)})
+    w = report_warnings(rejected)
+    assert len(w) == 1 and w[0] == ("WARNING: pruned@auto tau = 1.000 is about 1 and its 90 drafted rounds accepted 0 "
+                                    "drafts in all: the drafter contributes nothing (untrained, mismatched to the "
+                                    "target, or the wrong checkpoint)")
+    # tau above the floor, but the policy skipped most rounds while the fixed budget gained: still loud
+    missed = dict(skipped, methods={**skipped["methods"], "pruned@auto": auto_row({0: 60, 4: 40}, 1.2, 1.5, 20)})
+    w = report_warnings(missed)
+    assert len(w) == 1 and w[0].startswith("WARNING: pruned@auto chose B=0 in 60 of 100 rounds while pruned@B8")
+    # no warning when the policy drafted and the drafted rounds accepted drafts
+    fine = dict(skipped, methods={**skipped["methods"], "pruned@auto": auto_row({0: 5, 4: 95}, 1.5, 1.53, 50)})
+    assert report_warnings(fine) == []
+    line = _budget_lines(fine)[0]
+    assert line.startswith("pruned@auto: B=0: 5, B=4: 95; drafted in 95 of 100 rounds (1.53 tokens per drafted round)")
+    assert "against pruned@B8 (a fixed budget of the same builder" in line and "started from 31 drafted rounds" in line
+
+
 @pytest.mark.slow
 def test_eval_cli_bad_checkpoint_is_clear(tiny_folder, tmp_path):
     r = subprocess.run([sys.executable, "decode/eval.py", "--target", str(tiny_folder / "target"), "--checkpoint",
@@ -116,6 +166,18 @@ def test_tree_all_expands_to_every_builder_once():
         resolve_methods(["beam"])
     with pytest.raises(KeyError, match="NAME\\+lookup"):
         resolve_methods(["beam+lookup"])
+    # METHOD@B<n>: a fixed-budget row beside --budget; the auto row of that method is then METHOD@auto
+    from dartree.decode.harness.session import plan_runs
+
+    got = resolve_methods(["chain", "pruned", "dartree-pruned@B8", "pruned+lookup", "chain@B04"])
+    assert got == ["chain", "pruned", "pruned@B8", "pruned+lookup", "chain@B4"]
+    assert plan_runs(got, ["auto"]) == {"chain@auto": ("chain", "auto"), "pruned@auto": ("pruned", "auto"),
+                                        "pruned@B8": ("pruned", 8), "pruned+lookup": ("pruned", "auto"),
+                                        "chain@B4": ("chain", 4)}
+    assert plan_runs(["pruned", "pruned@B8"], ["auto", 8]) == {"pruned@auto": ("pruned", "auto"),
+                                                               "pruned@B8": ("pruned", 8)}
+    with pytest.raises(KeyError, match="NAME@B<n>"):
+        resolve_methods(["ar@B3"])
 
 
 @pytest.mark.slow

@@ -254,10 +254,26 @@ def _report_tables(report: dict) -> list[tuple[str, list[str], list[list[str]], 
 
 
 def _budget_lines(report: dict) -> list[str]:
-    """Per ``--budget auto`` row, the rounds at each budget the cost model chose."""
+    """Per ``--budget auto`` row, the rounds at each budget the cost model chose, how many drafted, what a fixed
+    budget of the same builder gave on the same prompts (when the run has one) and what the policy started from."""
     auto = report["environment"]["cost_models"]
-    return [f"{m}: " + ", ".join(f"B={b}: {n}" for b, n in r["budget_histogram"].items())
-            for m, r in report["methods"].items() if r.get("budget_histogram") and m in auto]
+    lines = []
+    for m, r in report["methods"].items():
+        if not r.get("budget_histogram") or m not in auto:
+            continue
+        line = f"{m}: " + ", ".join(f"B={b}: {n}" for b, n in r["budget_histogram"].items())
+        if "drafted_rounds" in r:
+            line += f"; drafted in {r['drafted_rounds']} of {r['rounds']} rounds"
+            if r["drafted_rounds"]:
+                line += f" ({r['drafted_tau']:.2f} tokens per drafted round)"
+        paired = f", {r['paired_speedup']:.3f}x AR paired" if "paired_speedup" in r else ""
+        vs = _vs_text(report, m)
+        if vs:
+            line += f"; auto: tau {r['tau']:.3f}, {r['speedup']:.3f}x AR{paired}, against {vs}"
+        if "prior" in auto[m]:
+            line += f"; started from {prior_text(auto[m]['prior'])}"
+        lines.append(line)
+    return lines
 
 
 def report_markdown(report: dict) -> str:
@@ -273,7 +289,8 @@ def report_markdown(report: dict) -> str:
         md += ["## peers skipped", ""] + [f"- {m}: {why}" for m, why in report["peers_skipped"].items()] + [""]
     lines = _budget_lines(report)
     if lines:
-        md += ["## budgets chosen by the cost model (--budget auto; rounds per budget, 0 = plain AR step)", ""]
+        md += ["## budgets chosen by the cost model (--budget auto; rounds per budget, 0 = plain AR step), against "
+               "a fixed budget of the same builder", ""]
         md += [f"- {line}" for line in lines] + [""]
     return "\n".join(md) + "\n"
 
@@ -509,6 +526,12 @@ def aggregate(rows: list[dict], ar_rows: list[dict]) -> dict:
             for b in r["budgets"]:
                 hist[int(b)] = hist.get(int(b), 0) + 1
         out["budget_histogram"] = {b: hist[b] for b in sorted(hist)}
+        drafted = [(n, d) for r in rows for b, n, d in zip(r["budgets"], r["accept_lengths"],
+                                                          r.get("accepted_depths") or [0] * len(r["budgets"]))
+                   if b > 0]  # rounds that verified drafted nodes: (tokens committed, drafts accepted)
+        out["drafted_rounds"] = len(drafted)
+        out["drafted_tau"] = sum(n for n, _ in drafted) / len(drafted) if drafted else float("nan")
+        out["drafted_accepted"] = sum(d for _, d in drafted)
     paired = [r for r in rows if "paired_ar_decode_s" in r]
     if paired:  # against the AR decode that ran in lockstep with each row (--paired)
         p_tok = sum(max(r["paired_ar_new_tokens"] - 1, 0) for r in paired)
@@ -543,23 +566,86 @@ def split_label(row: dict) -> str:
     return f"split@{row.get('first_divergence')} (top-2 margin {row.get('margin_at_divergence', float('nan')):.3f})"
 
 
+def prior_text(prior: dict | None) -> str:
+    """What a ``--budget auto`` policy started from (:attr:`dartree.decode.budget.CostModel.prior`), in one line."""
+    if not prior:
+        return "no calibration pass (the policy started from its first rounds)"
+    if not prior.get("rounds") or prior.get("tokens_per_round") is None:
+        return f"a calibration pass on the {prior['source']} that drafted no round"
+    ar = f", plain AR steps beside them {prior['ar_step']:.2f}" if prior.get("ar_step") else ""
+    return (f"{prior['rounds']} drafted rounds on the {prior['source']}: {prior['tokens_per_round']:.2f} tokens a "
+            f"round at {prior['ar_steps_per_round']:.2f} AR steps{ar} (calibration c = {prior['calibration']:.2f}), "
+            f"kept as a prior worth {prior['weight']:.0f} rounds")
+
+
+def fixed_sibling(report: dict, m: str) -> str | None:
+    """The fixed-budget row of the same builder as the ``--budget auto`` row ``m`` (``pruned@auto`` ->
+    ``pruned@B8``, ``chain@auto`` -> ``chain``; the best paired one when a sweep has several), or None."""
+    auto = report.get("environment", {}).get("cost_models", {})
+    base = m.split("@")[0]
+    rows = [(n, r) for n, r in report["methods"].items() if n != m and n not in auto and not r.get("peer", False)
+            and n.split("@")[0] == base and (n == base or n.startswith(base + "@B"))]
+    if not rows:
+        return None
+    return max(rows, key=lambda nr: nr[1].get("paired_speedup", nr[1]["speedup"]))[0]
+
+
+def _vs_text(report: dict, m: str) -> str:
+    """``m``'s fixed-budget sibling as a clause: its tau and (paired) speedup, or empty."""
+    f = fixed_sibling(report, m)
+    if f is None:
+        return ""
+    r = report["methods"][f]
+    paired = f", {r['paired_speedup']:.3f}x AR paired" if "paired_speedup" in r else ""
+    return f"{f} (a fixed budget of the same builder, same prompts): tau {r['tau']:.3f}, {r['speedup']:.3f}x AR{paired}"
+
+
+def _drafter_warnings(report: dict, m: str, r: dict, auto: bool, tau_floor: float) -> list[str]:
+    """The drafter warnings of one method's aggregate ``r``: drafted rounds that accepted nothing (the drafter
+    contributes nothing) kept apart from a policy that chose not to draft (B=0 in N of M rounds)."""
+    hist = {int(b): n for b, n in (r.get("budget_histogram") or {}).items()}
+    rounds, skipped = r.get("rounds", sum(hist.values())), hist.get(0, 0)
+    drafted = r.get("drafted_rounds")
+    if drafted is None:  # a report from before drafted_rounds was recorded
+        drafted = rounds - skipped if hist else (0 if r.get("mean_tree_nodes", 1.0) == 0 else None)
+    dtau = r.get("drafted_tau", r["tau"])
+    vs = _vs_text(report, m)
+    if drafted == 0 and auto:
+        return [f"WARNING: {m} took a plain AR step every round (B=0 in all {rounds}): the policy (--budget auto) "
+                "chose not to draft, so its tau says nothing about the drafter" + (f"; {vs}" if vs else "")]
+    if drafted == 0:
+        return [f"WARNING: {m} drafted no tree nodes (budget 0), so tau is 1: raise --budget"]
+    if dtau < tau_floor:
+        accepted = f" and its {drafted} drafted rounds accepted {r['drafted_accepted']} drafts in all" \
+            if "drafted_accepted" in r else ""
+        return [f"WARNING: {m} tau = {r['tau']:.3f} is about 1{accepted}: the drafter contributes nothing "
+                "(untrained, mismatched to the target, or the wrong checkpoint)"]
+    out = []
+    if auto and r["tau"] < tau_floor:
+        out.append(f"WARNING: {m} tau = {r['tau']:.3f}: the policy (--budget auto) chose not to draft (B=0 in "
+                   f"{skipped} of {rounds} rounds); its {drafted} drafted rounds committed {dtau:.2f} tokens each, so "
+                   "the drafter does contribute" + (f"; {vs}" if vs else ""))
+    f = fixed_sibling(report, m) if auto else None
+    if f is not None and skipped > rounds / 2 and report["methods"][f].get("paired_speedup", 0.0) > 1.0 \
+            and not out:
+        out.append(f"WARNING: {m} chose B=0 in {skipped} of {rounds} rounds while {vs}: the policy missed what a "
+                   "fixed budget gained here")
+    return out
+
+
 def report_warnings(report: dict, tau_floor: float = 1.05) -> list[str]:
-    """Loud warnings for a report: a method whose tau is about 1 (the drafter contributes nothing) and a
-    method whose T = 0 output differs from AR's."""
+    """Loud warnings for a report: a method whose drafted rounds accepted about nothing (the drafter contributes
+    nothing), kept apart from a ``--budget auto`` method whose policy chose not to draft (B=0 in N of M rounds, set
+    against the fixed-budget row of the same builder when the run has one); and a method whose T = 0 output differs
+    from AR's."""
     out = []
     auto = report.get("environment", {}).get("cost_models", {})  # the --budget auto rows
     for m, r in report["methods"].items():
         if m == "ar":
             continue
         peer = r.get("peer", False)  # a peer's tau is its own business (hf-generate: 1 by construction)
-        if not peer and r["tau"] < tau_floor and r.get("mean_tree_nodes", 1.0) == 0 and m in auto:
-            out.append(f"WARNING: {m} took a plain AR step every round: the cost model (--budget auto) found that "
-                       "drafting never paid with this drafter and target (its tau and tree sizes show why)")
-        elif not peer and r["tau"] < tau_floor and r.get("mean_tree_nodes", 1.0) == 0:
-            out.append(f"WARNING: {m} drafted no tree nodes (budget 0), so tau is 1: raise --budget")
-        elif not peer and r["tau"] < tau_floor:
-            out.append(f"WARNING: {m} tau = {r['tau']:.3f} is about 1: the drafter contributes nothing "
-                       "(untrained, mismatched to the target, or the wrong checkpoint)")
+        if not peer:
+            out += _drafter_warnings(report, m, r, m in auto, tau_floor)
         if r["lossless"] is False and r.get("exact", True):
             out.append(f"WARNING: {m} differs from AR on {r['mismatches']} prompts: MISMATCH, a loss of exactness "
                        "where verify rows and AR steps compute the same bits (see per_prompt first_divergence)")

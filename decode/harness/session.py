@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import platform
+import re
 import sys
 import time
 from dataclasses import dataclass, field
@@ -24,8 +25,8 @@ from dartree.decode.inputs import check_prompt_set
 from dartree.decode.generate import ARStepper, GenerateOutput, autoregressive_generate, speculative_generate
 from dartree.decode.harness.peers import load_bf16_twin, load_zlab_drafter, run_peer
 from dartree.decode.harness.prompts import Prompt, load_prompt_file, load_prompts
-from dartree.decode.harness.report import (annotate_trees, build_report, report_console, report_markdown, split_label,
-                                           write_report_files)
+from dartree.decode.harness.report import (annotate_trees, build_report, prior_text, report_console, report_markdown,
+                                           split_label, write_report_files)
 from dartree.decode.trees import BUILDERS, builder_name
 from dartree.models.chat import chat_prompt_ids, check_chat_template, messages_prompt_ids, text_prompt_ids
 from dartree.models.checkpoint import CheckpointError, load_dartree
@@ -36,27 +37,32 @@ from dartree.models.packed import choose_linear, pack_linears, tune_linears
 from dartree.models.target import load_target
 
 LOOKUP_SUFFIX = "+lookup"  # BUILDER+lookup: the builder's tree with a prompt-lookup chain grafted on (decode/lookup.py)
+FIXED_RUN = re.compile(r"^(?P<method>.+)@B(?P<budget>\d+)$")  # METHOD@B<n>: a fixed-budget run beside --budget
 
 
 def resolve_methods(names: list[str]) -> list[str]:
     """Expand ``all`` (every builder once) and the builders' aliases (:func:`dartree.decode.trees.builder_name`);
-    drop duplicates; ``ar`` means the baseline only. ``BUILDER+lookup`` keeps its suffix.
+    drop duplicates; ``ar`` means the baseline only. ``BUILDER+lookup`` keeps its suffix, and so does
+    ``METHOD@B<n>`` (the method at the fixed budget n, whatever ``--budget`` says: :func:`plan_runs`).
 
     Raises:
         KeyError: an unknown method name (lists the available ones).
     """
     out: list[str] = []
     for n in names:
-        for m in (sorted(BUILDERS) if n == "all" else [n]):
+        hit = FIXED_RUN.match(n)
+        stem, fixed = (hit["method"], f"@B{int(hit['budget'])}") if hit else (n, "")
+        for m in (sorted(BUILDERS) if stem == "all" else [stem]):
             base, plus = (m[: -len(LOOKUP_SUFFIX)], LOOKUP_SUFFIX) if m.endswith(LOOKUP_SUFFIX) else (m, "")
-            if base != "ar" or plus:
+            if base != "ar" or plus or fixed:
                 try:
                     base = builder_name(base)
                 except KeyError:
                     raise KeyError(f"unknown --tree {n!r}; available: ar, all, {', '.join(sorted(BUILDERS))}, each "
-                                   f"also as NAME{LOOKUP_SUFFIX}") from None
-            if base + plus not in out:
-                out.append(base + plus)
+                                   f"also as NAME{LOOKUP_SUFFIX}, and any of them as NAME@B<n> (a fixed budget n "
+                                   "beside --budget)") from None
+            if base + plus + fixed not in out:
+                out.append(base + plus + fixed)
     return [m for m in out if m != "ar"]
 
 
@@ -187,18 +193,26 @@ def read_prompt_file(args: argparse.Namespace) -> tuple[list[Prompt], dict | Non
 
 def plan_runs(methods: list[str], budgets: list) -> dict[str, tuple[str, int | str | None]]:
     """One run per (method, budget): run name -> (tree builder, budget). Chain drafts one node per proposal, so a
-    numeric budget does not size it: in a sweep it runs once at full length, and once more as METHOD@auto when the
-    sweep has auto."""
+    numeric ``--budget`` does not size it: in a sweep it runs once at full length, and once more as METHOD@auto when
+    the sweep has auto. A method named ``METHOD@B<n>`` (:func:`resolve_methods`) runs at the fixed budget n, chain
+    included, beside the others; the ``--budget auto`` run of that METHOD is then named ``METHOD@auto``, so the two
+    rows say which is which (``make run``: ``pruned@auto`` beside ``pruned@B8``)."""
     runs: dict[str, tuple[str, int | str | None]] = {}
+    fixed = {m: FIXED_RUN.match(m) for m in methods if FIXED_RUN.match(m)}
+    beside = {hit["method"] for hit in fixed.values()}
     for m in methods:
+        if m in fixed:
+            runs[m] = (fixed[m]["method"].removesuffix(LOOKUP_SUFFIX), int(fixed[m]["budget"]))
+            continue
         builder = m.removesuffix(LOOKUP_SUFFIX)
         if builder == "chain" or len(budgets) == 1:
-            runs[m] = (builder, "auto" if budgets == ["auto"] else (None if builder == "chain" else budgets[0]))
+            name = f"{m}@auto" if budgets == ["auto"] and m in beside else m
+            runs[name] = (builder, "auto" if budgets == ["auto"] else (None if builder == "chain" else budgets[0]))
             if builder == "chain" and len(budgets) > 1 and "auto" in budgets:
                 runs[f"{m}@auto"] = (builder, "auto")
         else:
             for b in budgets:
-                runs[f"{m}@auto" if b == "auto" else f"{m}@B{b}"] = (builder, b)
+                runs.setdefault(f"{m}@auto" if b == "auto" else f"{m}@B{b}", (builder, b))
     return runs
 
 
@@ -387,6 +401,7 @@ class EvalSession:
     peers_skipped: dict = field(default_factory=dict)
     zlab: object = None
     twin: object = None
+    warm_record: dict | None = None
 
     @property
     def methods(self) -> list[str]:
@@ -416,9 +431,11 @@ class EvalSession:
                 "ignored": {k: v for k, v in self.sampling.items() if t > 0 or k == "repetition_penalty"},
                 "generation_config": self.sampling}
 
-    def run(self, method: str, ids: list, seed: int, max_new: int, record: bool = False) -> GenerateOutput:
+    def run(self, method: str, ids: list, seed: int, max_new: int, record: bool = False,
+            cost_model=None) -> GenerateOutput:
         """One decode of ``ids``; with --paired a method's output carries ``paired_ar``, the ARStepper that ran in
-        lockstep with it (then run to its end)."""
+        lockstep with it (then run to its end). ``cost_model``: a ``--budget auto`` method's model for this decode
+        (default: the method's own, :attr:`cost_models`)."""
         a, target = self.args, self.target
         gen = torch.Generator().manual_seed(seed)
         if method == "ar":
@@ -430,7 +447,8 @@ class EvalSession:
         o = speculative_generate(
             target, self.dm.drafter, self.dm.head, ids, builder=builder, max_new_tokens=max_new,
             temperature=a.temperature, stop_ids=self.stop_ids, budget=b, generator=gen, builder_params=self.params,
-            record_trees=record, cost_model=self.cost_models.get(method), acceptance=a.acceptance,
+            record_trees=record, cost_model=self.cost_models.get(method) if cost_model is None else cost_model,
+            acceptance=a.acceptance,
             lookup=a.lookup if LOOKUP_SUFFIX in method else 0, lookup_ngram=a.lookup_ngram,
             lockstep=pair.run_to if pair is not None else None,
         )
@@ -487,12 +505,52 @@ class EvalSession:
             self.console.print(f"[bold yellow]peer {name} skipped: {why}[/bold yellow]")
 
     def warm_up(self) -> None:
-        """One short decode per row (AR, every method, every peer) before any timing."""
-        warm_ids = self.encode("Say hello.")
+        """Everything before the first timed decode: every code path of every method at every size it can take
+        (:func:`~dartree.decode.generate.warm_paths`), one short decode per row (AR, every method, every peer; a
+        ``--budget auto`` method on a scratch copy of its cost model, so that nothing of the warm-up reaches the
+        policy), then each ``--budget auto`` policy seeded by a calibration pass with its own builder on
+        :data:`~dartree.decode.generate.POLICY_PROMPT` (:meth:`seed_policies`)."""
+        from dartree.decode.generate import POLICY_PROMPT, warm_paths
+
+        a, warm_ids = self.args, self.encode("Say hello.")
+        policy_ids = self.encode(POLICY_PROMPT) if self.methods else []
+        if self.methods:
+            dm = self.dm
+            runs = list(dict.fromkeys((b, budget, a.lookup if LOOKUP_SUFFIX in m else 0)
+                                      for m, (b, budget) in self.runs.items()))
+            rec = warm_paths(self.target, dm.drafter, dm.head, policy_ids, runs, builder_params=self.params,
+                             lookup_ngram=a.lookup_ngram, max_budget=dm.drafter.cfg.num_proposals,
+                             stop_ids=self.stop_ids)
+            self.warm_record = {"seconds": rec["seconds"], "verify_sizes": [min(rec["verify_sizes"]),
+                                max(rec["verify_sizes"])], "draft_rows": [min(rec["draft_rows"]),
+                                                                         max(rec["draft_rows"])]}
+            self.console.print(f"every path warmed in {rec['seconds']:.1f}s: verify sizes 1-"
+                               f"{max(rec['verify_sizes'])}, drafter rows 1-{max(rec['draft_rows'])}, "
+                               f"{len(runs)} decode settings")
         for m in ["ar", *self.methods]:
-            self.run(m, warm_ids, 0, 16)
+            scratch = None
+            if m in self.cost_models:
+                scratch = self.cost_models[m].fresh()
+                scratch.start_seeding(1 << 30)  # drafts (every third round an AR step): both paths run
+            self.run(m, warm_ids, 0, 16, cost_model=scratch)
         for name in self.peers:
             self.run_peer_on(name, warm_ids, 16)
+        self.seed_policies(policy_ids)
+
+    def seed_policies(self, policy_ids: list) -> None:
+        """Seed every ``--budget auto`` method's cost model with a calibration pass of its own builder on
+        ``policy_ids`` (:func:`~dartree.decode.generate.seed_policy`), and print what each policy starts from."""
+        from dartree.decode.generate import SEED_TOKENS, seed_policy
+
+        a = self.args
+        for m, cm in self.cost_models.items():
+            builder, _ = self.runs[m]
+            t0 = time.time()
+            prior = seed_policy(cm, self.target, self.dm.drafter, self.dm.head, policy_ids, builder=builder,
+                                builder_params=self.params, lookup=a.lookup if LOOKUP_SUFFIX in m else 0,
+                                lookup_ngram=a.lookup_ngram, new_tokens=SEED_TOKENS, stop_ids=self.stop_ids,
+                                temperature=a.temperature)
+            self.console.print(f"{m}: policy seeded in {time.time() - t0:.1f}s: {prior_text(prior)}")
 
     def prompt_order(self, pi: int) -> list[str]:
         """The decodes of prompt ``pi``, back to back in an order rotated per prompt (this machine's speed drifts
@@ -595,6 +653,7 @@ class EvalSession:
             "chat_template_kwargs": a.chat_template_kwargs,
             "budget": self.budget, "builder_params": self.params, "ar_repeats": a.ar_repeats, "paired": a.paired,
             "cost_models": {m: cm.summary() for m, cm in self.cost_models.items()},
+            "warm_up": self.warm_record,
             "proposals": dm.drafter.cfg.num_proposals if dm is not None else None,
             "prompts": [{"dataset": p.dataset, "id": p.id, "text": p.text[:120]} for p in self.prompts[:done]],
             "prompt_file": self.prompt_file,

@@ -1,0 +1,79 @@
+"""No one-time cost inside a timed round (issue 43): :func:`dartree.decode.generate.warm_paths` runs every path a
+decode setting takes before anything is timed, so a method's first drafted round costs what its later ones cost.
+
+Checked in a fresh interpreter whose numba cache is empty (a fresh clone's first run, where the tree kernels compile
+on first use): without the warm-up the first drafted round pays the compilation, which shows that the check can fail;
+with it, no first round stands out. The timings are printed; the bound is a gap of an order of magnitude, not a speed.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).resolve().parent
+RUNS = [["pruned", 6, 0], ["chain", None, 0], ["pruned", "auto", 4]]  # (builder, budget, lookup)
+
+SCRIPT = r"""
+import json, sys, torch
+sys.path.insert(0, sys.argv[2])
+from conftest import make_drafter, make_head
+from dartree.decode.budget import CostModel
+from dartree.decode.generate import speculative_generate, warm_paths
+from dartree.models.target import tiny_target
+
+torch.set_num_threads(1)
+runs = [tuple(r) for r in json.loads(sys.argv[3])]
+target, drafter, head = tiny_target(vocab_size=96, layer_ids=[1, 2]), make_drafter(), make_head("markov")
+g = torch.Generator().manual_seed(0)
+prompt, other = (torch.randint(2, 96, (24,), generator=g).tolist() for _ in range(2))
+if sys.argv[1] == "warm":
+    warm_paths(target, drafter, head, other, runs, max_budget=8)
+out = {}
+for builder, budget, lookup in runs:
+    cm = None
+    if budget == "auto":  # a policy that drafts every round: this measures the paths, not the decisions
+        cm = CostModel(t_ar=1.0, t_draft=0.1, verify_s={1: 1.0, 2: 1.0, 9: 1.0}, max_budget=8)
+        cm.start_seeding(1 << 30, ar_every=0)
+    o = speculative_generate(target, drafter, head, prompt, builder=builder, budget=budget, max_new_tokens=40,
+                             stop_ids=(), cost_model=cm, lookup=lookup)
+    out[f"{builder}@{budget}+{lookup}"] = [s for s, b in zip(o.stats.round_s, o.stats.budgets) if b > 0]
+print(json.dumps(out))
+"""
+
+
+def _first_rounds(mode: str, cache: Path) -> dict:
+    """{setting: drafted rounds' seconds} of one decode per setting in a fresh interpreter with the numba cache at
+    ``cache`` (empty: the kernels compile on first use)."""
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(cache), "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-c", SCRIPT, mode, str(TESTS), json.dumps(RUNS)], capture_output=True,
+                       text=True, timeout=600, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def _gap(rounds: list) -> tuple[float, float]:
+    """(the first drafted round's seconds, the median of the later ones)."""
+    later = sorted(rounds[1:])
+    return rounds[0], later[len(later) // 2]
+
+
+@pytest.mark.slow
+def test_a_methods_first_drafted_round_costs_what_its_later_ones_cost(tmp_path):
+    cold = _first_rounds("cold", tmp_path / "cold")
+    warm = _first_rounds("warm", tmp_path / "warm")
+    for name, rounds in {**{f"cold {k}": v for k, v in cold.items()}, **{f"warm {k}": v for k, v in warm.items()}}.items():
+        first, median = _gap(rounds)
+        print(f"{name}: first drafted round {1000 * first:.1f} ms, later ones' median {1000 * median:.1f} ms "
+              f"({len(rounds)} rounds)")
+    # without the warm-up the first setting's first round compiles the tree kernels: a gap of orders of magnitude
+    first, median = _gap(cold["pruned@6+0"])
+    assert first > 20 * median and first > 0.1
+    # with it, no setting's first drafted round stands out from its later ones
+    for name, rounds in warm.items():
+        assert len(rounds) >= 10, name
+        first, median = _gap(rounds)
+        assert first <= 3 * median + 0.005, (name, first, median)
