@@ -269,7 +269,8 @@ def load(drafter: str | os.PathLike = DEFAULT_DRAFTER, target: str | os.PathLike
         dtype: ``auto`` (default), ``float32``, ``bfloat16`` or ``float16`` for both models. ``auto``: float32
             where the CPU has no native bf16; where it has, bfloat16 (in the row-invariant mode, so still exact) and
             float32 are both loaded and timed on :data:`CALIBRATION_PROMPT` (an AR step, verifies, a draft;
-            :func:`dartree.decode.precision.pick_dtype`) and the faster is kept (a few seconds more at load).
+            :func:`dartree.decode.precision.pick_dtype`) and the faster is kept (a second load and the timing: 10-15 s
+            on a quiet 2-core machine, several times that on a busy one).
             ``decoder.dtype_note`` says which and why.
         linear: linear-layer backend: ``auto`` (prepacked oneDNN where the CPU supports it, else ``F.linear``),
             ``onednn`` or ``aten``.

@@ -612,6 +612,8 @@ def test_eval_dtype_auto_times_the_exact_modes_and_keeps_the_faster(tiny_folder,
     else:  # no row-invariant bf16 path on this CPU: bf16 is not a candidate
         assert env["dtype"] == "float32" and "only float32 is exact here: bfloat16 (" in reason
     assert (env["row_invariant"] is not None) == (env["dtype"] == "bfloat16")
+    chosen = printed.split(f"mode: {env['dtype']}; ")[1]  # after the candidates' lines: the setting that decodes
+    assert f"row-invariant verify (the {env['dtype']} mode chosen): {'on' if env['row_invariant'] else 'off'}" in chosen
     rows = json.loads((out / "report.json").read_text())["methods"]
     assert all(rows[m]["lossless"] is True and rows[m]["exact"] is True for m in ("chain", "pruned"))
     assert eval_main([*args, "--tree", "chain", "--invariant", "off", "--out", str(tmp_path / "off")]) == 0

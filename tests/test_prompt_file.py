@@ -131,3 +131,21 @@ def test_the_shapes_other_tools_write_and_a_byte_order_mark(tmp_path):
     t = tmp_path / "bom.txt"
     t.write_bytes(b"\xef\xbb\xbfFirst prompt.\nSecond.\n")
     assert [p.text for p in load_prompt_file(t)[0]] == ["First prompt.", "Second."]  # no U+FEFF in the text
+
+
+def test_a_json_array_file_and_empty_prompts(tmp_path):
+    # ShareGPT's released file is one JSON array (often pretty-printed): its rows, numbered by element
+    rows = [{"id": "a", "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello"}]},
+            {"prompt": "Say hi."}]
+    f = tmp_path / "sharegpt.json"
+    f.write_text(json.dumps(rows, indent=2))
+    prompts, record = load_prompt_file(f)
+    assert [(p.id, p.text) for p in prompts] == [("1", "Hi"), ("2", "Say hi.")] and record["format"] == "json"
+    for name, content, expected in (
+            ("bad_element.json", '[{"text": "ok"}, 5]', r":2: a JSON int, not an object"),
+            ("broken.json", '[{"text": "ok"},\n', r":1: not a JSON array \(Expecting value"),
+            ("empty_text.jsonl", '{"text": "  "}\n', r':1: "text" is empty'),
+            ("empty_turn.jsonl", '{"messages": [{"role": "user", "content": ""}]}\n', r':1: "messages" ends with an '
+                                                                                        r"empty turn")):
+        with pytest.raises(ValueError, match=expected):
+            load_prompt_file(_write(tmp_path / name, content))

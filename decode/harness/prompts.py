@@ -130,10 +130,14 @@ def _row_prompt(row: dict) -> tuple[str, list[dict] | None] | str:
         if key in row and not isinstance(row[key], str):
             return f'"{key}" is {type(row[key]).__name__}, not a string'
         if key in row:
+            if not row[key].strip():
+                return f'"{key}" is empty'
             extra = row.get("input") if key == "instruction" else None
             return (row[key] + "\n\n" + extra if isinstance(extra, str) and extra.strip() else row[key]), None
     if "messages" in row:
         why = _messages_problem(row["messages"])
+        if why is None and not row["messages"][-1]["content"].strip():
+            why = '"messages" ends with an empty turn'
         return why if why is not None else (row["messages"][-1]["content"], row["messages"])
     if "conversations" in row:
         conv = row["conversations"]
@@ -147,7 +151,7 @@ def _row_prompt(row: dict) -> tuple[str, list[dict] | None] | str:
         return msgs[last]["content"], msgs[: last + 1]
     if "turns" in row:
         turns = row["turns"]
-        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str):
+        if not isinstance(turns, list) or not turns or not isinstance(turns[0], str) or not turns[0].strip():
             return '"turns" is not a non-empty list of strings'
         return turns[0], None
     return None
@@ -163,6 +167,22 @@ def _messages_problem(messages) -> str | None:
     return None
 
 
+def _json_array_rows(path: Path, text: str) -> list[tuple[int, object]]:
+    """The elements of a file holding one JSON array, numbered from 1 (ids and messages name them by number).
+
+    Raises:
+        ValueError: the file is not one JSON array (one line naming the file, where it broke and the fix).
+    """
+    try:
+        rows = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}:{exc.lineno}: not a JSON array ({exc.msg} at column {exc.colno}); "
+                         f"{_FILE_FIX}") from None
+    if not isinstance(rows, list):
+        raise ValueError(f"{path}: a JSON {type(rows).__name__}, not an array of rows; {_FILE_FIX}")
+    return list(enumerate(rows, 1))
+
+
 def load_prompt_file(path: str | Path, limit: int | None = None) -> tuple[list[Prompt], dict]:
     """The prompts of a user's file, in file order, and its record for reports.
 
@@ -171,16 +191,19 @@ def load_prompt_file(path: str | Path, limit: int | None = None) -> tuple[list[P
     ``messages`` list of ``{"role", "content"}`` strings (a whole chat, rendered through the target's chat template
     with the generation prompt added), or the shapes other tools write (:func:`_row_prompt`: ``prompt``,
     ``question``, ``instruction`` [+ ``input``], ShareGPT ``conversations``, MT-Bench ``turns``); other fields are
-    ignored, the first shape present wins. Anything else is plain text: one prompt per line (UTF-8, blank lines
-    skipped, the line's own whitespace kept but its end of line). A UTF-8 byte-order mark at the start is dropped.
+    ignored, the first shape present wins. A file (any suffix but ``.txt``) whose first non-blank character is
+    ``[`` is one JSON array of such objects (ShareGPT's released ``.json``), its prompts numbered by element. Anything
+    else is plain text: one prompt per line (UTF-8, blank lines skipped, the line's own whitespace kept but its end of
+    line). A UTF-8 byte-order mark at the start is dropped. An empty or blank prompt is refused.
 
     Args:
         path: the file. limit: keep the first ``limit`` prompts (None: all; every line is checked either way); the
             file is not shuffled.
     Returns:
         (prompts, record). Each prompt's dataset is the file's data set name, ``"<path> sha256:<hex>"`` (the path as
-        given), and its id is its 1-based line number. record: ``{"path": resolved path, "sha256": hex digest of the
-        file's bytes, "format": "jsonl" | "text", "name": the data set name, "prompts": count returned}``.
+        given), and its id is its 1-based line (or array element) number. record: ``{"path": resolved path, "sha256":
+        hex digest of the file's bytes, "format": "jsonl" | "json" | "text", "name": the data set name, "prompts":
+        count returned}``.
     Raises:
         ValueError: the file is missing, unreadable, not UTF-8 or holds no prompt; a JSONL line that is not JSON,
             not an object, or has none of the shapes above (or a malformed one); or a bad ``limit``. One
@@ -202,16 +225,18 @@ def load_prompt_file(path: str | Path, limit: int | None = None) -> tuple[list[P
     name = f"{path} sha256:{digest}"
     first = next((line.strip() for line in lines if line.strip()), "")
     suffix = path.suffix.lower()
-    jsonl = suffix in JSONL_SUFFIXES or (suffix != ".txt" and first.startswith("{"))
+    if suffix not in (*JSONL_SUFFIXES, ".txt") and first.startswith("["):  # one JSON array (ShareGPT's .json)
+        fmt, rows = "json", _json_array_rows(path, "\n".join(lines))
+    else:
+        fmt = "jsonl" if suffix in JSONL_SUFFIXES or (suffix != ".txt" and first.startswith("{")) else "text"
+        rows = [(no, line) for no, line in enumerate(lines, 1) if line.strip()]
     prompts: list[Prompt] = []
-    for no, line in enumerate(lines, 1):  # every line is checked, also those past ``limit``
-        if not line.strip():
-            continue
-        if not jsonl:
+    for no, line in rows:  # every row is checked, also those past ``limit``
+        if fmt == "text":
             prompts.append(Prompt(name, str(no), line))
             continue
         try:
-            row = json.loads(line)
+            row = json.loads(line) if fmt == "jsonl" else line
         except json.JSONDecodeError as exc:
             raise ValueError(f"{path}:{no}: not JSON ({exc.msg} at column {exc.colno}); {_FILE_FIX}") from None
         if not isinstance(row, dict):
@@ -226,8 +251,7 @@ def load_prompt_file(path: str | Path, limit: int | None = None) -> tuple[list[P
     if not prompts:
         raise ValueError(f"{path}: holds no prompt (empty or blank lines only); {_FILE_FIX}")
     prompts = prompts[:limit]
-    record = {"path": str(path.resolve()), "sha256": digest, "format": "jsonl" if jsonl else "text", "name": name,
-              "prompts": len(prompts)}
+    record = {"path": str(path.resolve()), "sha256": digest, "format": fmt, "name": name, "prompts": len(prompts)}
     return prompts, record
 
 

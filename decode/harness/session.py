@@ -369,6 +369,9 @@ def _measured_dtype(s: "EvalSession", names: list[str], modes: contextlib.ExitSt
     s.linear, s.linear_reason, s.linear_tuning = lin
     args.dtype = str(best).replace("torch.", "")
     console.print(f"mode: {args.dtype}; {reason}")
+    # the candidates' own lines came before the choice: say again which row-invariant setting decodes
+    console.print(f"row-invariant verify (the {args.dtype} mode chosen): " + (
+        f"on (linear {inv['linear']}: {inv['why']})" if inv is not None else "off"))
 
 
 @dataclass
