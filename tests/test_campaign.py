@@ -89,18 +89,18 @@ def test_the_data_stage_stops_at_its_deadline_and_resumes_to_the_same_shards(tmp
     cfg2.data.goal_response_tokens = 1
     run_data(cfg2, deadline, work=tmp_path / "w2")
     cfg2.data.goal_response_tokens = 10**9
-    import dartree.training.campaign as camp
+    import dartree.training.data as data_mod
 
-    real = camp._regenerate
+    real = data_mod.regenerate_dialogues
 
-    def stop_soon(target, c, items, folder, dl):  # a deadline that passes after the first finished answer
-        return real(target, c, items, folder, time.time() - 1)
+    def stop_soon(*args, deadline=None, **kw):  # a deadline that passes after the first finished answer
+        return real(*args, deadline=time.time() - 1, **kw)
 
-    camp._regenerate = stop_soon
+    data_mod.regenerate_dialogues = stop_soon  # what the data stage calls for a shard (through _run_wave)
     try:
         run_data(cfg2, deadline, work=tmp_path / "w2")
     finally:
-        camp._regenerate = real
+        data_mod.regenerate_dialogues = real
     assert len(read_manifest(cut)["shards"]) == 1
     assert (tmp_path / "w2" / "train-00001" / "responses.partial.jsonl").stat().st_size > 0
     # both campaigns continue to two training shards; the files are identical (fp32 regeneration is exact)
