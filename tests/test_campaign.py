@@ -335,3 +335,77 @@ def test_the_training_stage_trains_on_the_shards_resumes_and_records_its_runs(tm
     assert pts[1]["predictions"] == base["predictions"] + run["predictions"]
     png = plot_curve(cfg, tmp_path / "curve.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _committed_campaign(folder: Path, cfg) -> None:
+    """A campaign folder as a session commits it (manifest, a held-out set and two shards, a recorded baseline),
+    written without a target."""
+    import hashlib
+
+    from dartree.training.campaign import data_key
+    from dartree.training.campaign_store import write_manifest
+
+    (folder / "data").mkdir(parents=True)
+    recs = []
+    for k, name in enumerate(("holdout", "train-00000", "train-00001")):
+        rows = [{"index": 0, "turns": 1, "prompt_ids": [1, 2 + k], "response_ids": [3, 4], "loss_mask": [1, 1]}]
+        blob = shard_table(rows, [(type("Item", (), {"id": f"{name}-0", "kind": "chat"})(), None)])
+        (folder / "data" / f"{name}.parquet").write_bytes(blob)
+        recs.append({"file": f"data/{name}.parquet", "sha256": hashlib.sha256(blob).hexdigest(), "pool": [k, k + 1],
+                     "conversations": 1, "response_tokens": 2, "tokens": 4, "seconds": 1.0, "cpu": "test",
+                     "gen_dtype": "float32", "threads": 1})
+    write_manifest(folder, {"data": data_key(cfg), "holdout": recs[0], "shards": recs[1:]})
+    (folder / "train_state.json").write_text(json.dumps({"baseline": {"dspark_b16": {
+        "response_tokens": 1000, "predictions": 10_000, "holdout_chain_tau": 1.4}}}))
+
+
+def test_every_stage_checks_settings_and_files_first_and_draws_beside_its_folder(tmp_path, monkeypatch, capsys):
+    """Issue 44, items 2 and 3: every stage (and train.py on campaign data) refuses other data settings and a missing
+    or changed shard in one line before loading anything, and the curve goes where the arguments say."""
+    import dartree.models.target as target_mod
+    import dartree.training.trainer as trainer_mod
+    from dartree.training.campaign import main
+    from dartree.training.campaign_store import REPO
+    from dartree.training.train import main as train_main
+
+    def no_load(*a, **k):
+        raise AssertionError("loaded a target before the checks")
+
+    monkeypatch.setattr(target_mod, "load_target", no_load)
+    monkeypatch.setattr(trainer_mod, "load_recipe_target", no_load)
+    folder = tmp_path / "c"
+    _committed_campaign(folder, load_settings(SMALL + [f"dir={folder}"], folder=folder))
+    base = SMALL + [f"dir={folder}", f"runs_dir={tmp_path / 'runs'}"]
+    # other data settings: refused by name at every stage that uses the data (status only reports)
+    for stage in ("verify", "train", "baseline", "curve", "data", "all", "plan"):
+        capsys.readouterr()
+        extra = [f"out={tmp_path / 'p.json.gz'}", "shards=1"] if stage == "plan" else []
+        assert main(base + [f"stage={stage}", "data.max_new_tokens=5"] + extra) == 2, stage
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "other data settings (['max_new_tokens'])" in err[0], (stage, err)
+    assert main(base + ["stage=status", "data.max_new_tokens=5"]) == 0
+    # the curve of another folder is drawn in that folder (or at out=), never over the committed one
+    committed = REPO / "checkpoints" / "campaign_curve.png"
+    before = committed.read_bytes()
+    assert main(base + ["stage=curve"]) == 0
+    assert (folder / "campaign_curve.png").read_bytes()[:4] == b"\x89PNG" and committed.read_bytes() == before
+    assert main(base + ["stage=curve", f"out={tmp_path / 'x.png'}"]) == 0 and (tmp_path / "x.png").exists()
+    capsys.readouterr()
+    assert main(base + ["stage=curve", f"out={tmp_path / 'x.jpg'}"]) == 2
+    assert "give out=FILE.png" in capsys.readouterr().err
+    # a shard changed since the manifest, then a missing one: every stage stops on it in one line, first
+    shard = folder / "data" / "train-00001.parquet"
+    blob = shard.read_bytes()
+    for broken, words in ((blob[:-1] + bytes([blob[-1] ^ 1]), "does not match its manifest entry (sha256)"),
+                          (None, "is missing but")):
+        shard.write_bytes(broken) if broken is not None else shard.unlink()
+        for stage in ("verify", "train", "baseline", "curve", "data", "all", "status"):
+            capsys.readouterr()
+            assert main(base + [f"stage={stage}"]) == 2, stage
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and str(shard) in err[0] and words in err[0], (stage, err)
+        # training on the campaign's data straight through train.py stops on it too, before the target loads
+        assert train_main(["recipe=dspark_b16", "data.source=campaign", f"data.campaign_dir={folder}",
+                           f"output_dir={tmp_path / 'run'}"]) == 2
+        assert words in capsys.readouterr().err
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "run").exists()

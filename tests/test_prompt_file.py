@@ -32,6 +32,11 @@ def test_jsonl_messages_keep_the_chat_and_show_its_last_turn(tmp_path):
     f = _write(tmp_path / "chat.jsonl", json.dumps({"messages": chat}) + "\n")
     (p,), record = load_prompt_file(f)
     assert p.messages == chat and p.text == "What is 7 x 6?" and p.id == "1" and record["format"] == "jsonl"
+    # a chat dataset's row ends with the answer: the prompt is the chat up to its last user turn, as for ShareGPT
+    answered = chat + [{"role": "assistant", "content": "42."}]
+    f = _write(tmp_path / "answered.jsonl", json.dumps({"messages": answered}) + "\n")
+    (p,), _ = load_prompt_file(f)
+    assert p.messages == chat and p.text == "What is 7 x 6?"
 
 
 def test_text_file_one_prompt_per_line(tmp_path):
@@ -54,6 +59,9 @@ def test_text_file_one_prompt_per_line(tmp_path):
     ("bad_sharegpt.jsonl", '{"conversations": [{"from": "gpt", "value": "hi"}]}\n', r":1: \"conversations\" has no human"),
     ("empty_messages.jsonl", '{"messages": []}\n', r":1: \"messages\" is an empty list"),
     ("bad_message.jsonl", '{"messages": [{"role": "user"}]}\n', r":1: \"messages\"\[0\] is not an object with"),
+    ("no_user.jsonl", '{"messages": [{"role": "assistant", "content": "hi"}]}\n', r":1: \"messages\" has no \"user\" turn"),
+    ("empty_user.jsonl", '{"messages": [{"role": "user", "content": " "}, {"role": "assistant", "content": "hi"}]}\n',
+     r":1: \"messages\"\[0\], the last user turn, is empty"),
     ("empty.jsonl", "", r": holds no prompt \(empty or blank lines only\)"),
     ("blank.txt", "\n  \n", r": holds no prompt"),
 ])
@@ -145,7 +153,7 @@ def test_a_json_array_file_and_empty_prompts(tmp_path):
             ("bad_element.json", '[{"text": "ok"}, 5]', r":2: a JSON int, not an object"),
             ("broken.json", '[{"text": "ok"},\n', r":1: not a JSON array \(Expecting value"),
             ("empty_text.jsonl", '{"text": "  "}\n', r':1: "text" is empty'),
-            ("empty_turn.jsonl", '{"messages": [{"role": "user", "content": ""}]}\n', r':1: "messages" ends with an '
-                                                                                        r"empty turn")):
+            ("empty_turn.jsonl", '{"messages": [{"role": "user", "content": ""}]}\n', r':1: "messages"\[0\], the last user '
+                                                                                        r"turn, is empty")):
         with pytest.raises(ValueError, match=expected):
             load_prompt_file(_write(tmp_path / name, content))

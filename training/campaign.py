@@ -17,7 +17,10 @@ Parquet file of token ids and loss masks (no hidden states), and ``campaign/mani
 made. Shard files and the manifest are written atomically; they are what a later session, on a fresh machine,
 continues from (commit them). ``campaign.py stage=verify shard=K`` regenerates shard K again and compares tokens.
 ``stage=baseline`` scores the shipped checkpoints on the campaign's held-out set; ``stage=curve`` draws the
-scaling curve (``checkpoints/campaign_curve.png``) from them and the recorded training runs.
+scaling curve from them and the recorded training runs (:func:`curve_file`: ``checkpoints/campaign_curve.png`` for
+the repository's campaign, ``<dir>/campaign_curve.png`` for another folder, or ``out=FILE.png``). Every stage first
+checks the call's data settings against the manifest and every listed file against its sha256
+(:func:`check_campaign`), in one line, before anything slow.
 
 On a GPU (``device=cuda``, e.g. the burst, :mod:`dartree.training.burst`): ``shards_per_call`` shards share one
 continuous batch and each is written as soon as it is complete; follow-up turns are requeued as whole-history
@@ -52,6 +55,7 @@ from dartree.training.campaign_store import (  # noqa: F401  (the store's names,
     DEFAULT_DIR,
     REPO,
     CampaignError,
+    check_files,
     cpu_model,
     device_name,
     read_manifest,
@@ -122,7 +126,7 @@ class CampaignSettings:
     gen_requeue: bool = False  # a conversation's next turn re-enters the queue as a whole-history prompt (a GPU)
     plan: str = ""  # stage=data: take the prompts from this plan file (stage=plan writes it); "": walk the pool
     shards: int = 0  # stage=plan: how many shards to plan (the held-out set counts as one while it is missing)
-    out: str = ""  # stage=plan: the plan file to write (.json.gz)
+    out: str = ""  # stage=plan: the plan file to write (.json.gz); stage=curve/baseline: the PNG (default: curve_file)
     runs_dir: str = ""  # training runs (default: the user cache, campaign-runs/)
     shard: int = -1  # stage=verify: the shard to regenerate
     data: DataSettings = field(default_factory=DataSettings)
@@ -195,6 +199,43 @@ def data_key(cfg: DictConfig) -> dict:
     key = {"pool_version": POOL_VERSION, "target": cfg.target, **OmegaConf.to_container(cfg.data)}
     key.pop("goal_response_tokens")  # when to stop, not what the data is
     return key
+
+
+def check_campaign(cfg: DictConfig) -> dict:
+    """The checks every stage makes first, before anything slow (a target load, a regeneration, a training run):
+    the call's data settings are the manifest's (:func:`data_key`; ``stage=status`` only reports and skips this),
+    and every file the manifest lists is there with its recorded sha256
+    (:func:`~dartree.training.campaign_store.check_files`). Returns the manifest.
+
+    Raises:
+        CampaignError: one line naming the settings that differ (fix: put them back, or ``dir=NEW_FOLDER``), or the
+            missing or changed file (fix: ``git checkout`` it).
+    """
+    folder = Path(cfg.dir)
+    manifest = read_manifest(folder)
+    key = data_key(cfg)
+    if cfg.stage != "status" and manifest["data"] is not None and manifest["data"] != key:
+        diff = sorted(k for k in set(key) | set(manifest["data"]) if key.get(k) != manifest["data"].get(k))
+        raise CampaignError(f"{folder / 'manifest.json'} was made with other data settings ({diff}); put them back "
+                            "or start a new campaign with dir=NEW_FOLDER")
+    return check_files(folder, manifest)
+
+
+def curve_file(cfg: DictConfig) -> Path:
+    """Where ``stage=curve`` and ``stage=baseline`` draw the scaling curve: ``out=FILE.png`` when given, else the
+    committed ``checkpoints/campaign_curve.png`` for the repository's own campaign and ``<dir>/campaign_curve.png``
+    for any other folder (a program writes beside what its arguments name, never over the repository's files).
+
+    Raises:
+        CampaignError: ``out`` does not end in ``.png``.
+    """
+    if cfg.out:
+        if not str(cfg.out).lower().endswith(".png"):
+            raise CampaignError(f"out={cfg.out}: stage={cfg.stage} draws a PNG; give out=FILE.png")
+        return Path(cfg.out)
+    if Path(cfg.dir).resolve() == DEFAULT_DIR.resolve():
+        return REPO / "checkpoints" / "campaign_curve.png"
+    return Path(cfg.dir) / "campaign_curve.png"
 
 
 # ---------------------------------------------------------------------------------------------------------- pool
@@ -682,21 +723,17 @@ def run_data(cfg: DictConfig, deadline: float, work: Path | None = None) -> dict
 
     Raises:
         CampaignError: the manifest (or the plan) was made with other data settings (named; start a new campaign
-            folder), or the plan starts elsewhere than the campaign's next shard.
+            folder), a committed shard is missing or changed (:func:`check_campaign`), or the plan starts elsewhere
+            than the campaign's next shard.
     """
     import torch
 
     from dartree.models.target import cache_root, load_target
 
-    folder = Path(cfg.dir)
-    manifest = read_manifest(folder)
+    manifest = check_campaign(cfg)
     key = data_key(cfg)
     if manifest["data"] is None:
         manifest["data"] = key
-    elif manifest["data"] != key:
-        diff = sorted(k for k in set(key) | set(manifest["data"]) if key.get(k) != manifest["data"].get(k))
-        raise CampaignError(f"{folder / 'manifest.json'} was made with other data settings ({diff}); put them back "
-                            "or start a new campaign with dir=NEW_FOLDER")
     plan = read_plan(Path(cfg.plan), cfg, manifest) if cfg.plan else None
     device = resolve_device(cfg.device)
     dtype = _gen_dtype(cfg, device)
@@ -790,6 +827,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_settings(args)
         deadline = t0 + float(cfg.hours) * 3600
+        check_campaign(cfg)  # settings and file integrity, for every stage, before anything slow
         if cfg.stage == "status":
             print(status(cfg))
             return 0
@@ -808,7 +846,7 @@ def main(argv: list[str] | None = None) -> int:
             if cfg.stage == "baseline":
                 for recipe in cfg.train.recipes:
                     holdout_baseline(cfg, recipe)
-            path = plot_curve(cfg, REPO / "checkpoints" / "campaign_curve.png")
+            path = plot_curve(cfg, curve_file(cfg))
             print(f"scaling curve: {path}" if path else "no baseline yet: run stage=baseline first")
             return 0
         if cfg.stage in ("data", "all"):

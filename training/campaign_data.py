@@ -20,7 +20,7 @@ from typing import Sequence
 import torch
 
 from dartree.models.target import Target
-from dartree.training.campaign_store import CampaignError, read_manifest, read_shard
+from dartree.training.campaign_store import CampaignError, check_files, read_manifest, read_shard
 
 
 def campaign_rows(folder: Path, max_shards: int | None = None) -> tuple[list[dict], list[dict]]:
@@ -30,20 +30,14 @@ def campaign_rows(folder: Path, max_shards: int | None = None) -> tuple[list[dic
         CampaignError: no held-out set or no training shard yet (fix: run ``python training/campaign.py
             stage=data`` first), or a shard file that cannot be read or does not match its manifest entry.
     """
-    import hashlib
-
     folder = Path(folder)
     m = read_manifest(folder)
     if not m.get("holdout") or not m.get("shards"):
         raise CampaignError(f"{folder} has no held-out set or no training shard yet; run "
                             "`python training/campaign.py stage=data` first")
-    recs = m["shards"][: max_shards or None]
-    out = []
-    for rec in [m["holdout"]] + recs:
-        path = folder / rec["file"]
-        if path.exists() and hashlib.sha256(path.read_bytes()).hexdigest() != rec["sha256"]:
-            raise CampaignError(f"{path} does not match its manifest entry (sha256); restore it with `git checkout`")
-        out.append(read_shard(path))
+    check_files(folder, m, max_shards)
+    recs = m["shards"] if max_shards is None else m["shards"][:max_shards]
+    out = [read_shard(folder / rec["file"]) for rec in [m["holdout"]] + recs]
     hold = out[0]
     train = [r for rows in out[1:] for r in rows]
     return train, hold

@@ -21,6 +21,35 @@ DEFAULT_DIR = REPO / "campaign"
 class CampaignError(ValueError):
     """A campaign setting or state problem; the message names it and the fix."""
 
+def check_files(folder: Path, manifest: dict | None = None, max_shards: int | None = None) -> dict:
+    """Check that every file the manifest lists (the held-out set and the first ``max_shards`` training shards; all
+    when None) is there and matches its recorded sha256, before anything slow starts; returns the manifest.
+
+    Args:
+        folder: the campaign folder (``manifest.json`` and ``data/``).
+        manifest: the manifest already read (default: read it from ``folder``).
+        max_shards: how many training shards to check (None: all; 0: the held-out set only).
+    Raises:
+        CampaignError: a listed file is missing or its bytes differ from the manifest's sha256 (the file named; fix:
+            ``git checkout`` it, or delete it and its manifest entry to regenerate it).
+    """
+    import hashlib
+
+    folder = Path(folder)
+    m = read_manifest(folder) if manifest is None else manifest
+    shards = m.get("shards") or []
+    recs = ([m["holdout"]] if m.get("holdout") else []) + (shards if max_shards is None else shards[:max_shards])
+    for rec in recs:
+        path = folder / rec["file"]
+        if not path.is_file():
+            raise CampaignError(f"{path} is missing but {folder / 'manifest.json'} lists it; restore it with "
+                                f"`git checkout {path}`, or delete its manifest entry to regenerate it")
+        if hashlib.sha256(path.read_bytes()).hexdigest() != rec["sha256"]:
+            raise CampaignError(f"{path} does not match its manifest entry (sha256); restore it with "
+                                f"`git checkout {path}`, or delete it and its manifest entry to regenerate it")
+    return m
+
+
 def cpu_model() -> str:
     """The CPU's model name (``/proc/cpuinfo``), with the torch CPU capability (``AVX2``, ``AVX512``, ...)."""
     import torch

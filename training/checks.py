@@ -232,3 +232,23 @@ def check_output_dir(path: str | os.PathLike) -> None:
     why = folder_problem(path)
     if why is not None:
         raise RecipeError(f"output_dir={str(path)!r} {why}; choose another output_dir")
+
+
+def check_data_files(cfg: DictConfig) -> None:
+    """Refuse missing or changed data files before the target loads: with ``data.source=campaign``, every committed
+    shard the run reads (the held-out set and the first ``data.campaign_shards``, all when 0) must be there with its
+    manifest's sha256 (:func:`dartree.training.campaign_store.check_files`). Other sources read nothing committed.
+
+    Raises:
+        RecipeError: the file named, with the fix (``git checkout`` it).
+    """
+    if cfg.data.source != "campaign":
+        return
+    from pathlib import Path
+
+    from dartree.training.campaign_store import DEFAULT_DIR, CampaignError, check_files
+
+    try:
+        check_files(Path(cfg.data.campaign_dir or DEFAULT_DIR), max_shards=int(cfg.data.campaign_shards) or None)
+    except CampaignError as exc:
+        raise RecipeError(f"data.source=campaign: {exc}") from None

@@ -36,7 +36,7 @@ from dartree.training.build import (
     save_training_checkpoint,
     training_device,
 )
-from dartree.training.checks import check_against_target, check_output_dir, check_recipe
+from dartree.training.checks import check_against_target, check_data_files, check_output_dir, check_recipe
 from dartree.training.curves import plot_curve_file
 from dartree.training.data import select_draft_vocab, target_lse
 from dartree.training.engine import (
@@ -144,6 +144,7 @@ class Trainer:
         self.t_start = time.time()
         check_recipe(cfg)  # also here: a config built or edited in Python after load_recipe
         check_output_dir(cfg.output_dir)
+        check_data_files(cfg)  # committed data intact, before the target loads
         self.device = training_device(cfg)
         self.engine_name = cfg.train.get("engine", "deepspeed")
         try:

@@ -121,7 +121,8 @@ _SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assista
 def _row_prompt(row: dict) -> tuple[str, list[dict] | None] | str:
     """The prompt of one JSONL object as (user text, chat messages or None), or why it has none (a string).
 
-    Shapes (:data:`TEXT_FIELDS`, then): ``messages`` [{"role", "content"}] (the whole chat is the prompt);
+    Shapes (:data:`TEXT_FIELDS`, then): ``messages`` [{"role", "content"}] (the chat up to its last user turn is
+    the prompt: a chat dataset's row that ends with the assistant's answer is cut there, so the target answers it);
     ``conversations`` [{"from", "value"}] (ShareGPT: converted to messages, cut after the last human turn, so the
     target answers it); ``turns`` [str, ...] (MT-Bench: the first turn, as the packaged ``mtbench`` set takes it).
     An Alpaca ``instruction`` with a non-empty ``input`` string is the two joined by a blank line.
@@ -136,9 +137,15 @@ def _row_prompt(row: dict) -> tuple[str, list[dict] | None] | str:
             return (row[key] + "\n\n" + extra if isinstance(extra, str) and extra.strip() else row[key]), None
     if "messages" in row:
         why = _messages_problem(row["messages"])
-        if why is None and not row["messages"][-1]["content"].strip():
-            why = '"messages" ends with an empty turn'
-        return why if why is not None else (row["messages"][-1]["content"], row["messages"])
+        if why is not None:
+            return why
+        msgs = row["messages"]
+        last = max((i for i, m in enumerate(msgs) if m["role"] == "user"), default=None)
+        if last is None:
+            return '"messages" has no "user" turn to answer'
+        if not msgs[last]["content"].strip():
+            return f'"messages"[{last}], the last user turn, is empty'
+        return msgs[last]["content"], msgs[: last + 1]
     if "conversations" in row:
         conv = row["conversations"]
         if not isinstance(conv, list) or not all(isinstance(t, dict) and isinstance(t.get("value"), str)
