@@ -84,7 +84,8 @@ clean:
 # The GPU burst (docs/burst.md): regenerate, train three recipes and evaluate on a lent GPU machine in one 9-minute
 # command. burst-payload builds the two uploads (.burst/up1, .burst/up2: the plan of BURST_SHARDS pieces, the target in
 # two parts, the wheels the machine lacks) and checks each against the upload limit; burst-dry runs the very same
-# script on this CPU with a tiny target (about 2 minutes); burst-apply merges what came back into campaign/.
+# script on this CPU with a tiny target (about 2 minutes); burst-apply merges what came back into campaign/, measures
+# eval chain tau of each returned and shipped checkpoint on the CPU and ships each that beats checkpoints/<recipe>.
 .PHONY: burst-payload burst-dry burst-apply
 BURST_SHARDS ?= 64
 burst-payload: $(VENV_DEP)
@@ -93,6 +94,7 @@ burst-payload: $(VENV_DEP)
 burst-dry: $(VENV_DEP)
 	$(PY) -m pytest -q -m slow tests/test_burst.py -k dry_run
 
-# BURST_RESULTS: the folders of the returned files, comma-separated (set 1 first)
+# BURST_RESULTS: the folders of the returned files, comma-separated (set 1 first); BURST_APPLY: more key=value words
+# (eval_limit=0: merge only; ship=false: measure only)
 burst-apply: $(VENV_DEP)
-	$(PY) training/burst.py stage=apply results=[$(BURST_RESULTS)]
+	$(PY) training/burst.py stage=apply results=[$(BURST_RESULTS)] $(BURST_APPLY)

@@ -134,7 +134,7 @@ def test_the_dry_run_is_the_burst_on_a_cpu(tmp_path):
     assert not any(n >= 1 << 20 for n, p in hidden) and pay["uploads"][0]["git_view_bytes"] == sum(n for n, _ in hidden)
     r = subprocess.run(["bash", "training/burst.sh", "receive"], cwd=REPO, env=env, capture_output=True, text=True)
     assert r.returncode == 0 and "part 1" in r.stdout, r.stderr
-    out, out2 = tmp_path / "out", tmp_path / "out2"
+    out = tmp_path / "out"
     run = ["bash", "training/burst.sh", "run", "device=cpu", f"campaign={camp}", f"runs_dir={tmp_path / 'x'}",
            "data_args=[gen_slots=64,gen_min_free=4,gen_prefill_tokens=65536,gen_requeue=true,shards_per_call=2,"
            "threads=1]", "train_overrides=" + json.dumps(TINY_TRAIN + [f"target.path={tiny}"]),
@@ -165,14 +165,22 @@ def test_the_dry_run_is_the_burst_on_a_cpu(tmp_path):
                            capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         fetched.append(str(o))
-    # apply: join, check and merge into the campaign (here: the campaign the burst extended is a copy)
+    # apply: join, check and merge into the campaign (here: the campaign the burst extended is a copy), then eval
+    # chain tau on the CPU and ship into a folder where dflash_b16's shipped checkpoint is the very one returned
     home = tmp_path / "home"
     home.mkdir()
     shutil.copy(camp / "campaign.yaml", home / "campaign.yaml")
-    r = subprocess.run([sys.executable, "training/burst.py", "stage=apply", f"dir={tmp_path / 'burst'}",
-                        f"campaign={home}", f"runs_dir={tmp_path / 'runs'}",
-                        f"results=[{out}" + "".join(f",{f}" for f in fetched) + "]"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    ship = tmp_path / "ship"
+    from dartree.convert.to_dartree import convert
+
+    (dflash_run,) = (tmp_path / "keep" / "runs").glob("dflash_b16-*")
+    convert(dflash_run / "checkpoint", ship / "dflash_b16")  # as pack converts it: bf16
+    (ship / "dflash_b16" / "learning_curve.json").write_text("[]\n")
+    shipped_before = (ship / "dflash_b16" / "model.safetensors").read_bytes()
+    apply = [sys.executable, "training/burst.py", "stage=apply", f"dir={tmp_path / 'burst'}", f"campaign={home}",
+             f"runs_dir={tmp_path / 'runs'}", f"results=[{out}" + "".join(f",{f}" for f in fetched) + "]",
+             "eval_limit=1", "eval_max_new_tokens=8", f"ship_dir={ship}"]
+    r = subprocess.run(apply, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     m = read_manifest(home)
     assert m["holdout"]["conversations"] == 2 and len(m["shards"]) == 2
@@ -187,8 +195,183 @@ def test_the_dry_run_is_the_burst_on_a_cpu(tmp_path):
         ck = Path(run["output_dir"]) / "checkpoint"
         assert json.loads((ck / "config.json").read_text())["drafter"]["qk_norm"] is True
         load_dartree(ck)  # the bf16 checkpoint loads strictly
+        ev = run["eval_chain"]  # the real decode/eval.py on the CPU, with the shipped checkpoint on the same prompts
+        assert run["eval_chain_tau"] >= 1.0 and (ev["limit"], ev["max_new_tokens"], ev["prompts"]) == (1, 8, 3)
+        assert ev["mismatches"] == 0 and ev["shipped"] == str(ship / recipe)
+        if recipe == "dflash_b16":  # the same weights: a tie, kept
+            assert ev["shipped_tau"] == run["eval_chain_tau"] and "shipped_run" not in state[recipe]
+            assert (ship / recipe / "model.safetensors").read_bytes() == shipped_before
+            assert (ship / recipe / "learning_curve.json").read_text() == "[]\n"
+            assert f"{recipe}: eval chain tau {run['eval_chain_tau']:.4f}" in r.stdout and "kept" in r.stdout
+        else:  # nothing shipped yet: shipped
+            assert ev["shipped_tau"] is None and state[recipe]["shipped_run"] == run["output_dir"]
+            assert (ship / recipe / "model.safetensors").read_bytes() == (ck / "model.safetensors").read_bytes()
+            assert f"vs nothing shipped yet: shipped into {ship / recipe}" in r.stdout
+    r = subprocess.run(apply[:-3] + ["eval_limit=0"], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=300)  # applied again: nothing twice, the measured tau kept
+    assert r.returncode == 0, r.stderr[-3000:]
+    again = json.loads((home / "train_state.json").read_text())
+    assert all(again[k]["runs"] == state[k]["runs"] for k in ("dspark_b16", "domino_b16", "dflash_b16"))
+    assert read_manifest(home) == m
     if fetched:  # a missing set is named with the command that fetches it
         r = subprocess.run([sys.executable, "training/burst.py", "stage=apply", f"dir={tmp_path / 'burst'}",
                             f"campaign={home}", f"results=[{out}]"], cwd=REPO, env=env, capture_output=True,
                            text=True)
         assert r.returncode == 2 and "burst.sh fetch 2" in r.stderr
+
+
+def _drafter_checkpoint(folder: Path, seed: int | None) -> Path:
+    """A bf16 dartree checkpoint for the tiny target (layers 0 and 1): random weights of ``seed``, or (None) all
+    zeros, whose proposals are all token 0, which the tiny target never emits: chain tau exactly 1."""
+    import torch
+
+    from dartree.models.checkpoint import save_dartree
+    from dartree.models.drafter import DFlashDrafter, DrafterConfig
+    from dartree.models.heads import MarkovHead
+
+    torch.manual_seed(seed or 0)
+    d = DFlashDrafter(DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                                    head_dim=8, target_layer_ids=[0, 1], mask_token_id=0, block_size=8))
+    h = MarkovHead(49152, 4)
+    if seed is None:
+        with torch.no_grad():
+            for p in [*d.parameters(), *h.parameters()]:
+                p.zero_()
+    return save_dartree(folder, d, h, {"name": "tiny", "vocab_size": 49152, "hidden_size": 32, "num_layers": 2})
+
+
+@pytest.fixture(scope="module")
+def tiny_eval_target(tmp_path_factory):
+    return _tiny_target(tmp_path_factory.mktemp("tiny-eval") / "target")
+
+
+def _eval_campaign(tmp_path: Path, target: Path, recipes: dict) -> tuple[Path, list]:
+    """A campaign folder on the tiny target whose train_state.json records one run per recipe of ``recipes``
+    (recipe -> drafter seed), each run folder holding its checkpoint; returns (campaign, [(recipe, run)])."""
+    camp = tmp_path / "camp"
+    camp.mkdir()
+    (camp / "campaign.yaml").write_text(f"target: {target}\n")
+    state, runs = {}, []
+    for recipe, seed in recipes.items():
+        run = tmp_path / "runs" / f"{recipe}-00002"
+        _drafter_checkpoint(run / "checkpoint", seed)
+        state[recipe] = {"runs": [{"output_dir": str(run), "shards": 2, "predictions": 10, "from_scratch": True}]}
+        runs.append((recipe, str(run)))
+    (camp / "train_state.json").write_text(json.dumps(state))
+    return camp, runs
+
+
+def _tensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    return load_file(str(folder / "model.safetensors"))
+
+
+def test_apply_measures_eval_tau_on_the_cpu_and_ships_what_beats_the_shipped_one(tmp_path, tiny_eval_target, capsys):
+    """The real decode/eval.py on the tiny target: a random drafter (tau > 1) beats a shipped all-zero one (tau
+    exactly 1) and replaces it in ship_dir, the shipped folder's learning_curve.json kept; a run equal to the shipped
+    checkpoint ties and is kept; both runs' records get their tau and its settings, the winner is shipped_run."""
+    import torch
+
+    from dartree.training.burst import evaluate_and_ship, load_settings as burst_settings
+
+    camp, runs = _eval_campaign(tmp_path, tiny_eval_target, {"dspark_b16": 1, "domino_b16": 2})
+    ship = tmp_path / "ship"
+    _drafter_checkpoint(ship / "dspark_b16", None)
+    (ship / "dspark_b16" / "learning_curve.json").write_text('{"mine": 1}\n')
+    shutil.copytree(Path(runs[1][1]) / "checkpoint", ship / "domino_b16")
+    kept = (ship / "domino_b16" / "model.safetensors").read_bytes()
+    cfg = burst_settings([f"campaign={camp}", f"dir={tmp_path / 'burst'}", f"ship_dir={ship}", "eval_limit=1",
+                          "eval_max_new_tokens=8", "stage=apply"])
+    res = evaluate_and_ship(cfg, runs)
+    new, tie = res["dspark_b16"], res["domino_b16"]
+    assert new["shipped_tau"] == 1.0 and new["tau"] > 1.0 and new["shipped"]
+    assert tie["tau"] == tie["shipped_tau"] and tie["tau"] >= 1.0 and not tie["shipped"]  # the same weights: a tie
+    got, run_ck = _tensors(ship / "dspark_b16"), _tensors(Path(runs[0][1]) / "checkpoint")
+    assert set(got) == set(run_ck) and all(torch.equal(got[k], run_ck[k]) for k in got)
+    assert {v.dtype for v in got.values() if v.is_floating_point()} == {torch.bfloat16}  # as checkpoints/ ships
+    assert (ship / "dspark_b16" / "learning_curve.json").read_text() == '{"mine": 1}\n'
+    assert (ship / "domino_b16" / "model.safetensors").read_bytes() == kept
+    state = json.loads((camp / "train_state.json").read_text())
+    assert state["dspark_b16"]["shipped_run"] == runs[0][1] and "shipped_run" not in state["domino_b16"]
+    for recipe, r in res.items():
+        (rec,) = state[recipe]["runs"]
+        ev = rec["eval_chain"]
+        assert rec["eval_chain_tau"] == r["tau"] and ev["shipped_tau"] == r["shipped_tau"]
+        assert (ev["limit"], ev["max_new_tokens"], ev["dtype"], ev["prompts"], ev["mismatches"]) == (1, 8, "float32",
+                                                                                                      3, 0)
+        assert ev["command"].startswith("python decode/eval.py --tree chain --budget 16 --limit 1 --max-new-tokens 8")
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith("burst apply: d")]
+    assert lines == [f"burst apply: dspark_b16: eval chain tau {new['tau']:.4f} (dspark_b16-00002, 3 prompts, 0 "
+                     f"mismatches) vs shipped 1.0000: shipped into {ship / 'dspark_b16'}",
+                     f"burst apply: domino_b16: eval chain tau {tie['tau']:.4f} (domino_b16-00002, 3 prompts, 0 "
+                     f"mismatches) vs shipped {tie['tau']:.4f}: kept {ship / 'domino_b16'}"]
+    # the curve has the measured point beside the held-out one
+    from omegaconf import OmegaConf
+
+    from dartree.training.campaign_train import curve_points
+
+    state["baseline"] = {"dspark_b16": {"response_tokens": 1, "predictions": 1, "holdout_chain_tau": 1.0}}
+    state["dspark_b16"]["runs"][0]["holdout_chain_tau"] = 1.1
+    (camp / "train_state.json").write_text(json.dumps(state))
+    assert curve_points(OmegaConf.create({"dir": str(camp)}))["dspark_b16"][1]["eval_chain_tau"] == new["tau"]
+
+
+def test_apply_keeps_the_shipped_checkpoint_when_the_new_one_loses_and_says_why_it_cannot_ship(tmp_path, monkeypatch,
+                                                                                              capsys):
+    """The comparison forced by a stand-in evaluator: a run that loses (or ties) leaves ship_dir and shipped_run
+    alone; ship=false measures and records only; a ship_dir entry that is not a checkpoint, an evaluation that fails
+    and bad eval settings are one-line BurstErrors; the default ship_dir is checkpoints/ only for the repository's
+    own campaign."""
+    import dartree.training.burst as burst
+    from dartree.training.burst import BurstError, evaluate_and_ship, load_settings as burst_settings, ship_root
+
+    camp, runs = _eval_campaign(tmp_path, tmp_path / "no-target-needed", {"dspark_b16": 1})
+    ship = tmp_path / "ship"
+    _drafter_checkpoint(ship / "dspark_b16", None)
+    before = (ship / "dspark_b16" / "model.safetensors").read_bytes()
+    taus = {str(Path(runs[0][1]) / "checkpoint"): 1.25, str(ship / "dspark_b16"): 1.5}
+    seen = []
+
+    def fake_eval(checkpoint, target, words, out):
+        seen.append((str(checkpoint), str(target), words))
+        return {"tau": taus[str(checkpoint)], "prompts": 15, "mismatches": 0, "prompt_ids": ["a:1"], "report": ""}
+
+    monkeypatch.setattr(burst, "eval_chain", fake_eval)
+    common = [f"campaign={camp}", f"dir={tmp_path / 'burst'}", f"ship_dir={ship}", "stage=apply"]
+    res = evaluate_and_ship(burst_settings(common), runs)["dspark_b16"]
+    assert (res["tau"], res["shipped_tau"], res["shipped"]) == (1.25, 1.5, False)
+    assert [s[0] for s in seen] == [str(Path(runs[0][1]) / "checkpoint"), str(ship / "dspark_b16")]
+    assert seen[0][1] == str(tmp_path / "no-target-needed")  # the campaign's target, from its campaign.yaml
+    assert seen[0][2] == seen[1][2] == ["--tree", "chain", "--budget", "16", "--limit", "5", "--max-new-tokens", "256",
+                                        "--dtype", "float32", "--no-plots", "--ar-repeats", "1"]  # the defaults
+    assert (ship / "dspark_b16" / "model.safetensors").read_bytes() == before
+    state = json.loads((camp / "train_state.json").read_text())
+    assert "shipped_run" not in state["dspark_b16"] and state["dspark_b16"]["runs"][0]["eval_chain_tau"] == 1.25
+    assert state["dspark_b16"]["runs"][0]["eval_chain"]["shipped_tau"] == 1.5
+    assert "eval chain tau 1.2500 (dspark_b16-00002, 15 prompts, 0 mismatches) vs shipped 1.5000: kept" in \
+        capsys.readouterr().out
+    taus[str(ship / "dspark_b16")] = 1.25  # a tie is no win
+    assert not evaluate_and_ship(burst_settings(common), runs)["dspark_b16"]["shipped"]
+    taus[str(ship / "dspark_b16")] = 1.0  # a win, but ship=false: measured and recorded only
+    assert not evaluate_and_ship(burst_settings(common + ["ship=false"]), runs)["dspark_b16"]["shipped"]
+    assert "vs shipped 1.0000: would ship (ship=false)" in capsys.readouterr().out
+    assert (ship / "dspark_b16" / "model.safetensors").read_bytes() == before
+    assert json.loads((camp / "train_state.json").read_text())["dspark_b16"]["runs"][0]["eval_chain"]["shipped_tau"] \
+        == 1.0
+    (ship / "dspark_b16" / "config.json").write_text('{"format": "notes"}')  # not a checkpoint: never overwritten
+    with pytest.raises(BurstError, match=r"shipping .* into .*dspark_b16 failed \(refusing to overwrite .*\); .* is "
+                                         "as it was"):
+        evaluate_and_ship(burst_settings(common), runs)
+    assert (ship / "dspark_b16" / "model.safetensors").read_bytes() == before
+    monkeypatch.undo()  # the real evaluation: this campaign's target folder does not exist
+    with pytest.raises(BurstError, match=r"decode/eval.py could not evaluate .*checkpoint \(exit 2, its error above\); "
+                                         r"fix that and run stage=apply again .* or give eval_limit=0"):
+        evaluate_and_ship(burst_settings(common), runs)
+    with pytest.raises(BurstError, match=r"decode/eval.py refused the words .*'--no-such-word'.*; fix eval_args="):
+        evaluate_and_ship(burst_settings(common + ["eval_args=[--no-such-word]"]), runs)
+    with pytest.raises(BurstError, match=r"eval_limit=-1 must be >= 0 \(0: no evaluation\)"):
+        burst_settings(["eval_limit=-1"])
+    assert ship_root(burst_settings([])) == REPO / "checkpoints"
+    assert ship_root(burst_settings([f"campaign={camp}"])) == camp / "shipped"
+    assert ship_root(burst_settings(common)) == ship

@@ -18,9 +18,15 @@ come back from a command. The burst fits those limits in three steps (docs/burst
   chain and pruned against AR on the GPU, then packs what exists into at most 8 files (more sets wait in the kept
   folder for ``burst.sh fetch N``). Each stage runs as a subprocess with a timeout inside the deadline, so the
   results are written whatever a stage does.
-- ``stage=apply results=DIR [DIR ...]`` (here, afterwards): joins and checks the returned files, adds the new shards
-  and manifest to the campaign, the checkpoints to the campaign's runs and the runs to ``train_state.json`` (so the
-  scaling curve has them).
+- ``stage=apply results=[DIR,DIR ...]`` (here, afterwards; ``make burst-apply BURST_RESULTS=DIR,DIR``): joins and
+  checks the returned files, adds the new shards and manifest to the campaign, the checkpoints to the campaign's
+  runs and the runs to ``train_state.json`` (so the scaling curve has them); then measures eval chain tau on the CPU
+  (``decode/eval.py --tree chain --budget 16 --limit 5 --max-new-tokens 256 --dtype float32``, in this process) of
+  each returned checkpoint and of the shipped ``checkpoints/<recipe>`` on the same prompts, records it in the run
+  (``eval_chain_tau``, ``eval_chain``) and ships each run that beats the shipped one (``convert/to_dartree.py`` in
+  bf16 into ``checkpoints/<recipe>``, ``shipped_run`` in the state), one line per recipe. ``eval_limit=0`` skips
+  the evaluation, ``ship=false`` only measures, ``ship_dir=`` ships elsewhere. Applying the same results again
+  merges nothing twice.
 """
 
 from __future__ import annotations
@@ -92,6 +98,11 @@ class BurstSettings:
     # stage=apply
     results: list = field(default_factory=list)  # folders holding the returned files (every set)
     runs_dir: str = ""  # where apply puts the checkpoints ("": the campaign's runs, ~/.cache/dartree/campaign-runs)
+    eval_limit: int = 5  # CPU eval chain tau of each returned run and the shipped one: prompts per set (0: none)
+    eval_max_new_tokens: int = 256  # ... tokens generated per prompt
+    eval_args: list = field(default_factory=lambda: ["--ar-repeats", "1"])  # more decode/eval.py words
+    ship: bool = True  # convert each run that beats the shipped checkpoint's eval chain tau into ship_dir/<recipe>
+    ship_dir: str = ""  # "": checkpoints/ for the repository's campaign/, else <campaign>/shipped
 
 
 def load_settings(args: list[str]):
@@ -117,6 +128,9 @@ def load_settings(args: list[str]):
         raise BurstError(f"stage={cfg.stage!r}: use payload, device or apply")
     if cfg.shards < 1 or cfg.minutes <= 0 or not 0 < cfg.data_share < 1 or cfg.limit_mib <= 0:
         raise BurstError("shards >= 1, minutes > 0, data_share in (0, 1) and limit_mib > 0")
+    if cfg.eval_limit < 0 or cfg.eval_max_new_tokens < 1:
+        raise BurstError(f"eval_limit={cfg.eval_limit} must be >= 0 (0: no evaluation) and eval_max_new_tokens="
+                         f"{cfg.eval_max_new_tokens} >= 1")
     if len(cfg.shares) != len(cfg.recipes) or any(float(w) <= 0 for w in cfg.shares):
         raise BurstError(f"shares={list(cfg.shares)}: one weight > 0 per recipe of {list(cfg.recipes)}")
     return cfg
@@ -529,6 +543,9 @@ def _train_all(cfg, keep: Path, target_spec: str, work_end: float) -> list[dict]
 
     recipes = list(cfg.recipes)
     ev = float(cfg.eval_seconds)
+    # made first: each worker's output_dir check (models.validate.folder_problem) creates and removes the missing
+    # parents of its own folder, so side by side one worker could remove runs/ under another's check
+    (keep / "runs").mkdir(parents=True, exist_ok=True)
     if cfg.parallel:
         ctx = mp.get_context("spawn")
         from omegaconf import OmegaConf
@@ -652,11 +669,19 @@ def apply_results(cfg) -> dict:
     the new shards and the manifest to the campaign (its data settings and existing shards must be the returned
     manifest's own), each checkpoint to the campaign's runs (``runs_dir``/``<recipe>-<shards>``) and each run to
     ``train_state.json`` with that local folder (so the next campaign run continues from it and the curve counts
-    it). Returns {"shards", "runs"}.
+    it; a run applied again keeps one record). Then, with ``eval_limit > 0``, :func:`evaluate_and_ship`: eval chain
+    tau of each run and of the shipped checkpoint on the CPU, recorded in the run, and each run that beats the
+    shipped one shipped (``ship``, ``ship_dir``).
 
+    Args:
+        cfg: the burst settings (``results``, ``dir``, ``campaign``, ``runs_dir``, ``eval_*``, ``ship*``).
+    Returns:
+        {"shards": new shard files, "runs": run folders, "recipes": :func:`evaluate_and_ship`'s answer (only
+        with ``eval_limit > 0`` and runs)}.
     Raises:
         BurstError: no report.json, a missing piece or set (fetch it), a sha256 mismatch, or a manifest that does
-            not extend the local campaign (named).
+            not extend the local campaign (named); from the evaluation, a checkpoint it cannot evaluate or ship
+            (the merge is then complete: apply again once fixed, or with ``eval_limit=0``).
     """
     from omegaconf import OmegaConf
 
@@ -723,10 +748,182 @@ def apply_results(cfg) -> dict:
         rec = {**rec, "output_dir": str(dest), "burst": report["payload"]["dartree"],
                **({"eval_device": w["eval"]} if "eval" in w else {})}
         with locked_state(OmegaConf.create({"dir": str(camp)})) as state:
-            state.setdefault(w["recipe"], {"runs": []})["runs"].append(rec)
-        added.append(str(dest))
-    print(f"burst apply: {len(new)} shards into {camp}, {len(added)} runs: {added}", flush=True)
-    return {"shards": [s["file"] for s in new], "runs": added}
+            runs = state.setdefault(w["recipe"], {"runs": []})["runs"]
+            old = [i for i, r in enumerate(runs) if r["output_dir"] == str(dest)]
+            if old:  # applied again: the same run, one record (its CPU eval kept until measured again)
+                runs[old[-1]] = {**{k: runs[old[-1]][k] for k in EVAL_KEYS if k in runs[old[-1]]}, **rec}
+            else:
+                runs.append(rec)
+        added.append((w["recipe"], str(dest)))
+    print(f"burst apply: {len(new)} shards into {camp}, {len(added)} runs: {[d for _, d in added]}", flush=True)
+    out = {"shards": [s["file"] for s in new], "runs": [d for _, d in added]}
+    if int(cfg.eval_limit) > 0 and added:
+        out["recipes"] = evaluate_and_ship(cfg, added)
+    return out
+
+
+EVAL_KEYS = ("eval_chain_tau", "eval_chain")  # what evaluate_and_ship adds to a run's record
+
+
+def ship_root(cfg) -> Path:
+    """Where shipped checkpoints live: ``ship_dir``, else the repository's ``checkpoints/`` for its own
+    ``campaign/`` and ``<campaign>/shipped`` for any other campaign folder (as the curve goes beside ``dir=``), so
+    applying a trial campaign never replaces the committed drafters.
+
+    Returns:
+        the folder holding ``<recipe>/`` checkpoints (it need not exist yet).
+    """
+    if cfg.ship_dir:
+        return Path(cfg.ship_dir)
+    camp = _campaign_dir(cfg)
+    return REPO / "checkpoints" if camp.resolve() == (REPO / "campaign").resolve() else camp / "shipped"
+
+
+def eval_words(cfg) -> list[str]:
+    """The ``decode/eval.py`` words of the CPU evaluation, without checkpoint, target and output folder: chain
+    only (``--budget 16`` as the campaign's gate command; chain runs at full length), ``eval_limit`` prompts per
+    set, ``eval_max_new_tokens``, float32 (the exact mode), no figures, then ``eval_args``."""
+    return ["--tree", "chain", "--budget", "16", "--limit", str(int(cfg.eval_limit)), "--max-new-tokens",
+            str(int(cfg.eval_max_new_tokens)), "--dtype", "float32", "--no-plots", *[str(a) for a in cfg.eval_args]]
+
+
+def eval_chain(checkpoint: Path, target: str, words: list[str], out: Path) -> dict:
+    """Eval chain tau of one checkpoint on the CPU: ``decode/eval.py`` (:func:`dartree.decode.eval.main`, in this
+    process) with ``words`` (:func:`eval_words`), its report read back from ``out/report.json``.
+
+    Args:
+        checkpoint: a dartree checkpoint folder.
+        target: the campaign's target (``smollm2`` or a local folder).
+        words: the evaluation's settings, the same for every checkpoint compared.
+        out: the report folder (replaced).
+    Returns:
+        {"tau" (4 decimals), "prompts", "mismatches", "prompt_ids" (``dataset:id``, in order), "report"}.
+    Raises:
+        BurstError: the evaluation failed (its one-line error is printed above), refused a word of ``eval_args``
+            or wrote no chain row.
+    """
+    from dartree.decode.eval import main as eval_main
+
+    shutil.rmtree(out, ignore_errors=True)
+    try:
+        rc = eval_main(["--checkpoint", str(checkpoint), "--target", str(target), *words, "--out", str(out)])
+    except SystemExit:  # argparse refused a word (its message above)
+        raise BurstError(f"decode/eval.py refused the words {words}; fix eval_args=") from None
+    rep_path = out / "report.json"
+    if rc != 0 or not rep_path.exists():
+        raise BurstError(f"decode/eval.py could not evaluate {checkpoint} (exit {rc}, its error above); fix that "
+                         "and run stage=apply again (it merges the same results once), or give eval_limit=0")
+    rep = json.loads(rep_path.read_text())
+    chain = rep["methods"].get("chain")
+    if chain is None:
+        raise BurstError(f"{rep_path} has no chain row (eval_args={words}); drop the words that change --tree")
+    return {"tau": round(float(chain["tau"]), 4), "prompts": int(chain["prompts"]),
+            "mismatches": int(chain["mismatches"]),
+            "prompt_ids": [f"{p['dataset']}:{p['id']}" for p in rep["environment"]["prompts"]], "report": str(rep_path)}
+
+
+def _set_run(camp: Path, recipe: str, output_dir: str, fields: dict) -> None:
+    """Update the last record of run ``output_dir`` of ``recipe`` in ``camp/train_state.json`` (under its lock).
+
+    Raises:
+        BurstError: the state has no such run.
+    """
+    with _state_lock(camp) as state:
+        runs = state.setdefault(recipe, {"runs": []})["runs"]
+        rec = next((r for r in reversed(runs) if r["output_dir"] == output_dir), None)
+        if rec is None:
+            raise BurstError(f"{camp / 'train_state.json'} has no run {output_dir} of {recipe}; run stage=apply "
+                             "with the results that hold it")
+        rec.update(fields)
+
+
+def evaluate_and_ship(cfg, runs: list[tuple[str, str]]) -> dict:
+    """After the merge: eval chain tau on the CPU of each run's checkpoint and of the shipped
+    ``<ship_root>/<recipe>`` on the same prompts and settings (:func:`eval_chain`, :func:`eval_words`); each run's
+    record in ``train_state.json`` gets ``eval_chain_tau`` and ``eval_chain`` (the settings, prompts, CPU and the
+    shipped checkpoint's tau) as soon as it is measured. With ``ship=true`` a run whose tau beats the shipped one's
+    (or a recipe with nothing shipped yet) is converted into ``<ship_root>/<recipe>`` in bf16
+    (:func:`dartree.convert.to_dartree.convert`: atomic, files it does not write such as ``learning_curve.json``
+    kept) and recorded as the recipe's ``shipped_run``. Prints one line per run: new tau against shipped tau,
+    shipped or kept.
+
+    Args:
+        cfg: the burst settings (``eval_*``, ``ship``, ``ship_dir``, ``campaign``, ``campaign_args``, ``dir``).
+        runs: (recipe, run folder) pairs already recorded in the campaign's ``train_state.json``.
+    Returns:
+        {recipe: {"run", "tau", "shipped_tau" (None: nothing shipped), "shipped" (bool), "checkpoint"}}.
+    Raises:
+        BurstError: an evaluation failed, the two evaluations saw different prompts, or the conversion failed
+            (named; ``ship_dir`` and the state stay as they were for that recipe).
+    """
+    import torch
+
+    from dartree.convert.to_dartree import convert
+    from dartree.models.checkpoint import CheckpointError
+    from dartree.training.campaign import CampaignError, load_settings as campaign_settings
+    from dartree.training.campaign_store import cpu_model
+
+    camp = _campaign_dir(cfg)
+    try:
+        target = campaign_settings([f"dir={camp}", *list(cfg.campaign_args)]).target
+    except CampaignError as exc:
+        raise BurstError(str(exc)) from None
+    words = eval_words(cfg)
+    root = ship_root(cfg)
+    work = Path(cfg.dir if Path(cfg.dir).is_absolute() else REPO / cfg.dir) / "eval"
+    shipped_tau: dict = {}
+    out: dict = {}
+    for recipe, run in runs:
+        ck, dest = Path(run) / "checkpoint", root / recipe
+        print(f"burst apply: eval chain tau of {ck} (python decode/eval.py {' '.join(words)})", flush=True)
+        new = eval_chain(ck, target, words, work / Path(run).name)
+        if recipe not in shipped_tau:
+            shipped_tau[recipe] = (eval_chain(dest, target, words, work / f"{recipe}-shipped")
+                                   if (dest / "config.json").exists() else None)
+        old = shipped_tau[recipe]
+        if old is not None and old["prompt_ids"] != new["prompt_ids"]:
+            raise BurstError(f"the evaluations of {ck} and {dest} saw different prompts; give eval_args= without "
+                             "prompt choices that vary between calls")
+        wins = old is None or new["tau"] > old["tau"]
+        _set_run(camp, recipe, run, {"eval_chain_tau": new["tau"], "eval_chain": {
+            "command": "python decode/eval.py " + " ".join(words), "limit": int(cfg.eval_limit),
+            "max_new_tokens": int(cfg.eval_max_new_tokens), "dtype": "float32", "prompts": new["prompts"],
+            "mismatches": new["mismatches"], "cpu": cpu_model(), "target": str(target),
+            "shipped": _shown(dest), "shipped_tau": None if old is None else old["tau"],
+            "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}})
+        shipped = bool(wins and cfg.ship)
+        if shipped:
+            try:
+                convert(ck, dest, dtype=torch.bfloat16)
+            except (CheckpointError, OSError) as exc:
+                raise BurstError(f"shipping {ck} into {dest} failed ({exc}); {dest} is as it was: give ship_dir= a "
+                                 "writable folder of dartree checkpoints and run stage=apply again") from None
+            with _state_lock(camp) as state:
+                state.setdefault(recipe, {"runs": []})["shipped_run"] = run
+            shipped_tau[recipe] = new
+        vs = "nothing shipped yet" if old is None else f"shipped {old['tau']:.4f}"
+        what = (f"shipped into {_shown(dest)}" if shipped else "would ship (ship=false)" if wins
+                else f"kept {_shown(dest)}")
+        print(f"burst apply: {recipe}: eval chain tau {new['tau']:.4f} ({Path(run).name}, {new['prompts']} prompts, "
+              f"{new['mismatches']} mismatches) vs {vs}: {what}", flush=True)
+        out[recipe] = {"run": run, "tau": new["tau"], "shipped_tau": None if old is None else old["tau"],
+                       "shipped": shipped, "checkpoint": str(dest)}
+    return out
+
+
+def _shown(path: Path) -> str:
+    """``path`` relative to the repository where it is inside it (as committed state records it), else as given."""
+    full = Path(path).resolve()
+    return str(full.relative_to(REPO)) if full.is_relative_to(REPO) else str(path)
+
+
+def _state_lock(camp: Path):
+    """:func:`dartree.training.campaign_train.locked_state` of the campaign folder ``camp``."""
+    from omegaconf import OmegaConf
+
+    from dartree.training.campaign_train import locked_state
+
+    return locked_state(OmegaConf.create({"dir": str(camp)}))
 
 
 def main(argv: list[str] | None = None) -> int:

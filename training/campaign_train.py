@@ -275,7 +275,8 @@ def curve_points(cfg: DictConfig) -> dict:
     run descends from the baseline's weights), ``predictions`` (the baseline's, plus those of the run and of the
     runs it continued: its ``parent`` chain, :func:`parent_of`) and ``holdout_chain_tau`` (on the campaign's
     held-out set), and ``eval_chain_tau`` where the record has one (``decode/eval.py --tree chain`` on the
-    evaluation prompts, added to the record by hand with the command in checkpoints/README.md). A run recorded
+    evaluation prompts: recorded with its settings in ``eval_chain`` by ``training/burst.py stage=apply``, or added
+    by hand with the command in checkpoints/README.md). A run recorded
     without ``parent`` (before lineage was recorded) counts every earlier run. A lineage that began from random
     weights (``from_scratch``, e.g. a GPU burst) counts its own shards and predictions only, not the baseline's."""
     state = read_state(cfg)
