@@ -17,6 +17,19 @@ p^ by linear interpolation between bin means; so rate(b) uses sum_{i <= b} p^_i.
 over-trusts the confident nodes and under-trusts the doubtful ones when the drafter's miscalibration is not
 uniform (a reliability diagram, Guo et al. 2017, "On Calibration of Modern Neural Networks").
 
+That per-round rule (``rule="scores"``) trusts the drafter's path probabilities round by round, and they say
+little about a single round (docs/budget.md, "Replays"): on recorded rounds it came 2-5% below the best fixed
+budget. The default rule (``rule="outcomes"``) learns instead what each budget b accepts from the rounds' outcomes:
+at temperature 0 the accepted path of a round's top-b sub-tree is the longest prefix of the verified tree's accepted
+path whose nodes all rank among its b best (DARTree Lemma 1; :mod:`dartree.decode.replay`), and in distribution the
+same holds when sampling, so one round verified at V tells what every b <= V would have accepted. Per b the rule keeps
+discounted sums of those accepted drafts and verifies the b that maximises (1 + mean_b + :data:`OUTCOME_Z` standard
+errors) / (t_draft + t_build + t_verify(b + 1)): the rate of a whole round at that fixed budget, draft and build
+included, since it compares budgets as policies (a renewal-reward ratio), not one round's marginal nodes. A budget
+never verified yet is tried first, which gives every smaller one its evidence; a larger budget is tried again while
+its optimistic rate is the best (bandits with side observations: Mannor & Shamir 2011). Rounds with grafted lookup
+chains use the per-round rule (their nodes carry learnt estimates, not drafter probabilities).
+
 Before drafting, the round is skipped for a plain AR step (no draft, no tree) when even an optimistic estimate of
 the drafted rounds' rate is below AR's: tokens the target accepted per AR step of the rounds as the loop timed them
 (draft to commit), a discounted mean over about the last 100 rounds plus one standard error (discounted UCB,
@@ -79,6 +92,26 @@ SD_PRIOR, SD_PRIOR_ROUNDS = 1.0, 2.0
 # whose 1-token forward measures what AR costs now, next to the drafted rounds in time (a run that drafts every round
 # would never time one). Costs at most 1/16 of drafting's gain.
 ANCHOR_EVERY = 16
+# ... and after ANCHOR_EVERY_CLEAR drafted rounds while drafting wins clearly: the drafted rounds' mean rate at least
+# CLEAR_MARGIN times the alternative's. The calibration pass already timed AR steps beside its drafted rounds, and a
+# drift of the verify curve's shape that the rarer anchors catch later would have to exceed the margin to flip the
+# decision; each anchor costs about (1 - 1 / gain) of a round: 0.9% of the time at ANCHOR_EVERY = 16 and a gain of
+# 1.17, 0.2% at 64.
+ANCHOR_EVERY_CLEAR, CLEAR_MARGIN = 64, 1.1
+# The "outcomes" budget rule (CostModel.choose): the width, in standard errors of each increment (binomial), of the
+# optimism that makes the rule try a larger budget than its best (each try also tells what every smaller budget would
+# have accepted). The constants of this rule were picked on replays of recorded rounds (docs/budget.md, "Replays").
+OUTCOME_Z = 0.3
+# ... and every OUTCOME_EXPLORE-th drafted round verifies twice its best budget (at least one more node), so the
+# larger budgets' outcomes stay current at the price of a slightly dearer round
+OUTCOME_EXPLORE = 8
+# ... and the weight, in rounds, of the tree's own calibrated estimates that each budget's outcomes are shrunk towards
+OUTCOME_PRIOR = 2.0
+# ... and their discount per round: a memory of about 200 rounds, longer than the drafted rounds' (DRAFT_DISCOUNT),
+# since a large budget's increments are seen only in the rounds verified at it or more
+OUTCOME_DISCOUNT = 0.995
+# The rules CostModel.choose knows: "outcomes" (default) and "scores" (the per-round calibrated path probabilities)
+BUDGET_RULES = ("outcomes", "scores")
 # EMA weight of the per-size correction of the calibrated verify curve (observe_verify), per pair of consecutive
 # verifies of 1 and of T > 1 tokens: the pair's ratio t(T) / t(1) is free of the machine's speed, so a slowdown moves
 # only the scale, not the curve's shape
@@ -176,6 +209,11 @@ class CostModel:
         probes: drafted rounds the policy ran while drafting looked behind (the bound's own and the forced ones).
         prior: what the policy started from, after :meth:`finish_seeding` (the calibration pass: its rounds, their
             tokens and AR steps per round, the weight kept); None without a pass.
+        rule: how :meth:`choose` sizes a drafted round: ``"outcomes"`` (default: each fixed budget's acceptance
+            learnt from the rounds' outcomes) or ``"scores"`` (the per-round calibrated path probabilities).
+        out_n, out_tok: per budget b (index b, 0..``max_budget``), discounted sums over the drafted rounds verified
+            at b or more of 1 and of the drafts their top-b sub-tree accepted beyond their top-(b - 1) one (rule
+            ``"outcomes"``; discounted like the drafted rounds' statistics).
     """
 
     t_ar: float
@@ -214,10 +252,22 @@ class CostModel:
     skipped: int = 0
     probes: int = 0
     prior: dict | None = None
+    rule: str = "outcomes"
+    out_n: list = field(default_factory=list)
+    out_tok: list = field(default_factory=list)
+    _beta: float = field(default=0.0, repr=False, compare=False)
+    _explore: int = field(default=0, repr=False, compare=False)
     _modelled_steps: float = field(default=0.0, repr=False, compare=False)
     _force: int = field(default=0, repr=False, compare=False)
     _seed_ar: int = field(default=0, repr=False, compare=False)
     _seeded: int = field(default=0, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.rule not in BUDGET_RULES:
+            raise ValueError(f"rule={self.rule!r}: use one of {', '.join(BUDGET_RULES)}")
+        for name in ("out_n", "out_tok"):
+            if len(getattr(self, name)) != self.max_budget + 1:
+                setattr(self, name, [0.0] * (self.max_budget + 1))
 
     @property
     def spec_rate(self) -> float | None:
@@ -235,13 +285,14 @@ class CostModel:
         1 / :meth:`verify_time` (1) before any."""
         return self.ar_n / self.ar_s if self.ar_n > 0 and self.ar_s > 0 else 1.0 / self.verify_time(1)
 
-    def draft_bound(self, per_ar_step: bool = False) -> float | None:
+    def draft_bound(self, per_ar_step: bool = False, z: float = UCB_Z) -> float | None:
         """Upper confidence bound of the drafted rounds' rate: (mean tokens + :data:`UCB_Z` standard errors) over the
         mean cost of a drafted round, the standard deviation shrunk towards :data:`SD_PRIOR`; None before any.
 
         Args:
             per_ar_step: False: tokens per second (the bound of :attr:`spec_rate`); True: tokens per AR step of
                 each round's own moment (``draft_u``), what :meth:`should_draft` compares.
+            z: standard errors added (negative: the lower bound).
         """
         n = self.draft_n
         if n <= 0:
@@ -249,7 +300,7 @@ class CostModel:
         mean = self.draft_tok / n
         var = max(self.draft_tok2 / n - mean * mean, 0.0)
         sd = ((var * n + SD_PRIOR ** 2 * SD_PRIOR_ROUNDS) / (n + SD_PRIOR_ROUNDS)) ** 0.5
-        return (mean + UCB_Z * sd / n ** 0.5) / (self.round_cost() if per_ar_step else self.draft_s / n)
+        return (mean + z * sd / n ** 0.5) / (self.round_cost() if per_ar_step else self.draft_s / n)
 
     def round_cost(self) -> float:
         """What a drafted round costs now, in AR steps of its moment: the median of the last :data:`COST_WINDOW`
@@ -356,7 +407,8 @@ class CostModel:
         """A copy with the same timings and nothing learnt yet (calibration, draft statistics, histogram), for another
         method that shares this start-up measurement."""
         return CostModel(t_ar=self.t_ar, t_draft=self.t_draft, verify_s=dict(self.verify_s),
-                         max_budget=self.max_budget, t_build=self.t_build, speed=self.speed, shape=dict(self.shape))
+                         max_budget=self.max_budget, t_build=self.t_build, speed=self.speed, shape=dict(self.shape),
+                         rule=self.rule)
 
     def start_seeding(self, rounds: int, ar_every: int = SEED_AR_EVERY) -> None:
         """Begin a calibration pass: the next ``rounds`` calls of :meth:`should_draft` draft, except every
@@ -387,6 +439,10 @@ class CostModel:
                              (("ar_n", "ar_s", "ar_u"), self.ar_n)):
             for name in names if count > weight else ():
                 setattr(self, name, getattr(self, name) * weight / count)
+        for b, count in enumerate(list(self.out_n)):  # each budget's outcomes: a prior of at most `weight` rounds
+            if count > weight:
+                for name in ("out_n", "out_tok"):
+                    getattr(self, name)[b] *= weight / count
         self.prior = {"source": source, "rounds": rounds, "weight": min(n, weight), "tokens_per_round": tokens,
                       "ar_steps_per_round": self.round_cost() if n > 0 else None, "calibration": self.calibration,
                       "ar_step": self.ar_u / self.ar_n if self.ar_n > 0 else None,
@@ -434,7 +490,8 @@ class CostModel:
         True while the upper confidence bound of the drafted rounds' rate (:meth:`draft_bound`: the discounted mean
         tokens of a drafted round plus :data:`UCB_Z` standard errors, over :meth:`round_cost`) is at least the rate of
         the alternative (the timed 1-token forwards, or the undrafted lookup rounds, whichever is higher), and before
-        any drafted round, except that after :data:`ANCHOR_EVERY` drafted rounds in a row one round skips the
+        any drafted round, except that after :data:`ANCHOR_EVERY` drafted rounds in a row (:data:`ANCHOR_EVERY_CLEAR`
+        while the drafted rounds' mean rate beats the alternative by :data:`CLEAR_MARGIN`) one round skips the
         drafter, so that AR's cost is measured now. While the bound is below, a probe drafts once the bound rises
         again or after :meth:`probe_gap` rounds without the drafter, whichever comes first. All rates are tokens per
         AR step of each round's own moment, so a change of the machine's speed between the rounds compared does not
@@ -444,9 +501,13 @@ class CostModel:
         lookup = self.undrafted_tok / self.undrafted_u if self.undrafted_n > 0 and self.undrafted_u > 0 else 0.0
         alternative = max(ar, lookup)
         bound = self.draft_bound(per_ar_step=True)
+        mean = self.draft_bound(per_ar_step=True, z=0.0)
+        every = ANCHOR_EVERY_CLEAR if mean is not None and mean >= CLEAR_MARGIN * alternative else ANCHOR_EVERY
         for name in ("draft_n", "draft_tok", "draft_tok2", "draft_s", "draft_u", "undrafted_n", "undrafted_tok",
                      "undrafted_s", "undrafted_u", "ar_n", "ar_s", "ar_u"):
             setattr(self, name, getattr(self, name) * DRAFT_DISCOUNT)
+        for name in ("out_n", "out_tok"):
+            setattr(self, name, [v * OUTCOME_DISCOUNT for v in getattr(self, name)])
         if self._force > 0:  # the calibration pass: rounds draft (every SEED_AR_EVERY-th an AR step), none probes
             self._force -= 1
             self.since_anchor, self.skipped, self._probe, self._lost = 0, 0, False, False
@@ -455,7 +516,7 @@ class CostModel:
             return draft
         wins = bound is None or bound >= alternative
         forced = not wins and self.skipped + 1 >= self.probe_gap(alternative)
-        draft = (wins and self.since_anchor < ANCHOR_EVERY) or forced
+        draft = (wins and self.since_anchor < every) or forced
         self.since_anchor = self.since_anchor + 1 if draft else 0
         self.skipped = 0 if draft else self.skipped + 1
         self._probe = draft and (self._lost or forced)
@@ -482,6 +543,7 @@ class CostModel:
         m = tree.size
         probe, self._probe = drafted and self._probe, False
         lo = int(probe and m > 0)
+        self._beta = beta
         if m == 0:
             self._expect(drafted, 0, probe)
             return 0, 1.0
@@ -489,6 +551,10 @@ class CostModel:
         order = torch.sort(adj, descending=True, stable=True).indices
         p = torch.exp(tree.score.float()[order]).clamp(max=1.0)
         est = self.calibrated(p)
+        if drafted and chain_pos is None and self.rule == "outcomes":
+            best_b, best_exp = self._choose_by_outcomes(est.tolist(), lo)
+            self._expect(drafted, best_b, probe)
+            return best_b, best_exp
         if chain_pos is not None:  # lookup nodes: their score is already the learnt estimate
             est = torch.where(chain_pos[order] > 0, p, est)
         gain = torch.cumsum(est, 0)
@@ -500,6 +566,55 @@ class CostModel:
                 best_b, best_rate, best_exp = b, rate, exp_tok
         self._expect(drafted, best_b, probe)
         return best_b, best_exp
+
+    def _choose_by_outcomes(self, est: list[float], lo: int = 0) -> tuple[int, float]:
+        """Rule ``"outcomes"`` for a drafted tree whose nodes, best first, have calibrated acceptance estimates
+        ``est`` (M >= 1 of them): the b <= M maximising (1 + A_b) / (t_draft + t_build + t_verify(b + 1)), where
+        A_b = sum over j <= b of the increment d_j (the drafts the top-j sub-tree accepted beyond the top-(j - 1)
+        one, :meth:`_record_outcomes`: a paired difference, far less noisy than each budget's own mean) plus
+        :data:`OUTCOME_Z` of its standard errors. Each d_j is the mean over the rounds verified at j or more, shrunk
+        towards this tree's own est[j - 1] with a prior of :data:`OUTCOME_PRIOR` rounds, so the rule starts as the
+        per-round one and a budget not tried for long falls back to what the drafter promises. Every
+        :data:`OUTCOME_EXPLORE`-th call verifies twice that b (at least one node more), so that the larger budgets'
+        outcomes stay current. b = 0 (1 token in t_draft + t_build + t_verify(1)) is a candidate too, unless ``lo``
+        (1 in a probe) says at least one node. Returns (b, 1 + A_b)."""
+        top = min(len(est), self.max_budget)
+        self._explore += 1
+        sunk = self.t_draft + self.t_build
+        w0 = OUTCOME_PRIOR
+        ws = [self.out_n[b] + w0 for b in range(1, top + 1)]
+        ds = [min(max((self.out_tok[b] + w0 * est[b - 1]) / ws[b - 1], 0.0), 1.0) for b in range(1, top + 1)]
+        ds = [-v for v in _pav([-v for v in ds], ws)]  # the j-th best node adds no more than the (j - 1)-th
+        best_b, best_rate, total, gains = 0, (1.0 / (sunk + self.verify_time(1)) if lo == 0 else -1.0), 0.0, [0.0]
+        for b in range(1, top + 1):
+            d = ds[b - 1]
+            total += d + OUTCOME_Z * (d * (1.0 - d) / ws[b - 1]) ** 0.5
+            gains.append(total)
+            rate = (1.0 + total) / (sunk + self.verify_time(b + 1))
+            if rate > best_rate:
+                best_b, best_rate = b, rate
+        if self._explore >= OUTCOME_EXPLORE and best_b < top:
+            self._explore = 0
+            best_b = min(top, max(2 * best_b, best_b + 1))
+        return best_b, 1.0 + gains[best_b]
+
+    def _record_outcomes(self, tree: Tree, accepted: torch.Tensor) -> None:
+        """Add what every budget b <= V would have accepted in a drafted round verified at V = ``tree.size`` nodes
+        (the leading nodes of the accepted path that all rank among the b best by ``score + beta * depth``, the
+        ranking :func:`prune_to` keeps; DARTree Lemma 1) to the sums of rule ``"outcomes"``, as increments: per b,
+        the drafts the top-b sub-tree accepted beyond the top-(b - 1) one."""
+        adj = tree.score.detach().float().cpu() + self._beta * tree.depth.cpu().float()
+        order = torch.sort(adj, descending=True, stable=True).indices
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel())
+        path = rank[accepted.cpu()[1:] - 1]  # the accepted nodes' ranks, in path order
+        worst = torch.cummax(path, 0).values.tolist() if path.numel() else []
+        prev = 0
+        for b in range(1, min(tree.size, self.max_budget) + 1):
+            k = sum(1 for w in worst if w < b)
+            self.out_n[b] += 1.0
+            self.out_tok[b] += k - prev
+            prev = k
 
     def _expect(self, drafted: bool, b: int, probe: bool = False) -> None:
         """Note the modelled seconds and AR steps of the round :meth:`choose` just sized (b nodes kept; draft and
@@ -555,9 +670,12 @@ class CostModel:
         """
         m = tree.size
         self.chosen[m] = self.chosen.get(m, 0) + 1
+        drafted = self._pending is not None and self._pending[0]
         self._observe_round(float(accepted.numel()), seconds)  # root + accepted drafts = accepted drafts + the bonus token
         if m == 0:
             return
+        if drafted and chain_pos is None and self.rule == "outcomes":
+            self._record_outcomes(tree, accepted)
         p = torch.exp(tree.score.detach().float().cpu()).clamp(max=1.0)
         hit = torch.zeros(m)
         hit[accepted.cpu()[1:] - 1] = 1.0
@@ -594,7 +712,9 @@ class CostModel:
                                      "predicted": self.bin_pred, "accepted": self.bin_real},
                 "chosen_budgets": {int(b): n for b, n in sorted(self.chosen.items())},
                 "round_cost_ar_steps": self.round_cost() if self.draft_n > 0 else None, "probes": self.probes,
-                "prior": self.prior, "lookup_acceptance": self.lookup.summary()}
+                "prior": self.prior, "lookup_acceptance": self.lookup.summary(), "rule": self.rule,
+                "budget_outcomes": {b: {"rounds": self.out_n[b], "increment": self.out_tok[b] / self.out_n[b]}
+                                    for b in range(1, len(self.out_n)) if self.out_n[b] > 1e-9}}
 
 
 def prune_to(tree: Tree, budget: int, beta: float = 0.0, chain_pos: torch.Tensor | None = None):
