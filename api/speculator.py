@@ -20,17 +20,15 @@ from typing import Sequence
 
 import torch
 
+from dartree.decode.assembly import CALIBRATION_PROMPT, Assembly, assemble
 from dartree.decode.budget import calibrate
 from dartree.decode.generate import (POLICY_PROMPT, DecodeStats, autoregressive_generate, seed_policy,
                                      speculative_generate, warm_paths)
 from dartree.decode.inputs import check_speculative_args
 from dartree.decode.trees import BUILDER_ALIASES, BUILDERS, builder_name
 from dartree.models.chat import chat_prompt_ids, messages_prompt_ids, text_prompt_ids
-from dartree.models.checkpoint import DraftModel, load_dartree
 from dartree.models.generation import sampling_problem, sampling_settings, stop_ids
-from dartree.models.invariant import INVARIANT_CHOICES, enter_invariant
-from dartree.models.packed import choose_linear, pack_linears
-from dartree.models.target import DEFAULT_TARGET, Target, load_target
+from dartree.models.target import DEFAULT_TARGET, Target
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DRAFTER = REPO / "checkpoints" / "dspark_b16"  # the packaged DSpark drafter for the default target
@@ -71,23 +69,37 @@ class Generation:
 class SpeculativeDecoder:
     """A target and a drafter (backbone + correction head) loaded once, generating one request at a time.
 
-    Build it with :func:`load`. Attributes: ``target`` (:class:`~dartree.models.target.Target`), ``draft``
-    (:class:`~dartree.models.checkpoint.DraftModel`), ``stop_ids`` (the target's end ids: where its own
-    ``generate`` stops), ``linear`` (the linear-layer backend, ``onednn`` or ``aten``), ``invariant`` (the entered
-    :class:`~dartree.models.invariant.row_invariant` mode or None) and ``invariant_note`` (why), ``dtype`` (the
-    models' torch dtype) and ``dtype_note`` (why: with ``load(dtype="auto")`` the figures it was chosen by), ``modes`` (the
+    Build it with :func:`load`, or from an :class:`~dartree.decode.assembly.Assembly` of your own
+    (:func:`~dartree.decode.assembly.assemble`, the one place target and drafter are built for decoding). Attributes:
+    ``assembly`` (that object), and from it ``target`` (:class:`~dartree.models.target.Target`), ``draft``
+    (:class:`~dartree.models.checkpoint.DraftModel`), ``linear`` (the linear-layer backend, ``onednn`` or ``aten``),
+    ``invariant`` (the entered :class:`~dartree.models.invariant.row_invariant` mode or None) and ``invariant_note``
+    (why), ``dtype`` (the models' torch dtype) and ``dtype_note`` (why: with ``load(dtype="auto")`` the figures it was
+    chosen by); ``stop_ids`` (the target's end ids: where its own ``generate`` stops), ``modes`` (the
     ``contextlib.ExitStack`` holding the mode: ``decoder.modes.close()`` returns the target to its default kernels),
     ``cost_models`` ({(tree, lookup, builder parameters): the seeded ``budget="auto"`` policy}, kept across calls, so
     what one call learns the next one starts from; :meth:`warm_up` fills it).
+
+    Args:
+        models: the assembled target and drafter (its ``draft`` not None); the decoder takes over its ``modes``.
+        chat_template_kwargs: extra chat-template variables (e.g. ``{"enable_thinking": False}`` for Qwen3).
+    Raises:
+        ValueError: an assembly without a drafter.
     """
 
-    def __init__(self, target: Target, draft: DraftModel, *, linear: str = "aten",
-                 chat_template_kwargs: dict | None = None):
-        self.target, self.draft, self.linear = target, draft, linear
+    def __init__(self, models: Assembly, *, chat_template_kwargs: dict | None = None):
+        if models.draft is None:
+            raise ValueError("SpeculativeDecoder needs an assembly with a drafter (assemble(drafter=...))")
+        self.assembly = models
+        self.target, self.draft, self.linear = models.target, models.draft, models.linear
+        self.dtype, self.dtype_note = models.dtype, models.dtype_note
+        self.invariant, self.invariant_note = models.invariant, models.invariant_note
         self.modes = contextlib.ExitStack()
-        self.invariant, self.invariant_note = None, "row-invariant verify: off"
-        self.dtype, self.dtype_note = target.dtype, f"{str(target.dtype).replace('torch.', '')} as loaded"
-        self.stop_ids = stop_ids(target)
+        self.modes.enter_context(models.modes)
+        if self.invariant is not None:  # closing decoder.modes restores the kernels, and says so here
+            self.modes.callback(setattr, self, "invariant_note", "row-invariant verify: off (decoder.modes closed)")
+            self.modes.callback(setattr, self, "invariant", None)
+        self.stop_ids = stop_ids(self.target)
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.cost_models: dict = {}  # (tree, lookup, builder params) -> its budget="auto" policy, kept across calls
         self._timing = None  # the start-up calibration the policies copy (dartree.decode.budget.calibrate)
@@ -228,38 +240,15 @@ class SpeculativeDecoder:
         return self._finish(out, ids, t0)
 
 
-# The text the API times its candidate dtypes on (``dtype="auto"``): a chat prompt of ordinary length.
-CALIBRATION_PROMPT = "Explain how a hash map works, with a short example in Python."
-
-
-def _assemble(drafter, target, dtype: torch.dtype, linear: str, invariant: str) -> tuple:
-    """One candidate mode: target and drafter in ``dtype``, linears packed on ``linear``, the row-invariant mode
-    entered as ``invariant`` asks into a fresh ``ExitStack``. Returns (target, draft, backend, stack, mode, note).
-
-    Raises:
-        ValueError: the target does not load (its reason), an unknown linear backend, ``invariant="on"`` without
-            a path here. CheckpointError: the drafter does not fit the target.
-    """
-    try:
-        tgt = load_target(str(target), dtype=dtype)
-    except (OSError, RuntimeError) as exc:
-        raise ValueError(f"cannot load the target {str(target)!r}: "
-                         f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0]}") from None
-    draft = load_dartree(drafter, target=tgt, dtype=dtype)
-    tgt.set_layer_ids(draft.drafter.cfg.target_layer_ids)
-    backend, _ = choose_linear(linear, dtype, tgt.device)
-    for module in (tgt.model, draft.drafter, draft.head):
-        pack_linears(module, backend)
-    stack = contextlib.ExitStack()
-    mode, note = enter_invariant(invariant, tgt, stack)
-    return tgt, draft, backend, stack, mode, note
-
-
 def load(drafter: str | os.PathLike = DEFAULT_DRAFTER, target: str | os.PathLike = DEFAULT_TARGET, *,
          dtype: str = "auto", linear: str = "auto", threads: int | None = None,
          chat_template_kwargs: dict | None = None, invariant: str = "auto", warm_up: bool = True
          ) -> SpeculativeDecoder:
     """Load a target and a dartree drafter checkpoint for speculative decoding.
+
+    The models are built by :func:`dartree.decode.assembly.assemble` (the one assembly every program uses; these
+    are its defaults), with no linear tuning, and the dtype candidates timed on :data:`CALIBRATION_PROMPT` through
+    the chat template with ``chat_template_kwargs``.
 
     Args:
         drafter: a dartree checkpoint folder (default: the packaged ``checkpoints/dspark_b16``); a published one
@@ -289,58 +278,24 @@ def load(drafter: str | os.PathLike = DEFAULT_DRAFTER, target: str | os.PathLike
         :class:`SpeculativeDecoder`.
     Raises:
         ValueError: an unknown dtype, linear backend or invariant choice, ``invariant="on"`` where the mode has no
-            path here (the reason), or a target that cannot be loaded (its reason).
+            path here (the reason; :class:`~dartree.decode.assembly.ModeUnavailable`), or a target that cannot be
+            loaded (its reason; :class:`~dartree.decode.assembly.TargetLoadError`).
         dartree.models.checkpoint.CheckpointError: the drafter folder is not a dartree checkpoint or does not
             fit the target (named).
     """
-    from dartree.decode.precision import drafter_tau, pick_dtype, time_modes
-    from dartree.models.dtypes import DTYPES, dtype_candidates
-
-    names, dtype_note = dtype_candidates(dtype)
-    if invariant not in INVARIANT_CHOICES:
-        raise ValueError(f"invariant must be one of {', '.join(INVARIANT_CHOICES)}, got {invariant!r}")
-    if len(names) > 1 and invariant == "off":
-        names, dtype_note = ["float32"], dtype_note + "; invariant='off' leaves bfloat16 inexact, so float32"
     if threads is not None:
         torch.set_num_threads(int(threads))
-    cands, excluded = {}, {}
-    for name in names:
-        try:
-            built = _assemble(drafter, target, DTYPES[name], linear, invariant)
-        except ValueError as exc:  # invariant="on" without a bf16 path: a candidate less, unless it was the only one
-            if len(names) == 1 or name == "float32":
-                raise
-            excluded[name] = str(exc)
-            continue
-        if len(names) > 1 and name != "float32" and built[4] is None:  # bf16 without the mode is not exact
-            excluded[name] = "no row-invariant path here, so its outputs may split from AR at near-ties"
-            built[3].close()
-            continue
-        cands[DTYPES[name]] = built
-    if len(cands) > 1:
-        first = next(iter(cands.values()))
-        ids = SpeculativeDecoder(first[0], first[1], chat_template_kwargs=chat_template_kwargs).prompt_ids(
-            CALIBRATION_PROMPT)
-        costs = time_modes({d: (c[0], c[1].drafter) for d, c in cands.items()}, ids)
-        choice = pick_dtype(costs, *drafter_tau(first[1].config), excluded=excluded)
-        best, dtype_note = choice.dtype, choice.reason
-    else:
-        best = next(iter(cands))
-        if excluded:
-            dtype_note += "; only float32 is exact here: " + "; ".join(f"{k} ({v})" for k, v in excluded.items())
-    for d, c in cands.items():
-        if d != best:
-            c[3].close()
-    tgt, draft, backend, stack, mode, note = cands[best]
-    decoder = SpeculativeDecoder(tgt, draft, linear=backend, chat_template_kwargs=chat_template_kwargs)
-    decoder.modes.enter_context(stack)
-    decoder.dtype, decoder.dtype_note = best, dtype_note
-    decoder.invariant, decoder.invariant_note = mode, note
-    if decoder.invariant is not None:  # closing decoder.modes restores the kernels, and says so here
-        decoder.modes.callback(setattr, decoder, "invariant_note", "row-invariant verify: off (decoder.modes closed)")
-        decoder.modes.callback(setattr, decoder, "invariant", None)
+    kwargs = dict(chat_template_kwargs or {})
+
+    def calibration_ids(tgt: Target) -> list[int]:  # the prompt as generate feeds it, template options included
+        return chat_prompt_ids(tgt.tokenizer, CALIBRATION_PROMPT, kwargs) if tgt.tokenizer is not None \
+            else list(range(2, 34))
+
+    models = assemble(drafter, target, dtype=dtype, linear=linear, invariant=invariant,
+                      calibration_ids=calibration_ids)
+    decoder = SpeculativeDecoder(models, chat_template_kwargs=kwargs)
     if warm_up:  # the first timed generate / generate_ar of the user's then pay no one-time cost
         decoder.warm_up()
-        decoder.generate_ar(list(decoder.prompt_ids(POLICY_PROMPT) if tgt.tokenizer is not None else range(2, 34)),
-                            max_new_tokens=8)
+        ids = decoder.prompt_ids(POLICY_PROMPT) if models.target.tokenizer is not None else list(range(2, 34))
+        decoder.generate_ar(ids, max_new_tokens=8)
     return decoder

@@ -3,7 +3,10 @@
 ``python decode/bench.py [--tree chain pruned] [--budget 2 4 8 16] [--dtype float32 bfloat16] [--invariant] [--profile]
 [--datasets ... | --prompts FILE]``
 
-For every dtype the target (and drafter) is loaded once and, in that one process:
+For every dtype the target and drafter are assembled once (:func:`dartree.decode.assembly.assemble`, the assembly
+eval and :func:`dartree.load` use; ``--dtype`` is ``float32`` by default, not eval's ``auto``, and never a measured
+choice: the bench measures the dtypes it is given side by side, the row-invariant mode off, or on in the
+``DTYPE/invariant`` pass of ``--invariant``) and, in that one process:
 
 1. the AR step t_AR (ms per token of plain greedy decoding, prefill excluded) is measured over the prompts;
 2. the verify cost curve t_verify(M) is measured for M+1 = 1, 2, 5, 9, 17, 33, 65 tree tokens (a chain of M
@@ -24,7 +27,6 @@ else the machine runs.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -46,7 +48,7 @@ from dartree.models.cli import fail
 from dartree.models.files import write_file_atomically
 from dartree.models.dtypes import DTYPES
 from dartree.models.generation import stop_ids as target_stop_ids
-from dartree.models.packed import LINEAR_BACKENDS, choose_linear, pack_linears, tune_linears
+from dartree.models.packed import LINEAR_BACKENDS, choose_linear
 from dartree.models.target import DEFAULT_TARGET, compact_cache
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,7 +63,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--budget", type=int, nargs="+", default=[2, 4, 8, 16],
                     help="budgets B for tree builders (chain runs once, with its full length)")
     ap.add_argument("--auto", action="store_true", help="also run every method with budget auto (cost model)")
-    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=sorted(DTYPES))
+    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=sorted(DTYPES),
+                    help="dtypes to measure side by side (no auto: the bench reports named modes, eval measures the "
+                         "choice)")
     ap.add_argument("--linear", nargs="+", default=["auto"], choices=list(LINEAR_BACKENDS),
                     help="linear-layer matmul paths to measure (dartree.models.packed); several give a before/after "
                          "table per dtype, e.g. --linear aten onednn")
@@ -168,7 +172,8 @@ def replay_tables(console: Console, label: str, entry: dict, recorded: dict, cur
     follows the shape of the start-up ``curve`` between those knots (the curve alone put a B = 4 round's speedup
     17% too high on a 2-core VM); a plain AR step costs ``t_ar``. Rows: each budget b <= B_max (tau replayed, modelled round and
     speedup, and the measured speedup where the bench ran that budget), the best of them, the ``--budget auto`` policy
-    replayed from a fresh cost model with these times, and the hindsight per-round choice (an upper bound).
+    replayed from a fresh cost model with these times (its default rule, and the per-round ``rule="scores"``), and
+    the hindsight per-round choice (an upper bound).
     """
     from dartree.decode.budget import CostModel
     from dartree.decode.generate import BETA_BUILDERS
@@ -214,17 +219,19 @@ def replay_tables(console: Console, label: str, entry: dict, recorded: dict, cur
             table.add_row(str(b), f"{r['tau']:.3f}", f"{round_s(b) / t_ar:.2f}", f"{r['rate'] * t_ar:.3f}x",
                           f"{ran[b]['speedup']:.3f}x" if b in ran else "", "")
         best = max(rows, key=lambda b: rows[b]["rate"])
-        auto_cm = CostModel(t_ar=t_ar, t_draft=other, verify_s={t: verify_s(t) for t in range(1, bmax + 2)},
-                            max_budget=bmax)
-        auto = replay_auto(rounds, auto_cm, beta, round_s, t_ar)
+        auto, scores = (replay_auto(rounds, CostModel(t_ar=t_ar, t_draft=other, max_budget=bmax, rule=rule,
+                                                      verify_s={t: verify_s(t) for t in range(1, bmax + 2)}),
+                                    beta, round_s, t_ar) for rule in ("outcomes", "scores"))
         hind = replay_hindsight(rounds, bmax, beta, round_s, t_ar)
-        for name, r in ((f"best fixed (B = {best})", rows[best]), ("auto (replayed)", auto), ("hindsight", hind)):
+        for name, r in ((f"best fixed (B = {best})", rows[best]), ("auto (replayed)", auto),
+                        ("auto, per-round rule (replayed)", scores), ("hindsight", hind)):
             table.add_row(name, f"{r['tau']:.3f}", "", f"{r['rate'] * t_ar:.3f}x", "",
                           " ".join(f"{b}:{n}" for b, n in r.get("chosen", {}).items()))
         console.print(table)
         out[m] = {"budget": bmax, "rounds": len(rounds), "beta": beta, "other_ms": 1000 * other,
                   "verify_knots_ms": {t: 1000 * s for t, s in pts}, "fixed": rows, "best_fixed": best,
                   "auto": {**auto, "speedup": auto["rate"] * t_ar},
+                  "auto_scores": {**scores, "speedup": scores["rate"] * t_ar},
                   "hindsight": {**hind, "speedup": hind["rate"] * t_ar}}
     return out
 
@@ -252,19 +259,19 @@ def main(argv=None) -> int:
                               "checkpoint": args.checkpoint, "max_new_tokens": args.max_new_tokens,
                               "datasets": [prompt_file["name"]] if prompt_file else args.datasets,
                               "prompt_file": prompt_file}, "dtypes": {}}
-    combos: dict = {}  # (dtype, backend) -> reason; auto and the backend it picks run once
+    combos: dict = {}  # (dtype, backend) -> the --linear word asking for it; auto and the backend it picks run once
     for dname in args.dtype:
         for lin in args.linear:
             try:
-                backend, why = choose_linear(lin, DTYPES[dname])
+                backend, _ = choose_linear(lin, DTYPES[dname])
             except ValueError as exc:
                 return fail(str(exc))
-            combos.setdefault((dname, backend), why)
+            combos.setdefault((dname, backend), lin)
     modes = [False, True] if args.invariant else [False]
-    for (dname, linear), linear_reason in combos.items():
+    for (dname, backend), lin in combos.items():
+        label = dname if len({b for d, b in combos if d == dname}) == 1 else f"{dname}/{backend}"
         for invariant in modes:
-            code = _bench_one(args, console, result, combos, dname, linear, linear_reason, invariant,
-                              file_prompts, prompt_file)
+            code = _bench_one(args, console, result, label, dname, lin, invariant, file_prompts, prompt_file)
             if code:
                 return code
     write_file_atomically(Path(args.out), json.dumps(result, indent=1))
@@ -272,122 +279,124 @@ def main(argv=None) -> int:
     return 0
 
 
-def _bench_one(args, console, result: dict, combos: dict, dname: str, linear: str, linear_reason: str,
-               invariant: bool, file_prompts: list, prompt_file: dict | None) -> int:
-    """One dtype x matmul path (x row-invariant mode): load the target and drafter, measure the AR step, the
-    verify curve and every method, print the tables and store them in ``result["dtypes"][label]``; returns the
-    exit status (0, or 2 with a one-line error for a checkpoint or a mode that cannot run here)."""
-    from dartree.models.checkpoint import CheckpointError, load_dartree
-    from dartree.models.invariant import row_invariant
-    from dartree.models.target import load_target
+def _bench_one(args, console, result: dict, label: str, dname: str, linear: str, invariant: bool,
+               file_prompts: list, prompt_file: dict | None) -> int:
+    """One dtype x matmul path (x row-invariant mode): assemble the target and drafter
+    (:func:`dartree.decode.assembly.assemble`, the assembly eval and the API use: ``--dtype`` DTYPE, ``--linear``,
+    ``--no-tune``, the mode off, or on for ``--invariant``'s second pass), then :func:`_measure` it; returns the exit
+    status (0, or 2 with a one-line error for a target, a checkpoint or a mode that cannot run here)."""
+    from dartree.decode.assembly import ModeUnavailable, assemble
 
-    with contextlib.ExitStack() as held:
-        dtype = DTYPES[dname]
-        target = load_target(args.target, dtype=dtype)
-        try:
-            dm = load_dartree(args.checkpoint, target=target, dtype=dtype)
-        except CheckpointError as exc:
-            return fail(str(exc))
-        target.set_layer_ids(dm.drafter.cfg.target_layer_ids)
-        for module in (target.model, dm.drafter, dm.head):
-            pack_linears(module, linear)
-        console.print(f"{dname}, linear layers {linear}: {linear_reason}")
-        tuning = tune_linears(target.model, dm.drafter, dm.head) if linear == "onednn" and args.tune else {}
-        if tuning:
-            console.print("F.linear beats the packed call at rows: " + "; ".join(f"{k}: {v}" for k, v in tuning.items()))
-        label = dname if len({b for d, b in combos if d == dname}) == 1 else f"{dname}/{linear}"
-        mode = None
-        if invariant:  # after packing and tuning: the mode re-packs the target for row invariance
-            try:
-                mode = held.enter_context(row_invariant(target))
-            except ValueError as exc:
-                return fail(f"--invariant: {exc}")
+    try:
+        models = assemble(args.checkpoint, args.target, dtype=dname, linear=linear,
+                          invariant="on" if invariant else "off", tune=args.tune)
+    except ModeUnavailable as exc:
+        return fail(f"--invariant: {exc}")
+    except ValueError as exc:  # a target that does not load, a checkpoint that is not one or does not fit it
+        return fail(str(exc))
+    with models.modes:
+        console.print(f"{dname}, linear layers {models.linear}: {models.linear_note}")
+        if models.linear_tuning:
+            console.print("F.linear beats the packed call at rows: "
+                          + "; ".join(f"{k}: {v}" for k, v in models.linear_tuning.items()))
+        mode = models.invariant
+        if mode is not None:
             label += "/invariant"
             console.print(f"{label}: row-invariant target forwards (linear {mode.linear}: {mode.why})")
-        tok = target.tokenizer
-        stop = target_stop_ids(target)  # every id at which the target's own generate stops
-        chosen = file_prompts if prompt_file else [p for d in args.datasets for p in load_prompts(d, args.limit, 0)]
-        try:  # the checks eval applies, in the same words: each prompt fits the context, the target allows a tree
-            prompts = encode_prompts(prompt_encoder(tok, "auto", {}), chosen, target, args.max_new_tokens)
-            check_prompt_set(target, prompts, [f"{p.dataset}:{p.id}" for p in chosen], args.max_new_tokens,
-                             dm.drafter.cfg.num_proposals)
-        except ValueError as exc:
-            return fail(str(exc))
-        warm = chat_prompt_ids(tok, "Say hello.")
-        autoregressive_generate(target, warm, max_new_tokens=8, stop_ids=stop)
-        ar = [autoregressive_generate(target, ids, max_new_tokens=args.max_new_tokens, stop_ids=stop) for ids in prompts]
-        t_ar = sum(o.stats.decode_s for o in ar) / max(1, sum(o.stats.new_tokens - 1 for o in ar))
-        # context for the verify curve: a prompt followed by its AR continuation, cut to --context tokens
-        ctx = (prompts[0] + ar[0].tokens + prompts[-1] * 8)[: args.context]
-        curve = verify_curve(target, ctx, reps=args.reps)
-        entry = {"row_invariant": {"linear": mode.linear, "why": mode.why} if mode is not None else None,
-                 "linear": linear, "linear_reason": linear_reason, "linear_aten_rows": tuning, "t_ar_ms": 1000 * t_ar, "verify_ms": {t: 1000 * s for t, s in curve.items()},
-                 "verify_ar": {t: s / t_ar for t, s in curve.items()}, "methods": {}}
-        table = Table(title=f"{label}: verify cost t_verify(M) (context {len(ctx)}); AR step {1000 * t_ar:.1f} ms")
-        table.add_column("M+1 tokens", justify="right")
-        table.add_column("ms", justify="right")
-        table.add_column("x AR step", justify="right")
-        for t, s in curve.items():
-            table.add_row(str(t), f"{1000 * s:.1f}", f"{s / t_ar:.2f}")
-        console.print(table)
-        runs = []
-        for m in args.tree:
-            if m == "chain":
-                runs += [(m, None)] + ([(m, "auto")] if args.auto else [])
-            else:
-                runs += [(m, b) for b in args.budget]
-                if args.auto:
-                    runs.append((m, "auto"))
-        recorded: dict = {}  # method -> (budget, its decodes' stats with recorded trees, its round costs)
-        mt = Table(title=f"{label}: ms per round by stage (x AR step), tau, speedup, break-even tau")
-        for col in ["method", "B", "tau", "draft", "tree_build", "tree_compile", "verify", "commit", "round",
-                    "break-even tau", "speedup", "nodes"]:
-            mt.add_column(col, justify="right")
-        from dartree.decode.generate import POLICY_PROMPT, seed_policy, warm_paths
+        return _measure(args, console, result, label, models, file_prompts, prompt_file)
 
-        policy_ids = chat_prompt_ids(tok, POLICY_PROMPT)
-        for m, b in runs:  # every path warmed before the method's timing, nothing of it in a timed policy
-            warm_paths(target, dm.drafter, dm.head, policy_ids, [(m, b, 0)], stop_ids=stop)
-            cm = None
-            if b == "auto":
-                from dartree.decode.budget import calibrate
 
-                cm = calibrate(target, dm.drafter, prompts[0], max_budget=dm.drafter.cfg.num_proposals)
-                seed_policy(cm, target, dm.drafter, dm.head, policy_ids, builder=m, stop_ids=stop)
-            outs = []
-            record = args.replay and b != "auto" and (m == "chain" or b == max(args.budget))
-            for i, ids in enumerate(prompts):
-                o = speculative_generate(target, dm.drafter, dm.head, ids, builder=m, max_new_tokens=args.max_new_tokens,
-                                         stop_ids=stop, budget=b, cost_model=cm, record_trees=record)
-                if o.tokens != ar[i].tokens and (dname == "float32" or invariant):  # where the arithmetic is exact
-                    console.print(f"[bold red]{m}@{b}: output differs from AR on prompt {i}[/bold red]")
-                outs.append(o.stats)
-            rc = round_costs(outs, t_ar)
-            if record:
-                recorded[m] = (b if b is not None else dm.drafter.cfg.num_proposals, outs, rc)
-            if cm is not None:
-                rc["cost_model"] = cm.summary()
-                console.print(f"{m}@auto: budgets chosen {rc['cost_model']['chosen_budgets']}, calibration "
-                              f"c = {cm.calibration:.2f}")
-            entry["methods"][f"{m}@{b}" if b is not None else m] = rc
-            mt.add_row(m, str(b if b is not None else dm.drafter.cfg.num_proposals), f"{rc['tau']:.3f}",
-                       *[f"{rc[f'{st}_ms']:.1f} ({rc[f'{st}_ar']:.2f})" for st in STAGES],
-                       f"{rc['round_ms']:.1f} ({rc['round_ar']:.2f})", f"{rc['break_even_tau']:.2f}",
-                       f"{rc['speedup']:.3f}x", f"{rc['mean_tree_nodes']:.1f}")
-        console.print(mt)
-        if args.replay:
-            entry["replay"] = replay_tables(console, label, entry, recorded, curve, t_ar)
-        if args.profile:
-            from torch.profiler import ProfilerActivity, profile
+def _measure(args, console, result: dict, label: str, models, file_prompts: list, prompt_file: dict | None) -> int:
+    """Measure one assembly (:class:`~dartree.decode.assembly.Assembly`): the AR step, the verify curve and every
+    method; print the tables and store them in ``result["dtypes"][label]``; returns the exit status (0, or 2 with
+    a one-line error for a prompt that does not fit)."""
+    target, dm, mode = models.target, models.draft, models.invariant
+    exact = models.dtype == torch.float32 or mode is not None  # where a split from AR is a real mismatch
+    tok = target.tokenizer
+    stop = target_stop_ids(target)  # every id at which the target's own generate stops
+    chosen = file_prompts if prompt_file else [p for d in args.datasets for p in load_prompts(d, args.limit, 0)]
+    try:  # the checks eval applies, in the same words: each prompt fits the context, the target allows a tree
+        prompts = encode_prompts(prompt_encoder(tok, "auto", {}), chosen, target, args.max_new_tokens)
+        check_prompt_set(target, prompts, [f"{p.dataset}:{p.id}" for p in chosen], args.max_new_tokens,
+                         dm.drafter.cfg.num_proposals)
+    except ValueError as exc:
+        return fail(str(exc))
+    warm = chat_prompt_ids(tok, "Say hello.")
+    autoregressive_generate(target, warm, max_new_tokens=8, stop_ids=stop)
+    ar = [autoregressive_generate(target, ids, max_new_tokens=args.max_new_tokens, stop_ids=stop) for ids in prompts]
+    t_ar = sum(o.stats.decode_s for o in ar) / max(1, sum(o.stats.new_tokens - 1 for o in ar))
+    # context for the verify curve: a prompt followed by its AR continuation, cut to --context tokens
+    ctx = (prompts[0] + ar[0].tokens + prompts[-1] * 8)[: args.context]
+    curve = verify_curve(target, ctx, reps=args.reps)
+    entry = {"row_invariant": {"linear": mode.linear, "why": mode.why} if mode is not None else None,
+             "linear": models.linear, "linear_reason": models.linear_note, "linear_aten_rows": models.linear_tuning,
+             "t_ar_ms": 1000 * t_ar, "verify_ms": {t: 1000 * s for t, s in curve.items()},
+             "verify_ar": {t: s / t_ar for t, s in curve.items()}, "methods": {}}
+    table = Table(title=f"{label}: verify cost t_verify(M) (context {len(ctx)}); AR step {1000 * t_ar:.1f} ms")
+    table.add_column("M+1 tokens", justify="right")
+    table.add_column("ms", justify="right")
+    table.add_column("x AR step", justify="right")
+    for t, s in curve.items():
+        table.add_row(str(t), f"{1000 * s:.1f}", f"{s / t_ar:.2f}")
+    console.print(table)
+    runs = []
+    for m in args.tree:
+        if m == "chain":
+            runs += [(m, None)] + ([(m, "auto")] if args.auto else [])
+        else:
+            runs += [(m, b) for b in args.budget]
+            if args.auto:
+                runs.append((m, "auto"))
+    recorded: dict = {}  # method -> (budget, its decodes' stats with recorded trees, its round costs)
+    mt = Table(title=f"{label}: ms per round by stage (x AR step), tau, speedup, break-even tau")
+    for col in ["method", "B", "tau", "draft", "tree_build", "tree_compile", "verify", "commit", "round",
+                "break-even tau", "speedup", "nodes"]:
+        mt.add_column(col, justify="right")
+    from dartree.decode.generate import POLICY_PROMPT, seed_policy, warm_paths
 
-            m, b = runs[-1]
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
-                speculative_generate(target, dm.drafter, dm.head, prompts[0], builder=m, max_new_tokens=64,
-                                     stop_ids=stop, budget=b)
-            text = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-            console.print(f"profile of {m}@{b} (64 tokens):\n{text}")
-            entry["profile_top"] = text
-        result["dtypes"][label] = entry
+    policy_ids = chat_prompt_ids(tok, POLICY_PROMPT)
+    for m, b in runs:  # every path warmed before the method's timing, nothing of it in a timed policy
+        warm_paths(target, dm.drafter, dm.head, policy_ids, [(m, b, 0)], stop_ids=stop)
+        cm = None
+        if b == "auto":
+            from dartree.decode.budget import calibrate
+
+            cm = calibrate(target, dm.drafter, prompts[0], max_budget=dm.drafter.cfg.num_proposals)
+            seed_policy(cm, target, dm.drafter, dm.head, policy_ids, builder=m, stop_ids=stop)
+        outs = []
+        record = args.replay and b != "auto" and (m == "chain" or b == max(args.budget))
+        for i, ids in enumerate(prompts):
+            o = speculative_generate(target, dm.drafter, dm.head, ids, builder=m, max_new_tokens=args.max_new_tokens,
+                                     stop_ids=stop, budget=b, cost_model=cm, record_trees=record)
+            if o.tokens != ar[i].tokens and exact:  # where the arithmetic is exact
+                console.print(f"[bold red]{m}@{b}: output differs from AR on prompt {i}[/bold red]")
+            outs.append(o.stats)
+        rc = round_costs(outs, t_ar)
+        if record:
+            recorded[m] = (b if b is not None else dm.drafter.cfg.num_proposals, outs, rc)
+        if cm is not None:
+            rc["cost_model"] = cm.summary()
+            console.print(f"{m}@auto: budgets chosen {rc['cost_model']['chosen_budgets']}, calibration "
+                          f"c = {cm.calibration:.2f}")
+        entry["methods"][f"{m}@{b}" if b is not None else m] = rc
+        mt.add_row(m, str(b if b is not None else dm.drafter.cfg.num_proposals), f"{rc['tau']:.3f}",
+                   *[f"{rc[f'{st}_ms']:.1f} ({rc[f'{st}_ar']:.2f})" for st in STAGES],
+                   f"{rc['round_ms']:.1f} ({rc['round_ar']:.2f})", f"{rc['break_even_tau']:.2f}",
+                   f"{rc['speedup']:.3f}x", f"{rc['mean_tree_nodes']:.1f}")
+    console.print(mt)
+    if args.replay:
+        entry["replay"] = replay_tables(console, label, entry, recorded, curve, t_ar)
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        m, b = runs[-1]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            speculative_generate(target, dm.drafter, dm.head, prompts[0], builder=m, max_new_tokens=64,
+                                 stop_ids=stop, budget=b)
+        text = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+        console.print(f"profile of {m}@{b} (64 tokens):\n{text}")
+        entry["profile_top"] = text
+    result["dtypes"][label] = entry
     return 0
 
 

@@ -22,7 +22,8 @@ On CUDA (about 8 minutes at most, ``--time-limit`` seconds; later sections are m
 Without CUDA (or with ``--dry``) the same sections run small: Triton under ``TRITON_INTERPRET=1`` on tiny shapes,
 tree builds at B = 8, 16, a fp32 eval on the tiny random target, where every speculative output must equal
 AR's exactly (a mismatch is a failure), and the ``invariant`` section on that target (9-row verifies, no timing). Exit status: 0 when every check passed, 1 on any kernel mismatch, dry
-AR mismatch or a section that raised, 2 on bad arguments.
+AR mismatch or a section that raised, 2 on bad arguments. The target and drafter of sections 2-4 are built by
+:func:`dartree.decode.assembly.assemble`, as for ``dartree.load``, eval and the bench (:func:`load_models`).
 """
 
 from __future__ import annotations
@@ -184,12 +185,13 @@ def time_tree_builds(block, head, root_id: int, budgets: list[int], dev: torch.d
     return rows
 
 
-def run_eval(target, drafter, head, prompts: list[list[int]], budgets: list[int], max_new_tokens: int,
+def run_eval(models, prompts: list[list[int]], budgets: list[int], max_new_tokens: int,
              deadline: float) -> list[dict]:
     """Greedy eval of every registered builder (one name per builder function) at each budget vs AR.
 
     Args:
-        target, drafter, head: models on one device; prompts: chat-templated token id lists.
+        models: the :class:`~dartree.decode.assembly.Assembly` (:func:`load_models`); prompts: chat-templated
+            token id lists.
         budgets: tree budgets B; max_new_tokens: per prompt; deadline: ``time.time()`` after which the
             remaining runs are skipped.
     Returns:
@@ -199,6 +201,7 @@ def run_eval(target, drafter, head, prompts: list[list[int]], budgets: list[int]
     from dartree.decode.generate import autoregressive_generate, speculative_generate
     from dartree.decode.trees import BUILDERS
 
+    target, drafter, head = models.target, models.drafter, models.head
     dev = target.device
     names, seen = [], set()
     for name, fn in BUILDERS.items():  # aliases share a function: run each builder once
@@ -263,7 +266,7 @@ def _verify_ms(target, prompt: list[int], rows: int, dev: torch.device, reps: in
     return _median_ms(call, dev, reps)
 
 
-def check_invariant(target, drafter, head, prompts: list[list[int]], dry: bool, deadline: float) -> dict:
+def check_invariant(models, prompts: list[list[int]], dry: bool, deadline: float) -> dict:
     """The row-invariant mode's Triton path (``row_invariant(target, backend="triton")``): exactness and cost.
 
     1. ``rows``: for a verify of 9 and 17 rows (a chain, and siblings under the root), how many rows give logits
@@ -275,8 +278,9 @@ def check_invariant(target, drafter, head, prompts: list[list[int]], dry: bool, 
        inside the mode: tau and the prompts whose output differs (must be none).
 
     Args:
-        target, drafter, head, prompts: as :func:`run_eval` (dry: the tiny fp32 target on CPU, under the Triton
-            interpreter). dry: small sizes, no timing. deadline: ``time.time()`` past which the eval is skipped.
+        models, prompts: as :func:`run_eval` (dry: the tiny fp32 target on CPU, under the Triton interpreter), the
+            mode off as assembled. dry: small sizes, no timing. deadline: ``time.time()`` past which the eval is
+            skipped.
     Returns:
         {"dtype", "rows": [{mode, rows, shape, equal, of}], "ms": {...} (CUDA), "eval": [...], "failures": [...]}.
     """
@@ -284,6 +288,7 @@ def check_invariant(target, drafter, head, prompts: list[list[int]], dry: bool, 
     from dartree.decode.harness.invariance import verify_rows_vs_ar
     from dartree.models.invariant import row_invariant
 
+    target, drafter, head = models.target, models.drafter, models.head
     dev, prompt = target.device, prompts[0]
     sizes = [9] if dry else [9, 17]
     out: dict = {"dtype": str(target.dtype).replace("torch.", ""), "rows": [], "eval": [], "failures": []}
@@ -330,6 +335,50 @@ def check_invariant(target, drafter, head, prompts: list[list[int]], dry: bool, 
             if diff:
                 out["failures"].append(f"invariant: {name} B={budget} in the mode differs from AR on prompts {diff}")
     return out
+
+
+def load_models(target: str, dev: torch.device, dry: bool):
+    """The target and drafter the check runs on, through :func:`dartree.decode.assembly.assemble` (the assembly
+    eval, the bench and :func:`dartree.load` use), with the default kernels (``invariant="off"``: the
+    ``invariant`` section enters the Triton mode itself) and plain F.linear.
+
+    Args:
+        target: ``--target`` (the CUDA run's target). dev: the CUDA device. dry: the tiny random fp32 target
+            (``tiny-qwen3``, 96 tokens) on CPU with a random one-layer DFlash drafter and Markov head (seed 0), which
+            are written as a dartree checkpoint in a temporary folder and assembled from there.
+    Returns:
+        (:class:`~dartree.decode.assembly.Assembly`, the prompts' token ids: random for the dry run, else
+        :data:`PROMPTS` through the chat template).
+    Raises:
+        ValueError: the target does not load, or the drafter does not fit it (from ``assemble``).
+    """
+    import tempfile
+
+    from dartree.decode.assembly import assemble
+
+    if not dry:
+        from dartree.models.chat import chat_prompt_ids
+
+        models = assemble(REPO / "checkpoints" / "dspark_b16", target, dtype="bfloat16", linear="aten",
+                          invariant="off", device=dev)
+        return models, [chat_prompt_ids(models.target.tokenizer, t) for t in PROMPTS]
+    from dartree.models.checkpoint import save_dartree
+    from dartree.models.drafter import DFlashDrafter, DrafterConfig
+    from dartree.models.heads import MarkovHead
+    from dartree.models.target import TINY_TARGET
+
+    torch.manual_seed(0)  # the test suite's tiny shapes, random weights
+    drafter = DFlashDrafter(DrafterConfig(
+        hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
+        target_layer_ids=[1, 2], mask_token_id=0, block_size=8)).eval()
+    head = MarkovHead(96, 8).eval()
+    torch.nn.init.normal_(head.w2.weight, std=0.5)
+    with tempfile.TemporaryDirectory() as tmp:
+        save_dartree(Path(tmp) / "drafter", drafter, head, {"name": TINY_TARGET, "vocab_size": 96, "hidden_size": 32,
+                                                              "num_layers": 4}, dtype=torch.float32)
+        models = assemble(Path(tmp) / "drafter", TINY_TARGET, dtype="float32", linear="aten", invariant="off")
+    g = _gen(7)
+    return models, [torch.randint(2, 96, (6 + i,), generator=g).tolist() for i in range(2)]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -390,52 +439,27 @@ def main(argv=None) -> int:
         from dartree.decode.draft import draft_block
         from dartree.models.drafter import DraftCache
 
-        if dry:
-            from dartree.models.drafter import DFlashDrafter, DrafterConfig
-            from dartree.models.heads import MarkovHead
-            from dartree.models.target import tiny_target
-
-            target = tiny_target(vocab_size=96, layer_ids=[1, 2])  # the test suite's tiny shapes, random weights
-            torch.manual_seed(0)
-            drafter = DFlashDrafter(DrafterConfig(
-                hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
-                target_layer_ids=[1, 2], mask_token_id=0, block_size=8)).eval()
-            head = MarkovHead(96, 8).eval()
-            torch.nn.init.normal_(head.w2.weight, std=0.5)
-            g = _gen(7)
-            prompts = [torch.randint(2, 96, (6 + i,), generator=g).tolist() for i in range(2)]
-        else:
-            from dartree.models.checkpoint import load_dartree
-            from dartree.models.target import load_target
-            from dartree.models.chat import chat_prompt_ids
-
-            target = load_target(args.target, dtype=torch.bfloat16)
-            target.model.to(dev)
-            dm = load_dartree(REPO / "checkpoints" / "dspark_b16", target=target, dtype=torch.bfloat16, device=dev)
-            target.set_layer_ids(dm.drafter.cfg.target_layer_ids)
-            drafter, head = dm.drafter, dm.head
-            prompts = [chat_prompt_ids(target.tokenizer, t) for t in PROMPTS]
+        assembled, prompts = load_models(args.target, dev, dry)
+        target, drafter, head = assembled.target, assembled.drafter, assembled.head
         cache = target.new_cache()
         ids = torch.tensor([prompts[0]], device=target.device)
         feats = target.forward(ids, cache=cache).features[0]
         block = draft_block(target, drafter, prompts[0][-1], len(prompts[0]) - 1, feats[:-1],
                             DraftCache(len(drafter.layers)))
-        models.update(target=target, drafter=drafter, head=head, prompts=prompts, block=block,
-                      root=prompts[0][-1])
+        models.update(assembled=assembled, prompts=prompts, block=block, root=prompts[0][-1])
         return {"target": getattr(target, "name", "tiny"), "dtype": str(target.dtype).replace("torch.", ""),
                 "drafter_block_size": drafter.cfg.block_size, "head": type(head).__name__}
 
     section("models", load)
     if models:
-        section("tree_build", lambda: time_tree_builds(models["block"], models["head"], models["root"],
+        section("tree_build", lambda: time_tree_builds(models["block"], models["assembled"].head, models["root"],
                                                        [8, 16] if dry else [64, 128, 256], dev, 2 if dry else 10))
-        section("eval", lambda: run_eval(models["target"], models["drafter"], models["head"], models["prompts"],
-                                         [4] if dry else [16, 64], 8 if dry else 64, deadline))
+        section("eval", lambda: run_eval(models["assembled"], models["prompts"], [4] if dry else [16, 64],
+                                         8 if dry else 64, deadline))
         if dry and isinstance(report["eval"], list):
             report["failures"] += [f"eval: {r['method']} B={r['budget']} differs from AR on {r['mismatches']} "
                                    "prompt(s) in fp32" for r in report["eval"] if r.get("mismatches")]
-        section("invariant", lambda: check_invariant(models["target"], models["drafter"], models["head"],
-                                                     models["prompts"], dry, deadline))
+        section("invariant", lambda: check_invariant(models["assembled"], models["prompts"], dry, deadline))
         if isinstance(report.get("invariant"), dict):
             report["failures"] += report["invariant"].get("failures", [])
     report["elapsed_s"] = time.time() - t_start

@@ -274,8 +274,8 @@ def test_bench_replay_sweeps_budgets_from_one_recorded_decode(tiny_folder, tmp_p
     taus = [rep["fixed"][str(b)]["tau"] for b in (1, 2, 3, 4, 6)]
     assert taus == sorted(taus)  # a bigger top-b sub-tree never accepts less
     assert rep["hindsight"]["rate"] >= max(v["rate"] for v in rep["fixed"].values()) - 1e-12
-    assert sum(rep["auto"]["chosen"].values()) == rep["rounds"]
-    assert "pinned at T" in r.stdout and "hindsight" in r.stdout
+    assert sum(rep["auto"]["chosen"].values()) == sum(rep["auto_scores"]["chosen"].values()) == rep["rounds"]
+    assert "pinned at T" in r.stdout and "hindsight" in r.stdout and "per-round rule" in r.stdout
 
 
 @pytest.mark.slow
@@ -592,10 +592,11 @@ def test_eval_dtype_auto_times_the_exact_modes_and_keeps_the_faster(tiny_folder,
     """--dtype auto where bf16 is native: bf16 (in the row-invariant mode) and fp32 are both assembled and timed,
     the faster decodes, the header and report say why, and its outputs equal AR's; --invariant off leaves only
     fp32."""
-    import dartree.decode.harness.session as session
+    import dartree.decode.assembly as assembly
     from dartree.decode.eval import main as eval_main
 
-    monkeypatch.setattr(session, "dtype_candidates", lambda requested: (["bfloat16", "float32"], "auto: stub"))
+    monkeypatch.setattr(assembly, "dtype_candidates", lambda requested, device="cpu": (["bfloat16", "float32"],
+                                                                                      "auto: stub"))
     out = tmp_path / "rep"
     args = ["--target", str(tiny_folder / "target"), "--checkpoint", str(tiny_folder / "ckpt"), "--datasets",
             "gsm8k", "--limit", "1", "--max-new-tokens", "12", "--threads", "1", "--no-plots"]

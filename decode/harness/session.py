@@ -1,6 +1,7 @@
 """One evaluation session of ``decode/eval.py``: everything a run decodes with, built once (:func:`open_session`:
-target, checkpoint, prompts and their ids, matmul path and tuning, row-invariant mode, runs, cost models, peers,
-stop ids, sampling record), and the per-prompt decode that turns each prompt into report rows
+target, checkpoint, matmul path and tuning, row-invariant mode through :func:`dartree.decode.assembly.assemble`, the
+assembly the API and the bench use too; prompts and their ids, runs, cost models, peers, stop ids, sampling record),
+and the per-prompt decode that turns each prompt into report rows
 (:meth:`EvalSession.decode_prompt`). Rendering the rows is :mod:`dartree.decode.harness.report`'s.
 """
 
@@ -20,7 +21,7 @@ import torch
 from rich.console import Console
 from tqdm.auto import tqdm
 
-from dartree.decode.precision import drafter_tau, pick_dtype, time_modes
+from dartree.decode.assembly import Assembly, ModeUnavailable, TargetLoadError, assemble, dtype_plan
 from dartree.decode.inputs import check_prompt_set
 from dartree.decode.generate import ARStepper, GenerateOutput, autoregressive_generate, speculative_generate
 from dartree.decode.harness.peers import load_bf16_twin, load_zlab_drafter, run_peer
@@ -29,12 +30,9 @@ from dartree.decode.harness.report import (annotate_trees, build_report, prior_t
                                            split_label, write_report_files)
 from dartree.decode.trees import BUILDERS, builder_name
 from dartree.models.chat import chat_prompt_ids, check_chat_template, messages_prompt_ids, text_prompt_ids
-from dartree.models.checkpoint import CheckpointError, load_dartree
-from dartree.models.dtypes import DTYPES, dtype_candidates
 from dartree.models.generation import sampling_problem, sampling_settings
 from dartree.models.generation import stop_ids as target_stop_ids
 from dartree.models.packed import choose_linear, pack_linears, tune_linears
-from dartree.models.target import load_target
 
 LOOKUP_SUFFIX = "+lookup"  # BUILDER+lookup: the builder's tree with a prompt-lookup chain grafted on (decode/lookup.py)
 FIXED_RUN = re.compile(r"^(?P<method>.+)@B(?P<budget>\d+)$")  # METHOD@B<n>: a fixed-budget run beside --budget
@@ -155,18 +153,6 @@ def spread_repeats(order: list[str], name: str, repeats: int) -> list[str]:
     return out
 
 
-def _rows_text(rows: list[int]) -> str:
-    """Row counts as ranges for the console: [1, 2, 3, 9] -> "1-3, 9"; [] -> "none"."""
-    if not rows:
-        return "none"
-    parts, lo = [], rows[0]
-    for a, b in zip(rows, rows[1:] + [None]):
-        if b != a + 1:
-            parts.append(str(lo) if lo == a else f"{lo}-{a}")
-            lo = b
-    return ", ".join(parts)
-
-
 class Refused(Exception):
     """A run refused before any decoding: ``args[0]`` is its one stderr line; the CLI exits with 2."""
 
@@ -216,18 +202,13 @@ def plan_runs(methods: list[str], budgets: list) -> dict[str, tuple[str, int | s
     return runs
 
 
-def _load_target(args: argparse.Namespace, dtype: torch.dtype):
-    """The target with its stop ids, generation-config sampling settings and prompt encoder, checked before
-    anything else is loaded or timed.
+def _check_target(args: argparse.Namespace, target) -> tuple[list, dict, Callable]:
+    """The target's stop ids, generation-config sampling settings and prompt encoder, checked as soon as it loads,
+    before anything else is loaded or timed.
 
     Raises:
-        Refused: the target does not load, or its sampling settings or chat template do not fit the run.
+        Refused: its sampling settings or chat template do not fit the run.
     """
-    try:
-        target = load_target(args.target, dtype=dtype)
-    except (FileNotFoundError, RuntimeError, OSError, ValueError) as exc:
-        raise Refused(f"error: cannot load --target {args.target!r}: "
-                       f"{(str(exc).strip().splitlines() or [type(exc).__name__])[0]}") from None
     try:  # the target's own generation settings and prompt format, before anything else is loaded or timed
         stop_ids, sampling = target_stop_ids(target), sampling_settings(target)
         why = sampling_problem(sampling, args.temperature, args.ignore_generation_config)
@@ -236,25 +217,19 @@ def _load_target(args: argparse.Namespace, dtype: torch.dtype):
         encode = prompt_encoder(target.tokenizer, args.chat_template, args.chat_template_kwargs)
     except ValueError as exc:
         raise Refused(f"error: --target {args.target}: {exc}") from None
-    return target, stop_ids, sampling, encode
+    return stop_ids, sampling, encode
 
 
-def _load_drafter_and_prompts(args: argparse.Namespace, target, dtype: torch.dtype, methods: list[str],
-                              prompts: list[Prompt], prompt_file: dict | None, encode: Callable):
-    """The checkpoint (None when only AR runs; the target then captures its layers), the packaged prompts (unless
-    ``--prompts`` gave them) and every prompt's ids, checked against the context and the decoder's needs.
+def _check_prompts(args: argparse.Namespace, target, dm, methods: list[str], prompts: list[Prompt],
+                   prompt_file: dict | None, encode: Callable) -> tuple[list[Prompt], list[list[int]]]:
+    """The packaged prompts (unless ``--prompts`` gave them) and every prompt's ids, checked against the context
+    and the decoder's needs, before any packing, tuning or timing.
 
     Returns:
-        (dm, prompts, prompt_ids).
+        (prompts, prompt_ids).
     Raises:
-        Refused: a bad checkpoint, a missing prompt package, a prompt that does not fit, an unsupported target.
+        Refused: a missing prompt package, a prompt that does not fit, an unsupported target.
     """
-    try:
-        dm = load_dartree(args.checkpoint, target=target, dtype=dtype) if methods else None
-    except CheckpointError as exc:
-        raise Refused(f"error: {exc}") from None
-    if dm is not None:
-        target.set_layer_ids(dm.drafter.cfg.target_layer_ids)
     try:
         for d in args.datasets if prompt_file is None else []:
             prompts += load_prompts(d, args.limit, args.seed)
@@ -267,125 +242,54 @@ def _load_drafter_and_prompts(args: argparse.Namespace, target, dtype: torch.dty
             check_prompt_set(target, prompt_ids, [f"{p.dataset}:{p.id}" for p in prompts], args.max_new_tokens, depth)
     except ValueError as exc:
         raise Refused(f"error: {exc}") from None
-    return dm, prompts, prompt_ids
+    return prompts, prompt_ids
 
 
-def _pack_models(args: argparse.Namespace, console: Console, target, dm, dtype: torch.dtype):
-    """Pack the target's and drafter's linear layers on the ``--linear`` path and (onednn, unless ``--no-tune``)
-    time F.linear against it per weight shape.
+def _assemble_models(args: argparse.Namespace, console: Console, methods: list[str], prompts: list[Prompt],
+                     prompt_file: dict | None) -> tuple[Assembly, dict]:
+    """Target and checkpoint (None when only AR runs) through :func:`dartree.decode.assembly.assemble`, the one
+    assembly the API and the bench use too: ``--dtype``, ``--linear``, ``--invariant`` and ``--no-tune`` passed
+    through, the target and the prompts checked as soon as they can be (:func:`_check_target`,
+    :func:`_check_prompts`), a ``--dtype auto`` choice timed on the first prompt; each choice printed.
 
     Returns:
-        (linear, why, {weight shape: row counts where F.linear wins}).
+        (the assembly, {stop_ids, sampling, encode, prompts, prompt_ids}).
     Raises:
-        Refused: the requested path cannot run here.
+        Refused: a target that does not load or does not fit the run, a bad checkpoint, a prompt that does not fit,
+            a ``--linear`` path or ``--invariant on`` that cannot run here (one line each).
     """
-    try:
-        linear, linear_reason = choose_linear(args.linear, dtype, target.device)
-    except ValueError as exc:
-        raise Refused(f"error: {exc}") from None
-    ours = (target.model, *((dm.drafter, dm.head) if dm is not None else ()))
-    for module in ours:
-        pack_linears(module, linear)
-    console.print(f"linear layers: {linear}; {linear_reason}")
-    linear_tuning = {}
-    if linear == "onednn" and args.tune:  # per weight shape, the row counts at which F.linear beats the packed call here
-        tt0 = time.time()
-        linear_tuning = tune_linears(*ours)
-        console.print(f"linear paths tuned in {time.time() - tt0:.1f}s; F.linear wins at rows: "
-                      + "; ".join(f"{k}: {_rows_text(v)}" for k, v in linear_tuning.items()))
-    return linear, linear_reason, linear_tuning
+    vetted: dict = {}
 
+    def check_target(target) -> None:
+        vetted["stop_ids"], vetted["sampling"], vetted["encode"] = _check_target(args, target)
 
-def _enter_invariant(args: argparse.Namespace, console: Console, target, modes: contextlib.ExitStack) -> dict | None:
-    """``--invariant auto|on|off``: enter the row-invariant mode in ``modes`` where asked and possible (after packing
-    and tuning: the mode re-packs the target for row invariance), print the header line, and return the mode's
-    record (None when off).
-
-    Raises:
-        Refused: ``--invariant on`` where the target has no row-invariant path (the reason).
-    """
-    from dartree.models.invariant import enter_invariant
+    def check_models(target, dm) -> None:
+        vetted["prompts"], vetted["prompt_ids"] = _check_prompts(args, target, dm, methods, prompts, prompt_file,
+                                                                 vetted["encode"])
 
     try:
-        mode, note = enter_invariant(args.invariant, target, modes)
-    except ValueError as exc:
+        models = assemble(args.checkpoint if methods else None, args.target, dtype=args.dtype, linear=args.linear,
+                          invariant=args.invariant, tune=args.tune, calibration_ids=lambda _: vetted["prompt_ids"][0],
+                          check_target=check_target, check_models=check_models, log=console.print)
+    except TargetLoadError as exc:
+        raise Refused(f"error: cannot load --target {args.target!r}: {exc.reason}") from None
+    except ModeUnavailable as exc:
         raise Refused(f"error: --invariant on: {exc}") from None
-    console.print(note)
-    return None if mode is None else {"linear": mode.linear, "min_rows": mode.min_rows, "max_rows": mode.max_rows,
-                                     "why": mode.why}
-
-
-def _measured_dtype(s: "EvalSession", names: list[str], modes: contextlib.ExitStack) -> None:
-    """``--dtype auto`` where several dtypes can decode here: assemble each candidate (``s`` holds the first, already
-    packed), enter the row-invariant mode where it applies, drop bfloat16 where it cannot be exact (no row-invariant
-    path), time the rest interleaved on the first prompt (:func:`dartree.decode.precision.time_modes`) and keep the
-    fastest (:func:`~dartree.decode.precision.pick_dtype`) in ``s``, its mode entered in ``modes``; the others are
-    released. Prints each candidate's lines and the choice.
-
-    Raises:
-        Refused: ``--invariant on`` where no candidate has a row-invariant path.
-    """
-    args, console = s.args, s.console
-    cands, excluded = {}, {}
-    for i, name in enumerate(names):
-        dtype = DTYPES[name]
-        if i == 0:
-            target, dm, lin = s.target, s.dm, (s.linear, s.linear_reason, s.linear_tuning)
-        else:  # the first candidate vetted the target, checkpoint and prompts: these loads only change the dtype
-            target = load_target(args.target, dtype=dtype)
-            dm = load_dartree(args.checkpoint, target=target, dtype=dtype)
-            target.set_layer_ids(dm.drafter.cfg.target_layer_ids)
-            lin = _pack_models(args, console, target, dm, dtype)
-        stack = contextlib.ExitStack()
-        try:
-            inv = _enter_invariant(args, console, target, stack)
-        except Refused as exc:
-            inv, why = None, str(exc)
-        else:
-            why = "no row-invariant path here, so its outputs may split from AR at near-ties"
-        if dtype != torch.float32 and inv is None:
-            excluded[name] = why
-            stack.close()
-            continue
-        cands[dtype] = (target, dm, lin, inv, stack)
-    if not cands:
-        raise Refused("error: --invariant on: " + "; ".join(f"{k}: {v}" for k, v in excluded.items()))
-    tc0 = time.time()
-    costs = time_modes({d: (c[0], c[1].drafter) for d, c in cands.items()}, s.prompt_ids[0]) \
-        if len(cands) > 1 else None
-    if costs is None:
-        best = next(iter(cands))
-        reason = f"{s.dtype_reason}; only {str(best).replace('torch.', '')} is exact here: " + "; ".join(
-            f"{k} ({v})" for k, v in excluded.items())
-    else:
-        choice = pick_dtype(costs, *drafter_tau(s.dm.config), excluded=excluded)
-        best, reason = choice.dtype, f"{choice.reason} (timed in {time.time() - tc0:.1f}s)"
-    for d, c in cands.items():
-        if d != best:
-            c[4].close()
-    target, dm, lin, inv, stack = cands[best]
-    modes.enter_context(stack)
-    s.target, s.dm, s.dtype, s.dtype_reason, s.invariant = target, dm, best, reason, inv
-    s.linear, s.linear_reason, s.linear_tuning = lin
-    args.dtype = str(best).replace("torch.", "")
-    console.print(f"mode: {args.dtype}; {reason}")
-    # the candidates' own lines came before the choice: say again which row-invariant setting decodes
-    console.print(f"row-invariant verify (the {args.dtype} mode chosen): " + (
-        f"on (linear {inv['linear']}: {inv['why']})" if inv is not None else "off"))
+    except ValueError as exc:  # a bad checkpoint (CheckpointError), a --linear path that cannot run here
+        raise Refused(f"error: {exc}") from None
+    return models, vetted
 
 
 @dataclass
 class EvalSession:
     """Everything one evaluation run decodes with, built once from the parsed arguments by :func:`open_session`:
-    the target and checkpoint, the prompts and their ids, the matmul path, the row-invariant mode, the runs
-    (name -> (builder, budget)), their cost models, the peers, the stop ids and the sampling settings."""
+    the assembled models (``models``, :class:`~dartree.decode.assembly.Assembly`: target, checkpoint, dtype, matmul
+    path, row-invariant mode), the prompts and their ids, the runs (name -> (builder, budget)), their cost models,
+    the peers, the stop ids and the sampling settings."""
 
     args: argparse.Namespace
     console: Console
-    target: object
-    dm: object | None
-    dtype: torch.dtype
-    dtype_reason: str
+    models: Assembly
     runs: dict
     budget: object
     prompts: list
@@ -395,16 +299,22 @@ class EvalSession:
     stop_ids: list
     sampling: dict
     t0: float
-    linear: str = "aten"
-    linear_reason: str = ""
-    linear_tuning: dict = field(default_factory=dict)
-    invariant: dict | None = None
     cost_models: dict = field(default_factory=dict)
     peers: list = field(default_factory=list)
     peers_skipped: dict = field(default_factory=dict)
     zlab: object = None
     twin: object = None
     warm_record: dict | None = None
+
+    @property
+    def target(self):
+        """The target (:attr:`models`)."""
+        return self.models.target
+
+    @property
+    def dm(self):
+        """The checkpoint (:class:`~dartree.models.checkpoint.DraftModel`, :attr:`models`), None when only AR runs."""
+        return self.models.draft
 
     @property
     def methods(self) -> list[str]:
@@ -424,7 +334,7 @@ class EvalSession:
     @property
     def exact_rows(self) -> bool:
         """Whether a split from AR is a loss of exactness (fp32, or the row-invariant mode)."""
-        return self.dtype == torch.float32 or self.invariant is not None
+        return self.models.dtype == torch.float32 or self.models.invariant is not None
 
     @property
     def sampling_record(self) -> dict:
@@ -492,11 +402,11 @@ class EvalSession:
                 if why is not None:
                     self.peers_skipped[name] = why
                     continue
-                pack_linears(self.zlab, self.linear)  # z-lab's drafter gets the same matmul path as ours
-                if self.linear_tuning:
+                pack_linears(self.zlab, self.models.linear)  # z-lab's drafter gets the same matmul path as ours
+                if self.models.linear_tuning:
                     tune_linears(self.zlab)
             if name == "ar-bf16":
-                if self.dtype == torch.bfloat16:
+                if self.models.dtype == torch.bfloat16:
                     self.peers_skipped[name] = "the run is bfloat16 already: its AR row is bf16 AR"
                     continue
                 self.twin = load_bf16_twin(a.target)
@@ -641,11 +551,11 @@ class EvalSession:
     def environment(self, done: int, interrupted: str | None = None) -> dict:
         """report.json's ``environment``: the machine, versions and every setting of the run, with the first
         ``done`` prompts; ``interrupted``: the signal's name when the run was stopped."""
-        a, target, dm = self.args, self.target, self.dm
+        a, target, dm, models = self.args, self.target, self.dm, self.models
         return {
-            "device": str(target.device), "dtype": a.dtype, "dtype_reason": self.dtype_reason,
-            "linear": self.linear, "linear_reason": self.linear_reason, "linear_aten_rows": self.linear_tuning,
-            "row_invariant": self.invariant, "attn_implementation": target.config._attn_implementation,
+            "device": str(target.device), "dtype": a.dtype, "dtype_reason": models.dtype_note,
+            "linear": models.linear, "linear_reason": models.linear_note, "linear_aten_rows": models.linear_tuning,
+            "row_invariant": models.invariant_record, "attn_implementation": target.config._attn_implementation,
             "torch": torch.__version__, "transformers": __import__("transformers").__version__,
             "python": platform.python_version(), "platform": platform.platform(), "threads": torch.get_num_threads(),
             "target": target.name, "checkpoint": str(a.checkpoint) if self.methods else None,
@@ -681,7 +591,8 @@ class EvalSession:
 
 def open_session(args: argparse.Namespace, console: Console, modes: contextlib.ExitStack) -> EvalSession:
     """Load and check everything a run needs, in the order the CLI always has (prompt file, methods, dtype, target,
-    checkpoint, prompts, matmul path, row-invariant mode, cost models, peers), printing each choice.
+    checkpoint, prompts, matmul path, row-invariant mode: :func:`_assemble_models`; cost models, peers), printing
+    each choice; the assembly's row-invariant mode is entered into ``modes``.
 
     Raises:
         Refused: a bad argument, target, checkpoint or prompt set (one line; exit 2).
@@ -693,28 +604,23 @@ def open_session(args: argparse.Namespace, console: Console, modes: contextlib.E
         methods = resolve_methods(args.tree)
     except KeyError as exc:
         raise Refused(f"error: {exc.args[0]}") from None
-    names, dtype_reason = dtype_candidates(args.dtype)
-    if len(names) > 1 and (args.invariant == "off" or not methods):  # nothing exact, or nothing, to time bf16 with
-        names = ["float32"]
-        dtype_reason += ("; --invariant off leaves bfloat16 inexact, so float32" if args.invariant == "off" else
-                         "; AR only: no drafter to time a round with, so float32, the exact mode")
-    args.dtype, dtype = names[0], DTYPES[names[0]]
-    console.print(f"mode: {args.dtype if len(names) == 1 else ' or '.join(names) + ' (timed below)'}; {dtype_reason}")
+    names, dtype_reason = dtype_plan(args.dtype, args.invariant, drafter=bool(methods))
+    console.print(f"mode: {names[0] if len(names) == 1 else ' or '.join(names) + ' (timed below)'}; {dtype_reason}")
     budgets = list(args.budget)
     budget = budgets[0] if len(budgets) == 1 else budgets
     runs = plan_runs(methods, budgets)
     t0 = time.time()
-    target, stop_ids, sampling, encode = _load_target(args, dtype)
-    dm, prompts, prompt_ids = _load_drafter_and_prompts(args, target, dtype, methods, prompts, prompt_file, encode)
-    s = EvalSession(args=args, console=console, target=target, dm=dm, dtype=dtype, dtype_reason=dtype_reason,
-                    runs=runs, budget=budget, prompts=prompts, prompt_ids=prompt_ids, prompt_file=prompt_file,
-                    encode=encode, stop_ids=stop_ids, sampling=sampling, t0=t0)
-    s.linear, s.linear_reason, s.linear_tuning = _pack_models(args, console, target, dm, dtype)
-    if len(names) == 1:
-        s.invariant = _enter_invariant(args, console, target, modes)
-    else:
-        _measured_dtype(s, names, modes)
-    console.print(f"target {target.name} ({args.dtype}), {len(prompts)} prompts, methods: ar + {methods}, "
+    models, vetted = _assemble_models(args, console, methods, prompts, prompt_file)
+    modes.enter_context(models.modes)
+    s = EvalSession(args=args, console=console, models=models, runs=runs, budget=budget, prompt_file=prompt_file,
+                    t0=t0, **vetted)
+    args.dtype = models.dtype_name
+    if len(names) > 1:  # the candidates' own lines came before the choice: say which mode decodes
+        inv = models.invariant_record
+        console.print(f"mode: {args.dtype}; {models.dtype_note}")
+        console.print(f"row-invariant verify (the {args.dtype} mode chosen): " + (
+            f"on (linear {inv['linear']}: {inv['why']})" if inv is not None else "off"))
+    console.print(f"target {s.target.name} ({args.dtype}), {len(s.prompts)} prompts, methods: ar + {methods}, "
                   f"budget {budget}; loaded in {time.time() - t0:.1f}s")
     s.calibrate()
     s.load_peers()
