@@ -87,6 +87,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--replay", action="store_true",
                     help="replay every method's rounds at its largest budget for each smaller budget, the auto policy "
                          "and a hindsight per-round choice (dartree.decode.replay), times modelled from this run")
+    ap.add_argument("--replay-orders", type=int, default=1,
+                    help="with --replay: also replay the auto policy (both rules) over this many shuffled orders of "
+                         "the prompts, each from a fresh policy, and report the mean and worst against the best "
+                         "fixed budget (1: the order the prompts ran in only)")
     ap.add_argument("--out", default="reports/decode-bench.json")
     return ap.parse_args(argv)
 
@@ -163,7 +167,36 @@ def round_costs(stats_list, t_ar: float) -> dict:
 REPLAY_BUDGETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
-def replay_tables(console: Console, label: str, entry: dict, recorded: dict, curve: dict, t_ar: float) -> dict:
+def replay_orders(prompts: list, orders: int, new_policy, beta: float, round_s, t_ar: float, best_rate: float) -> dict:
+    """The ``--budget auto`` policy of both rules replayed over ``orders`` orders of the recorded prompts (the order
+    they ran in, then seeded shuffles), each from a fresh policy.
+
+    Args:
+        prompts: per prompt, its recorded rounds (:func:`~dartree.decode.replay.recorded_round` pairs).
+        orders: how many orders (>= 1).
+        new_policy: rule -> a fresh :class:`~dartree.decode.budget.CostModel` with this run's times.
+        beta, round_s, t_ar: as :func:`~dartree.decode.replay.replay_auto` takes them.
+        best_rate: tokens per second of the best fixed budget on the same rounds (order-independent).
+    Returns:
+        {rule: {"mean", "worst": rate / best_rate - 1 over the orders, "orders"}} for ``outcomes`` and ``scores``.
+    """
+    import random
+
+    from dartree.decode.replay import replay_auto
+
+    out = {rule: [] for rule in ("outcomes", "scores")}
+    for k in range(orders):
+        order = list(prompts)
+        if k:
+            random.Random(k).shuffle(order)
+        rounds = [r for p in order for r in p]
+        for rule in out:
+            out[rule].append(replay_auto(rounds, new_policy(rule), beta, round_s, t_ar)["rate"] / best_rate - 1.0)
+    return {rule: {"mean": sum(v) / len(v), "worst": min(v), "orders": len(v)} for rule, v in out.items()}
+
+
+def replay_tables(console: Console, label: str, entry: dict, recorded: dict, curve: dict, t_ar: float,
+                  orders: int = 1) -> dict:
     """Print and return, per method recorded at budget B_max, the replayed budget sweep (:mod:`dartree.decode.replay`).
 
     Round times are modelled from what this run measured in the loop: a drafted round that verifies b nodes costs the
@@ -173,7 +206,7 @@ def replay_tables(console: Console, label: str, entry: dict, recorded: dict, cur
     17% too high on a 2-core VM); a plain AR step costs ``t_ar``. Rows: each budget b <= B_max (tau replayed, modelled round and
     speedup, and the measured speedup where the bench ran that budget), the best of them, the ``--budget auto`` policy
     replayed from a fresh cost model with these times (its default rule, and the per-round ``rule="scores"``), and
-    the hindsight per-round choice (an upper bound).
+    the hindsight per-round choice (an upper bound). ``orders`` > 1: also :func:`replay_orders`, printed as one line.
     """
     from dartree.decode.budget import CostModel
     from dartree.decode.generate import BETA_BUILDERS
@@ -219,9 +252,11 @@ def replay_tables(console: Console, label: str, entry: dict, recorded: dict, cur
             table.add_row(str(b), f"{r['tau']:.3f}", f"{round_s(b) / t_ar:.2f}", f"{r['rate'] * t_ar:.3f}x",
                           f"{ran[b]['speedup']:.3f}x" if b in ran else "", "")
         best = max(rows, key=lambda b: rows[b]["rate"])
-        auto, scores = (replay_auto(rounds, CostModel(t_ar=t_ar, t_draft=other, max_budget=bmax, rule=rule,
-                                                      verify_s={t: verify_s(t) for t in range(1, bmax + 2)}),
-                                    beta, round_s, t_ar) for rule in ("outcomes", "scores"))
+        def new_policy(rule: str, verify_s=verify_s, other=other, bmax=bmax) -> CostModel:
+            return CostModel(t_ar=t_ar, t_draft=other, max_budget=bmax, rule=rule,
+                             verify_s={t: verify_s(t) for t in range(1, bmax + 2)})
+
+        auto, scores = (replay_auto(rounds, new_policy(rule), beta, round_s, t_ar) for rule in ("outcomes", "scores"))
         hind = replay_hindsight(rounds, bmax, beta, round_s, t_ar)
         for name, r in ((f"best fixed (B = {best})", rows[best]), ("auto (replayed)", auto),
                         ("auto, per-round rule (replayed)", scores), ("hindsight", hind)):
@@ -233,6 +268,12 @@ def replay_tables(console: Console, label: str, entry: dict, recorded: dict, cur
                   "auto": {**auto, "speedup": auto["rate"] * t_ar},
                   "auto_scores": {**scores, "speedup": scores["rate"] * t_ar},
                   "hindsight": {**hind, "speedup": hind["rate"] * t_ar}}
+        if orders > 1:
+            prompts = [[recorded_round(r) for r in s.trees] for s in stats]
+            out[m]["orders"] = o = replay_orders(prompts, orders, new_policy, beta, round_s, t_ar, rows[best]["rate"])
+            console.print(f"{label}: {m}: auto replayed over {orders} prompt orders against the best fixed budget "
+                          f"(B = {best}): outcomes rule {o['outcomes']['mean']:+.2%} (worst {o['outcomes']['worst']:+.2%}),"
+                          f" per-round rule {o['scores']['mean']:+.2%} (worst {o['scores']['worst']:+.2%})")
     return out
 
 
@@ -243,8 +284,10 @@ def main(argv=None) -> int:
         args.tree = list(dict.fromkeys(builder_name(n) for n in args.tree))
     except KeyError as exc:
         return fail(f"--tree: {exc.args[0]}")
-    if min(args.budget) < 0 or args.limit < 1 or args.max_new_tokens < 2 or args.context < 2 or args.reps < 1:
-        return fail("--budget >= 0, --limit >= 1, --max-new-tokens >= 2, --context >= 2, --reps >= 1")
+    if min(args.budget) < 0 or args.limit < 1 or args.max_new_tokens < 2 or args.context < 2 or args.reps < 1 \
+            or args.replay_orders < 1:
+        return fail("--budget >= 0, --limit >= 1, --max-new-tokens >= 2, --context >= 2, --reps >= 1, "
+                    "--replay-orders >= 1")
     prompt_file = None  # the --prompts file's record (path, sha256, ...), checked before any model loads
     file_prompts: list = []
     if args.prompts is not None:
@@ -385,7 +428,7 @@ def _measure(args, console, result: dict, label: str, models, file_prompts: list
                    f"{rc['speedup']:.3f}x", f"{rc['mean_tree_nodes']:.1f}")
     console.print(mt)
     if args.replay:
-        entry["replay"] = replay_tables(console, label, entry, recorded, curve, t_ar)
+        entry["replay"] = replay_tables(console, label, entry, recorded, curve, t_ar, args.replay_orders)
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
 

@@ -260,7 +260,8 @@ def test_bench_replay_sweeps_budgets_from_one_recorded_decode(tiny_folder, tmp_p
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "decode/bench.py", "--target", str(tiny_folder / "target"), "--checkpoint",
            str(tiny_folder / "ckpt"), "--tree", "pruned", "--budget", "2", "6", "--datasets", "gsm8k", "--limit", "1",
-           "--max-new-tokens", "16", "--reps", "1", "--context", "16", "--replay", "--out", str(out)]
+           "--max-new-tokens", "16", "--reps", "1", "--context", "16", "--replay", "--replay-orders", "3",
+           "--out", str(out)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     entry = next(iter(json.loads(out.read_text())["dtypes"].values()))
@@ -276,6 +277,13 @@ def test_bench_replay_sweeps_budgets_from_one_recorded_decode(tiny_folder, tmp_p
     assert rep["hindsight"]["rate"] >= max(v["rate"] for v in rep["fixed"].values()) - 1e-12
     assert sum(rep["auto"]["chosen"].values()) == sum(rep["auto_scores"]["chosen"].values()) == rep["rounds"]
     assert "pinned at T" in r.stdout and "hindsight" in r.stdout and "per-round rule" in r.stdout
+    # three prompt orders, each from a fresh policy: with one prompt every order is the run's own, so each rule's mean
+    # and worst are its auto row's rate against the best fixed budget
+    orders, best = rep["orders"], rep["fixed"][str(rep["best_fixed"])]["rate"]
+    assert orders["outcomes"]["orders"] == orders["scores"]["orders"] == 3 and "over 3 prompt orders" in r.stdout
+    for rule, row in (("outcomes", "auto"), ("scores", "auto_scores")):
+        assert orders[rule]["mean"] == pytest.approx(rep[row]["rate"] / best - 1, abs=1e-12)
+        assert orders[rule]["worst"] == pytest.approx(orders[rule]["mean"], abs=1e-12)
 
 
 @pytest.mark.slow
