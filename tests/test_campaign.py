@@ -201,12 +201,15 @@ def test_the_curve_counts_the_predictions_of_a_runs_own_lineage(tmp_path, monkey
                  {"output_dir": "/r/x-1", "parent": None, "shards": 1, "predictions": 7, "holdout_chain_tau": 1.5},
                  {"output_dir": "/r/x-2", "parent": None, "shards": 2, "predictions": 30, "holdout_chain_tau": 1.6},
                  {"output_dir": "/r/x-3", "parent": "/r/x-2", "shards": 3, "predictions": 400,
-                  "holdout_chain_tau": 1.7, "eval_chain_tau": 1.45}]}}
+                  "holdout_chain_tau": 1.7, "eval_chain_tau": 1.45},
+                 {"output_dir": "/r/x-4", "parent": "/r/x-3", "shards": 3, "predictions": 100,  # measured by apply
+                  "holdout_chain_tau": 1.75, "eval_chain_tau": 1.6,
+                  "eval_chain": {"prompts": 15, "max_new_tokens": 256, "limit": 5}}]}}
     (folder / "train_state.json").write_text(json.dumps(state))
     pts = curve_points(cfg)["x"]
-    assert [p["predictions"] for p in pts] == [10_000, 10_007, 10_030, 10_430]
-    assert [p["response_tokens"] for p in pts] == [1000, 1100, 1150, 1175]
-    assert [p.get("eval_chain_tau") for p in pts] == [None, None, None, 1.45]
+    assert [p["predictions"] for p in pts] == [10_000, 10_007, 10_030, 10_430, 10_530]
+    assert [p["response_tokens"] for p in pts] == [1000, 1100, 1150, 1175, 1175]
+    assert [p.get("eval_chain_tau") for p in pts] == [None, None, None, 1.45, 1.6]
     import matplotlib
 
     matplotlib.use("Agg")
@@ -218,8 +221,9 @@ def test_the_curve_counts_the_predictions_of_a_runs_own_lineage(tmp_path, monkey
     monkeypatch.setattr(plt, "close", lambda fig: (seen.append(fig), real_close(fig)))  # keep the figure to read
     assert plot_curve(cfg, tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG"
     lines = {ln.get_label(): ln for ln in seen[0].axes[1].get_lines()}
-    assert list(lines["x eval (15 prompts x 128 tokens)"].get_xdata()) == [10_430]
-    assert list(lines["x held-out"].get_ydata()) == [1.4, 1.5, 1.6, 1.7]
+    assert list(lines["x eval (15 prompts x 128 tokens)"].get_xdata()) == [10_430]  # recorded by hand
+    assert list(lines["x eval (15 prompts x 256 tokens)"].get_xdata()) == [10_530]  # apply's own settings
+    assert list(lines["x held-out"].get_ydata()) == [1.4, 1.5, 1.6, 1.7, 1.75]
     assert parent_of(cfg, "x", state, "/r/x-3/checkpoint") == "/r/x-3"
     assert parent_of(cfg, "x", state, str(folder / "checkpoints" / "x")) == "/r/x-2"
     assert parent_of(cfg, "x", state, "/repo/checkpoints/x") is None  # shipped, before the campaign shipped one

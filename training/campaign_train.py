@@ -305,9 +305,23 @@ def curve_points(cfg: DictConfig) -> dict:
                         # continued from the shipped weights: both data sets
                         "response_tokens": b["response_tokens"] + sum(per_shard[: run["shards"]]),
                         "predictions": b["predictions"] + own, "holdout_chain_tau": run["holdout_chain_tau"],
-                        **({"eval_chain_tau": run["eval_chain_tau"]} if "eval_chain_tau" in run else {})})
+                        **({"eval_chain_tau": run["eval_chain_tau"], "eval_setting": eval_setting(run)}
+                           if "eval_chain_tau" in run else {})})
         out[recipe] = pts
     return out
+
+
+# The settings of the eval chain tau recorded by hand (checkpoints/README.md): the make-run prompts, 5 per set
+HAND_EVAL_SETTING = "15 prompts x 128 tokens"
+
+
+def eval_setting(record: dict) -> str:
+    """What a record's ``eval_chain_tau`` was measured on, for the curve's legend: ``"N prompts x T tokens"`` from its
+    ``eval_chain`` settings (``training/burst.py stage=apply`` writes them), else :data:`HAND_EVAL_SETTING`."""
+    ev = record.get("eval_chain") or {}
+    if "prompts" in ev and "max_new_tokens" in ev:
+        return f"{ev['prompts']} prompts x {ev['max_new_tokens']} tokens"
+    return HAND_EVAL_SETTING
 
 
 def plot_curve(cfg: DictConfig, path: Path) -> Path | None:
@@ -337,9 +351,10 @@ def plot_curve(cfg: DictConfig, path: Path) -> Path | None:
             (line,) = ax.plot([p[key] for p in pts], [p["holdout_chain_tau"] for p in pts], "o-",
                               label=f"{recipe} held-out")
             ev = [p for p in pts if "eval_chain_tau" in p]
-            if ev:
-                ax.plot([p[key] for p in ev], [p["eval_chain_tau"] for p in ev], "s--", color=line.get_color(),
-                        label=f"{recipe} eval (15 prompts x 128 tokens)")
+            for setting in dict.fromkeys(p.get("eval_setting", HAND_EVAL_SETTING) for p in ev):  # one series each
+                same = [p for p in ev if p.get("eval_setting", HAND_EVAL_SETTING) == setting]
+                ax.plot([p[key] for p in same], [p["eval_chain_tau"] for p in same], "s--", color=line.get_color(),
+                        label=f"{recipe} eval ({setting})")
         if key == "response_tokens":  # the published slopes, from the first recipe's shipped point
             first = next(iter(points))
             x0, y0 = points[first][0][key], points[first][0]["holdout_chain_tau"]
