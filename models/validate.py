@@ -245,7 +245,9 @@ HEAD_FIELDS = {
 
 def folder_problem(path: str | os.PathLike) -> str | None:
     """Why ``path`` cannot become an output folder, found by trying (permission bits say little to root): None
-    when it can. Folders created for the trial and the trial file are removed again, so nothing is left behind.
+    when it can. The trial writes a temporary file in ``path`` when it exists, else a temporary folder in its nearest
+    existing parent, and removes it again: nothing is left behind, and folders that other processes create or remove
+    meanwhile (runs side by side under one parent) are never touched.
 
     Returns:
         None, or a phrase such as ``"is an existing file, not a folder"`` for the caller's one-line message.
@@ -253,27 +255,24 @@ def folder_problem(path: str | os.PathLike) -> str | None:
     p = Path(path).expanduser()
     if p.exists() and not p.is_dir():
         return "is an existing file, not a folder"
-    created: list[Path] = []
-    try:
-        missing, q = [], p
-        while not q.exists():
-            missing.append(q)
-            q = q.parent
-        if not q.is_dir():
-            return f"cannot be created: {q} is a file"
-        for m in reversed(missing):
-            m.mkdir()
-            created.append(m)
-        with tempfile.TemporaryFile(dir=p):
-            pass
-    except OSError as exc:
-        return f"cannot be created or written ({exc.strerror or exc})"
-    finally:
-        for m in reversed(created):
-            try:
-                m.rmdir()
-            except OSError:
-                pass
+    for attempt in range(3):  # a parent another process removes meanwhile: look again
+        try:
+            q = p
+            while not q.exists():
+                q = q.parent
+            if not q.is_dir():
+                return f"cannot be created: {q} is a file"
+            if q == p:
+                with tempfile.TemporaryFile(dir=p):
+                    pass
+            else:  # a folder of this trial's own in the nearest existing one: shared parents are never touched
+                os.rmdir(tempfile.mkdtemp(dir=q))
+            return None
+        except FileNotFoundError as exc:
+            if attempt == 2:
+                return f"cannot be created or written ({exc.strerror or exc})"
+        except OSError as exc:
+            return f"cannot be created or written ({exc.strerror or exc})"
     return None
 
 

@@ -580,6 +580,28 @@ def test_an_output_folder_that_cannot_be_written_is_refused_before_any_work(tmp_
     assert afile.read_text() == "keep me"
 
 
+def test_output_folder_checks_of_runs_side_by_side_neither_fail_nor_leave_folders(tmp_path):
+    """Workers started together check sibling output folders under parents none of them has created yet (the burst's
+    three trainers): every check passes and nothing is left behind (a trial that created the shared parents failed
+    132 of 1,600 checks and left 63 folders when another trial removed them under it)."""
+    import threading
+
+    bad = []
+
+    def check(i):
+        for k in range(200):
+            why = folder_problem(tmp_path / f"shared{k}" / "runs" / f"worker{i}")
+            if why is not None:
+                bad.append(why)
+
+    threads = [threading.Thread(target=check, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert bad == [] and list(tmp_path.iterdir()) == []
+
+
 def test_load_prompts_refuses_a_negative_limit():
     from dartree.decode.harness.prompts import load_prompts
 
