@@ -5,7 +5,6 @@ drafter through :func:`dartree.decode.assembly.assemble`, with their flags passe
 import contextlib
 import io
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -13,33 +12,9 @@ import torch
 from rich.console import Console
 
 import dartree.decode.assembly as assembly
-from dartree.models.checkpoint import save_dartree
-from dartree.models.drafter import DFlashDrafter, DrafterConfig
-from dartree.models.heads import MarkovHead
-from dartree.models.target import resolve_target_path
+from test_eval_cli import tiny_folder  # noqa: F401  (fixture: the tiny target and drafter folders)
 
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    """A tiny Llama target with the default target's tokenizer and a random drafter checkpoint for it."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    root = tmp_path_factory.mktemp("tiny")
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, eos_token_id=2, bos_token_id=1,
-                      pad_token_id=2, tie_word_embeddings=True)
-    LlamaForCausalLM(cfg).save_pretrained(root / "target")
-    for f in resolve_target_path("smollm2").iterdir():
-        if f.name.startswith("tokenizer") or f.name.endswith(".jinja") or f.name == "special_tokens_map.json":
-            shutil.copy(f, root / "target" / f.name)
-    dcfg = DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
-                         head_dim=8, target_layer_ids=[0, 1], mask_token_id=0, block_size=8)
-    ident = {"name": "tiny", "vocab_size": 49152, "hidden_size": 32, "num_layers": 2}
-    save_dartree(root / "ckpt", DFlashDrafter(dcfg), MarkovHead(49152, 4), ident)
-    return root
 
 
 class Stop(Exception):
@@ -88,14 +63,14 @@ def _settings(call: dict) -> tuple:
     return call["dtype"], call["linear"], call["tune"], call["device"], call.get("invariant")
 
 
-def test_load_decodes_with_the_assembled_models(tiny, builds):
+def test_load_decodes_with_the_assembled_models(tiny_folder, builds):  # noqa: F811
     import dartree
 
-    dec = dartree.load(tiny / "ckpt", tiny / "target", dtype="bfloat16", linear="aten", invariant="off",
+    dec = dartree.load(tiny_folder / "ckpt", tiny_folder / "target", dtype="bfloat16", linear="aten", invariant="off",
                        warm_up=False)
     (call,) = builds
     assert _settings(call) == (torch.bfloat16, "aten", False, "cpu", "off")  # load() never tunes
-    assert call["drafter"] == str(tiny / "ckpt") and call["target"] == str(tiny / "target")
+    assert call["drafter"] == str(tiny_folder / "ckpt") and call["target"] == str(tiny_folder / "target")
     models = call["built"]
     assert dec.assembly is models and dec.target is models.target and dec.draft is models.draft
     assert (dec.dtype, dec.linear, dec.invariant) == (torch.bfloat16, "aten", None)
@@ -104,13 +79,13 @@ def test_load_decodes_with_the_assembled_models(tiny, builds):
     assert 1 <= len(out.tokens) <= 4 and out.stats.rounds >= 1
 
 
-def test_the_eval_session_decodes_with_the_assembled_models(tiny, builds):
+def test_the_eval_session_decodes_with_the_assembled_models(tiny_folder, builds):  # noqa: F811
     from dartree.decode.eval import parse_args
     from dartree.decode.harness.session import open_session
 
-    args = parse_args(["--target", str(tiny / "target"), "--checkpoint", str(tiny / "ckpt"), "--tree", "chain",
-                       "--budget", "2", "--datasets", "gsm8k", "--limit", "1", "--max-new-tokens", "4",
-                       "--dtype", "float32", "--linear", "onednn", "--no-tune", "--invariant", "on"])
+    args = parse_args(["--target", str(tiny_folder / "target"), "--checkpoint", str(tiny_folder / "ckpt"),
+                       "--tree", "chain", "--budget", "2", "--datasets", "gsm8k", "--limit", "1",
+                       "--max-new-tokens", "4", "--dtype", "float32", "--linear", "onednn", "--no-tune", "--invariant", "on"])
     printed = io.StringIO()
     with contextlib.ExitStack() as modes:
         s = open_session(args, Console(file=printed, width=200), modes)
@@ -129,11 +104,11 @@ def test_the_eval_session_decodes_with_the_assembled_models(tiny, builds):
 
 
 @pytest.mark.slow
-def test_the_bench_measures_the_assembled_models(tiny, builds, tmp_path):
+def test_the_bench_measures_the_assembled_models(tiny_folder, builds, tmp_path):  # noqa: F811
     from dartree.decode.bench import main
 
     out = tmp_path / "bench.json"
-    assert main(["--target", str(tiny / "target"), "--checkpoint", str(tiny / "ckpt"), "--tree", "chain",
+    assert main(["--target", str(tiny_folder / "target"), "--checkpoint", str(tiny_folder / "ckpt"), "--tree", "chain",
                  "--datasets", "gsm8k", "--limit", "1", "--max-new-tokens", "4", "--reps", "1", "--context", "16",
                  "--linear", "aten", "--no-tune", "--invariant", "--out", str(out)]) == 0
     # the bench's own default dtype (float32), its --linear and --no-tune, the mode off then on (--invariant)
@@ -162,10 +137,11 @@ def test_the_gpu_check_runs_on_the_assembled_models(builds):
     assert _settings(builds[-1])[:4] == (torch.bfloat16, "aten", False, "cuda")
 
 
-def test_auto_times_two_exact_candidates_keeps_one_and_releases_the_other(tiny, builds, monkeypatch):
+def test_auto_times_two_exact_candidates_keeps_one_and_releases_the_other(tiny_folder, builds,  # noqa: F811
+                                                                           monkeypatch):
     _both_candidates(monkeypatch)
     lines: list[str] = []
-    models = assembly.assemble(tiny / "ckpt", tiny / "target", log=lines.append)
+    models = assembly.assemble(tiny_folder / "ckpt", tiny_folder / "target", log=lines.append)
     assert [(c["dtype"], c.get("invariant")) for c in builds] == [(torch.bfloat16, "auto"), (torch.float32, "auto")]
     kept = [c["built"] for c in builds if c["built"] is models]
     others = [c["built"] for c in builds if c["built"] is not models]
@@ -180,7 +156,7 @@ def test_auto_times_two_exact_candidates_keeps_one_and_releases_the_other(tiny, 
     models.close()
 
 
-def test_invariant_on_without_a_path_drops_the_candidate_or_is_refused(tiny, monkeypatch):
+def test_invariant_on_without_a_path_drops_the_candidate_or_is_refused(tiny_folder, monkeypatch):  # noqa: F811
     _both_candidates(monkeypatch)
     real = assembly.enter_invariant
 
@@ -190,21 +166,21 @@ def test_invariant_on_without_a_path_drops_the_candidate_or_is_refused(tiny, mon
         return real(requested, target, stack)
 
     monkeypatch.setattr(assembly, "enter_invariant", no_bf16_path)
-    models = assembly.assemble(tiny / "ckpt", tiny / "target", invariant="on")
+    models = assembly.assemble(tiny_folder / "ckpt", tiny_folder / "target", invariant="on")
     assert models.dtype == torch.float32 and models.invariant is not None
     assert models.dtype_note == "auto: stub; only float32 is exact here: bfloat16 (no bf16 path here)"
     models.close()
     with pytest.raises(assembly.ModeUnavailable, match=r"^no bf16 path here$"):
-        assembly.assemble(tiny / "ckpt", tiny / "target", dtype="bfloat16", invariant="on")
+        assembly.assemble(tiny_folder / "ckpt", tiny_folder / "target", dtype="bfloat16", invariant="on")
 
 
-def test_a_target_that_does_not_load_and_the_target_alone(tiny, tmp_path):
+def test_a_target_that_does_not_load_and_the_target_alone(tiny_folder, tmp_path):  # noqa: F811
     with pytest.raises(assembly.TargetLoadError, match="cannot load the target") as info:
-        assembly.assemble(tiny / "ckpt", tmp_path / "no-such-target", dtype="float32")
+        assembly.assemble(tiny_folder / "ckpt", tmp_path / "no-such-target", dtype="float32")
     assert info.value.spec == str(tmp_path / "no-such-target") and info.value.reason
     names, why = assembly.dtype_plan("auto", "auto", drafter=False)
     assert names == ["float32"]
-    ar = assembly.assemble(None, tiny / "target", dtype="auto", linear="aten")  # plain AR: no drafter, fp32
+    ar = assembly.assemble(None, tiny_folder / "target", dtype="auto", linear="aten")  # plain AR: no drafter, fp32
     assert ar.draft is None and ar.drafter is None and ar.head is None and ar.dtype == torch.float32
     assert ar.dtype_note == why and ar.invariant is None
     with pytest.raises(ValueError, match="invariant must be one of auto, on, off, got 'always'"):
