@@ -192,8 +192,18 @@ def prepare_data(cfg: DictConfig, target: Target) -> BlockData:
             train_rows, hold_rows = campaign_rows(Path(d.campaign_dir or DEFAULT_DIR), int(d.campaign_shards) or None)
         except CampaignError as exc:
             raise RecipeError(f"data.source=campaign: {exc}") from None
-        data = CampaignData(target, train_rows, hold_rows)
-        data.need_lse = bool(cfg.drafter.draft_vocab_size)
+        store = None
+        if float(d.get("feature_store_gb", 0) or 0) > 0:
+            from dartree.models.target import cache_root
+            from dartree.training.feature_store import FeatureStore
+
+            store = FeatureStore(cache_root() / "feature-store", target, int(float(d.feature_store_gb) * 1e9))
+        data = CampaignData(target, train_rows, hold_rows, store=store)
+        from dartree.training.step import needs_target_lse
+
+        # the full-vocabulary lse per sequence only where the loss reads it (a draft vocabulary's L1 / TV /
+        # confidence label): a dflash or domino run, or the KL alone, skips that [T, V] matmul per target forward
+        data.need_lse = needs_target_lse(cfg)
         return data
     if d.source not in ("sharegpt", "random"):
         raise RecipeError(f"data.source {d.source!r} is not 'sharegpt', 'random' or 'campaign'")

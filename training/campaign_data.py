@@ -1,4 +1,5 @@
-"""Campaign shards as training data, with the target's features recomputed online (no feature store).
+"""Campaign shards as training data, with the target's features recomputed online (or, with a bounded on-disk
+:class:`~dartree.training.feature_store.FeatureStore`, read back on later visits).
 
 :class:`CampaignData` answers the interface training reads from :class:`~dartree.training.data.BlockData`
 (``tokens``, ``prompt_len``, ``loss_mask``, ``train_ids``, ``holdout_ids``, ``sequence(i)``, ``lse_of(i)``,
@@ -7,7 +8,9 @@ for 5 x 576 bf16 features: 13 GB at 4x the shipped data), ``sequence(i)`` runs o
 sequence and captures the layer outputs and the final normed hidden state there. The cost is one target prefill
 per training sequence visit, shared by the ``train.num_anchors`` blocks drawn from it; the last few sequences stay
 in a small cache, and the held-out sequences' features stay (every held-out evaluation revisits all of them).
-Features stay on the target's device (the training device), where the step reads them.
+Features stay on the target's device (the training device), where the step reads them. ``data.feature_store_gb`` > 0
+keeps every computed sequence's features in the user cache too (:mod:`dartree.training.feature_store`), so a
+repeated epoch, a later run, or the held-out set of the next run reads them instead of running the target.
 
 Dimension letters as in :mod:`dartree.models.target`: T tokens of one sequence, D hidden size, nL captured layers.
 """
@@ -51,6 +54,8 @@ class CampaignData:
         train_rows, holdout_rows: rows of :func:`campaign_rows` (prompt_ids, response_ids, loss_mask).
         cache_size: training sequences whose features are kept in memory (least recently used out); the
             held-out sequences' features are kept once computed (about 7 KB per token for 5 x 576 features).
+        store: an on-disk :class:`~dartree.training.feature_store.FeatureStore` read before a forward and written
+            after one, or None (every visit not in memory runs the target).
     Attributes:
         online: True (the trainer computes the draft vocabulary's log-sum-exp per sequence, not from a file).
     Raises:
@@ -59,8 +64,10 @@ class CampaignData:
 
     online = True
 
-    def __init__(self, target: Target, train_rows: Sequence[dict], holdout_rows: Sequence[dict], cache_size: int = 64):
+    def __init__(self, target: Target, train_rows: Sequence[dict], holdout_rows: Sequence[dict], cache_size: int = 64,
+                 store=None):
         self.target = target
+        self.store = store
         rows = list(train_rows) + list(holdout_rows)
         self.prompt_len = [len(r["prompt_ids"]) for r in rows]
         self.tokens = [torch.tensor(list(r["prompt_ids"]) + list(r["response_ids"]), dtype=torch.long) for r in rows]
@@ -108,6 +115,11 @@ class CampaignData:
             return hit
         import time
 
+        need_lse = getattr(self, "need_lse", False)
+        if self.store is not None:
+            got = self.store.get(self.tokens[i], self.target.device, need_lse)
+            if got is not None:
+                return self._keep(i, got)
         t0 = time.time()
         tgt = self.target
         captured = {}
@@ -120,12 +132,19 @@ class CampaignData:
         feats = out.features[0].to(torch.bfloat16)  # [T, nL*D], as the feature file stores them
         final = captured["final"][0].to(torch.bfloat16)  # [T, D]
         lse = None
-        if getattr(self, "need_lse", False):
+        if need_lse:
             w = tgt.lm_head.weight
             lse = torch.logsumexp(torch.nn.functional.linear(final.to(w.device, w.dtype), w).float(), dim=-1)
         self.forward_s += time.time() - t0
         self.forward_tokens += int(self.tokens[i].numel())
         hit = (feats, final, lse)
+        if self.store is not None:
+            self.store.put(self.tokens[i], feats, final, lse)
+        return self._keep(i, hit)
+
+    def _keep(self, i: int, hit: tuple) -> tuple:
+        """Keep sequence i's (feats, final, lse) in memory (training sequences least recently used out) and return
+        them."""
         self._cache[i] = hit
         if i not in self._holdout:  # held-out sequences stay: every curve point revisits all of them
             self._lru.append(i)

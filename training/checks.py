@@ -54,7 +54,9 @@ RECIPE_FIELDS = {
     "loss.gamma": Range(0, integer=False, lo_open=True, optional=True,
                         note="decay exp(-k/gamma) over the proposals; null: no decay, SpecForge's default"),
     "loss.ce_weight": Range(0, integer=False),
-    "loss.l1_weight": Range(0, integer=False),
+    "loss.l1_weight": Range(0, integer=False, note="dspark: L1 distance sum|p_d - p_t|"),
+    "loss.tv_weight": Range(0, integer=False, note="dspark: total variation 0.5 sum|p_d - p_t|"),
+    "loss.kl_weight": Range(0, integer=False, note="dspark: KL(p_t || p_d)"),
     "loss.conf_weight": Range(0, integer=False),
     "loss.lambda_base_start": Range(0, 1, integer=False),
     "loss.lambda_decay_ratio": Range(0, integer=False, lo_open=True,
@@ -92,6 +94,11 @@ RECIPE_FIELDS = {
     "train.save_every_minutes": Range(0, integer=False, note="0: off"),
     "train.save_every_steps": Range(0, note="0: off"),
     "train.eval_every_steps": Range(0, note="0: only at the end"),
+    "train.schedule_from_init": Flag(),
+    "train.schedule_steps": Range(0, note="0: the lineage's steps so far + this run's"),
+    "data.cursor_from_init": Flag(),
+    "data.feature_store_gb": Range(0, integer=False, note="0: off; data.source=campaign: GB of target features kept "
+                                                          "in the user cache"),
     "deepspeed.zero_stage": Range(0, 3),
     "wandb.enabled": Flag(),
     "wandb.mode": Choice(("online", "offline", "disabled")),
@@ -115,9 +122,20 @@ def recipe_problems(cfg: DictConfig) -> list[str]:
     if h.type == "gru" and h.prefix_len >= proposals:
         out.append(f"head.prefix_len={h.prefix_len} leaves no proposal to correct (block {d.block_size}, "
                    f"{proposals} proposals): must be < {proposals}")
-    if lo.type == "dspark" and lo.ce_weight == 0 and lo.l1_weight == 0:
-        out.append("loss.ce_weight=0 and loss.l1_weight=0: the DSpark loss would not train the drafter or its "
-                   "Markov head; give either a positive weight")
+    if lo.type == "dspark" and lo.ce_weight == 0 and lo.l1_weight == 0 and not lo.get("tv_weight", 0) \
+            and not lo.get("kl_weight", 0):
+        out.append("loss.ce_weight=0 and loss.l1_weight=0 (and loss.tv_weight, loss.kl_weight 0): the DSpark loss "
+                   "would not train the drafter or its Markov head; give one of them a positive weight")
+    if lo.type != "dspark" and (lo.get("tv_weight", 0) or lo.get("kl_weight", 0)):
+        out.append(f"loss.tv_weight={lo.get('tv_weight', 0)} / loss.kl_weight={lo.get('kl_weight', 0)} apply to "
+                   f"loss.type=dspark only (this recipe is {lo.type}): set them to 0, or use loss.type=dspark")
+    if da.get("feature_store_gb", 0) and da.source != "campaign":
+        out.append(f"data.feature_store_gb={da.feature_store_gb} stores online features, which only data.source=campaign "
+                   f"computes (this recipe reads {da.source!r} data from its feature file): set it to 0")
+    if (da.get("cursor_from_init", False) or tr.get("schedule_from_init", False)) and not cfg.get("init_from"):
+        which = "data.cursor_from_init" if da.get("cursor_from_init", False) else "train.schedule_from_init"
+        out.append(f"{which}=true continues init_from's run, but init_from is not set: give init_from=RUN/checkpoint, "
+                   f"or set {which}=false")
     if tr.epochs == 0 and tr.max_steps == 0:
         out.append("train.epochs=0 and train.max_steps=0: give the run a length (train.epochs > 0 or "
                    "train.max_steps > 0)")

@@ -12,7 +12,18 @@ the step's weight sum over all processes, :func:`weight_sum`, as SpecForge pools
 - ``domino``: ``(1 - lambda) CE(corrected) + lambda CE(base)`` with the base-anchored linear curriculum for
   lambda (Domino, arXiv 2605.29707; SpecForge ``OnlineDominoModel``);
 - ``dspark``: ``alpha_ce CE + alpha_tv ||p_d - p_t||_1 + alpha_conf BCE(c, 1 - ||p_d - p_t||_1 / 2)``
-  (DSpark, arXiv 2607.05147, Sec. 3.3), the BCE only when the head has a confidence head.
+  (DSpark, arXiv 2607.05147, Sec. 3.3), the BCE only when the head has a confidence head. Its distribution term
+  ``alpha_tv`` multiplies the L1 distance sum_v |p_d - p_t| (SpecForge / DeepSpec / NeMo AutoModel
+  ``l1_loss_alpha``, called "TVD" there), twice the total variation. Two more distribution terms, over the same
+  decay weights: ``tv_weight`` times the total variation TV = 0.5 sum_v |p_t - p_d| (the same term at half the
+  scale), and ``kl_weight`` times KL(p_t || p_d) (forward KL to the target's distribution: DistillSpec's distillation
+  objective, arXiv 2310.08461; EAGLE's soft-label classification loss, arXiv 2401.15077, is it plus the target's
+  entropy).
+
+On a draft vocabulary (the drafter scores V' < V tokens) the L1 / TV add the target's mass outside V' (the drafter
+puts none there), from the target's full-vocabulary log-sum-exp; the KL is to the target's distribution
+renormalised over V' (p_t restricted to V', over its sum: the distribution the drafter can match; the full-vocabulary
+KL is infinite there), so it needs only the target's logits on the V' columns, no log-sum-exp.
 
 Which predictions carry a loss is :func:`label_mask`: the label lies inside the sequence and, with a loss mask
 (assistant tokens only, multi-turn data), is a supervised token; DSpark's cumulative form drops every later label of
@@ -53,9 +64,10 @@ class LossOut:
     """Loss pieces (scalars) and teacher-forced accuracy per block position ([P], fraction in [0, 1]).
 
     ``ce`` is the CE of the final (corrected) logits; ``l1`` the L1 distance to the target distribution
-    (dspark); ``bce`` the confidence BCE (dspark with a confidence head); ``base_ce`` the CE of the base
-    logits (domino). Unused pieces are 0. ``hit`` [A, P] bool: prediction (a, k) is the label (teacher-forced,
-    valid positions only); its leading run per anchor is the chain acceptance at that anchor.
+    (dspark; the total variation is ``l1 / 2``); ``bce`` the confidence BCE (dspark with a confidence head);
+    ``base_ce`` the CE of the base logits (domino); ``kl`` KL(p_t || p_d) (dspark with ``kl_weight``). Unused
+    pieces are 0. ``hit`` [A, P] bool: prediction (a, k) is the label (teacher-forced, valid positions only); its
+    leading run per anchor is the chain acceptance at that anchor.
     """
 
     loss: torch.Tensor
@@ -66,11 +78,13 @@ class LossOut:
     bce: torch.Tensor = None
     base_ce: torch.Tensor = None
     hit: torch.Tensor = None
+    kl: torch.Tensor = None
 
     def __post_init__(self):
         zero = torch.zeros((), device=getattr(self.loss, "device", None))  # beside the loss (the trainer stacks them)
         self.bce = zero if self.bce is None else self.bce
         self.base_ce = zero if self.base_ce is None else self.base_ce
+        self.kl = zero if self.kl is None else self.kl
 
 
 def _ce(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -185,9 +199,11 @@ def dspark_loss(
     conf_weight: float = 0.0,
     target_probs: tuple[torch.Tensor, torch.Tensor] | None = None,
     denom: float | None = None,
+    tv_weight: float = 0.0,
+    kl_weight: float = 0.0,
 ) -> LossOut:
     """DSpark training loss (DSpark paper section 3.3; DeepSpec ``config/dspark``); with ``ce_weight=1,
-    l1_weight=0`` and no confidence it is the DFlash loss.
+    l1_weight=0`` and no confidence it is the DFlash loss. The materialised reference of :func:`fused_block_loss`.
 
     Args:
         logits: [A, P, V] corrected drafter logits (any float dtype; computed in fp32).
@@ -203,11 +219,14 @@ def dspark_loss(
         denom: None: each term over this sequence's own weight sum (the CE over in-vocabulary predictions);
             else every weighted sum over ``denom`` (batch normalisation; SpecForge ``OnlineDSparkModel``:
             ``(a_ce CE_num + a_l1 L1_num + a_conf BCE_num) / global weight sum``).
+        tv_weight: weight of the total variation 0.5 * L1 (the same distance as ``l1_weight`` at half the scale).
+        kl_weight: weight of KL(p_t || p_d) = sum_v p_t (log p_t - log p_d), p_t renormalised over the V columns of
+            ``logits`` when ``target_probs`` gives a draft vocabulary's share (module docstring).
     Returns:
-        LossOut; ``loss`` = sum_k w_k (ce_weight*CE + l1_weight*L1 + conf_weight*BCE) / sum_k w_k over valid
-        predictions (or / ``denom``).
+        LossOut; ``loss`` = sum_k w_k (ce_weight*CE + (l1_weight + tv_weight/2)*L1 + kl_weight*KL +
+        conf_weight*BCE) / sum_k w_k over valid predictions (or / ``denom``).
     Raises:
-        ValueError: conf_logits without target_logits.
+        ValueError: conf_logits without target_logits; tv_weight or kl_weight without a target distribution.
     """
     a, p, v = logits.shape
     logp = logits.float().reshape(-1, v).log_softmax(-1)  # one normalisation serves the CE and p_d
@@ -218,10 +237,23 @@ def dspark_loss(
     ce_term = (w_ce * nll).sum() / _den(w_ce, denom)
     l1_term = torch.zeros((), dtype=torch.float32, device=logits.device)
     bce_term = torch.zeros((), dtype=torch.float32, device=logits.device)
+    kl_term = torch.zeros((), dtype=torch.float32, device=logits.device)
     has_target = target_logits is not None or target_probs is not None
     if conf_logits is not None and not has_target:
         raise ValueError("the confidence BCE needs target_logits (its label is 1 - TV distance to p_t)")
-    if has_target and (l1_weight or conf_logits is not None):
+    if (tv_weight or kl_weight) and not has_target:
+        raise ValueError("tv_weight / kl_weight need the target distribution: give target_logits or target_probs")
+    if has_target and kl_weight:
+        if target_probs is not None:  # p_t on the draft columns, renormalised over them
+            pt_k = target_probs[0].float().reshape(-1, v)
+            pt_k = pt_k / pt_k.sum(-1, keepdim=True).clamp_min(1e-30)
+            kl = torch.xlogy(pt_k, pt_k).sum(-1) - (pt_k * logp).sum(-1)
+        else:
+            lt = target_logits.float().reshape(-1, v).log_softmax(-1)
+            kl = (lt.exp() * (lt - logp)).sum(-1)
+        kl_term = (w * kl.view(a, p)).sum() / wsum
+    l1_coef = l1_weight + 0.5 * tv_weight
+    if has_target and (l1_coef or conf_logits is not None):
         pd = logp.exp()
         if target_probs is not None:
             pt_sub, outside = target_probs
@@ -234,9 +266,10 @@ def dspark_loss(
             label = (1 - 0.5 * l1.detach()).clamp(0, 1)
             bce = F.binary_cross_entropy_with_logits(conf_logits.float(), label, reduction="none")
             bce_term = (w * bce).sum() / wsum
-    loss = ce_weight * ce_term + l1_weight * l1_term + conf_weight * bce_term
+    loss = ce_weight * ce_term + l1_coef * l1_term + kl_weight * kl_term + conf_weight * bce_term
     acc, cnt, hit = _accuracy(logits, labels, valid)
-    return LossOut(loss, ce_term.detach(), l1_term.detach(), acc, cnt, bce=bce_term.detach(), hit=hit)
+    return LossOut(loss, ce_term.detach(), l1_term.detach(), acc, cnt, bce=bce_term.detach(), hit=hit,
+                   kl=kl_term.detach())
 
 
 def teacher_forced_tau(acc_per_pos: torch.Tensor) -> float:
@@ -252,7 +285,8 @@ class _FusedBlockLoss(torch.autograd.Function):
     the forward, chunk by chunk, and scaled by the upstream gradient in the backward."""
 
     @staticmethod
-    def forward(ctx, h, a, w_head, w_out, t_h, t_lse, labels, c_ce, c_base, c_l1, chunk, want_grad, with_base):
+    def forward(ctx, h, a, w_head, w_out, t_h, t_lse, labels, c_ce, c_base, c_l1, c_kl, chunk, want_grad, with_base,
+                with_l1, with_kl):
         n, d = h.shape
         dt, dev = w_out.dtype, h.device
         f32 = torch.float32
@@ -266,8 +300,10 @@ class _FusedBlockLoss(torch.autograd.Function):
             thm = None if t_h is None else t_h.to(dt)
             grad_h = torch.empty(n, d, dtype=f32, device=dev)
             g_all = None if a is None or not want_grad else torch.empty(n, w_out.shape[0], dtype=dt, device=dev)
-            nll, base_nll, l1 = (torch.zeros(n, dtype=f32, device=dev) for _ in range(3))
+            nll, base_nll, l1, kl = (torch.zeros(n, dtype=f32, device=dev) for _ in range(4))
             hit = torch.zeros(n, dtype=torch.bool, device=dev)
+            with_kl = with_kl and thm is not None
+            with_l1 = with_l1 and thm is not None
             for s0 in range(0, n, chunk):
                 e = slice(s0, min(n, s0 + chunk))
                 rows = torch.arange(e.stop - s0, device=dev)
@@ -281,12 +317,20 @@ class _FusedBlockLoss(torch.autograd.Function):
                 mx, arg = x.max(-1, keepdim=True)
                 hit[e] = arg[:, 0] == y
                 x_y = x[rows, yc]
+                q = None if thm is None else (thm[e] @ w_out.T).float()  # the target's logits on the same columns
+                if with_kl:  # p~_t = softmax of them (renormalised over the columns); sum p~ log p~, sum p~ x
+                    lt = q.log_softmax(-1)
+                    pt_k = lt.exp()
+                    neg_ent = (pt_k * lt).sum(-1)
+                    dot = (pt_k * x).sum(-1)
                 p = x.sub_(mx).exp_()  # softmax in place: exp(x - max) / sum
                 z = p.sum(-1, keepdim=True)
                 p.div_(z)
-                nll[e] = (mx[:, 0] + z[:, 0].log() - x_y) * ok
-                if thm is not None:  # p_t on the same columns (outside mass from the full-vocabulary lse)
-                    q = (thm[e] @ w_out.T).float()
+                lz = mx[:, 0] + z[:, 0].log()  # log-sum-exp of x
+                nll[e] = (lz - x_y) * ok
+                if with_kl:  # KL(p~_t || p) = sum p~ log p~ - sum p~ (x - lse(x))
+                    kl[e] = neg_ent - dot + lz
+                if with_l1:  # p_t on the same columns (outside mass from the full-vocabulary lse)
                     if t_lse is None:
                         q = q.softmax(-1)
                         outside = 0.0
@@ -300,12 +344,16 @@ class _FusedBlockLoss(torch.autograd.Function):
                         base_nll[e] = -base.float().log_softmax(-1)[rows, yc] * ok
                     continue
                 cc = c_ce[e]
-                if thm is not None:  # CE + L1: p_j (c_ce + c_l1 (s_j - sum_v s_v p_v)) - c_ce [j = y]
+                # CE + KL: (c_ce + c_kl) p - c_kl p~_t - c_ce onehot(y); L1 adds c_l1 p_j (s_j - sum_v s_v p_v)
+                ck = c_kl[e, None] if with_kl else 0.0
+                if with_l1:
                     sgn = diff.sign_()
                     inner = (sgn * p).sum(-1, keepdim=True)
-                    g = sgn.sub_(inner).mul_(c_l1[e, None]).add_(cc[:, None]).mul_(p)
-                else:  # CE: c_ce (p - onehot(y))
-                    g = p.mul_(cc[:, None])
+                    g = sgn.sub_(inner).mul_(c_l1[e, None]).add_(cc[:, None] + ck).mul_(p)
+                else:
+                    g = p.mul_(cc[:, None] + ck)
+                if with_kl:
+                    g.sub_(pt_k.mul_(ck))
                 g[rows, yc] -= cc * ok
                 if with_base:  # Domino's base CE on U alone; U gets both gradients, A and W the corrected one
                     if am is not None:
@@ -326,11 +374,11 @@ class _FusedBlockLoss(torch.autograd.Function):
             if am is not None and want_grad:
                 grad_a = (g_all @ whm).float()
                 grad_w = (g_all.T @ am).float()
-            loss = (c_ce * nll).sum() + (c_base * base_nll).sum() + (c_l1 * l1).sum()
+            loss = (c_ce * nll).sum() + (c_base * base_nll).sum() + (c_l1 * l1).sum() + (c_kl * kl).sum()
         ctx.save_for_backward(grad_h, grad_a, grad_w)
         ctx.dtypes = (h.dtype, None if a is None else a.dtype, None if w_head is None else w_head.dtype)
-        ctx.mark_non_differentiable(nll, base_nll, l1, hit)
-        return loss, nll, base_nll, l1, hit
+        ctx.mark_non_differentiable(nll, base_nll, l1, kl, hit)
+        return loss, nll, base_nll, l1, kl, hit
 
     @staticmethod
     def backward(ctx, g_loss, *_):
@@ -338,7 +386,7 @@ class _FusedBlockLoss(torch.autograd.Function):
         dh, da, dw = ctx.dtypes
         out_a = None if grad_a is None else (grad_a * g_loss).to(da)
         out_w = None if grad_w is None else (grad_w * g_loss).to(dw)
-        return (grad_h * g_loss).to(dh), out_a, out_w, None, None, None, None, None, None, None, None, None, None
+        return (grad_h * g_loss).to(dh), out_a, out_w, *([None] * 13)
 
 
 def fused_block_loss(
@@ -359,14 +407,18 @@ def fused_block_loss(
     chunk: int | None = None,
     denom: float | None = None,
     rows: torch.Tensor | None = None,
+    tv_weight: float = 0.0,
+    kl_weight: float = 0.0,
 ) -> LossOut:
     """The dflash / dspark / domino losses without materialising the [A, P, V'] logits (Liger-style fused
-    linear cross-entropy, extended to DSpark's L1 and Domino's base CE).
+    linear cross-entropy, extended to DSpark's L1, the total variation, the KL to the target and Domino's base CE).
 
     The drafter logits are x = hidden · w_out^T + A · W^T (``factors`` = (A, W) from the head's
     ``block_factors``; None for plain DFlash). Rows are processed ``chunk`` at a time: logits, log-softmax,
-    CE, p_t, L1, argmax and the gradient with respect to x (CE: p - onehot; L1: p_j (s_j - sum_v s_v p_v) with
-    s = sign(p - p_t)) stay in cache, and only the gradients for hidden, A and W leave the chunk. Matmuls run in
+    CE, p_t, L1, KL, argmax and the gradient with respect to x (CE: p - onehot; L1: p_j (s_j - sum_v s_v p_v) with
+    s = sign(p - p_t); KL: p - p~_t) stay in cache, and only the gradients for hidden, A and W leave the chunk.
+    The target's logits on the V' columns are one [c, D] x [D, V'] matmul per chunk, shared by the L1 and the KL.
+    Matmuls run in
     ``w_out.dtype`` (pass bf16 rows for autocast-like training; their products are rounded to it as autocast
     does), everything else in fp32. Equals :func:`dspark_loss` / :func:`domino_loss` on the materialised logits
     (loss, pieces, hits and gradients; test).
@@ -390,31 +442,44 @@ def fused_block_loss(
         rows: [N] int64 flat indices of the True entries of ``valid`` (``valid.reshape(-1).nonzero()[:, 0]``), on
             ``hidden``'s device; None finds them here. A caller that knows them on the host passes them, so that a
             CUDA step does not wait for the device at the ``nonzero``.
+        tv_weight: weight of the total variation 0.5 * L1 (needs target_hidden; on a draft vocabulary with
+            target_lse, as the L1).
+        kl_weight: weight of KL(p~_t || p_d), p~_t the target's softmax over the V' columns (needs target_hidden,
+            not target_lse). With tv_weight = l1_weight = 0 and no confidence logits the L1 is not computed.
     Returns:
         LossOut as :func:`dspark_loss` (``lam`` None) or :func:`domino_loss`.
     Raises:
-        ValueError: conf_logits or lam together with a missing target / incompatible option; chunk < 1.
+        ValueError: conf_logits, tv_weight or kl_weight without target_hidden; lam with a target or confidence
+            logits; chunk < 1.
     """
     chunk = _fused_chunk(chunk, w_out, target_hidden, lam, conf_logits)
+    if (tv_weight or kl_weight) and target_hidden is None:
+        raise ValueError("tv_weight / kl_weight need target_hidden (the target's distribution at each prediction)")
     in_vocab = valid & (labels >= 0)
     w, w_ce = decay_weights(valid, gamma), decay_weights(in_vocab, gamma)
     if rows is None:
         rows = valid.reshape(-1).nonzero()[:, 0]  # only valid predictions are computed
-    c_ce, c_base, c_l1 = _fused_coefficients(rows, w, w_ce, lam=lam, ce_weight=ce_weight, l1_weight=l1_weight,
-                                             with_l1=target_hidden is not None, denom=denom, device=hidden.device)
+    l1_coef = l1_weight + 0.5 * tv_weight
+    # the L1 is computed for its own weight, the confidence label, or (as before the KL) whenever a target is given
+    with_l1 = target_hidden is not None and bool(l1_coef or conf_logits is not None or not kl_weight)
+    with_kl = target_hidden is not None and bool(kl_weight)
+    c_ce, c_base, c_l1, c_kl = _fused_coefficients(rows, w, w_ce, lam=lam, ce_weight=ce_weight, l1_weight=l1_coef,
+                                                   kl_weight=kl_weight, with_l1=with_l1, with_kl=with_kl,
+                                                   denom=denom, device=hidden.device)
     h, a, wh, t_h, t_lse, lab = _fused_rows(rows, hidden, labels, factors, target_hidden, target_lse)
     # Domino's base CE is computed where its weight can be non-zero (known on the host: no device sync)
     with_base = lam is not None and lam != 0
-    loss, nll_r, base_r, l1_r, hit_r = _FusedBlockLoss.apply(h, a, wh, w_out, t_h, t_lse, lab, c_ce.float(),
-                                                              c_base.float(), c_l1.float(), int(chunk),
-                                                              torch.is_grad_enabled(), with_base)
+    loss, nll_r, base_r, l1_r, kl_r, hit_r = _FusedBlockLoss.apply(
+        h, a, wh, w_out, t_h, t_lse, lab, c_ce.float(), c_base.float(), c_l1.float(), c_kl.float(), int(chunk),
+        torch.is_grad_enabled(), with_base, with_l1, with_kl)
     grid = (rows, labels.shape, hidden.device)
     return _fused_out(loss, grid, nll_r, base_r, l1_r, hit_r, valid, w, w_ce, denom, lam=lam,
-                      with_l1=target_hidden is not None, conf_logits=conf_logits, conf_weight=conf_weight)
+                      with_l1=with_l1, conf_logits=conf_logits, conf_weight=conf_weight,
+                      kl_r=kl_r if with_kl else None)
 
 
 def _fused_out(loss, grid, nll_r, base_r, l1_r, hit_r, valid, w, w_ce, denom, *, lam, with_l1, conf_logits,
-               conf_weight) -> LossOut:
+               conf_weight, kl_r=None) -> LossOut:
     """:func:`fused_block_loss`'s per-row results (``*_r`` [N] over ``grid`` = (rows, [A, P] shape, device))
     scattered back to [A, P] and reduced to its :class:`LossOut`; adds the confidence BCE to ``loss``."""
     device = grid[2]
@@ -428,13 +493,15 @@ def _fused_out(loss, grid, nll_r, base_r, l1_r, hit_r, valid, w, w_ce, denom, *,
                        base_ce=base_ce.detach(), hit=hit)
     wsum = _den(w, denom)
     l1_term = (w * l1).sum() / wsum if with_l1 else torch.zeros((), device=device)
+    kl_term = (w * _scatter(kl_r, *grid)).sum() / wsum if kl_r is not None else torch.zeros((), device=device)
     bce_term = torch.zeros((), dtype=torch.float32, device=device)
     if conf_logits is not None:
         label = (1 - 0.5 * l1).clamp(0, 1)
         bce = F.binary_cross_entropy_with_logits(conf_logits.float(), label, reduction="none")
         bce_term = (w * bce).sum() / wsum
         loss = loss + conf_weight * bce_term
-    return LossOut(loss, ce_term.detach(), l1_term.detach(), acc, cnt, bce=bce_term.detach(), hit=hit)
+    return LossOut(loss, ce_term.detach(), l1_term.detach(), acc, cnt, bce=bce_term.detach(), hit=hit,
+                   kl=kl_term.detach())
 
 
 def _fused_chunk(chunk: int | None, w_out: torch.Tensor, target_hidden, lam, conf_logits) -> int:
@@ -455,17 +522,20 @@ def _fused_chunk(chunk: int | None, w_out: torch.Tensor, target_hidden, lam, con
 
 
 def _fused_coefficients(rows: torch.Tensor, w: torch.Tensor, w_ce: torch.Tensor, *, lam: float | None,
-                        ce_weight: float, l1_weight: float, with_l1: bool, denom: float | None, device):
-    """Per valid prediction (``rows``) the weights [N] of :func:`fused_block_loss`'s CE, base CE and L1 terms:
-    DSpark's ``ce_weight`` / ``l1_weight`` (``lam`` None; L1 only ``with_l1``) or Domino's ``1 - lam`` / ``lam``,
-    times the decay weights ``w`` (valid) / ``w_ce`` (in-vocabulary) [A, P] over their normaliser (:func:`_den`)."""
+                        ce_weight: float, l1_weight: float, with_l1: bool, denom: float | None, device,
+                        kl_weight: float = 0.0, with_kl: bool = False):
+    """Per valid prediction (``rows``) the weights [N] of :func:`fused_block_loss`'s CE, base CE, L1 and KL terms:
+    DSpark's ``ce_weight`` / ``l1_weight`` / ``kl_weight`` (``lam`` None; L1 only ``with_l1``, KL only ``with_kl``)
+    or Domino's ``1 - lam`` / ``lam``, times the decay weights ``w`` (valid) / ``w_ce`` (in-vocabulary) [A, P] over
+    their normaliser (:func:`_den`)."""
     zero = torch.zeros(rows.numel(), dtype=torch.float32, device=device)
     if lam is None:
         c_ce = (ce_weight * w_ce / _den(w_ce, denom)).reshape(-1)[rows]
         c_l1 = (l1_weight * w / _den(w, denom)).reshape(-1)[rows] if with_l1 else zero
-        return c_ce, zero, c_l1
+        c_kl = (kl_weight * w / _den(w, denom)).reshape(-1)[rows] if with_kl else zero
+        return c_ce, zero, c_l1, c_kl
     wn = (w_ce / _den(w_ce, denom)).reshape(-1)[rows]
-    return (1 - lam) * wn, lam * wn, zero
+    return (1 - lam) * wn, lam * wn, zero, zero
 
 
 def _fused_rows(rows: torch.Tensor, hidden: torch.Tensor, labels: torch.Tensor, factors, target_hidden, target_lse):

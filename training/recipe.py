@@ -61,7 +61,9 @@ class LossSection:
     # | dflash2 (CE(base) + CE(selector-corrected), equal weights)
     gamma: Optional[float] = 7.0  # decay exp(-k/gamma) over the proposals (k = 0 first; B=16 default); null: none
     ce_weight: float = 0.1  # dspark
-    l1_weight: float = 0.9  # dspark: L1 distance to the target distribution
+    l1_weight: float = 0.9  # dspark: L1 distance sum|p_d - p_t| to the target distribution (DeepSpec's "TVD" term)
+    tv_weight: float = 0.0  # dspark: total variation 0.5 sum|p_d - p_t| (tv_weight w = l1_weight w/2)
+    kl_weight: float = 0.0  # dspark: KL(p_t || p_d), p_t renormalised over a draft vocabulary
     conf_weight: float = 1.0  # dspark with head.confidence_head: BCE of the confidence head
     lambda_base_start: float = 1.0  # domino: lambda at step 0
     lambda_decay_ratio: float = 1.0  # domino: lambda reaches 0 after int(ratio * planned steps) steps (SpecForge: 0.5)
@@ -93,6 +95,12 @@ class DataSection:
     # extra chat-template variables passed to apply_chat_template wherever training renders the template, e.g.
     # {enable_thinking: false}; part of the data cache key only when non-empty (older caches keep their hash)
     chat_template_kwargs: Dict[str, Any] = field(default_factory=dict)
+    # continue init_from's run's data cursor (every training sequence once per epoch, in a seeded permutation, the
+    # position carried from run to run of a lineage); false: the cursor starts at epoch 0
+    cursor_from_init: bool = False
+    # source=campaign: keep the target's features of every sequence computed in the user cache (feature-store/, never
+    # the repository), at most this many GB, least recently used out; later visits read them (0: off, all online)
+    feature_store_gb: float = 0.0
 
 
 @dataclass
@@ -114,6 +122,10 @@ class TrainSection:
     save_every_minutes: float = 15.0  # resumable checkpoint every this many minutes (0: off)
     save_every_steps: int = 0  # ... and/or every this many steps (0: off)
     eval_every_steps: int = 0  # learning curve: held-out chain tau every this many steps (0: only at the end)
+    # the LR schedule continues init_from's run's: it starts at the step that run's lineage reached (no second
+    # warm-up) and spans the lineage's steps plus this run's
+    schedule_from_init: bool = False
+    schedule_steps: int = 0  # the schedule's length in lineage steps (0: the lineage's steps so far + this run's)
 
 
 @dataclass

@@ -5,7 +5,8 @@ A training sequence gets random anchors (DFlash, Chen et al. 2025, Sec. 3: block
 first token is the anchor, the rest mask tokens, attending to the target's context features and to their own block);
 proposal j of an anchor predicts the token j + 1 after it. The loss is the recipe's: DFlash's decay-weighted CE,
 Domino's curriculum CE over base and corrected scores, DFlash 2's selector CE, or DSpark's 0.1 CE + 0.9 L1 to the
-target distribution (DSpark, Sec. 3.3), fused with the lm_head (:mod:`dartree.training.losses`).
+target distribution (DSpark, Sec. 3.3; ``loss.tv_weight`` / ``loss.kl_weight`` add the total variation and
+KL(p_t || p_d)), fused with the lm_head (:mod:`dartree.training.losses`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class TrainModule(torch.nn.Module):
     """The trainable drafter backbone and correction head as one module (what the DeepSpeed engine wraps).
 
     ``forward(target, data, i, cfg, gen, lam, denom)`` is :func:`sequence_loss` for training sequence i, returned
-    as a tuple of tensors (loss, ce, l1, bce, acc_per_pos, count_per_pos), or None: ZeRO-3's backward hooks find
+    as a tuple of tensors (loss, ce, l1, bce, acc_per_pos, count_per_pos, kl), or None: ZeRO-3's backward hooks find
     their tensors only in plain containers.
     """
 
@@ -59,7 +60,29 @@ class TrainModule(torch.nn.Module):
         out = sequence_loss(self.drafter, self.head, target, data, i, cfg, gen, lam, denom)
         if out is None:
             return None
-        return out.loss, out.ce, out.l1, out.bce, out.acc_per_pos, out.count_per_pos
+        return out.loss, out.ce, out.l1, out.bce, out.acc_per_pos, out.count_per_pos, out.kl
+
+
+def distribution_weights(cfg: DictConfig) -> tuple[float, float, float]:
+    """The recipe's weights of the terms that compare the drafter with the target's distribution (loss.type dspark
+    only; 0 otherwise): (L1 coefficient = ``loss.l1_weight`` + ``loss.tv_weight`` / 2, ``loss.kl_weight``,
+    confidence 1.0 / 0.0 by ``head.confidence_head``). Recipes written before ``tv_weight`` / ``kl_weight`` read 0."""
+    lc = cfg.loss
+    if lc.type != "dspark":
+        return 0.0, 0.0, 0.0
+    l1 = float(lc.l1_weight) + 0.5 * float(lc.get("tv_weight", 0.0) or 0.0)
+    return l1, float(lc.get("kl_weight", 0.0) or 0.0), float(bool(cfg.head.get("confidence_head", False)))
+
+
+def needs_target_lse(cfg: DictConfig) -> bool:
+    """Whether a step needs the target's full-vocabulary log-sum-exp at each prediction: with a draft vocabulary
+    (``drafter.draft_vocab_size`` > 0), for the L1 / total variation or the confidence label (p_t's mass outside
+    the draft vocabulary); the KL alone is over the draft columns and needs none (:mod:`dartree.training.losses`).
+    The reference path (``train.fused_loss=false``) forms p_t from it whenever a target distribution is used."""
+    if not cfg.drafter.draft_vocab_size:
+        return False
+    l1, kl, conf = distribution_weights(cfg)
+    return bool(l1 or conf or (kl and not bool(cfg.train.get("fused_loss", True))))
 
 
 def output_rows(target: Target, vocab: torch.Tensor | None,
@@ -220,7 +243,14 @@ def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: D
     a, p = b.valid.shape
     lc, bf16, off = cfg.loss, bool(cfg.train.bf16), drafter.cfg.proposal_offset
     labels, valid, w_out, vocab, prev = b.labels, b.valid, b.w_out, b.vocab, b.prev
-    with_target = lc.type == "dspark" and (lc.l1_weight or getattr(head, "confidence_head", False))
+    l1_coef, kl_weight, _ = distribution_weights(cfg)
+    tv_weight = float(lc.get("tv_weight", 0.0) or 0.0) if lc.type == "dspark" else 0.0
+    with_target = lc.type == "dspark" and bool(l1_coef or kl_weight or getattr(head, "confidence_head", False))
+    fused = bool(cfg.train.get("fused_loss", True))
+    # the full-vocabulary lse: for p_t's mass outside a draft vocabulary (the L1 / TV / confidence label; the fused
+    # KL needs only the draft columns)
+    with_lse = with_target and vocab is not None and bool(
+        l1_coef or getattr(head, "confidence_head", False) or not fused)
     with _autocast(dev, bf16):
         hidden = drafter(b.x, b.q_pos, b.feats, torch.arange(s, device=dev)[None], mask=b.mask)
         hidden = hidden.view(a, drafter.cfg.block_size, -1)[:, off:]  # [A, P, D]
@@ -231,11 +261,10 @@ def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: D
             d = hidden.shape[-1]
             conf = head.confidence_logits(hidden.float().reshape(-1, d), states.reshape(a * p, -1)).view(a, p)
     t_hidden = b.final[(b.lp - 1).clamp(max=s - 1)] if with_target else None
-    t_lse = (data.lse_of(i).to(dev, non_blocking=True)[(b.lp - 1).clamp(max=s - 1)]
-             if with_target and vocab is not None else None)
+    t_lse = data.lse_of(i).to(dev, non_blocking=True)[(b.lp - 1).clamp(max=s - 1)] if with_lse else None
     if lc.type == "dflash2":  # base (unary) and selector-corrected CE weighted equally (speculators' alpha = 1)
         lam = DFLASH2_BASE_WEIGHT
-    if bool(cfg.train.get("fused_loss", True)):
+    if fused:
         if lc.type in ("domino", "dflash2"):
             return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, factors=factors, lam=lam,
                                     denom=denom, rows=b.rows)
@@ -244,7 +273,8 @@ def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: D
         return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, factors=factors,
                                 target_hidden=t_hidden, target_lse=t_lse, ce_weight=lc.ce_weight,
                                 l1_weight=lc.l1_weight, conf_logits=conf,
-                                conf_weight=lc.conf_weight if conf is not None else 0.0, denom=denom, rows=b.rows)
+                                conf_weight=lc.conf_weight if conf is not None else 0.0, denom=denom, rows=b.rows,
+                                tv_weight=tv_weight, kl_weight=kl_weight)
     # the reference path: materialised [A, P, V'] logits through autograd (train.fused_loss=false)
     with _autocast(dev, bf16):
         base = F.linear(hidden, w_out)  # [A, P, V] (or [A, P, N] on a draft vocabulary)
@@ -264,7 +294,7 @@ def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: D
                     t_probs = (p_sub, (1 - p_sub.sum(-1)).clamp(min=0))
     return dspark_loss(logits, labels, valid, t_logits, gamma=lc.gamma, ce_weight=lc.ce_weight,
                        l1_weight=lc.l1_weight, conf_logits=conf, conf_weight=lc.conf_weight if conf is not None else 0.0,
-                       target_probs=t_probs, denom=denom)
+                       target_probs=t_probs, denom=denom, tv_weight=tv_weight, kl_weight=kl_weight)
 
 
 @torch.no_grad()

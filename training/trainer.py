@@ -3,8 +3,10 @@ optimiser and engine, resumed state), :meth:`Trainer.train_step` runs one optimi
 :meth:`Trainer.after_step` logs, evaluates and saves, and :meth:`Trainer.finish` writes the checkpoint and summary.
 
 Every rank runs the same code; rank 0 writes files. Anchors are drawn per (seed, step, sequence)
-(:func:`~dartree.training.step.seed_mix`), so a resumed run, or one on another number of processes or another
-device, sees the same batches and anchors.
+(:func:`~dartree.training.step.seed_mix`) and the batches come from a data cursor whose position is saved
+(:class:`~dartree.training.cursor.DataCursor`), so a resumed run, or one on another number of processes or another
+device, sees the same batches and anchors; with ``data.cursor_from_init`` / ``train.schedule_from_init`` a new run
+continued from an earlier run's checkpoint takes that run's data position / learning-rate schedule on.
 
 The device is ``train.device`` (:func:`~dartree.training.build.training_device`): the target, the drafter and head,
 the online features and every step tensor live there, and the step's loss terms are summed there, so a CUDA step
@@ -37,6 +39,7 @@ from dartree.training.build import (
     training_device,
 )
 from dartree.training.checks import check_against_target, check_data_files, check_output_dir, check_recipe
+from dartree.training.cursor import DataCursor, data_fingerprint, lineage_record
 from dartree.training.curves import plot_curve_file
 from dartree.training.data import select_draft_vocab, target_lse
 from dartree.training.engine import (
@@ -70,6 +73,11 @@ class TrainState:
         acc_ema: [P] EMA of the per-position training accuracy, or None before the first step.
         curve: learning-curve points (held-out chain tau against training tokens and sequences).
         seen: distinct training sequences visited. seen_tokens: tokens of the sequences visited (with repeats).
+        cursor: the data cursor's position (:meth:`~dartree.training.cursor.DataCursor.state`), None before the
+            first step (or in a state saved before the cursor existed: replayed from ``step``).
+        lineage_step0: the lineage step this run started at (0 unless it continues init_from's run:
+            ``data.cursor_from_init`` or ``train.schedule_from_init``).
+        lrs: the learning rate of each step.
     """
 
     step: int = 0
@@ -79,20 +87,26 @@ class TrainState:
     curve: list[dict] = field(default_factory=list)
     seen: set[int] = field(default_factory=set)
     seen_tokens: int = 0
+    cursor: dict | None = None
+    lineage_step0: int = 0
+    lrs: list[float] = field(default_factory=list)
 
     def to_client(self) -> dict:
         """The JSON-able client state DeepSpeed saves beside the engine."""
         return {"step": self.step, "losses": self.losses, "preds": self.preds,
                 "acc_ema": None if self.acc_ema is None else self.acc_ema.tolist(),
-                "curve": self.curve, "seen": sorted(self.seen), "seen_tokens": self.seen_tokens}
+                "curve": self.curve, "seen": sorted(self.seen), "seen_tokens": self.seen_tokens,
+                "cursor": self.cursor, "lineage_step0": self.lineage_step0, "lrs": self.lrs}
 
     @classmethod
     def from_client(cls, client: dict) -> "TrainState":
-        """The state :meth:`to_client` saved."""
+        """The state :meth:`to_client` saved (fields added since read as their defaults)."""
         acc = client.get("acc_ema")
         return cls(step=int(client["step"]), losses=list(client["losses"]), preds=int(client.get("preds", 0)),
                    acc_ema=None if acc is None else torch.tensor(acc), curve=list(client.get("curve", [])),
-                   seen=set(client.get("seen", [])), seen_tokens=int(client.get("seen_tokens", 0)))
+                   seen=set(client.get("seen", [])), seen_tokens=int(client.get("seen_tokens", 0)),
+                   cursor=client.get("cursor"), lineage_step0=int(client.get("lineage_step0", 0)),
+                   lrs=list(client.get("lrs", [])))
 
     def add_point(self, hold: dict, seqs_per_step: int) -> None:
         """Append a learning-curve point for the held-out result ``hold`` at this step (once per step), with the
@@ -110,22 +124,34 @@ class TrainState:
 class WarmupCosine:
     """Learning-rate factor: linear warm-up over ``warm`` steps, then cosine to 5% at ``total`` steps; with a
     wall-clock cap of ``cap_s`` seconds the decay follows whichever of steps or time is further along, so a capped
-    run still ends annealed. Call :meth:`start` when the timed training begins."""
+    run still ends annealed. Call :meth:`start` when the timed training begins.
 
-    def __init__(self, warm: int, total: int, cap_s: float):
-        self.warm, self.total, self.cap_s = warm, total, cap_s
+    ``offset`` (``train.schedule_from_init``): the run's step 0 is the lineage's step ``offset`` (``warm`` and
+    ``total`` count lineage steps), so a run continued from an earlier run's weights does not warm up again; under
+    the cap the time-driven decay runs from the lineage's progress at ``offset`` to the floor over this run's cap.
+    With ``offset`` 0 it is the single-run schedule.
+    """
+
+    def __init__(self, warm: int, total: int, cap_s: float, offset: int = 0):
+        self.warm, self.total, self.cap_s, self.offset = warm, total, cap_s, int(offset)
         self.t0 = time.time()
 
     def start(self) -> None:
         """Start the wall clock the cap is measured on."""
         self.t0 = time.time()
 
+    def progress(self, lineage_step: int) -> float:
+        """The cosine's progress in [0, 1] at ``lineage_step`` by steps alone (0 during the warm-up)."""
+        return min(1.0, max(0.0, (lineage_step - self.warm) / max(1, self.total - self.warm)))
+
     def __call__(self, step: int) -> float:
+        step = step + getattr(self, "offset", 0)  # a scheduler state saved before the offset existed has none
         if step < self.warm:
             return (step + 1) / self.warm
         prog = (step - self.warm) / max(1, self.total - self.warm)
         if self.cap_s:
-            prog = max(prog, (time.time() - self.t0) / self.cap_s)
+            p0 = self.progress(getattr(self, "offset", 0))
+            prog = max(prog, p0 + (1 - p0) * (time.time() - self.t0) / self.cap_s)
         return 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * min(1.0, prog)))
 
 
@@ -165,12 +191,15 @@ class Trainer:
             except ValueError as exc:
                 raise RecipeError(str(exc)) from None
         torch.manual_seed(cfg.seed)
+        # what init_from's run recorded of its lineage (steps, data cursor); {} for a checkpoint without a record
+        self.lineage = lineage_record(cfg.init_from)
         self._build_models()
         self._build_data()
         self._build_engine()
-        self.state = TrainState()
+        self.state = TrainState(lineage_step0=self.step0)
         if cfg.resume:
             self._resume()
+        self._build_cursor()
         self.wb = None
         if cfg.wandb.enabled and self.main:
             import wandb
@@ -252,7 +281,8 @@ class Trainer:
         self.steps_per_epoch = math.ceil(len(self.data) / self.sps)
         self.total = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * self.steps_per_epoch))
         self.cap_s = cfg.train.max_minutes * 60
-        self.lr = WarmupCosine(max(1, int(cfg.train.warmup_ratio * self.total)), self.total, self.cap_s)
+        self.step0, offset, horizon = self._schedule_span()
+        self.lr = WarmupCosine(max(1, int(cfg.train.warmup_ratio * horizon)), horizon, self.cap_s, offset=offset)
         self.sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr)
         self.stage = int(cfg.deepspeed.zero_stage)
         if self.engine_name == "torch":
@@ -270,12 +300,63 @@ class Trainer:
             for p in self.head.parameters():
                 deepspeed.zero.register_external_parameter(self.module, p)
 
+    def _schedule_span(self) -> tuple[int, int, int]:
+        """(the lineage step this run starts at, the schedule's offset, the schedule's length in lineage steps).
+
+        By default (0, 0, this run's planned steps). A run that continues init_from's (``data.cursor_from_init`` or
+        ``train.schedule_from_init``, with a checkpoint that records its lineage) starts at the step that lineage
+        reached: its anchors are drawn per lineage step, as one long run's would be. With
+        ``train.schedule_from_init`` the schedule starts there too (offset), and spans that plus this run's
+        steps; ``train.schedule_steps`` > 0 sets the span."""
+        tc, dc = self.cfg.train, self.cfg.data
+        sched, cursor = bool(tc.get("schedule_from_init", False)), bool(dc.get("cursor_from_init", False))
+        step0 = self.lineage["steps"] if (sched or cursor) and "steps" in self.lineage else 0
+        if sched and "steps" in self.lineage:
+            self.log(f"train.schedule_from_init: {self.cfg.init_from}'s lineage reached step {step0}; this run's "
+                     "schedule continues from there")
+        elif sched:
+            self.log(f"train.schedule_from_init: {self.cfg.init_from} records no lineage (a converted or older "
+                     "checkpoint); the schedule starts at step 0")
+        offset = step0 if sched else 0
+        horizon = int(tc.get("schedule_steps", 0) or 0) or offset + self.total
+        return step0, offset, horizon
+
+    def _build_cursor(self) -> None:
+        """The data cursor (:class:`~dartree.training.cursor.DataCursor`): a resumed run's from its saved state (a
+        state saved before the cursor existed: replayed to its step), else init_from's run's with
+        ``data.cursor_from_init`` (refused when that run trained on other sequences), else at the start.
+
+        Raises:
+            RecipeError: ``data.cursor_from_init`` and init_from's cursor was made on other data.
+        """
+        ids, seed, st = self.data.train_ids, self.cfg.seed, self.state
+        if self.cfg.resume and st.step:
+            self.cursor = DataCursor.from_state(ids, seed, st.cursor)
+            if st.cursor is None:  # saved before the cursor: the batches were this order's first steps
+                self.cursor.take(st.step * self.sps)
+            return
+        rec = self.lineage.get("cursor") if self.cfg.data.get("cursor_from_init", False) else None
+        if self.cfg.data.get("cursor_from_init", False) and not rec:
+            self.log(f"data.cursor_from_init: {self.cfg.init_from} records no data cursor; starting at epoch 0")
+        if rec:
+            n = int(rec.get("n", 0))
+            if n > len(ids) or rec.get("fingerprint") != data_fingerprint(self.data.tokens, ids[:n]):
+                raise RecipeError(f"data.cursor_from_init=true: {self.cfg.init_from}'s run visited other training "
+                                  f"sequences (its first {n} are not this run's first {min(n, len(ids))}); train on "
+                                  "the data it used (shards may be appended), or set data.cursor_from_init=false")
+            self.log(f"data.cursor_from_init: continuing at epoch {rec.get('epoch', 0)}, "
+                     f"{len(rec.get('done', []))} sequences into it")
+        self.cursor = DataCursor.from_state(ids, seed, rec)
+
     def _resume(self) -> None:
         client = load_resume(self.engine, self.out_dir)
         if client is None:
             self.log(f"resume=true but {self.out_dir / 'resume'} holds no state: starting from step 0")
             return
         self.state = TrainState.from_client(client)
+        # the run's own start, whatever init_from's folder holds now (the scheduler state restores the same offset)
+        self.step0 = self.state.lineage_step0
+        self.lr.offset = self.step0 if self.cfg.train.get("schedule_from_init", False) else 0
         if self.state.acc_ema is not None:  # the client state holds plain lists; the EMA lives on the device
             self.state.acc_ema = self.state.acc_ema.to(self.device)
         check_resume_length(self.state.step, self.total, self.cfg, self.out_dir)
@@ -283,17 +364,18 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------------ steps
 
-    def batch_for(self, step: int) -> list[int]:
-        """The training sequence ids of ``step``: epoch e visits the training sequences in a permutation seeded by
-        (seed, e); the last batch of an epoch wraps around, so every step has ``seqs_per_step`` sequences
-        (DeepSpeed's fixed accumulation)."""
-        ids = self.data.train_ids
-        e, j = divmod(step, self.steps_per_epoch)
-        perm = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed_mix(self.cfg.seed, 7, e))).tolist()
-        return [ids[perm[(j * self.sps + q) % len(ids)]] for q in range(self.sps)]
+    def next_batch(self) -> list[int]:
+        """The next step's training sequence ids (``seqs_per_step`` of them, DeepSpeed's fixed accumulation) from
+        the data cursor: epoch e visits the training sequences in a permutation seeded by (seed, e), every one once
+        before any repeats; a batch that an epoch ends inside continues into the next epoch's permutation."""
+        batch = self.cursor.take(self.sps)
+        self.state.cursor = self.cursor.state()
+        return batch
 
     def _anchor_gen(self, step: int, i: int) -> torch.Generator:
-        return torch.Generator().manual_seed(seed_mix(self.cfg.seed, step, i))
+        """The anchor RNG of sequence i at this run's ``step`` (seeded by the lineage step: the run's own step
+        unless it continues an earlier run's)."""
+        return torch.Generator().manual_seed(seed_mix(self.cfg.seed, self.step0 + step, i))
 
     def _batch_denominator(self, step: int, mine: list[int]) -> float | None:
         """``loss.normalization=batch`` (SpecForge's pooled loss): the step's decay-weight sum over every process
@@ -328,31 +410,33 @@ class Trainer:
         lam = 0.0
         if cfg.loss.type == "domino":
             lam = lambda_schedule(st.step, self.total, cfg.loss.lambda_base_start, cfg.loss.lambda_decay_ratio)
-        batch = self.batch_for(st.step)
+        lr = float(self.sched.get_last_lr()[0])  # the rate this step's optimiser update uses
+        batch = self.next_batch()
         st.seen.update(batch)
         st.seen_tokens += self.data.num_tokens(batch)
         mine = batch[self.rank::self.world]
         denom = self._batch_denominator(st.step, mine)
-        sums = torch.zeros(5, device=self.device)  # loss, ce, l1, bce, predictions: summed on the device
+        sums = torch.zeros(6, device=self.device)  # loss, ce, l1, bce, kl, predictions: summed on the device
         for i in mine:
             out = self.engine(self.target, self.data, i, cfg, self._anchor_gen(st.step, i), lam, denom)
             if out is None:  # pragma: no cover - BlockData keeps only sequences with anchors
                 self.engine.backward(sum(p.sum() for p in self.params) * 0.0)
                 self.engine.step()
                 continue
-            loss, o_ce, o_l1, o_bce, o_acc, o_cnt = out
+            loss, o_ce, o_l1, o_bce, o_acc, o_cnt, o_kl = out
             self.engine.backward(loss)
             self.engine.step()
             # no host sync per sequence: the pieces are rounded to fp32 and summed where they are
-            sums += torch.stack([t.detach().to(torch.float32) for t in (loss, o_ce, o_l1, o_bce, o_cnt.sum())])
+            sums += torch.stack([t.detach().to(torch.float32) for t in (loss, o_ce, o_l1, o_bce, o_kl, o_cnt.sum())])
             st.acc_ema = o_acc if st.acc_ema is None else 0.9 * st.acc_ema + 0.1 * o_acc
         sums = self._all_reduce(sums)
-        *means, preds = torch.cat([sums[:4] / self.sps, sums[4:]]).tolist()  # the step's one wait on the device
-        tot, ce, l1, bce = means
+        *means, preds = torch.cat([sums[:5] / self.sps, sums[5:]]).tolist()  # the step's one wait on the device
+        tot, ce, l1, bce, kl = means
         st.preds += int(preds)
         st.step += 1
         st.losses.append(round(tot, 6))
-        return {"loss": tot, "ce": ce, "l1": l1, "bce": bce, "lam": lam}
+        st.lrs.append(float(f"{lr:.8g}"))
+        return {"loss": tot, "ce": ce, "l1": l1, "bce": bce, "kl": kl, "lam": lam, "lr": lr}
 
     def _report(self, m: dict) -> None:
         st = self.state
@@ -361,6 +445,8 @@ class Trainer:
         post = {"loss": f"{m['loss']:.4f}", "ce": f"{m['ce']:.3f}", "tf_tau": f"{tf_tau:.2f}", "pred_s": f"{rate:.0f}"}
         if self.cfg.loss.type == "dspark":
             post["l1"] = f"{m['l1']:.3f}"
+            if self.cfg.loss.get("kl_weight", 0):
+                post["kl"] = f"{m['kl']:.3f}"
         if self.cfg.loss.type == "domino":
             post["lam"] = f"{m['lam']:.2f}"
         self.bar.set_postfix(**post)
@@ -436,7 +522,26 @@ class Trainer:
             "wall_min": (time.time() - self.t_start) / 60,
             "peak_rss_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024**2,
             "curve": st.curve, "param_checksum": param_checksum, **hold,
+            "lrs": st.lrs,
+            # what a run continued from this checkpoint reads (data.cursor_from_init, train.schedule_from_init)
+            "lineage": {"step0": st.lineage_step0, "steps": st.lineage_step0 + st.step,
+                        "schedule_steps": self.lr.total},
+            "cursor": self.cursor.state(data_fingerprint(data.tokens, data.train_ids)),
+            **self._online_costs(),
         }
+
+    def _online_costs(self) -> dict:
+        """Online-feature costs of campaign data (none for a feature file): seconds and tokens of target forwards,
+        and the on-disk feature store's hits, misses and read seconds when ``data.feature_store_gb`` > 0."""
+        data = self.data
+        if not getattr(data, "online", False):
+            return {}
+        out = {"target_forward_s": round(data.forward_s, 2), "target_forward_tokens": data.forward_tokens}
+        store = getattr(data, "store", None)
+        if store is not None:
+            out["feature_store"] = {"hits": store.hits, "misses": store.misses, "read_s": round(store.read_s, 2),
+                                    "gb": round(store.bytes / 1e9, 3), "folder": str(store.folder)}
+        return out
 
     def finish(self) -> dict:
         """Save the resumable state, evaluate the final weights, and on rank 0 write the checkpoint

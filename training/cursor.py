@@ -1,0 +1,125 @@
+"""Where a run, and the lineage of runs that continue one another's weights, stands in its data and its schedule.
+
+:class:`DataCursor` visits the training sequences epoch by epoch, each epoch a permutation seeded by (seed, epoch),
+so every sequence is visited once before any is visited again; its position (the epoch and the sequences visited in
+it) is part of the resumable state, and of the finished run's record (``training.json`` beside the checkpoint), so
+a resumed run, and with ``data.cursor_from_init=true`` a new run continued from that checkpoint, takes the next
+sequence where the earlier one stopped. Two short runs of a lineage then visit the sequences one long run would
+(tested). When the data grew in between (new campaign shards appended: the ids of the earlier sequences are
+unchanged), the rest of the epoch is the new permutation less the sequences already visited in it, so the new
+sequences come before any repeat.
+
+:func:`lineage_record` reads what the run behind an ``init_from`` checkpoint recorded: the lineage's step count (for
+``train.schedule_from_init``, :class:`~dartree.training.trainer.WarmupCosine`) and its cursor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from dartree.training.step import seed_mix
+
+# the anchor of the permutation seeds: epoch e visits the training ids in randperm(seed_mix(seed, 7, e)) order (the
+# order the trainer used before the cursor, so runs whose sequences fill whole steps log the losses they did)
+PERM_SALT = 7
+
+
+def data_fingerprint(tokens: Sequence[torch.Tensor], ids: Sequence[int]) -> str:
+    """sha256 (hex, 16 characters) of the token ids of the sequences ``ids``, in that order (``tokens[i]`` [T] int64):
+    what a cursor's visited ids refer to, so that a continued run refuses a cursor made on other data."""
+    h = hashlib.sha256()
+    for i in ids:
+        t = tokens[i]
+        h.update(int(i).to_bytes(8, "little"))
+        h.update(int(t.numel()).to_bytes(8, "little"))
+        h.update(t.to(torch.int64).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+class DataCursor:
+    """The training sequences in a seeded order, every one once per epoch.
+
+    Args:
+        ids: the training sequence ids (``data.train_ids``, stable when data is appended).
+        seed: the run's ``seed``; epoch e visits ``ids`` in ``torch.randperm(len(ids))`` order under the generator
+            seeded ``seed_mix(seed, 7, e)``, less the ids already visited in epoch e (none, unless the cursor was
+            continued onto grown data).
+        epoch: the epoch the cursor is in. done: the ids visited in that epoch, in visiting order.
+    Raises:
+        ValueError: no training ids.
+    """
+
+    def __init__(self, ids: Sequence[int], seed: int, epoch: int = 0, done: Sequence[int] = ()):
+        if not len(ids):
+            raise ValueError("the data cursor needs at least one training sequence")
+        self.ids, self.seed = list(ids), int(seed)
+        known = set(self.ids)
+        self.epoch = int(epoch)
+        self.done = [int(i) for i in done if int(i) in known]  # ids of other data cannot be visited again
+        self.visits = 0  # sequences taken by this cursor object (not the lineage's)
+        self._rest: list[int] | None = None
+        self._pos = 0
+
+    def _order(self) -> list[int]:
+        """The rest of the current epoch in visiting order: its permutation less the ids done in it."""
+        g = torch.Generator().manual_seed(seed_mix(self.seed, PERM_SALT, self.epoch))
+        perm = torch.randperm(len(self.ids), generator=g).tolist()
+        done = set(self.done)
+        return [self.ids[j] for j in perm if self.ids[j] not in done]
+
+    def take(self, k: int) -> list[int]:
+        """The next ``k`` sequence ids (an epoch that ends inside them continues into the next epoch's permutation,
+        so a sequence may come twice in one batch only across an epoch boundary)."""
+        out = []
+        while len(out) < k:
+            if self._rest is None:
+                self._rest, self._pos = self._order(), 0
+            if self._pos >= len(self._rest):
+                self.epoch += 1
+                self.done, self._rest = [], None
+                continue
+            i = self._rest[self._pos]
+            self._pos += 1
+            self.done.append(i)
+            out.append(i)
+        self.visits += k
+        return out
+
+    def state(self, fingerprint: str | None = None) -> dict:
+        """The JSON-able position: ``epoch``, ``done`` (ids visited in it, in order), ``n`` (training ids) and the
+        ``fingerprint`` of the data (:func:`data_fingerprint` of ``ids``, when given)."""
+        out = {"seed": self.seed, "epoch": self.epoch, "done": list(self.done), "n": len(self.ids)}
+        if fingerprint is not None:
+            out["fingerprint"] = fingerprint
+        return out
+
+    @classmethod
+    def from_state(cls, ids: Sequence[int], seed: int, state: dict | None) -> "DataCursor":
+        """A cursor at the position ``state`` (:meth:`state`) over ``ids``; None: at the start."""
+        if not state:
+            return cls(ids, seed)
+        return cls(ids, seed, epoch=int(state.get("epoch", 0)), done=state.get("done", ()))
+
+
+def lineage_record(init_from: str | None) -> dict:
+    """What the run behind ``init_from`` recorded about its lineage, from the ``training.json`` beside the checkpoint
+    (written by :meth:`~dartree.training.trainer.Trainer.finish`): ``{"steps": lineage steps at its end,
+    "cursor": its :class:`DataCursor` state or None}``; ``{}`` for a checkpoint without that record (a converted or
+    shipped one, or one trained before the record existed)."""
+    if not init_from:
+        return {}
+    path = Path(init_from) / "training.json"
+    try:
+        state = json.loads(path.read_text()).get("state") or {}
+    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
+        return {}
+    lineage = state.get("lineage")
+    if not isinstance(lineage, dict):
+        return {}
+    return {"steps": int(lineage.get("steps", 0)), "cursor": state.get("cursor"),
+            "schedule_steps": int(lineage.get("schedule_steps", 0))}
