@@ -392,6 +392,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def new_report(dry: bool) -> dict:
+    """The report before any section ran: mode, device, torch / python / triton versions (triton None when it is
+    not installed) and empty ``failures``, ``kernels``, ``tree_build`` and ``eval``."""
+    report: dict = {"mode": "dry" if dry else "cuda", "device": torch.cuda.get_device_name(0) if not dry else "cpu",
+                    "torch": torch.__version__, "python": platform.python_version(), "failures": [],
+                    "kernels": [], "tree_build": [], "eval": []}
+    try:
+        import triton
+
+        report["triton"] = triton.__version__
+    except ImportError:
+        report["triton"] = None
+    return report
+
+
 def main(argv=None) -> int:
     """Run the check and write the JSON report; returns the exit status (0 ok, 1 a failure, 2 bad arguments)."""
     args = parse_args(argv)
@@ -406,15 +421,7 @@ def main(argv=None) -> int:
     t_start = time.time()
     deadline = t_start + args.time_limit
     dev = torch.device("cpu" if dry else "cuda")
-    report: dict = {"mode": "dry" if dry else "cuda", "device": torch.cuda.get_device_name(0) if not dry else "cpu",
-                    "torch": torch.__version__, "python": platform.python_version(), "failures": [],
-                    "kernels": [], "tree_build": [], "eval": []}
-    try:
-        import triton
-
-        report["triton"] = triton.__version__
-    except ImportError:
-        report["triton"] = None
+    report = new_report(dry)
 
     def section(name: str, fn) -> None:
         if time.time() > deadline:

@@ -186,7 +186,7 @@ def test_the_dry_run_is_the_burst_on_a_cpu(tmp_path):
     assert m["holdout"]["conversations"] == 2 and len(m["shards"]) == 2
     assert "device" not in m["shards"][0]  # a CPU run names its CPU only (a GPU run adds "device")
     assert m == json.loads((camp / "manifest.json").read_text())
-    state = json.loads((home / "train_state.json").read_text())
+    state = _read_state(home, tmp_path / "runs")
     from dartree.models.checkpoint import load_dartree
 
     for recipe in ("dspark_b16", "domino_b16", "dflash_b16"):
@@ -210,7 +210,7 @@ def test_the_dry_run_is_the_burst_on_a_cpu(tmp_path):
     r = subprocess.run(apply[:-3] + ["eval_limit=0"], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=300)  # applied again: nothing twice, the measured tau kept
     assert r.returncode == 0, r.stderr[-3000:]
-    again = json.loads((home / "train_state.json").read_text())
+    again = _read_state(home, tmp_path / "runs")
     assert all(again[k]["runs"] == state[k]["runs"] for k in ("dspark_b16", "domino_b16", "dflash_b16"))
     assert read_manifest(home) == m
     if fetched:  # a missing set is named with the command that fetches it
@@ -243,6 +243,16 @@ def _drafter_checkpoint(folder: Path, seed: int | None) -> Path:
 @pytest.fixture(scope="module")
 def tiny_eval_target(tmp_path_factory):
     return _tiny_target(tmp_path_factory.mktemp("tiny-eval") / "target")
+
+
+def _read_state(camp: Path, runs_dir: Path | str = "") -> dict:
+    """``camp/train_state.json`` as the campaign reads it: its ``runs:`` paths under ``runs_dir`` (default: the
+    user cache), every other stored path made local."""
+    from omegaconf import OmegaConf
+
+    from dartree.training.campaign_train import read_state
+
+    return read_state(OmegaConf.create({"dir": str(camp), "runs_dir": str(runs_dir)}))
 
 
 def _eval_campaign(tmp_path: Path, target: Path, recipes: dict) -> tuple[Path, list]:
@@ -292,7 +302,7 @@ def test_apply_measures_eval_tau_on_the_cpu_and_ships_what_beats_the_shipped_one
     assert {v.dtype for v in got.values() if v.is_floating_point()} == {torch.bfloat16}  # as checkpoints/ ships
     assert (ship / "dspark_b16" / "learning_curve.json").read_text() == '{"mine": 1}\n'
     assert (ship / "domino_b16" / "model.safetensors").read_bytes() == kept
-    state = json.loads((camp / "train_state.json").read_text())
+    state = _read_state(camp)
     assert state["dspark_b16"]["shipped_run"] == runs[0][1] and "shipped_run" not in state["domino_b16"]
     for recipe, r in res.items():
         (rec,) = state[recipe]["runs"]
@@ -346,7 +356,7 @@ def test_apply_keeps_the_shipped_checkpoint_when_the_new_one_loses_and_says_why_
     assert seen[0][2] == seen[1][2] == ["--tree", "chain", "--budget", "16", "--limit", "5", "--max-new-tokens", "256",
                                         "--dtype", "float32", "--no-plots", "--ar-repeats", "1"]  # the defaults
     assert (ship / "dspark_b16" / "model.safetensors").read_bytes() == before
-    state = json.loads((camp / "train_state.json").read_text())
+    state = _read_state(camp)
     assert "shipped_run" not in state["dspark_b16"] and state["dspark_b16"]["runs"][0]["eval_chain_tau"] == 1.25
     assert state["dspark_b16"]["runs"][0]["eval_chain"]["shipped_tau"] == 1.5
     assert "eval chain tau 1.2500 (dspark_b16-00002, 15 prompts, 0 mismatches) vs shipped 1.5000: kept" in \
@@ -357,7 +367,7 @@ def test_apply_keeps_the_shipped_checkpoint_when_the_new_one_loses_and_says_why_
     assert not evaluate_and_ship(burst_settings(common + ["ship=false"]), runs)["dspark_b16"]["shipped"]
     assert "vs shipped 1.0000: would ship (ship=false)" in capsys.readouterr().out
     assert (ship / "dspark_b16" / "model.safetensors").read_bytes() == before
-    assert json.loads((camp / "train_state.json").read_text())["dspark_b16"]["runs"][0]["eval_chain"]["shipped_tau"] \
+    assert _read_state(camp)["dspark_b16"]["runs"][0]["eval_chain"]["shipped_tau"] \
         == 1.0
     (ship / "dspark_b16" / "config.json").write_text('{"format": "notes"}')  # not a checkpoint: never overwritten
     with pytest.raises(BurstError, match=r"shipping .* into .*dspark_b16 failed \(refusing to overwrite .*\); .* is "

@@ -307,7 +307,8 @@ def test_the_training_stage_trains_on_the_shards_resumes_and_records_its_runs(tm
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext")))
     folder = tmp_path / "c"
-    cfg = load_settings(SMALL + [f"dir={folder}", "data.max_new_tokens=8", "train.min_shards=2",
+    cfg = load_settings(SMALL + [f"dir={folder}", f"runs_dir={tmp_path / 'runs'}", "data.max_new_tokens=8",
+                                 "train.min_shards=2",
                                  "train.overrides=[train.max_steps=2,train.num_anchors=4]"], folder=folder)
     cfg.data.goal_response_tokens = 1
     run_data(cfg, time.time() + 3600, work=tmp_path / "w")
@@ -339,6 +340,17 @@ def test_the_training_stage_trains_on_the_shards_resumes_and_records_its_runs(tm
     assert pts[1]["predictions"] == base["predictions"] + run["predictions"]
     png = plot_curve(cfg, tmp_path / "curve.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # a shard lands: the next run continues the first run's lineage (train.lineage, on by default): its data cursor
+    # and its schedule go on from the 3 steps the first run took, on the grown data
+    cfg.data.goal_response_tokens = read_manifest(folder)["totals"]["response_tokens"] + 1
+    run_data(cfg, time.time() + 3600, work=tmp_path / "w")
+    cfg.train.overrides = ["train.max_steps=2", "train.num_anchors=4"]
+    first, second = run_train(cfg, time.time() + 3600, runs_root=tmp_path / "runs")["dspark_b16"]["runs"]
+    assert second["shards"] == 2 and second["init_from"] == str(tmp_path / "runs" / "dspark_b16-00001" / "checkpoint")
+    done = json.loads((Path(second["output_dir"]) / "checkpoint" / "training.json").read_text())["state"]
+    assert done["lineage"]["step0"] == 3 and done["lineage"]["steps"] == 5
+    first_cursor = json.loads((Path(first["output_dir"]) / "checkpoint" / "training.json").read_text())["state"]["cursor"]
+    assert done["cursor"]["n"] > first_cursor["n"]  # the grown data, continued, not restarted
 
 
 def _committed_campaign(folder: Path, cfg) -> None:

@@ -683,12 +683,7 @@ def apply_results(cfg) -> dict:
             not extend the local campaign (named); from the evaluation, a checkpoint it cannot evaluate or ship
             (the merge is then complete: apply again once fixed, or with ``eval_limit=0``).
     """
-    from omegaconf import OmegaConf
-
-    from dartree.models.files import write_file_atomically
     from dartree.models.target import cache_root
-    from dartree.training.campaign_store import read_manifest
-    from dartree.training.campaign_train import locked_state
 
     dirs = [Path(d) for d in cfg.results]
     rep = next((d / "report.json" for d in dirs if (d / "report.json").exists()), None)
@@ -696,6 +691,24 @@ def apply_results(cfg) -> dict:
         raise BurstError(f"no report.json in results={[str(d) for d in dirs]}; give the folder of set 1")
     report = json.loads(rep.read_text())
     stage = Path(cfg.dir if Path(cfg.dir).is_absolute() else REPO / cfg.dir) / "returned"
+    _join_pieces(report, dirs, stage)
+    camp = _campaign_dir(cfg)
+    new = _merge_shards(camp, stage)
+    runs_root = (Path(cfg.runs_dir) if cfg.runs_dir else cache_root() / "campaign-runs").absolute()
+    added = _add_runs(report, stage, camp, runs_root)
+    print(f"burst apply: {len(new)} shards into {camp}, {len(added)} runs: {[d for _, d in added]}", flush=True)
+    out = {"shards": [s["file"] for s in new], "runs": [d for _, d in added]}
+    if int(cfg.eval_limit) > 0 and added:
+        out["recipes"] = evaluate_and_ship(cfg, added)
+    return out
+
+
+def _join_pieces(report: dict, dirs: list[Path], stage: Path) -> None:
+    """Join the returned pieces of each whole file of ``report`` (looked up in ``dirs``) into ``stage`` (replaced).
+
+    Raises:
+        BurstError: a piece is missing (the fetch command of its set named) or a joined file's sha256 differs.
+    """
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
     wholes: dict = {}
@@ -711,7 +724,18 @@ def apply_results(cfg) -> dict:
                 o.write(p.read_bytes())
         if sha256_file(stage / name) != sha:
             raise BurstError(f"{name}: the joined pieces do not match the report's sha256; fetch them again")
-    camp = _campaign_dir(cfg)
+
+
+def _merge_shards(camp: Path, stage: Path) -> list[dict]:
+    """Add the new shards of the joined ``stage/data.tar`` and its manifest to the campaign folder ``camp``;
+    returns the new shards' manifest entries (the held-out set's too when ``camp`` had none).
+
+    Raises:
+        BurstError: the returned manifest does not extend the local one, or a shard's sha256 differs from it.
+    """
+    from dartree.models.files import write_file_atomically
+    from dartree.training.campaign_store import read_manifest
+
     local = read_manifest(camp)
     with tarfile.open(stage / "data.tar") as tar:
         tar.extractall(stage / "data", filter="data")
@@ -727,8 +751,21 @@ def apply_results(cfg) -> dict:
             raise BurstError(f"{s['file']}: its sha256 differs from the returned manifest's")
         write_file_atomically(camp / s["file"], blob)
     write_file_atomically(camp / "manifest.json", json.dumps(got, indent=1) + "\n")
-    runs_root = Path(cfg.runs_dir) if cfg.runs_dir else cache_root() / "campaign-runs"
-    dev_state = json.loads((stage / "data" / "train_state.json").read_text()) \
+    return new
+
+
+def _add_runs(report: dict, stage: Path, camp: Path, runs_root: Path) -> list[tuple[str, str]]:
+    """Unpack each returned worker's checkpoint into ``runs_root/<run>`` and record the run in
+    ``camp/train_state.json`` with that folder (its device record, else its summary; a run applied again keeps one
+    record, with its measured eval kept); returns the (recipe, run folder) pairs added."""
+    from omegaconf import OmegaConf
+
+    from dartree.training.campaign_store import from_record
+    from dartree.training.campaign_train import locked_state, record_roots
+
+    state_cfg = OmegaConf.create({"dir": str(camp), "runs_dir": str(runs_root)})
+    # the device's record, its paths read against this machine's roots (a run's folder keeps its name)
+    dev_state = from_record(json.loads((stage / "data" / "train_state.json").read_text()), record_roots(state_cfg)) \
         if (stage / "data" / "train_state.json").exists() else {}
     added = []
     for w in report.get("workers", []):
@@ -747,7 +784,7 @@ def apply_results(cfg) -> dict:
                    "from_scratch": True, "parent": None, "init_from": None}
         rec = {**rec, "output_dir": str(dest), "burst": report["payload"]["dartree"],
                **({"eval_device": w["eval"]} if "eval" in w else {})}
-        with locked_state(OmegaConf.create({"dir": str(camp)})) as state:
+        with locked_state(state_cfg) as state:
             runs = state.setdefault(w["recipe"], {"runs": []})["runs"]
             old = [i for i, r in enumerate(runs) if r["output_dir"] == str(dest)]
             if old:  # applied again: the same run, one record (its CPU eval kept until measured again)
@@ -755,11 +792,7 @@ def apply_results(cfg) -> dict:
             else:
                 runs.append(rec)
         added.append((w["recipe"], str(dest)))
-    print(f"burst apply: {len(new)} shards into {camp}, {len(added)} runs: {[d for _, d in added]}", flush=True)
-    out = {"shards": [s["file"] for s in new], "runs": [d for _, d in added]}
-    if int(cfg.eval_limit) > 0 and added:
-        out["recipes"] = evaluate_and_ship(cfg, added)
-    return out
+    return added
 
 
 EVAL_KEYS = ("eval_chain_tau", "eval_chain")  # what evaluate_and_ship adds to a run's record
@@ -822,13 +855,14 @@ def eval_chain(checkpoint: Path, target: str, words: list[str], out: Path) -> di
             "prompt_ids": [f"{p['dataset']}:{p['id']}" for p in rep["environment"]["prompts"]], "report": str(rep_path)}
 
 
-def _set_run(camp: Path, recipe: str, output_dir: str, fields: dict) -> None:
-    """Update the last record of run ``output_dir`` of ``recipe`` in ``camp/train_state.json`` (under its lock).
+def _set_run(camp: Path, runs_dir: str, recipe: str, output_dir: str, fields: dict) -> None:
+    """Update the last record of run ``output_dir`` of ``recipe`` in ``camp/train_state.json`` (under its lock;
+    ``runs_dir``: the runs folder its ``runs:`` paths are relative to, "" for the default).
 
     Raises:
         BurstError: the state has no such run.
     """
-    with _state_lock(camp) as state:
+    with _state_lock(camp, runs_dir) as state:
         runs = state.setdefault(recipe, {"runs": []})["runs"]
         rec = next((r for r in reversed(runs) if r["output_dir"] == output_dir), None)
         if rec is None:
@@ -885,7 +919,7 @@ def evaluate_and_ship(cfg, runs: list[tuple[str, str]]) -> dict:
             raise BurstError(f"the evaluations of {ck} and {dest} saw different prompts; give eval_args= without "
                              "prompt choices that vary between calls")
         wins = old is None or new["tau"] > old["tau"]
-        _set_run(camp, recipe, run, {"eval_chain_tau": new["tau"], "eval_chain": {
+        _set_run(camp, cfg.runs_dir, recipe, run, {"eval_chain_tau": new["tau"], "eval_chain": {
             "command": "python decode/eval.py " + " ".join(words), "limit": int(cfg.eval_limit),
             "max_new_tokens": int(cfg.eval_max_new_tokens), "dtype": "float32", "prompts": new["prompts"],
             "mismatches": new["mismatches"], "cpu": cpu_model(), "target": str(target),
@@ -898,7 +932,7 @@ def evaluate_and_ship(cfg, runs: list[tuple[str, str]]) -> dict:
             except (CheckpointError, OSError) as exc:
                 raise BurstError(f"shipping {ck} into {dest} failed ({exc}); {dest} is as it was: give ship_dir= a "
                                  "writable folder of dartree checkpoints and run stage=apply again") from None
-            with _state_lock(camp) as state:
+            with _state_lock(camp, cfg.runs_dir) as state:
                 state.setdefault(recipe, {"runs": []})["shipped_run"] = run
             shipped_tau[recipe] = new
         vs = "nothing shipped yet" if old is None else f"shipped {old['tau']:.4f}"
@@ -917,13 +951,14 @@ def _shown(path: Path) -> str:
     return str(full.relative_to(REPO)) if full.is_relative_to(REPO) else str(path)
 
 
-def _state_lock(camp: Path):
-    """:func:`dartree.training.campaign_train.locked_state` of the campaign folder ``camp``."""
+def _state_lock(camp: Path, runs_dir: str):
+    """:func:`dartree.training.campaign_train.locked_state` of the campaign folder ``camp`` whose runs are in
+    ``runs_dir`` ("": the default runs folder)."""
     from omegaconf import OmegaConf
 
     from dartree.training.campaign_train import locked_state
 
-    return locked_state(OmegaConf.create({"dir": str(camp)}))
+    return locked_state(OmegaConf.create({"dir": str(camp), "runs_dir": str(runs_dir)}))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -105,6 +105,10 @@ class TrainSettings:
     init: str = "latest"  # latest: continue the latest weights (run, committed, shipped); scratch: random init
     min_minutes: float = 2.0  # a recipe with less time than this left is not started
     overhead_minutes: float = 0.0  # kept from each run's train.max_minutes for its set-up, held-out eval and save
+    # a run that continues a campaign run's weights continues its lineage too: the data cursor (unseen sequences
+    # before any repeat) and the learning-rate schedule (no second warm-up): data.cursor_from_init and
+    # train.schedule_from_init; false: each run starts its cursor and schedule afresh
+    lineage: bool = True
 
 
 @dataclass

@@ -12,6 +12,7 @@ import io
 import json
 import os
 import platform
+from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -160,3 +161,117 @@ def read_shard(path: Path) -> list[dict]:
     except (OSError, ValueError) as exc:
         raise CampaignError(f"campaign shard {path} cannot be read ({str(exc).splitlines()[0]}); restore it with "
                             "`git checkout` or delete it and its manifest entry to regenerate it") from None
+
+
+# ------------------------------------------------------------------------------------------- paths in records
+# Committed records (train_state.json) name folders relative to one of three stated roots, never as absolute paths
+# of the machine that wrote them: ``runs:NAME`` (the campaign's runs folder: ``runs_dir``, else
+# ``<user cache>/campaign-runs``), ``campaign:PATH`` (the campaign folder, ``dir``) and ``repo:PATH`` (the
+# repository). A path under none of them is kept relative to the repository (``repo:../..``).
+RECORD_ROOTS = ("runs", "campaign", "repo")
+# What train_state.json says about its own paths (written at its top, dropped when it is read)
+ROOTS_NOTE_KEY = "path_roots"
+ROOTS_NOTE = {"runs": "the campaign's runs folder (runs_dir=, else ~/.cache/dartree/campaign-runs)",
+              "campaign": "the campaign folder (dir=, else campaign/ of the repository)",
+              "repo": "the repository"}
+
+
+@dataclass(frozen=True)
+class RecordRoots:
+    """The local folders the stated roots of a record stand for on this machine.
+
+    Attributes:
+        runs: the campaign's runs folder (absolute).
+        campaign: the campaign folder (absolute).
+        repo: the repository (absolute).
+    """
+
+    runs: Path
+    campaign: Path
+    repo: Path = REPO
+
+    def _folders(self) -> dict[str, Path]:
+        return {"runs": self.runs, "campaign": self.campaign, "repo": self.repo}
+
+    def portable(self, text: str) -> str:
+        """``text`` as a record stores it: an absolute path as ``ROOT:RELATIVE`` under the deepest root holding it
+        (a path of another machine by its last ``campaign-runs``, ``campaign/checkpoints`` or ``checkpoints``
+        folder, :func:`legacy_root`), else relative to the repository; any other string unchanged.
+
+        Args:
+            text: a value of a record (str).
+        Returns:
+            the stored form (str); never an absolute path.
+        """
+        if not os.path.isabs(text):
+            return text
+        path = Path(os.path.normpath(text))
+        best = None
+        for name, folder in self._folders().items():
+            for base in dict.fromkeys((Path(os.path.normpath(folder)), folder.resolve())):
+                for p in dict.fromkeys((path, path.resolve())):
+                    if p.is_relative_to(base) and (best is None or len(base.parts) > best[0]):
+                        best = (len(base.parts), name, p.relative_to(base).as_posix())
+        if best is not None:
+            return f"{best[1]}:{best[2]}"
+        legacy = legacy_root(path)
+        if legacy is not None:
+            return legacy
+        return "repo:" + Path(os.path.relpath(path, self.repo)).as_posix()
+
+    def local(self, text: str) -> str:
+        """The local absolute path of a stored ``ROOT:RELATIVE`` (normalised); an absolute path of another
+        machine (records written before paths were relative) mapped the same way through :meth:`portable`; any
+        other string unchanged.
+
+        Args:
+            text: a value of a record (str).
+        Returns:
+            a path on this machine (str), or ``text``.
+        """
+        if os.path.isabs(text):
+            text = self.portable(text)
+        root, sep, rel = text.partition(":")
+        if not sep or root not in RECORD_ROOTS:
+            return text
+        return os.path.normpath(self._folders()[root] / rel)
+
+
+def legacy_root(path: Path) -> str | None:
+    """The stated-root form of an absolute path of another machine, by the folders it passes through: after the
+    last ``campaign-runs`` -> ``runs:``, after ``campaign/checkpoints`` -> ``campaign:checkpoints/...``, after the
+    last ``checkpoints`` -> ``repo:checkpoints/...``; None when it has none of them."""
+    parts = path.parts
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i] == "campaign-runs" and i + 1 < len(parts):
+            return "runs:" + "/".join(parts[i + 1:])
+    for i in range(len(parts) - 1, 0, -1):
+        if parts[i] == "checkpoints" and i + 1 < len(parts):
+            if parts[i - 1] == "campaign":
+                return "campaign:" + "/".join(parts[i:])
+            return "repo:" + "/".join(parts[i:])
+    return None
+
+
+def map_strings(value, fn):
+    """``value`` (JSON data: dicts, lists, scalars) with every string ``s`` replaced by ``fn(s)``; dict keys kept."""
+    if isinstance(value, str):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: map_strings(v, fn) for k, v in value.items()}
+    if isinstance(value, list):
+        return [map_strings(v, fn) for v in value]
+    return value
+
+
+def to_record(state: dict, roots: RecordRoots) -> dict:
+    """The training state as committed: every absolute path stored relative to its stated root
+    (:meth:`RecordRoots.portable`), with the roots described under ``path_roots`` at the top."""
+    body = {k: v for k, v in state.items() if k != ROOTS_NOTE_KEY}
+    return {ROOTS_NOTE_KEY: ROOTS_NOTE, **map_strings(body, roots.portable)}
+
+
+def from_record(state: dict, roots: RecordRoots) -> dict:
+    """The training state as the code uses it: every stored path as a local absolute path
+    (:meth:`RecordRoots.local`; old records with absolute paths read the same way), ``path_roots`` dropped."""
+    return map_strings({k: v for k, v in state.items() if k != ROOTS_NOTE_KEY}, roots.local)

@@ -9,7 +9,10 @@ the clock resumes in the next call (``resume=true``: model, optimiser and data p
 landed, a new run starts from the latest weights of the recipe: the previous run's checkpoint when this machine
 still has it, else the campaign's committed checkpoint ``campaign/checkpoints/<recipe>``, else the shipped
 ``checkpoints/<recipe>``. ``campaign/train_state.json`` (committed) records every run: shards, steps, predictions,
-held-out chain tau on the campaign's held-out set, and the CPU.
+held-out chain tau on the campaign's held-out set, and the CPU. Its folders are relative to stated roots
+(``runs:``, ``campaign:``, ``repo:``; :class:`dartree.training.campaign_store.RecordRoots`): :func:`read_state`
+gives them as local absolute paths (also for old records that stored absolute paths) and :func:`write_state`
+stores them relative again, so the committed file names no folder of the machine that wrote it.
 """
 
 from __future__ import annotations
@@ -21,15 +24,30 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
-from dartree.training.campaign_store import REPO, CampaignError, cpu_model, device_name, read_manifest, resolve_device
+from dartree.training.campaign_store import (REPO, CampaignError, RecordRoots, cpu_model, device_name, from_record,
+                                             read_manifest, resolve_device, to_record)
 
 
 def _state_path(cfg: DictConfig) -> Path:
     return Path(cfg.dir) / "train_state.json"
 
 
+def runs_folder(cfg: DictConfig) -> Path:
+    """The campaign's runs folder, absolute: ``runs_dir``, else ``<user cache>/campaign-runs``."""
+    from dartree.models.target import cache_root
+
+    return Path(cfg.get("runs_dir") or cache_root() / "campaign-runs").absolute()
+
+
+def record_roots(cfg: DictConfig) -> RecordRoots:
+    """The folders the stated roots of ``train_state.json`` stand for here: the runs folder (:func:`runs_folder`),
+    the campaign folder (``dir``) and the repository."""
+    return RecordRoots(runs=runs_folder(cfg), campaign=Path(cfg.dir).absolute())
+
+
 def read_state(cfg: DictConfig) -> dict:
-    """``campaign/train_state.json`` ({recipe: {"runs": [...]}}), empty when absent.
+    """``campaign/train_state.json`` ({recipe: {"runs": [...]}}), empty when absent; its stored paths as local
+    absolute paths (:func:`record_roots`), records with absolute paths of another machine mapped the same way.
 
     Raises:
         CampaignError: the file does not parse (restore it with git).
@@ -38,9 +56,19 @@ def read_state(cfg: DictConfig) -> dict:
     if not path.exists():
         return {}
     try:
-        return json.loads(path.read_text())
+        stored = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
         raise CampaignError(f"{path} does not parse ({exc.msg}); restore it with `git checkout {path}`") from None
+    return from_record(stored, record_roots(cfg))
+
+
+def write_state(cfg: DictConfig, state: dict) -> None:
+    """Write the training state to ``campaign/train_state.json`` atomically, every path relative to its stated
+    root (:func:`dartree.training.campaign_store.to_record`). Callers that may run side by side use
+    :func:`locked_state` instead."""
+    from dartree.models.files import write_file_atomically
+
+    write_file_atomically(_state_path(cfg), json.dumps(to_record(state, record_roots(cfg)), indent=1) + "\n")
 
 
 def init_for(cfg: DictConfig, recipe: str, state: dict) -> str:
@@ -97,15 +125,13 @@ def locked_state(cfg: DictConfig):
     each add their own run without losing the others'."""
     import fcntl
 
-    from dartree.models.files import write_file_atomically
-
     path = _state_path(cfg)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_name(path.name + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         state = read_state(cfg)
         yield state
-        write_file_atomically(path, json.dumps(state, indent=1) + "\n")
+        write_state(cfg, state)
 
 
 def recipe_has(key: str) -> bool:
@@ -138,12 +164,12 @@ def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -
     ``train.init=scratch`` starts a new run from random weights (recorded ``from_scratch``; the curve then counts
     its own data and predictions only); ``train.overhead_minutes`` is kept from each run's ``train.max_minutes``
     for its set-up, held-out evaluation and save; a recipe with under ``train.min_minutes`` left is not started.
-    ``runs_root`` (else ``runs_dir``, else the user cache): where the runs live.
+    ``runs_root`` (else ``runs_dir``, else the user cache): where the runs live, and the root their records'
+    ``runs:`` paths are relative to.
 
     Raises:
         CampaignError: a training run failed (its exit status and output folder named).
     """
-    from dartree.models.target import cache_root
     from dartree.training.train import main as train_main
 
     tc = cfg.train
@@ -152,7 +178,11 @@ def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -
         print(f"campaign train: {n} training shards, fewer than train.min_shards={tc.min_shards}; the data stage "
               "goes first", flush=True)
         return read_state(cfg)
-    root = Path(runs_root or cfg.runs_dir or cache_root() / "campaign-runs")
+    if runs_root is not None:  # the records' runs root too
+        from omegaconf import OmegaConf
+
+        cfg = OmegaConf.merge(cfg, {"runs_dir": str(Path(runs_root).absolute())})
+    root = runs_folder(cfg)
     for k, recipe in enumerate(list(tc.recipes)):
         minutes = _minutes_for(cfg, k, deadline)
         if minutes < float(tc.min_minutes):
@@ -168,7 +198,9 @@ def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -
                 f"data.campaign_shards={n}", *([] if scratch else [f"init_from={init}"]), f"output_dir={out}",
                 "resume=true", f"train.max_minutes={max(minutes - float(tc.overhead_minutes), 0.1):.2f}",
                 f"train.epochs={tc.epochs}", f"train.threads={cfg.threads}",
-                f"train.eval_every_steps={tc.eval_every_steps}", *_device_words(cfg), *list(tc.overrides)]
+                f"train.eval_every_steps={tc.eval_every_steps}", *_device_words(cfg),
+                *([] if scratch or not tc.lineage else ["data.cursor_from_init=true", "train.schedule_from_init=true"]),
+                *list(tc.overrides)]
         print("campaign train: python training/train.py " + " ".join(args), flush=True)
         rc = train_main(args)
         if rc != 0:
@@ -220,7 +252,6 @@ def holdout_baseline(cfg: DictConfig, recipe: str, checkpoint: str | None = None
     """
     import torch
 
-    from dartree.models.files import write_file_atomically
     from dartree.training.campaign_data import CampaignData, campaign_rows
     from dartree.training.recipe import RecipeError, load_recipe
     from dartree.training.build import load_init, load_recipe_target, parse_recipe_dtype
@@ -256,7 +287,7 @@ def holdout_baseline(cfg: DictConfig, recipe: str, checkpoint: str | None = None
            **SHIPPED}
     state = read_state(cfg)
     state.setdefault("baseline", {})[recipe] = rec
-    write_file_atomically(_state_path(cfg), json.dumps(state, indent=1) + "\n")
+    write_state(cfg, state)
     print(f"campaign baseline: {recipe} ({checkpoint}): held-out chain tau {rec['holdout_chain_tau']} on "
           f"{rec['holdout_sequences']} campaign held-out conversations", flush=True)
     return rec
