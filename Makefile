@@ -98,3 +98,9 @@ burst-dry: $(VENV_DEP)
 # (eval_limit=0: merge only; ship=false: measure only)
 burst-apply: $(VENV_DEP)
 	$(PY) training/burst.py stage=apply results=[$(BURST_RESULTS)] $(BURST_APPLY)
+
+# The results page: render docs/results.md from campaign/train_state.json, campaign/manifest.json,
+# checkpoints/*/learning_curve.json and checkpoints/results.json (edit those, then run this)
+.PHONY: results
+results: $(VENV_DEP)
+	$(PY) -m dartree.training.results
