@@ -60,8 +60,8 @@ _KEY_LOW: dict = {}
 
 def _top_desc(keys: np.ndarray, k: int) -> np.ndarray:
     """The k largest entries of each row of ``keys`` [P, V] (1 <= k < V), descending: one ``np.partition`` (an
-    O(V) selection; 0.16 ms for 16 x 8192 on the 2-core CPU against 0.44 for ``torch.topk``) and a sort of the k.
-    NaNs count as the largest values (NumPy's sort order)."""
+    O(V) selection, faster than ``torch.topk`` on the CPU: docs/performance.md, "Candidate selection") and a sort of
+    the k. NaNs count as the largest values (NumPy's sort order)."""
     v = keys.shape[1]
     return np.sort(np.partition(keys, v - k, axis=1)[:, v - k:], axis=1)[:, ::-1]
 
@@ -86,7 +86,7 @@ def _bf16_keyed_topk(logits: torch.Tensor, k: int, *, bf16_values: bool = False
             None), V <= 65,536, on the CPU.
         k: 1 <= K < V.
         bf16_values: the caller vouches that fp32 logits hold bf16 values (the drafter's flag,
-            ``DraftBlock.bf16_values``), which skips the check (0.08 ms per 16 x 8192 block).
+            ``DraftBlock.bf16_values``), which skips the check (a pass over the logits).
     Returns:
         (ids [P, K] int64, vals [P, K] fp32) as :func:`topk_candidates_ref` gives them, or None.
     """
@@ -128,22 +128,19 @@ def topk_candidates(logits: torch.Tensor, k: int, backend: str = "auto", *, with
 
     - bf16 logits, and fp32 logits holding bf16 values (a bf16 drafter's base logits), take one selection of fp32
       keys that carry the token id in their low bits (:func:`_bf16_keyed_topk`; exact with ties).
-    - Other logits take one ``torch.topk`` of K+1 values (for true fp32 an ``np.argpartition`` route measured
-      slower, 0.79 against 0.53 ms per block):
+    - Other logits take one ``torch.topk`` of K+1 values (for true fp32 faster than an ``np.argpartition`` route):
       without ties topk's order is the ref's; with ties inside the K they are re-sorted by (value desc, id asc); with
       a tie at the K-th value a top-(2K) window is re-sorted so and cut to K, which is exact while the K-th value's
       tie group ends inside the window. Only a tie group reaching the window's end falls back to the ref itself
-      (the full-row ref: 2.8 ms per 15 x 8192 block).
+      (the full-row ref, several times slower).
 
-    Measured on the 2-core AMX CPU, dspark_b16's bf16 blocks (16 x 8192, K = 64, with_lse=False), interleaved:
-    keyed 0.28 ms with ``bf16_values`` (0.43 with the check), against 0.65 with a ``torch.topk`` of the keys.
-
-    The results equal the ref's exactly (tested).
+    The timings of each route are in docs/performance.md, "Candidate selection". The results equal the ref's
+    exactly (tested).
 
     Same contract as :func:`topk_candidates_ref`; ``bf16_values=True`` says fp32 logits hold bf16 values (the
     drafter's ``DraftBlock.bf16_values``; see :func:`_bf16_keyed_topk`); ``with_lse=False`` lets the CPU path skip the log-sum-exp (lse is
-    then None on the paths that can skip it and a tensor where it was computed anyway; callers that only select
-    candidates save ~0.1 ms per block on a 2-core CPU).
+    then None on the paths that can skip it and a tensor where it was computed anyway, so callers that only select
+    candidates skip a pass over the logits).
     Raises:
         ValueError: bad shape, k < 1 or an unknown backend; RuntimeError: ``backend="triton"`` where it cannot run.
     """

@@ -3,8 +3,8 @@
 A first-order head (identity, Markov) scores a candidate from its parent's token alone, so a round's log q~ take
 K x K values per depth (``pair_log_probs``) and DARTree's depth-wise expansion (arXiv 2608.13524, Algorithm 1;
 ``build_dartree_supertree``) is a loop over depths that picks the global top-q of parent score + log q~ from a
-[|F|, K] table. In NumPy that loop costs a dozen calls per depth (about 25-50 us per depth on the 2-core CPU, up
-to 0.6 ms per 16-deep block); compiled it costs a few microseconds in all.
+[|F|, K] table. In NumPy that loop costs a dozen calls per depth; compiled it is one call per block (timings:
+docs/performance.md, "Tree stage").
 
 - :func:`expand_first_order` is ``dartree.decode.trees._expand_first_order_np`` compiled: the same frontier
   selection (value desc, ties to the lower flat index, i.e. the earlier parent, then the better-ranked candidate),
@@ -16,8 +16,8 @@ to 0.6 ms per 16-deep block); compiled it costs a few microseconds in all.
 - :func:`tree_mask` writes the whole verify mask [M+1, start+M+1] (``dartree.kernels.tree_compile.full_mask_cpu``).
 
 All equal their twins exactly (tests/test_trees.py, tests/test_kernels.py). numba compiles them on first use (cached on
-disk, ``cache=True``: about 5 s for the three once per machine, then ~0.4 s to load per process); the warm-up runs of
-``decode/eval.py`` and ``decode/bench.py`` absorb that before any timing.
+disk, ``cache=True``: compiled once per machine, loaded once per process; docs/performance.md, "Tree stage"); the
+warm-up runs of ``decode/eval.py`` and ``decode/bench.py`` absorb that before any timing.
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ def native_bf16() -> tuple[bool, str]:
     cap = torch.backends.cpu.get_cpu_capability()
     if onednn_linear_supported(torch.bfloat16)[0]:  # the same oneDNN bf16 check the packed linears use
         return True, f"this CPU ({cap}) has native bf16 matrix arithmetic"
-    return False, f"this CPU ({cap}) has no native bf16 matrix arithmetic (bf16 matmuls run 5-7x slower than fp32)"
+    return False, (f"this CPU ({cap}) has no native bf16 matrix arithmetic (bf16 matmuls run several times slower "
+                   "than fp32 there)")
 
 
 def dtype_candidates(requested: str, device: str = "cpu") -> tuple[list[str], str]:

@@ -383,8 +383,8 @@ def enter_invariant(requested: str, target, stack) -> tuple[row_invariant | None
             is needed, a CPU target in bfloat16 (without it bf16 outputs split from AR at near-ties; its cost per
             forward on a Zen 5 and an AMX Xeon is in docs/invariance.md, "Cost"), if a row-invariant linear path is
             measured here; float32 keeps the default kernels (its splits have not been seen, and the mode
-            costs its AR step about +25% there: one-row linear calls padded to two, the packed path for every row
-            count); a CUDA target keeps them too (the Triton path, :class:`row_invariant` with
+            slows its AR step there: one-row linear calls padded to two, the packed path for every row count;
+            docs/invariance.md, "Cost"); a CUDA target keeps them too (the Triton path, :class:`row_invariant` with
             ``backend="triton"``, is entered by ``on`` only until it has been measured on a device); other dtypes
             and devices have no kernel. Off says why.
         target: a :class:`~dartree.models.target.Target`. stack: where the mode is entered (closing it restores
@@ -408,9 +408,9 @@ def enter_invariant(requested: str, target, stack) -> tuple[row_invariant | None
         elif dtype not in (torch.float32, torch.bfloat16, torch.float16):
             why_not = f"no row-invariant kernel for {str(dtype).replace('torch.', '')} (float32, bfloat16, float16)"
         elif requested == "auto":
-            return None, ("row-invariant verify: off (auto on CUDA: on an H200 the default kernels gave verify rows "
-                          "equal to the AR step's for the default architecture and the Triton mode cost 16-21% a "
-                          "forward, docs/invariance.md; --invariant on enters it)")
+            return None, ("row-invariant verify: off (auto on CUDA: the default kernels give verify rows equal to the "
+                          "AR step's for the default architecture, and the Triton mode costs time per forward: "
+                          "docs/invariance.md; --invariant on enters it)")
         else:
             try:
                 mode = stack.enter_context(row_invariant(target, backend="triton"))
@@ -424,8 +424,8 @@ def enter_invariant(requested: str, target, stack) -> tuple[row_invariant | None
         why_not = f"no row-invariant attention kernel for {str(dtype).replace('torch.', '')} (float32, bfloat16)"
     if why_not is None and requested == "auto" and dtype == torch.float32:
         return None, ("row-invariant verify: off (auto: float32 verify rows have not split from AR steps in any run "
-                      "measured, and the mode costs the AR step about 25%; --invariant on makes float32 exact by "
-                      "construction)")
+                      "measured, and the mode slows the AR step: docs/invariance.md, \"Cost\"; --invariant on makes "
+                      "float32 exact by construction)")
     if why_not is None:
         try:
             mode = stack.enter_context(row_invariant(target))
