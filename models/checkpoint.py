@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 
 from dartree.models.drafter import DFlashDrafter, DrafterConfig
 from dartree.models.files import write_folder_atomically
-from dartree.models.heads import CorrectionHead, build_head
+from dartree.models.heads import CorrectionHead, build_head, head_fields
 from dartree.models.validate import same_value, typed
 
 FORMAT = "dartree"
@@ -163,14 +163,15 @@ def build_from_config(config: dict, where) -> tuple[DFlashDrafter, CorrectionHea
 
 def check_config_fields(config, where) -> None:
     """Check the types and ranges of a checkpoint config's ``drafter`` and ``head`` fields when it is loaded
-    (:data:`dartree.models.validate.DRAFTER_FIELDS` / ``HEAD_FIELDS``).
+    (:data:`dartree.models.validate.DRAFTER_FIELDS` / the ``fields`` of the registered head class of ``head.type``;
+    an unknown head type is left to :func:`build_from_config`, which names the registered ones).
 
     Raises:
         CheckpointError: ``config`` is not an object with ``drafter`` and ``head`` objects, or a field has the
             wrong type or is out of range; one line naming the file, the key (``drafter.block_size``), the
             value and the allowed range.
     """
-    from dartree.models.validate import DRAFTER_FIELDS, HEAD_FIELDS, field_problems
+    from dartree.models.validate import DRAFTER_FIELDS, field_problems
 
     if not isinstance(config, dict):
         raise CheckpointError(f"{where}: holds a JSON {type(config).__name__}, not an object of config fields")
@@ -179,7 +180,7 @@ def check_config_fields(config, where) -> None:
             raise CheckpointError(f"{where}: missing or invalid entry {section!r} (an object of "
                                   f"{'DrafterConfig fields' if section == 'drafter' else 'head type and hyper-parameters'})")
     problems = (field_problems(config["drafter"], DRAFTER_FIELDS, "drafter.")
-                + field_problems(config["head"], HEAD_FIELDS, "head."))
+                + field_problems(config["head"], head_fields(config["head"].get("type")), "head."))
     if problems:
         raise CheckpointError(f"{where}: {problems[0]}")
 

@@ -20,7 +20,9 @@ A head corrects the drafter's per-position base logits U = lm_head(H) using the 
   form the fused training loss (``dartree.training.losses.fused_block_loss``) consumes without materialising
   the [N, P, V'] logits.
 
-Unrolling ``score``/``advance`` along prev_ids equals ``block_logits`` (pinned by a test).
+Unrolling ``score``/``advance`` along prev_ids equals ``block_logits`` (pinned by a test). Each head class lists its
+hyper-parameters and their allowed values as ``fields``; each is trained by one drafter family
+(:mod:`dartree.models.families`: the head classes, their recipe defaults and their loss; docs/families.md).
 Heads here: ``identity`` (plain DFlash), ``markov`` (DSpark vanilla Markov head), ``gated_markov`` (DSpark gated
 variant), ``rnn`` (DSpark RNN head), ``gru`` (Domino) and ``selector`` (DFlash 2's candidate selector, defined over
 the top-k of U only: ``max_candidates`` caps the builders' K). The DSpark heads optionally carry DSpark's confidence
@@ -40,13 +42,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from dartree.kernels.gru import gru_cell
-from dartree.models.validate import HEAD_FIELDS, check_fields
+from dartree.models.validate import Flag, Range, check_fields
+
+# The checkpoint-config rules of the heads' hyper-parameters (config ``head`` besides ``type``), shared by the head
+# classes below; each class lists its own as ``fields`` (checked at construction and when a checkpoint loads).
+_VOCAB = Range(1, optional=True, note="V, the target's vocabulary")
+_RANK = Range(1, note="the head's rank R; a head without a Markov part is head type identity")
+_HIDDEN = Range(1, optional=True, note="D, the drafter's hidden size")
+_CONFIDENCE = {"confidence_head": Flag(), "confidence_with_markov": Flag()}
 
 
 class CorrectionHead(nn.Module):
     """Base class; see the module docstring for the interface. ``type_name`` keys the registry."""
 
     type_name = "base"
+    # the hyper-parameters of hparams() and their allowed values (dartree.models.validate field rules)
+    fields: dict = {}
     max_candidates: int | None = None  # a head defined over the top-k of U only (DFlash 2's selector) caps K
     # True when a node's state is a function of its own token alone (r = W1[x] or none), so g at depth d depends
     # only on (H_d, the parent's token): builders then score every (previous candidate, candidate) pair of a round
@@ -121,6 +132,7 @@ class IdentityHead(CorrectionHead):
 
     type_name = "identity"
     first_order = True
+    fields = {"vocab_size": _VOCAB}
 
     def __init__(self, vocab_size: int | None = None):
         super().__init__()
@@ -198,18 +210,19 @@ class MarkovHead(_ConfidenceMixin, CorrectionHead):
         confidence_head, confidence_with_markov: carry DSpark's confidence head (input [h ; W1[x_prev]] or h).
     Raises:
         ValueError: ``confidence_head`` without ``hidden_size``, or a hyper-parameter of the wrong type or out of
-            range (``rank`` >= 1, ``vocab_size`` >= 1; :data:`dartree.models.validate.HEAD_FIELDS`), named.
+            range (``rank`` >= 1, ``vocab_size`` >= 1; :attr:`fields`), named.
     """
 
     type_name = "markov"
     first_order = True
+    fields = {"vocab_size": _VOCAB, "rank": _RANK, "hidden_size": _HIDDEN, **_CONFIDENCE}
 
     def __init__(self, vocab_size: int, rank: int = 256, hidden_size: int | None = None,
                  confidence_head: bool = False, confidence_with_markov: bool = True):
         super().__init__()
         check_fields({"vocab_size": vocab_size, "rank": rank, "hidden_size": hidden_size,
                       "confidence_head": confidence_head, "confidence_with_markov": confidence_with_markov},
-                     HEAD_FIELDS, f"{self.type_name} head: ")
+                     self.fields, f"{self.type_name} head: ")
         self.vocab_size, self.rank = int(vocab_size), int(rank)
         self.hidden_size = None if hidden_size is None else int(hidden_size)
         self.w1 = nn.Embedding(self.vocab_size, self.rank)
@@ -381,13 +394,18 @@ class GRUHead(CorrectionHead):
     """
 
     type_name = "gru"
+    fields = {"vocab_size": _VOCAB, "hidden_size": _HIDDEN,
+              "emb_dim": Range(1, note="E, rank of the GRU head's logit residual"),
+              "gru_hidden_dim": Range(1, note="G, the GRU state width"),
+              "prefix_len": Range(0, note="leading proposals without correction"),
+              "embed_dim": Range(1, optional=True, note="width of the target's token embeddings")}
 
     def __init__(self, vocab_size: int, hidden_size: int, emb_dim: int = 256, gru_hidden_dim: int = 1024,
                  prefix_len: int = 1, embed_dim: int | None = None):
         super().__init__()
         check_fields({"vocab_size": vocab_size, "hidden_size": hidden_size, "emb_dim": emb_dim,
                       "gru_hidden_dim": gru_hidden_dim, "prefix_len": prefix_len, "embed_dim": embed_dim},
-                     HEAD_FIELDS, "gru head: ")
+                     self.fields, "gru head: ")
         self.vocab_size, self.hidden_size = int(vocab_size), int(hidden_size)
         self.emb_dim, self.gru_hidden_dim, self.prefix_len = int(emb_dim), int(gru_hidden_dim), int(prefix_len)
         self.embed_dim = self.hidden_size if embed_dim is None else int(embed_dim)
@@ -482,16 +500,18 @@ class SelectorHead(CorrectionHead):
         vocab_size: V. rank: R (z-lab ``selector_rank``, default 256). hidden_size: D (required).
         top_k: candidates reranked per position (``selector_top_k``, default 16).
     Raises:
-        ValueError: a hyper-parameter of the wrong type or out of range (:data:`HEAD_FIELDS`), named.
+        ValueError: a hyper-parameter of the wrong type or out of range (:attr:`fields`), named.
     """
 
     type_name = "selector"
     first_order = True
+    fields = {"vocab_size": _VOCAB, "rank": _RANK, "hidden_size": _HIDDEN,
+              "top_k": Range(1, note="DFlash 2 selector: candidates reranked per position (selector_top_k)")}
 
     def __init__(self, vocab_size: int, rank: int = 256, hidden_size: int | None = None, top_k: int = 16):
         super().__init__()
         check_fields({"vocab_size": vocab_size, "rank": rank, "hidden_size": hidden_size, "top_k": top_k},
-                     HEAD_FIELDS, "selector head: ")
+                     self.fields, "selector head: ")
         if hidden_size is None:
             raise ValueError("selector head needs hidden_size (the drafter's D) for its hidden projection")
         self.vocab_size, self.rank, self.hidden_size = int(vocab_size), int(rank), int(hidden_size)
@@ -555,8 +575,17 @@ def build_head(type_name: str, **params) -> CorrectionHead:
     """Construct a head by registered name.
 
     Raises:
-        KeyError: unknown name; the message lists the registered ones.
+        KeyError: unknown name; the message lists the registered ones (a head of a family outside
+            :mod:`dartree.models.families` registers when its family's module is imported).
     """
     if type_name not in HEADS:
-        raise KeyError(f"unknown head type {type_name!r}; available: {sorted(HEADS)}")
+        raise KeyError(f"unknown head type {type_name!r}; available: {sorted(HEADS)} (a head of another drafter "
+                       "family registers when that family's module is imported)")
     return HEADS[type_name](**params)
+
+
+def head_fields(type_name) -> dict:
+    """The hyper-parameter rules (:attr:`CorrectionHead.fields`) of the registered head type ``type_name``; {} for
+    an unknown name (its lookup error comes from :func:`build_head`)."""
+    cls = HEADS.get(type_name) if isinstance(type_name, str) else None
+    return dict(cls.fields) if cls is not None else {}

@@ -6,8 +6,8 @@ range and the fix, never with a traceback from deep inside or with a silently wr
 
 A *field table* maps a (dotted) key to a :class:`Range`, :class:`Flag`, :class:`Choice` or :class:`IdList`;
 :func:`field_problems` checks a nested mapping against it. The tables for dartree checkpoint configs are
-:data:`DRAFTER_FIELDS` (the :class:`~dartree.models.drafter.DrafterConfig` fields) and :data:`HEAD_FIELDS` (the
-correction-head hyper-parameters); the recipe table lives in ``dartree.training.checks``.
+:data:`DRAFTER_FIELDS` (the :class:`~dartree.models.drafter.DrafterConfig` fields) and each head class's ``fields``
+(its hyper-parameters, :mod:`dartree.models.heads`); the recipe table lives in ``dartree.training.checks``.
 
 Shapes in :func:`check_pairing`: V vocabulary rows of the target's lm_head, D hidden size, n target layers.
 """
@@ -227,21 +227,6 @@ DRAFTER_FIELDS = {
     "conv_kernel_size": Range(0, note="0: DFlash layers; k >= 1: DFlash 2 convolutions of k taps"),
     "conv_group_size": Range(1, note="channels per dynamic tap; must divide hidden_size"),
 }
-
-# Correction-head hyper-parameters (checkpoint config ``head`` besides ``type``; dartree.models.heads).
-HEAD_FIELDS = {
-    "vocab_size": Range(1, optional=True, note="V, the target's vocabulary"),
-    "rank": Range(1, note="the head's rank R; a head without a Markov part is head type identity"),
-    "hidden_size": Range(1, optional=True, note="D, the drafter's hidden size"),
-    "emb_dim": Range(1, note="E, rank of the GRU head's logit residual"),
-    "gru_hidden_dim": Range(1, note="G, the GRU state width"),
-    "prefix_len": Range(0, note="leading proposals without correction"),
-    "embed_dim": Range(1, optional=True, note="width of the target's token embeddings"),
-    "confidence_head": Flag(),
-    "confidence_with_markov": Flag(),
-    "top_k": Range(1, note="DFlash 2 selector: candidates reranked per position (selector_top_k)"),
-}
-
 
 def folder_problem(path: str | os.PathLike) -> str | None:
     """Why ``path`` cannot become an output folder, found by trying (permission bits say little to root): None

@@ -16,11 +16,11 @@ from hypothesis import strategies as st
 
 from conftest import LAYERS, VOCAB, make_drafter, make_head, make_markov
 from dartree.decode.generate import autoregressive_generate, speculative_generate
-from dartree.decode.inputs import check_builder_params, token_ids
-from dartree.decode.trees import BUILDERS, DraftBlock
+from dartree.decode.inputs import token_ids
+from dartree.decode.trees import BUILDERS, DraftBlock, check_builder_params
 from dartree.models.checkpoint import CheckpointError, load_dartree, save_dartree
-from dartree.models.heads import IdentityHead, build_head
-from dartree.models.validate import DRAFTER_FIELDS, HEAD_FIELDS, Range, folder_problem
+from dartree.models.heads import IdentityHead, MarkovHead, build_head
+from dartree.models.validate import DRAFTER_FIELDS, Range, folder_problem
 from dartree.training.checks import RECIPE_FIELDS, check_against_target
 from dartree.training.recipe import RecipeError, load_recipe
 
@@ -365,7 +365,7 @@ def saved(tmp_path, target):
     return save_dartree(tmp_path / "ckpt", make_drafter(), make_markov(), target.identity(), dtype=torch.float32)
 
 
-@pytest.mark.parametrize("section, table", [("drafter", DRAFTER_FIELDS), ("head", HEAD_FIELDS)])
+@pytest.mark.parametrize("section, table", [("drafter", DRAFTER_FIELDS), ("head", MarkovHead.fields)])
 def test_every_checkpoint_config_field_is_range_checked_at_load(saved, section, table):
     config = json.loads((saved / "config.json").read_text())
     for key, rule in table.items():

@@ -166,16 +166,21 @@ def test_tv_and_kl_need_a_target_and_the_dspark_loss():
 
 
 def test_the_target_lse_is_computed_only_where_a_loss_reads_it():
+    from dartree.training.build import step_settings
     from dartree.training.step import needs_target_lse
 
+    def needs(args):
+        cfg = load_recipe(args)
+        return needs_target_lse(step_settings(cfg), cfg.drafter.draft_vocab_size)
+
     vocab = ["drafter.draft_vocab_size=40"]
-    assert needs_target_lse(load_recipe(["recipe=tiny_dspark", *vocab]))  # L1 and the confidence label
-    assert not needs_target_lse(load_recipe(["recipe=tiny_dspark"]))  # the full vocabulary: p_t is a softmax
+    assert needs(["recipe=tiny_dspark", *vocab])  # L1 and the confidence label
+    assert not needs(["recipe=tiny_dspark"])  # the full vocabulary: p_t is a softmax
     kl_only = ["loss.l1_weight=0", "loss.kl_weight=0.9", "head.confidence_head=false"]
-    assert not needs_target_lse(load_recipe(["recipe=tiny_dspark", *vocab, *kl_only]))
-    assert needs_target_lse(load_recipe(["recipe=tiny_dspark", *vocab, *kl_only, "train.fused_loss=false"]))
-    assert not needs_target_lse(load_recipe(["recipe=tiny_dflash", *vocab]))
-    assert not needs_target_lse(load_recipe(["recipe=tiny_domino", *vocab]))
+    assert not needs(["recipe=tiny_dspark", *vocab, *kl_only])
+    assert needs(["recipe=tiny_dspark", *vocab, *kl_only, "train.fused_loss=false"])
+    assert not needs(["recipe=tiny_dflash", *vocab])
+    assert not needs(["recipe=tiny_domino", *vocab])
 
 
 # ---- the data cursor ----

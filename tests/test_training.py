@@ -508,7 +508,8 @@ def test_init_from_widens_a_cpu_drafter_to_an_exportable_one(tmp_path, monkeypat
 
 
 def test_domino_lambda_curriculum_and_loss():
-    from dartree.training.losses import domino_loss, lambda_schedule
+    from dartree.models.families.domino import lambda_schedule
+    from dartree.training.losses import domino_loss
 
     assert [lambda_schedule(s, 10) for s in (0, 5, 10, 12)] == [1.0, 0.5, 0.0, 0.0]
     assert lambda_schedule(5, 10, ratio=0.5) == 0.0 and lambda_schedule(2, 10, ratio=0.5) == pytest.approx(0.6)
@@ -832,7 +833,7 @@ def test_fused_loss_refuses_bad_arguments():
 def test_sequence_loss_fused_equals_the_reference_path(recipe, target, tmp_path):
     """One training sequence through sequence_loss: train.fused_loss=true and =false give the same loss and
     the same gradients on every drafter and head parameter (fp32 tiny recipes)."""
-    from dartree.training.build import build_models
+    from dartree.training.build import build_models, step_settings
     from dartree.training.step import sequence_loss
 
     class _Data:  # one sequence: prompt of 6 tokens, 26 in all; features and final states random
@@ -855,7 +856,7 @@ def test_sequence_loss_fused_equals_the_reference_path(recipe, target, tmp_path)
         for prm in hd.parameters():  # make the head's correction non-trivial
             torch.nn.init.normal_(prm, std=0.3)
         data = _Data(len(dr.cfg.target_layer_ids), target.config.hidden_size)
-        out = sequence_loss(dr, hd, target, data, 0, cfg, torch.Generator().manual_seed(5), lam=0.4)
+        out = sequence_loss(dr, hd, target, data, 0, step_settings(cfg), torch.Generator().manual_seed(5), lam=0.4)
         out.loss.backward()
         grads = {n: p.grad.clone() for n, p in [*dr.named_parameters(), *hd.named_parameters()] if p.grad is not None}
         results.append((out, grads))
@@ -1057,7 +1058,7 @@ def test_batch_normalised_losses_equal_specforge(kind, gamma):
 def test_lambda_schedule_equals_specforge_linear_lambda_base():
     from specforge.training.strategies.base import linear_lambda_base
 
-    from dartree.training.losses import lambda_schedule
+    from dartree.models.families.domino import lambda_schedule
 
     for total in (1, 7, 10, 333, 3008):
         for ratio in (0.3, 0.5, 1.0, 2.0):
@@ -1252,7 +1253,7 @@ def test_a_step_builds_its_tensors_on_the_targets_device_and_never_reads_them_ba
     (``.item()``, ``float()``, ``bool()``) raises on meta. The forward and the backward run there."""
     from dataclasses import fields
 
-    from dartree.training.build import build_models, load_recipe_target, parse_recipe_dtype
+    from dartree.training.build import build_models, load_recipe_target, parse_recipe_dtype, step_settings
     from dartree.training.step import sequence_loss, step_blocks
 
     cfg = load_recipe(args)
@@ -1263,7 +1264,7 @@ def test_a_step_builds_its_tensors_on_the_targets_device_and_never_reads_them_ba
     target.set_layer_ids(drafter.cfg.target_layer_ids)
     tokens = torch.randint(1, target.vocab_size, (30,), generator=torch.Generator().manual_seed(0))
     data = _MetaFeatures(tokens, 6, len(drafter.cfg.target_layer_ids) * target.hidden_size, target.hidden_size)
-    blocks = step_blocks(drafter, target, data, 0, cfg, torch.Generator().manual_seed(1))
+    blocks = step_blocks(drafter, target, data, 0, step_settings(cfg), torch.Generator().manual_seed(1))
     built = {f.name: getattr(blocks, f.name) for f in fields(blocks)}
     built["mask.ctx_bias"] = built.pop("mask").ctx_bias
     if built["vocab"] is None:
@@ -1272,7 +1273,8 @@ def test_a_step_builds_its_tensors_on_the_targets_device_and_never_reads_them_ba
     assert blocks.labels.shape == blocks.valid.shape == (4, drafter.cfg.num_proposals)  # train.num_anchors=4
     log = _DeviceLog()
     with log:
-        out = sequence_loss(drafter, head, target, data, 0, cfg, torch.Generator().manual_seed(1), lam=0.5)
+        out = sequence_loss(drafter, head, target, data, 0, step_settings(cfg), torch.Generator().manual_seed(1),
+                            lam=0.5)
         out.loss.backward()
     assert log.mixed == []
     assert log.outputs["meta"] > 300  # the whole step ran there (drafter, head, loss, backward)

@@ -75,7 +75,7 @@ def test_online_features_stay_on_the_gpu_and_a_step_never_waits_for_it(tmp_path,
     the GPU; a step with cached features (forward, fused loss with a draft vocabulary, backward) runs under
     ``torch.cuda.set_sync_debug_mode("error")``, so any read back to the host raises; and its loss and gradients
     equal the CPU step's in fp32."""
-    from dartree.training.build import build_models, load_recipe_target, parse_recipe_dtype
+    from dartree.training.build import build_models, load_recipe_target, parse_recipe_dtype, step_settings
     from dartree.training.campaign_data import CampaignData
     from dartree.training.recipe import load_recipe
     from dartree.training.step import sequence_loss
@@ -91,7 +91,7 @@ def test_online_features_stay_on_the_gpu_and_a_step_never_waits_for_it(tmp_path,
             for n in (20, 26)]
 
     def step(data):
-        out = sequence_loss(drafter, head, target, data, 0, cfg, torch.Generator().manual_seed(3))
+        out = sequence_loss(drafter, head, target, data, 0, step_settings(cfg), torch.Generator().manual_seed(3))
         out.loss.backward()
         grads = {n: p.grad.detach().cpu().clone() for n, p in drafter.named_parameters() if p.grad is not None}
         drafter.zero_grad(set_to_none=True), head.zero_grad(set_to_none=True)
@@ -108,7 +108,7 @@ def test_online_features_stay_on_the_gpu_and_a_step_never_waits_for_it(tmp_path,
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        out = sequence_loss(drafter, head, target, data, 0, cfg, torch.Generator().manual_seed(3))
+        out = sequence_loss(drafter, head, target, data, 0, step_settings(cfg), torch.Generator().manual_seed(3))
         out.loss.backward()
     finally:
         torch.cuda.set_sync_debug_mode("default")

@@ -1,5 +1,6 @@
-"""What a recipe builds and writes: the target, the drafter and head (fresh or from ``init_from``), the training
-data, and the training checkpoint.
+"""What a recipe builds and writes: the target, the drafter and head (fresh or from ``init_from``), the step
+settings with the drafter family's objective, the training data, and the training checkpoint. Everything below
+this module receives these objects, never the recipe.
 
 The checkpoint a run writes (``<output_dir>/checkpoint``) is a dartree checkpoint (:mod:`dartree.models.checkpoint`:
 config.json + model.safetensors, tensors in fp32) that ``decode/eval.py --checkpoint`` loads as it is, with the
@@ -20,13 +21,14 @@ from dartree.models.checkpoint import cast_floats, dartree_config
 from dartree.models.files import write_folder_atomically
 from dartree.models.drafter import DFlashDrafter, DrafterConfig, build_target_layer_ids
 from dartree.models.dtypes import parse_dtype
-from dartree.models.heads import build_head
+from dartree.models.families import get_family
 from dartree.models.target import Target, load_target
 from dartree.training.campaign_data import CampaignData, campaign_rows
 from dartree.training.campaign_store import DEFAULT_DIR, CampaignError
 from dartree.training.checks import template_kwargs
 from dartree.training.data import BlockData, DataSpec, compute_features, regenerate_responses
 from dartree.training.recipe import RecipeError
+from dartree.training.step import StepSettings, needs_target_lse
 
 # format of the older training checkpoints (read by load_init and convert/to_dartree.py)
 TRAIN_FORMAT = "dartree-train"
@@ -93,11 +95,30 @@ def load_recipe_target(path: str, dtype: torch.dtype, device: torch.device | str
     return target
 
 
-def build_models(cfg: DictConfig, target: Target):
-    """Create the drafter backbone and head for ``target`` from the recipe; returns (drafter, head).
+def step_settings(cfg: DictConfig) -> StepSettings:
+    """The step settings of a recipe: the objective of its drafter family (``loss.type``,
+    :meth:`~dartree.models.families.Family.objective` of the ``loss`` and ``head`` sections), ``train.num_anchors``,
+    ``loss.cumulative_mask``, ``train.bf16`` and ``train.fused_loss``.
 
     Raises:
-        RecipeError: invalid layer ids, head type or sizes (message names the key).
+        RecipeError: ``loss.type`` names no registered family (the registered ones listed).
+    """
+    try:
+        family = get_family(cfg.loss.type)
+    except KeyError as exc:
+        raise RecipeError(str(exc.args[0])) from None
+    return StepSettings(objective=family.objective(cfg.loss, cfg.head), num_anchors=int(cfg.train.num_anchors),
+                        cumulative_mask=bool(cfg.loss.get("cumulative_mask", True)), bf16=bool(cfg.train.bf16),
+                        fused_loss=bool(cfg.train.get("fused_loss", True)))
+
+
+def build_models(cfg: DictConfig, target: Target):
+    """Create the drafter backbone and head for ``target`` from the recipe; returns (drafter, head). The head is
+    the recipe's ``head.type`` with the constructor arguments its family derives from the ``head`` section
+    (:meth:`~dartree.models.families.Family.head_kwargs`).
+
+    Raises:
+        RecipeError: invalid layer ids, family, head type or sizes (message names the key).
     """
     d = cfg.drafter
     n_t = target.num_layers
@@ -129,33 +150,11 @@ def build_models(cfg: DictConfig, target: Target):
         drafter = DFlashDrafter(dcfg)
         if d.init_from_target:
             drafter.init_from_target_layers(target.model, list(range(n_t - d.num_layers, n_t)))
-        head = build_head(cfg.head.type, **head_params(cfg.head, target))
+        head = get_family(cfg.loss.type).build_head(cfg.head, target.vocab_size, target.hidden_size)
         head.bind_embeddings(target.embed_tokens.weight)  # the gru head reads the target's token embeddings
     except (ValueError, KeyError) as exc:
         raise RecipeError(f"cannot build the drafter from the recipe: {exc}") from None
     return drafter, head
-
-
-def head_params(h: DictConfig, target: Target) -> dict:
-    """Constructor arguments of the recipe's head type: ``markov`` / ``gated_markov`` / ``rnn`` take ``rank``
-    (and optional ``confidence_head``, ``confidence_with_markov``); ``gru`` takes ``emb_dim`` (default: ``rank``),
-    ``gru_hidden_dim`` (default 4 x emb_dim) and ``prefix_len`` (default 1, Domino's pure_draft_prefix_len).
-    Keys the recipe schema does not hold yet fall back to these defaults."""
-    params = {"vocab_size": target.vocab_size}
-    if h.type in ("markov", "gated_markov", "rnn"):
-        params["rank"] = h.rank
-        if h.type != "markov" or h.get("confidence_head", False):
-            params["hidden_size"] = target.hidden_size
-        if h.get("confidence_head", False):
-            params.update(confidence_head=True, confidence_with_markov=bool(h.get("confidence_with_markov", True)))
-    elif h.type == "selector":
-        params.update(rank=h.rank, hidden_size=target.hidden_size, top_k=int(h.get("top_k", 16)))
-    elif h.type == "gru":
-        emb = int(h.get("emb_dim", None) or h.rank)
-        params.update(hidden_size=target.hidden_size, emb_dim=emb,
-                      gru_hidden_dim=int(h.get("gru_hidden_dim", None) or 4 * emb),
-                      prefix_len=int(h.get("prefix_len", 1)))
-    return params
 
 
 def rope_theta(tcfg) -> float:
@@ -199,11 +198,9 @@ def prepare_data(cfg: DictConfig, target: Target) -> BlockData:
 
             store = FeatureStore(cache_root() / "feature-store", target, int(float(d.feature_store_gb) * 1e9))
         data = CampaignData(target, train_rows, hold_rows, store=store)
-        from dartree.training.step import needs_target_lse
-
         # the full-vocabulary lse per sequence only where the loss reads it (a draft vocabulary's L1 / TV /
         # confidence label): a dflash or domino run, or the KL alone, skips that [T, V] matmul per target forward
-        data.need_lse = needs_target_lse(cfg)
+        data.need_lse = needs_target_lse(step_settings(cfg), int(cfg.drafter.draft_vocab_size))
         return data
     if d.source not in ("sharegpt", "random"):
         raise RecipeError(f"data.source {d.source!r} is not 'sharegpt', 'random' or 'campaign'")

@@ -231,9 +231,9 @@ def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -
 # Published growth of acceptance with target-regenerated training data, in tau per doubling of the data (public
 # small-compute runs: docs/design.md, "Acceptance against training data").
 PUBLISHED_SLOPES = (0.30, 0.45)
-# What the campaign's starting drafters were trained on (checkpoints/README.md, "Before the campaign"): 1,504
-# sequences, 324,110 response tokens, 3,008 steps of 2 sequences x ~1,024 predictions. They were shipped until the
-# campaign's own drafters replaced them; campaign/train_state.json keeps their held-out scores as the baseline.
+# What the campaign's starting drafters (the pre-campaign drafters, docs/results.md) were trained on: 1,504
+# sequences, 324,110 response tokens, 3,008 steps of 2 sequences x ~1,024 predictions; campaign/train_state.json
+# keeps their held-out scores as the baseline.
 SHIPPED = {"response_tokens": 324_110, "predictions": 6_160_000}
 
 
@@ -254,7 +254,7 @@ def holdout_baseline(cfg: DictConfig, recipe: str, checkpoint: str | None = None
 
     from dartree.training.campaign_data import CampaignData, campaign_rows
     from dartree.training.recipe import RecipeError, load_recipe
-    from dartree.training.build import load_init, load_recipe_target, parse_recipe_dtype
+    from dartree.training.build import load_init, load_recipe_target, parse_recipe_dtype, step_settings
     from dartree.training.step import evaluate_holdout
 
     checkpoint = checkpoint or str(REPO / "checkpoints" / recipe)
@@ -279,7 +279,7 @@ def holdout_baseline(cfg: DictConfig, recipe: str, checkpoint: str | None = None
     target.set_layer_ids(drafter.cfg.target_layer_ids)
     data = CampaignData(target, [], hold)
     data.need_lse = bool(drafter.cfg.draft_vocab_size)
-    res = evaluate_holdout(drafter.eval(), head.eval(), target, data, rc)
+    res = evaluate_holdout(drafter.eval(), head.eval(), target, data, step_settings(rc))
     rel = Path(checkpoint).resolve()
     shown = str(rel.relative_to(REPO)) if rel.is_relative_to(REPO) else checkpoint
     rec = {"checkpoint": shown, "holdout_chain_tau": round(res["holdout_chain_tau"], 4),
@@ -307,7 +307,7 @@ def curve_points(cfg: DictConfig) -> dict:
     runs it continued: its ``parent`` chain, :func:`parent_of`) and ``holdout_chain_tau`` (on the campaign's
     held-out set), and ``eval_chain_tau`` where the record has one (``decode/eval.py --tree chain`` on the
     evaluation prompts: recorded with its settings in ``eval_chain`` by ``training/burst.py stage=apply``, or added
-    by hand with the command in checkpoints/README.md). A run recorded
+    by hand with the command on the results page, docs/results.md). A run recorded
     without ``parent`` (before lineage was recorded) counts every earlier run. A lineage that began from random
     weights (``from_scratch``, e.g. a GPU burst) counts its own shards and predictions only, not the baseline's."""
     state = read_state(cfg)
@@ -342,7 +342,8 @@ def curve_points(cfg: DictConfig) -> dict:
     return out
 
 
-# The settings of the eval chain tau recorded by hand (checkpoints/README.md): the make-run prompts, 5 per set
+# The settings of the eval chain tau recorded by hand (docs/results.md, "The shipped drafters"): the make-run
+# prompts, 5 per set
 HAND_EVAL_SETTING = "15 prompts x 128 tokens"
 
 

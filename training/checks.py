@@ -16,6 +16,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from dartree.models.dtypes import DTYPES as DTYPE_TABLE
+from dartree.models.families import FAMILIES
 from dartree.models.validate import Choice, Flag, IdList, Range, field_problems
 
 
@@ -117,18 +118,15 @@ def recipe_problems(cfg: DictConfig) -> list[str]:
     out = field_problems(values, RECIPE_FIELDS)
     if out:
         return out
-    d, h, lo, da, tr = cfg.drafter, cfg.head, cfg.loss, cfg.data, cfg.train
-    proposals = d.block_size - d.proposal_offset
-    if h.type == "gru" and h.prefix_len >= proposals:
-        out.append(f"head.prefix_len={h.prefix_len} leaves no proposal to correct (block {d.block_size}, "
-                   f"{proposals} proposals): must be < {proposals}")
-    if lo.type == "dspark" and lo.ce_weight == 0 and lo.l1_weight == 0 and not lo.get("tv_weight", 0) \
-            and not lo.get("kl_weight", 0):
-        out.append("loss.ce_weight=0 and loss.l1_weight=0 (and loss.tv_weight, loss.kl_weight 0): the DSpark loss "
-                   "would not train the drafter or its Markov head; give one of them a positive weight")
-    if lo.type != "dspark" and (lo.get("tv_weight", 0) or lo.get("kl_weight", 0)):
+    lo, da, tr = cfg.loss, cfg.data, cfg.train
+    family = FAMILIES.get(lo.type)
+    if family is None:
+        return [f"loss.type={lo.type!r} is unknown; use one of {sorted(FAMILIES)}"]
+    out += family.recipe_problems(cfg)  # the family's own combinations (dartree.models.families)
+    if not family.distribution and (lo.get("tv_weight", 0) or lo.get("kl_weight", 0)):
+        names = "/".join(sorted(n for n, f in FAMILIES.items() if f.distribution))
         out.append(f"loss.tv_weight={lo.get('tv_weight', 0)} / loss.kl_weight={lo.get('kl_weight', 0)} apply to "
-                   f"loss.type=dspark only (this recipe is {lo.type}): set them to 0, or use loss.type=dspark")
+                   f"loss.type={names} only (this recipe is {lo.type}): set them to 0, or use loss.type={names}")
     if da.get("feature_store_gb", 0) and da.source != "campaign":
         out.append(f"data.feature_store_gb={da.feature_store_gb} stores online features, which only data.source=campaign "
                    f"computes (this recipe reads {da.source!r} data from its feature file): set it to 0")

@@ -148,21 +148,6 @@ def _accuracy(logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor):
         return hit.float().sum(0) / cnt.clamp_min(1), cnt, hit
 
 
-def lambda_schedule(step: int, total_steps: int, start: float = 1.0, ratio: float = 1.0) -> float:
-    """Domino's base-anchored curriculum (arXiv 2605.29707), as SpecForge 0.2.0's ``linear_lambda_base``:
-    lambda = clamp(start * (1 - min(step / max(1, int(total * ratio)), 1)), 0, 1), ``step`` counting optimiser
-    steps from 0. The int() rounds the decay horizon down (total 7, ratio 0.5: 0 at step 3); for an integer
-    ``ratio * total`` (ratio 1.0) it is step / (ratio * total) exactly.
-
-    Raises:
-        ValueError: ratio <= 0 or total_steps < 1.
-    """
-    if ratio <= 0 or total_steps < 1:
-        raise ValueError(f"lambda schedule needs ratio > 0 and total_steps >= 1, got {ratio}, {total_steps}")
-    progress = min(step / max(1, int(total_steps * ratio)), 1.0)
-    return float(min(1.0, max(0.0, start * (1.0 - progress))))
-
-
 def domino_loss(logits: torch.Tensor, base_logits: torch.Tensor, labels: torch.Tensor, valid: torch.Tensor, *,
                 gamma: float | None, lam: float, denom: float | None = None) -> LossOut:
     """Domino loss: (1 - lam) CE(corrected) + lam CE(base), both decay-weighted and normalised by the weight sum.
@@ -170,7 +155,8 @@ def domino_loss(logits: torch.Tensor, base_logits: torch.Tensor, labels: torch.T
     Args:
         logits: [A, P, V] corrected logits. base_logits: [A, P, V] base logits U. labels [A, P] int64 (< 0: a
         token outside the draft vocabulary, left out of the CE and counted as a miss), valid [A, P] bool.
-        gamma: decay (None: none). lam: curriculum weight in [0, 1] (:func:`lambda_schedule`).
+        gamma: decay (None: none). lam: curriculum weight in [0, 1]
+        (:func:`dartree.models.families.domino.lambda_schedule`).
         denom: None: normalise by this sequence's in-vocabulary weight sum; else divide both weighted CE sums by
             it (batch normalisation; SpecForge ``OnlineDominoModel``: ``(1 - lambda) final_num / den + lambda
             base_num / den``).

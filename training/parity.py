@@ -45,6 +45,7 @@ def inference_metrics(drafter, head, target, data, cfg, *, k: int = 64) -> tuple
     from dartree.decode.draft import draft_block
     from dartree.decode.trees import block_candidates, expand_frontier
     from dartree.models.drafter import DraftCache
+    from dartree.training.build import step_settings
     from dartree.training.step import block_targets, seed_mix
 
     p_len = drafter.cfg.num_proposals
@@ -54,7 +55,7 @@ def inference_metrics(drafter, head, target, data, cfg, *, k: int = 64) -> tuple
     for i in data.holdout_ids:
         tokens, feats, _, plen = data.sequence(i)
         s = tokens.numel()
-        anchors, _, valid = block_targets(tokens, plen, data.mask_of(i), cfg, p_len,
+        anchors, _, valid = block_targets(tokens, plen, data.mask_of(i), step_settings(cfg), p_len,
                                           torch.Generator().manual_seed(seed_mix(1234, i)))
         for n, a in enumerate(anchors.tolist()):
             block = draft_block(target, drafter, int(tokens[a]), a, feats[:a].float(), DraftCache(1))
@@ -95,7 +96,7 @@ def parity(run_dir: str | Path, split: str = "holdout") -> dict:
     from omegaconf import OmegaConf
 
     from dartree.models.target import load_target
-    from dartree.training.build import load_init, parse_recipe_dtype, prepare_data, run_recipe
+    from dartree.training.build import load_init, parse_recipe_dtype, prepare_data, run_recipe, step_settings
     from dartree.training.step import evaluate_holdout
 
     ckpt = Path(run_dir) / "checkpoint"
@@ -113,7 +114,7 @@ def parity(run_dir: str | Path, split: str = "holdout") -> dict:
     if split == "train":
         data.holdout_ids = list(data.train_ids)
     cfg.train.bf16 = False  # compare in fp32, as decoding runs
-    hold = evaluate_holdout(drafter, head, target, data, cfg)
+    hold = evaluate_holdout(drafter, head, target, data, step_settings(cfg))
     train_path = torch.tensor(hold["holdout_acc_per_pos"])
     infer_path, infer_chain = inference_metrics(drafter, head, target, data, cfg)
     return {"split": split, "sequences": len(data.holdout_ids),

@@ -14,8 +14,10 @@ from typing import Any, Dict, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from dartree.training.checks import RecipeError, check_recipe  # noqa: F401  (RecipeError: this module's error)
 from dartree.models.dtypes import native_bf16
+from dartree.models.families import FAMILIES
+from dartree.models.heads import HEADS
+from dartree.training.checks import RecipeError, check_recipe  # noqa: F401  (RecipeError: this module's error)
 
 RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
 
@@ -45,7 +47,8 @@ class DrafterSection:
 
 @dataclass
 class HeadSection:
-    type: str = "markov"  # identity (DFlash) | gru (Domino) | markov | gated_markov | rnn (DSpark) | selector (DFlash 2)
+    type: str = "markov"  # a head type of loss.type's family (dartree.models.families): identity (dflash), gru
+    # (domino), markov | gated_markov | rnn (dspark), selector (dflash2)
     rank: int = 64  # DSpark Markov rank R; Domino emb_dim E when emb_dim is unset
     emb_dim: Optional[int] = None  # gru: rank E of the logit residual (default: rank)
     gru_hidden_dim: Optional[int] = None  # gru: GRU state width G (default: 4 x emb_dim)
@@ -57,8 +60,9 @@ class HeadSection:
 
 @dataclass
 class LossSection:
-    type: str = "dspark"  # dflash (CE) | domino ((1-lambda) CE(final) + lambda CE(base)) | dspark (CE + L1 + BCE)
-    # | dflash2 (CE(base) + CE(selector-corrected), equal weights)
+    # the drafter family (dartree.models.families), whose loss trains the head: dflash (CE) | domino ((1-lambda)
+    # CE(final) + lambda CE(base)) | dspark (CE + L1 + BCE) | dflash2 (CE(base) + CE(selector-corrected), equal weights)
+    type: str = "dspark"
     gamma: Optional[float] = 7.0  # decay exp(-k/gamma) over the proposals (k = 0 first; B=16 default); null: none
     ce_weight: float = 0.1  # dspark
     l1_weight: float = 0.9  # dspark: L1 distance sum|p_d - p_t| to the target distribution (DeepSpec's "TVD" term)
@@ -82,7 +86,7 @@ class DataSection:
     max_prompt_tokens: int = 256
     max_new_tokens: int = 256
     seed: int = 0
-    gen_batch_size: int = 128  # regeneration slots (continuous batching; 128: 630 tok/s, 64: 573 on 256 prompts)
+    gen_batch_size: int = 128  # regeneration slots (continuous batching; docs/training.md has the measured rates)
     code_fraction: float = 0.0  # about this share of the ShareGPT prompts are programming prompts
     holdout: int = 32
     # tail: the last `holdout` of the drawn prompts (depends on num_prompts and seed); fixed: the `holdout`
@@ -214,19 +218,7 @@ def load_recipe(args: list[str]) -> DictConfig:
             where = f"{key!r}" if key else "a section (give key=value for a field inside it)"
             raise RecipeError(f"bad value for {where} in {label}: {msg}") from None
     OmegaConf.resolve(schema)
-    from dartree.models.heads import HEADS
-
-    if schema.head.type not in HEADS:
-        raise RecipeError(f"head.type {schema.head.type!r} is unknown; available: {sorted(HEADS)}")
-    allowed = {"dflash": {"identity"}, "domino": {"gru"}, "dspark": {"markov", "gated_markov", "rnn"},
-               "dflash2": {"selector"}}
-    if schema.loss.type not in allowed:
-        raise RecipeError(f"loss.type {schema.loss.type!r} is unknown; use one of {sorted(allowed)}")
-    if schema.head.type not in allowed[schema.loss.type]:
-        raise RecipeError(f"loss.type {schema.loss.type!r} trains head.type {sorted(allowed[schema.loss.type])}, "
-                          f"not {schema.head.type!r}; change one of them")
-    if schema.head.confidence_head and schema.loss.type != "dspark":
-        raise RecipeError("head.confidence_head=true needs loss.type=dspark (a DSpark head)")
+    check_family(schema)
     if schema.deepspeed.zero_stage not in (0, 1, 2, 3):
         raise RecipeError(f"deepspeed.zero_stage must be 0, 1, 2 or 3, got {schema.deepspeed.zero_stage}")
     if schema.data.source not in ("sharegpt", "random", "campaign"):
@@ -236,6 +228,26 @@ def load_recipe(args: list[str]) -> DictConfig:
         if os.environ.get("RANK", "0") == "0":
             print(line, flush=True)
     return schema
+
+
+def check_family(cfg: DictConfig) -> None:
+    """Check that the recipe's ``loss.type`` names a registered drafter family (:mod:`dartree.models.families`) that
+    trains its ``head.type``, and that a confidence head is asked of a family whose heads carry one.
+
+    Raises:
+        RecipeError: an unknown head type or family (the registered ones listed), or a pair that does not fit.
+    """
+    head, loss = cfg.head.type, cfg.loss.type
+    if head not in HEADS:
+        raise RecipeError(f"head.type {head!r} is unknown; available: {sorted(HEADS)}")
+    if loss not in FAMILIES:
+        raise RecipeError(f"loss.type {loss!r} is unknown; use one of {sorted(FAMILIES)}")
+    types = FAMILIES[loss].head_types()
+    if head not in types:
+        raise RecipeError(f"loss.type {loss!r} trains head.type {sorted(types)}, not {head!r}; change one of them")
+    if cfg.head.confidence_head and not FAMILIES[loss].confidence:
+        names = " or ".join(sorted(n for n, f in FAMILIES.items() if f.confidence))
+        raise RecipeError(f"head.confidence_head=true needs loss.type={names} (a head with a confidence head)")
 
 
 def resolve_train_device(cfg: DictConfig) -> list[str]:

@@ -3,10 +3,14 @@ held-out evaluation.
 
 A training sequence gets random anchors (DFlash, Chen et al. 2025, Sec. 3: blocks of ``block_size`` tokens whose
 first token is the anchor, the rest mask tokens, attending to the target's context features and to their own block);
-proposal j of an anchor predicts the token j + 1 after it. The loss is the recipe's: DFlash's decay-weighted CE,
-Domino's curriculum CE over base and corrected scores, DFlash 2's selector CE, or DSpark's 0.1 CE + 0.9 L1 to the
-target distribution (DSpark, Sec. 3.3; ``loss.tv_weight`` / ``loss.kl_weight`` add the total variation and
-KL(p_t || p_d)), fused with the lm_head (:mod:`dartree.training.losses`).
+proposal j of an anchor predicts the token j + 1 after it. The loss is the drafter family's :class:`Objective`
+(:mod:`dartree.models.families`): DFlash's decay-weighted CE, Domino's curriculum CE over base and corrected scores,
+DFlash 2's selector CE, or DSpark's 0.1 CE + 0.9 L1 to the target distribution (DSpark, Sec. 3.3; ``loss.tv_weight``
+/ ``loss.kl_weight`` add the total variation and KL(p_t || p_d)), fused with the lm_head
+(:mod:`dartree.training.losses`).
+
+The functions here take a :class:`StepSettings` (the objective and the few step options), which
+:func:`dartree.training.build.step_settings` builds once from the recipe; none of them reads the recipe.
 """
 
 from __future__ import annotations
@@ -16,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig
 
 from dartree.models.drafter import BlockAttention, DFlashDrafter
+from dartree.models.families import Objective
 from dartree.models.target import Target
 from dartree.training.data import BlockData, sample_anchors
 from dartree.training.losses import (
@@ -30,9 +34,26 @@ from dartree.training.losses import (
     weight_sum,
 )
 
-# loss.type dflash2: weight of the base (unary) CE beside the selector-corrected CE, (1 - w) CE(U + A W^T) + w CE(U);
-# 0.5 weights them equally, as speculators' DFlash 2 trainer does (selector_loss_alpha 1.0 beside the unary loss).
-DFLASH2_BASE_WEIGHT = 0.5
+
+@dataclass(frozen=True)
+class StepSettings:
+    """What a training step reads besides the models and the data, built once from the recipe
+    (:func:`dartree.training.build.step_settings`).
+
+    Attributes:
+        objective: the drafter family's loss (:class:`~dartree.models.families.Objective`).
+        num_anchors: anchors drawn per sequence (``train.num_anchors``).
+        cumulative_mask: DSpark's in-block cumulative label mask (``loss.cumulative_mask``;
+            :func:`~dartree.training.losses.label_mask`).
+        bf16: bf16 autocast of the drafter (``train.bf16``).
+        fused_loss: the chunked fused loss (``train.fused_loss``); False: the materialised reference.
+    """
+
+    objective: Objective
+    num_anchors: int
+    cumulative_mask: bool = True
+    bf16: bool = False
+    fused_loss: bool = True
 
 
 def seed_mix(*parts: int) -> int:
@@ -46,7 +67,7 @@ def seed_mix(*parts: int) -> int:
 class TrainModule(torch.nn.Module):
     """The trainable drafter backbone and correction head as one module (what the DeepSpeed engine wraps).
 
-    ``forward(target, data, i, cfg, gen, lam, denom)`` is :func:`sequence_loss` for training sequence i, returned
+    ``forward(target, data, i, settings, gen, lam, denom)`` is :func:`sequence_loss` for training sequence i, returned
     as a tuple of tensors (loss, ce, l1, bce, acc_per_pos, count_per_pos, kl), or None: ZeRO-3's backward hooks find
     their tensors only in plain containers.
     """
@@ -55,34 +76,23 @@ class TrainModule(torch.nn.Module):
         super().__init__()
         self.drafter, self.head = drafter, head
 
-    def forward(self, target: Target, data: BlockData, i: int, cfg: DictConfig, gen: torch.Generator, lam: float = 0.0,
-                denom: float | None = None):
-        out = sequence_loss(self.drafter, self.head, target, data, i, cfg, gen, lam, denom)
+    def forward(self, target: Target, data: BlockData, i: int, settings: StepSettings, gen: torch.Generator,
+                lam: float | None = None, denom: float | None = None):
+        out = sequence_loss(self.drafter, self.head, target, data, i, settings, gen, lam, denom)
         if out is None:
             return None
         return out.loss, out.ce, out.l1, out.bce, out.acc_per_pos, out.count_per_pos, out.kl
 
 
-def distribution_weights(cfg: DictConfig) -> tuple[float, float, float]:
-    """The recipe's weights of the terms that compare the drafter with the target's distribution (loss.type dspark
-    only; 0 otherwise): (L1 coefficient = ``loss.l1_weight`` + ``loss.tv_weight`` / 2, ``loss.kl_weight``,
-    confidence 1.0 / 0.0 by ``head.confidence_head``). Recipes written before ``tv_weight`` / ``kl_weight`` read 0."""
-    lc = cfg.loss
-    if lc.type != "dspark":
-        return 0.0, 0.0, 0.0
-    l1 = float(lc.l1_weight) + 0.5 * float(lc.get("tv_weight", 0.0) or 0.0)
-    return l1, float(lc.get("kl_weight", 0.0) or 0.0), float(bool(cfg.head.get("confidence_head", False)))
-
-
-def needs_target_lse(cfg: DictConfig) -> bool:
+def needs_target_lse(settings: StepSettings, draft_vocab_size: int) -> bool:
     """Whether a step needs the target's full-vocabulary log-sum-exp at each prediction: with a draft vocabulary
-    (``drafter.draft_vocab_size`` > 0), for the L1 / total variation or the confidence label (p_t's mass outside
-    the draft vocabulary); the KL alone is over the draft columns and needs none (:mod:`dartree.training.losses`).
-    The reference path (``train.fused_loss=false``) forms p_t from it whenever a target distribution is used."""
-    if not cfg.drafter.draft_vocab_size:
+    (``draft_vocab_size`` > 0), for the L1 / total variation or the confidence label (p_t's mass outside the draft
+    vocabulary); the KL alone is over the draft columns and needs none (:mod:`dartree.training.losses`). The
+    reference path (``fused_loss`` False) forms p_t from it whenever a target distribution is used."""
+    if not draft_vocab_size:
         return False
-    l1, kl, conf = distribution_weights(cfg)
-    return bool(l1 or conf or (kl and not bool(cfg.train.get("fused_loss", True))))
+    l1, kl, conf = settings.objective.distribution_weights()
+    return bool(l1 or conf or (kl and not settings.fused_loss))
 
 
 def output_rows(target: Target, vocab: torch.Tensor | None,
@@ -113,7 +123,7 @@ def output_rows(target: Target, vocab: torch.Tensor | None,
     return hit[0], hit[1]
 
 
-def block_targets(tokens: torch.Tensor, prompt_len: int, loss_mask: torch.Tensor | None, cfg: DictConfig,
+def block_targets(tokens: torch.Tensor, prompt_len: int, loss_mask: torch.Tensor | None, settings: StepSettings,
                   num_proposals: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Anchors and label positions of one training sequence, and which predictions carry a loss, on the CPU (where
     the tokens, the loss mask and the anchor RNG are; :func:`sequence_loss` copies them to the training device).
@@ -125,23 +135,24 @@ def block_targets(tokens: torch.Tensor, prompt_len: int, loss_mask: torch.Tensor
             every device).
     Returns:
         (anchors [A] int64, label positions [A, P] int64 = anchor + 1 + j, valid [A, P] bool): in range and,
-        with a loss mask, supervised (``loss.cumulative_mask``: DSpark's in-block cumulative rule,
+        with a loss mask, supervised (``settings.cumulative_mask``: DSpark's in-block cumulative rule,
         :func:`~dartree.training.losses.label_mask`).
     """
     s = tokens.numel()
-    anchors = sample_anchors(prompt_len, s, cfg.train.num_anchors, gen, loss_mask=loss_mask)
+    anchors = sample_anchors(prompt_len, s, settings.num_anchors, gen, loss_mask=loss_mask)
     lp = anchors[:, None] + 1 + torch.arange(num_proposals)
-    valid = label_mask(lp, s, loss_mask, cumulative=bool(cfg.loss.get("cumulative_mask", True)))
+    valid = label_mask(lp, s, loss_mask, cumulative=settings.cumulative_mask)
     return anchors, lp, valid
 
 
-def sequence_weight(data: BlockData, i: int, cfg: DictConfig, num_proposals: int, gen: torch.Generator) -> float:
+def sequence_weight(data: BlockData, i: int, settings: StepSettings, num_proposals: int,
+                    gen: torch.Generator) -> float:
     """Sequence i's share of the batch denominator (``loss.normalization=batch``): the decay weights summed over
     its valid predictions at the anchors ``gen`` draws (:func:`block_targets`,
     :func:`~dartree.training.losses.weight_sum`); no forward pass. Give it a generator seeded as the one
     :func:`sequence_loss` gets for the same sequence and step."""
-    _, _, valid = block_targets(data.tokens[i], data.prompt_len[i], data.mask_of(i), cfg, num_proposals, gen)
-    return weight_sum(valid, cfg.loss.gamma)
+    _, _, valid = block_targets(data.tokens[i], data.prompt_len[i], data.mask_of(i), settings, num_proposals, gen)
+    return weight_sum(valid, settings.objective.gamma)
 
 
 def _autocast(dev: torch.device, bf16: bool):
@@ -180,7 +191,7 @@ class StepBlocks:
     vocab: torch.Tensor | None
 
 
-def step_blocks(drafter, target: Target, data: BlockData, i: int, cfg: DictConfig,
+def step_blocks(drafter, target: Target, data: BlockData, i: int, settings: StepSettings,
                 gen: torch.Generator) -> StepBlocks | None:
     """The step tensors of training sequence i (:class:`StepBlocks`) on the target's device, or None when it has no
     anchor. The anchors, label positions and valid mask are drawn on the host (:func:`block_targets`, the CPU
@@ -193,7 +204,7 @@ def step_blocks(drafter, target: Target, data: BlockData, i: int, cfg: DictConfi
     dc = drafter.cfg
     L = dc.block_size
     mask = data.mask_of(i) if hasattr(data, "mask_of") else None
-    anchors, lp, valid = block_targets(tokens, plen, mask, cfg, dc.num_proposals, gen)
+    anchors, lp, valid = block_targets(tokens, plen, mask, settings, dc.num_proposals, gen)
     a = anchors.numel()
     if a == 0:
         return None
@@ -207,11 +218,10 @@ def step_blocks(drafter, target: Target, data: BlockData, i: int, cfg: DictConfi
     block[:, 0] = tokens[anchors]
     q_pos = (anchors[:, None] + torch.arange(L, device=dev)).reshape(1, -1)
     x = target.embed(block.reshape(1, -1)).to(torch.float32)  # raw lookup, as z-lab embeds the block
-    bf16 = bool(cfg.train.bf16)
+    bf16 = settings.bf16
     vocab = drafter.draft_vocab if dc.draft_vocab_size else None
     # [V or N, D] frozen rows (bf16 once, not per call, for the fused loss); token id -> draft index (-1 outside)
-    w_out, inv = output_rows(target, vocab, torch.bfloat16 if bool(cfg.train.get("fused_loss", True)) and bf16
-                             else None)
+    w_out, inv = output_rows(target, vocab, torch.bfloat16 if settings.fused_loss and bf16 else None)
     labels = tokens[lp.clamp(max=s - 1)]
     if vocab is not None:  # label index within the draft vocabulary, -1 outside it (a sure miss)
         labels = inv[labels]
@@ -221,10 +231,10 @@ def step_blocks(drafter, target: Target, data: BlockData, i: int, cfg: DictConfi
                       w_out=w_out, vocab=vocab)
 
 
-def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: DictConfig, gen: torch.Generator,
-                  lam: float = 0.0, denom: float | None = None):
-    """Forward one training sequence with random anchors under the recipe's loss; returns LossOut or None
-    when it has no anchor.
+def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, settings: StepSettings,
+                  gen: torch.Generator, lam: float | None = None, denom: float | None = None):
+    """Forward one training sequence with random anchors under the family's objective (``settings.objective``);
+    returns :class:`~dartree.training.losses.LossOut` or None when it has no anchor.
 
     Block n = [t[a_n], MASK x (L-1)] at positions a_n + arange(L); proposal j (at block position
     proposal_offset + j) predicts t[a_n + 1 + j]; the head's previous token for proposal j is t[a_n + j]
@@ -233,72 +243,96 @@ def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, cfg: D
     this sequence's weight sum; else by this shared batch denominator (``loss.normalization=batch``: the step's
     weight sum over all processes divided by ``train.seqs_per_step``, so that after DeepSpeed's averaging the
     step's gradient is that of sum(weighted terms) / sum(weights), SpecForge's pooled loss).
-    ``lam`` is Domino's curriculum weight on the base CE (loss.type domino); loss.type dflash2 uses the fixed
-    :data:`DFLASH2_BASE_WEIGHT`.
+    ``lam`` is the base-CE weight of a curriculum objective at this step (Domino's lambda,
+    :meth:`~dartree.models.families.Objective.lam`; None: 0, its held-out value); an objective with a fixed base
+    weight (DFlash 2) or without a base term ignores it.
     """
-    b = step_blocks(drafter, target, data, i, cfg, gen)
+    b = step_blocks(drafter, target, data, i, settings, gen)
     if b is None:
         return None
-    dev, s = target.device, b.final.shape[0]
-    a, p = b.valid.shape
-    lc, bf16, off = cfg.loss, bool(cfg.train.bf16), drafter.cfg.proposal_offset
-    labels, valid, w_out, vocab, prev = b.labels, b.valid, b.w_out, b.vocab, b.prev
-    l1_coef, kl_weight, _ = distribution_weights(cfg)
-    tv_weight = float(lc.get("tv_weight", 0.0) or 0.0) if lc.type == "dspark" else 0.0
-    with_target = lc.type == "dspark" and bool(l1_coef or kl_weight or getattr(head, "confidence_head", False))
-    fused = bool(cfg.train.get("fused_loss", True))
+    obj = settings.objective
+    if obj.curriculum is None or lam is None:
+        lam = obj.lam()
+    conf_head = bool(getattr(head, "confidence_head", False))
+    # the target's distribution: for the L1 / TV / KL terms and the confidence label (objectives without a base CE)
+    with_target = lam is None and bool(obj.l1_coef or obj.kl_weight or conf_head)
+    hidden, factors, conf = _draft_forward(drafter, head, target.device, b, settings,
+                                           with_conf=lam is None and obj.corrected and conf_head)
+    s = b.final.shape[0]
+    t_hidden = b.final[(b.lp - 1).clamp(max=s - 1)] if with_target else None
     # the full-vocabulary lse: for p_t's mass outside a draft vocabulary (the L1 / TV / confidence label; the fused
     # KL needs only the draft columns)
-    with_lse = with_target and vocab is not None and bool(
-        l1_coef or getattr(head, "confidence_head", False) or not fused)
-    with _autocast(dev, bf16):
+    with_lse = with_target and b.vocab is not None and bool(obj.l1_coef or conf_head or not settings.fused_loss)
+    t_lse = data.lse_of(i).to(target.device, non_blocking=True)[(b.lp - 1).clamp(max=s - 1)] if with_lse else None
+    if settings.fused_loss:
+        return _fused_loss(b, obj, hidden, factors, conf, t_hidden, t_lse, lam, denom)
+    # the reference path: materialised [A, P, V'] logits through autograd (train.fused_loss=false)
+    return _reference_loss(b, obj, hidden, factors, conf, t_hidden, t_lse, lam, denom, bf16=settings.bf16)
+
+
+def _draft_forward(drafter, head, dev: torch.device, b: StepBlocks, settings: StepSettings, with_conf: bool):
+    """The drafter's forward over the blocks ``b`` under ``settings.bf16`` autocast on ``dev``: hidden [A, P, D],
+    the head's teacher-forced factors (A [A, P, R], W [V', R]) or None (an uncorrected objective, or the identity
+    head), and the confidence logits [A, P] fp32 (``with_conf``) or None."""
+    s = b.final.shape[0]
+    a, p = b.valid.shape
+    with _autocast(dev, settings.bf16):
         hidden = drafter(b.x, b.q_pos, b.feats, torch.arange(s, device=dev)[None], mask=b.mask)
-        hidden = hidden.view(a, drafter.cfg.block_size, -1)[:, off:]  # [A, P, D]
-        factors = None if lc.type == "dflash" else head.block_factors(prev, hidden, vocab)
+        hidden = hidden.view(a, drafter.cfg.block_size, -1)[:, drafter.cfg.proposal_offset:]  # [A, P, D]
+        factors = head.block_factors(b.prev, hidden, b.vocab) if settings.objective.corrected else None
         conf = None
-        if lc.type == "dspark" and getattr(head, "confidence_head", False):
-            states = head.block_states(prev, hidden.float())
+        if with_conf:
+            states = head.block_states(b.prev, hidden.float())
             d = hidden.shape[-1]
             conf = head.confidence_logits(hidden.float().reshape(-1, d), states.reshape(a * p, -1)).view(a, p)
-    t_hidden = b.final[(b.lp - 1).clamp(max=s - 1)] if with_target else None
-    t_lse = data.lse_of(i).to(dev, non_blocking=True)[(b.lp - 1).clamp(max=s - 1)] if with_lse else None
-    if lc.type == "dflash2":  # base (unary) and selector-corrected CE weighted equally (speculators' alpha = 1)
-        lam = DFLASH2_BASE_WEIGHT
-    if fused:
-        if lc.type in ("domino", "dflash2"):
-            return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, factors=factors, lam=lam,
-                                    denom=denom, rows=b.rows)
-        if lc.type == "dflash":
-            return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, denom=denom, rows=b.rows)
-        return fused_block_loss(hidden, w_out, labels, valid, gamma=lc.gamma, factors=factors,
-                                target_hidden=t_hidden, target_lse=t_lse, ce_weight=lc.ce_weight,
-                                l1_weight=lc.l1_weight, conf_logits=conf,
-                                conf_weight=lc.conf_weight if conf is not None else 0.0, denom=denom, rows=b.rows,
-                                tv_weight=tv_weight, kl_weight=kl_weight)
-    # the reference path: materialised [A, P, V'] logits through autograd (train.fused_loss=false)
-    with _autocast(dev, bf16):
+    return hidden, factors, conf
+
+
+def _fused_loss(b: StepBlocks, obj: Objective, hidden, factors, conf, t_hidden, t_lse, lam, denom):
+    """:func:`~dartree.training.losses.fused_block_loss` under ``obj``: the base-CE form with ``lam`` (not None),
+    the CE of U (an uncorrected objective), or the distribution-matching form."""
+    if lam is not None:
+        return fused_block_loss(hidden, b.w_out, b.labels, b.valid, gamma=obj.gamma, factors=factors, lam=lam,
+                                denom=denom, rows=b.rows)
+    if not obj.corrected:
+        return fused_block_loss(hidden, b.w_out, b.labels, b.valid, gamma=obj.gamma, ce_weight=obj.ce_weight,
+                                denom=denom, rows=b.rows)
+    return fused_block_loss(hidden, b.w_out, b.labels, b.valid, gamma=obj.gamma, factors=factors,
+                            target_hidden=t_hidden, target_lse=t_lse, ce_weight=obj.ce_weight,
+                            l1_weight=obj.l1_weight, conf_logits=conf,
+                            conf_weight=obj.conf_weight if conf is not None else 0.0, denom=denom, rows=b.rows,
+                            tv_weight=obj.tv_weight, kl_weight=obj.kl_weight)
+
+
+def _reference_loss(b: StepBlocks, obj: Objective, hidden, factors, conf, t_hidden, t_lse, lam, denom, *, bf16):
+    """The materialised twin of :func:`_fused_loss`: :func:`~dartree.training.losses.dspark_loss` /
+    :func:`~dartree.training.losses.domino_loss` on the [A, P, V'] logits, under bf16 autocast when ``bf16``."""
+    labels, valid, w_out = b.labels, b.valid, b.w_out
+    with _autocast(hidden.device, bf16):
         base = F.linear(hidden, w_out)  # [A, P, V] (or [A, P, N] on a draft vocabulary)
-        if lc.type == "dflash":
-            return dspark_loss(base, labels, valid, None, gamma=lc.gamma, ce_weight=1.0, l1_weight=0.0, denom=denom)
+        if lam is None and not obj.corrected:
+            return dspark_loss(base, labels, valid, None, gamma=obj.gamma, ce_weight=obj.ce_weight, l1_weight=0.0,
+                               denom=denom)
         logits = base.float() if factors is None else base.float() + F.linear(factors[0], factors[1])
-        if lc.type in ("domino", "dflash2"):
-            return domino_loss(logits, base, labels, valid, gamma=lc.gamma, lam=lam, denom=denom)
+        if lam is not None:
+            return domino_loss(logits, base, labels, valid, gamma=obj.gamma, lam=lam, denom=denom)
         t_logits = t_probs = None
-        if with_target:
+        if t_hidden is not None:
             with torch.no_grad():
                 z = F.linear(t_hidden.to(w_out.dtype), w_out).float()
-                if vocab is None:
+                if b.vocab is None:
                     t_logits = z
                 else:  # p_t on the draft vocabulary from the cached full-vocabulary log-sum-exp
                     p_sub = torch.exp(z - t_lse[..., None])
                     t_probs = (p_sub, (1 - p_sub.sum(-1)).clamp(min=0))
-    return dspark_loss(logits, labels, valid, t_logits, gamma=lc.gamma, ce_weight=lc.ce_weight,
-                       l1_weight=lc.l1_weight, conf_logits=conf, conf_weight=lc.conf_weight if conf is not None else 0.0,
-                       target_probs=t_probs, denom=denom, tv_weight=tv_weight, kl_weight=kl_weight)
+    return dspark_loss(logits, labels, valid, t_logits, gamma=obj.gamma, ce_weight=obj.ce_weight,
+                       l1_weight=obj.l1_weight, conf_logits=conf,
+                       conf_weight=obj.conf_weight if conf is not None else 0.0, target_probs=t_probs, denom=denom,
+                       tv_weight=obj.tv_weight, kl_weight=obj.kl_weight)
 
 
 @torch.no_grad()
-def evaluate_holdout(drafter, head, target, data: BlockData, cfg: DictConfig) -> dict:
+def evaluate_holdout(drafter, head, target, data: BlockData, settings: StepSettings) -> dict:
     """Teacher-forced accuracy per block position on the held-out sequences ([P] fractions), the chain tau
     those imply (``holdout_tf_tau``, positions treated as independent) and the measured chain acceptance
     ``holdout_chain_tau``: the mean over held-out anchors of 1 + the number of leading correct proposals
@@ -309,7 +343,8 @@ def evaluate_holdout(drafter, head, target, data: BlockData, cfg: DictConfig) ->
         return {}
     hits, cnts, runs = None, None, []
     for i in data.holdout_ids:
-        out = sequence_loss(drafter, head, target, data, i, cfg, torch.Generator().manual_seed(seed_mix(1234, i)))
+        out = sequence_loss(drafter, head, target, data, i, settings,
+                            torch.Generator().manual_seed(seed_mix(1234, i)))
         if out is None:
             continue
         h = out.acc_per_pos * out.count_per_pos

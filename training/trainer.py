@@ -36,6 +36,7 @@ from dartree.training.build import (
     parse_recipe_dtype,
     prepare_data,
     save_training_checkpoint,
+    step_settings,
     training_device,
 )
 from dartree.training.checks import check_against_target, check_data_files, check_output_dir, check_recipe
@@ -53,7 +54,7 @@ from dartree.training.engine import (
     make_engine,
     save_resume,
 )
-from dartree.training.losses import lambda_schedule, teacher_forced_tau
+from dartree.training.losses import teacher_forced_tau
 from dartree.training.recipe import RecipeError
 from dartree.training.step import TrainModule, evaluate_holdout, seed_mix, sequence_weight
 
@@ -191,6 +192,9 @@ class Trainer:
             except ValueError as exc:
                 raise RecipeError(str(exc)) from None
         torch.manual_seed(cfg.seed)
+        # the drafter family's objective and the step options, built once (every step function receives these)
+        self.settings = step_settings(cfg)
+        self.objective = self.settings.objective
         # what init_from's run recorded of its lineage (steps, data cursor); {} for a checkpoint without a record
         self.lineage = lineage_record(cfg.init_from)
         self._build_models()
@@ -383,8 +387,8 @@ class Trainer:
         if self.cfg.loss.get("normalization", "per_sequence") != "batch":
             return None
         p = self.drafter.cfg.num_proposals
-        wsum = torch.tensor([sum(sequence_weight(self.data, i, self.cfg, p, self._anchor_gen(step, i)) for i in mine)],
-                            dtype=torch.float64)
+        wsum = torch.tensor([sum(sequence_weight(self.data, i, self.settings, p, self._anchor_gen(step, i))
+                                 for i in mine)], dtype=torch.float64)
         wsum = self._all_reduce(wsum)
         return max(float(wsum), 1e-8) / self.sps
 
@@ -405,11 +409,10 @@ class Trainer:
 
     def train_step(self) -> dict:
         """One optimiser step over this rank's share of the step's batch; returns the step's mean loss terms
-        (``loss``, ``ce``, ``l1``, ``bce``, averaged over all processes) and Domino's curriculum weight ``lam``."""
-        st, cfg = self.state, self.cfg
-        lam = 0.0
-        if cfg.loss.type == "domino":
-            lam = lambda_schedule(st.step, self.total, cfg.loss.lambda_base_start, cfg.loss.lambda_decay_ratio)
+        (``loss``, ``ce``, ``l1``, ``bce``, averaged over all processes) and the curriculum weight ``lam`` of an
+        objective with one (Domino's; 0.0 otherwise)."""
+        st = self.state
+        lam = self.objective.lam(st.step, self.total) if self.objective.curriculum is not None else 0.0
         lr = float(self.sched.get_last_lr()[0])  # the rate this step's optimiser update uses
         batch = self.next_batch()
         st.seen.update(batch)
@@ -418,7 +421,7 @@ class Trainer:
         denom = self._batch_denominator(st.step, mine)
         sums = torch.zeros(6, device=self.device)  # loss, ce, l1, bce, kl, predictions: summed on the device
         for i in mine:
-            out = self.engine(self.target, self.data, i, cfg, self._anchor_gen(st.step, i), lam, denom)
+            out = self.engine(self.target, self.data, i, self.settings, self._anchor_gen(st.step, i), lam, denom)
             if out is None:  # pragma: no cover - BlockData keeps only sequences with anchors
                 self.engine.backward(sum(p.sum() for p in self.params) * 0.0)
                 self.engine.step()
@@ -443,12 +446,8 @@ class Trainer:
         tf_tau = teacher_forced_tau(st.acc_ema) if st.acc_ema is not None else 1.0
         rate = (st.preds - self.preds0) / max(time.time() - self.t_steps0, 1e-9)
         post = {"loss": f"{m['loss']:.4f}", "ce": f"{m['ce']:.3f}", "tf_tau": f"{tf_tau:.2f}", "pred_s": f"{rate:.0f}"}
-        if self.cfg.loss.type == "dspark":
-            post["l1"] = f"{m['l1']:.3f}"
-            if self.cfg.loss.get("kl_weight", 0):
-                post["kl"] = f"{m['kl']:.3f}"
-        if self.cfg.loss.type == "domino":
-            post["lam"] = f"{m['lam']:.2f}"
+        for name in self.objective.logged:  # the family's own terms (l1, kl, lam)
+            post[name] = f"{m[name]:.2f}" if name == "lam" else f"{m[name]:.3f}"
         self.bar.set_postfix(**post)
         self.bar.update(1)
         if self.wb is not None:
@@ -459,7 +458,7 @@ class Trainer:
         learning-curve point and, on rank 0, writes curve.json and curve.png."""
         self.engine.eval()
         with gathered(self.module, self.stage):
-            hold = evaluate_holdout(self.drafter, self.head, self.target, self.data, self.cfg)
+            hold = evaluate_holdout(self.drafter, self.head, self.target, self.data, self.settings)
         self.engine.train()
         self.state.add_point(hold, self.sps)
         if hold and self.main:
@@ -550,7 +549,7 @@ class Trainer:
         self.save()
         self.engine.eval()
         with gathered(self.module, self.stage):
-            hold = evaluate_holdout(self.drafter, self.head, self.target, self.data, self.cfg)
+            hold = evaluate_holdout(self.drafter, self.head, self.target, self.data, self.settings)
         self.state.add_point(hold, self.sps)
         sds = full_state_dict(self.drafter, self.stage), full_state_dict(self.head, self.stage)
         checksum = float(sum(v.double().sum() for sd in sds for v in sd.values()))

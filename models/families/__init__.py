@@ -1,0 +1,8 @@
+"""Drafter families, one module each, registered by name (the recipe's ``loss.type``): :mod:`.dflash`,
+:mod:`.dspark`, :mod:`.domino`, :mod:`.dflash2`. :mod:`.base` defines a family and the registry; docs/families.md says
+how to add one."""
+
+from dartree.models.families.base import FAMILIES, Family, Objective, family_of_head, get_family, register_family
+from dartree.models.families import dflash, dflash2, domino, dspark  # noqa: F401  (each registers its family)
+
+__all__ = ["FAMILIES", "Family", "Objective", "family_of_head", "get_family", "register_family"]

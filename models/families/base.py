@@ -1,0 +1,174 @@
+"""What a drafter family is, and the registry that finds one by name (docs/families.md).
+
+A *family* is one way of training and reading a DFlash drafter's correction head: DFlash (no correction), DSpark
+(Markov heads), Domino (GRU head), DFlash 2 (candidate selector). Its module declares, in one place:
+
+- the head classes it trains (:class:`~dartree.models.heads.CorrectionHead` subclasses; each class carries its
+  checkpoint hyper-parameter table, ``fields``);
+- :meth:`Family.head_kwargs`: the constructor arguments of its head from a recipe's ``head`` section (its defaults);
+- :meth:`Family.objective`: its training loss as an :class:`Objective`, from the recipe's ``loss`` and ``head``
+  sections;
+- :meth:`Family.recipe_problems`: recipe combinations it cannot train (one line each).
+
+The family's registered name is the recipe's ``loss.type``. Registering it registers its head classes under their
+``type_name`` (the checkpoint config's ``head.type``), so checkpoints of its heads load through
+:func:`dartree.models.checkpoint.load_dartree` once the family's module is imported.
+
+Registry habits follow SpecForge's draft-model registry (``specforge/modeling/auto.py``): a duplicate name is
+refused, and a lookup of an unknown name lists the registered ones.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping
+
+from dartree.models.heads import HEADS, CorrectionHead, register_head
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A family's training loss as weights of the terms every DFlash-family loss is made of (nats, per prediction,
+    decay-weighted by exp(-k / gamma) over the P proposals and normalised as ``loss.normalization`` says;
+    :mod:`dartree.training.losses` computes them):
+
+    - CE of the final logits x = U + A · W^T (``corrected``) or of the base logits U alone (not ``corrected``);
+    - with ``base_weight`` w (not None): ``(1 - w) CE(x) + w CE(U)`` (Domino, arXiv 2605.29707; DFlash 2's unary +
+      selector CE at w = 0.5), where ``curriculum`` (step, total steps) -> w gives w per optimiser step;
+    - else ``ce_weight CE + (l1_weight + tv_weight / 2) L1 + kl_weight KL(p_t || p_d) + conf_weight BCE``
+      (DSpark, arXiv 2607.05147, Sec. 3.3), the L1 distance sum_v |p_d - p_t|, the KL to the target's
+      distribution p_t, and the confidence BCE when the head carries a confidence head (``confidence``).
+
+    Attributes:
+        gamma: decay length of the position weights (None: weight 1).
+        corrected: train the head's correction (False: plain DFlash, the CE of U).
+        ce_weight, l1_weight, tv_weight, kl_weight, conf_weight: the distribution-matching weights (``base_weight``
+            None only).
+        confidence: the recipe trains a confidence head (``head.confidence_head``).
+        base_weight: the weight w of CE(U), or None for no base term.
+        curriculum: (step, total_steps) -> w in [0, 1], or None for a fixed ``base_weight``.
+        logged: names of the step's loss terms shown beside ``loss`` and ``ce`` (``l1``, ``kl``, ``lam``).
+    """
+
+    gamma: float | None
+    corrected: bool = True
+    ce_weight: float = 1.0
+    l1_weight: float = 0.0
+    tv_weight: float = 0.0
+    kl_weight: float = 0.0
+    conf_weight: float = 0.0
+    confidence: bool = False
+    base_weight: float | None = None
+    curriculum: Callable[[int, int], float] | None = None
+    logged: tuple[str, ...] = ()
+
+    @property
+    def l1_coef(self) -> float:
+        """The L1 distance's coefficient: ``l1_weight + tv_weight / 2`` (the total variation is L1 / 2)."""
+        return self.l1_weight + 0.5 * self.tv_weight
+
+    def distribution_weights(self) -> tuple[float, float, float]:
+        """(L1 coefficient, KL weight, 1.0 / 0.0 for a trained confidence head): the terms that read the target's
+        distribution p_t; all 0 for a family that compares with the labels only."""
+        return self.l1_coef, self.kl_weight, float(self.confidence)
+
+    def lam(self, step: int | None = None, total: int | None = None) -> float | None:
+        """The base-CE weight w at optimiser ``step`` of ``total`` (the curriculum's value; 0.0 without a step, as
+        held-out evaluation reports it), the fixed ``base_weight``, or None for an objective without a base term."""
+        if self.curriculum is None:
+            return self.base_weight
+        return 0.0 if step is None else float(self.curriculum(step, total))
+
+
+class Family:
+    """A drafter family (module docstring). Subclass it in the family's module and register one instance with
+    :func:`register_family`.
+
+    Attributes:
+        name: the registered name, the recipe's ``loss.type``.
+        heads: the head classes it trains (their ``type_name`` is the recipe's ``head.type``).
+        confidence: its heads may carry DSpark's confidence head (``head.confidence_head=true`` is refused
+            elsewhere).
+        distribution: its loss has the terms that compare with the target's distribution (``loss.tv_weight`` /
+            ``loss.kl_weight`` > 0 are refused elsewhere).
+    """
+
+    name: str = ""
+    heads: tuple[type[CorrectionHead], ...] = ()
+    confidence: bool = False
+    distribution: bool = False
+
+    def head_kwargs(self, head: Mapping[str, Any], vocab_size: int, hidden_size: int) -> dict:
+        """Constructor arguments of the recipe's head (``head.type``) for a target of ``vocab_size`` tokens and
+        hidden size ``hidden_size``, the family's defaults filling what the recipe leaves null."""
+        raise NotImplementedError
+
+    def objective(self, loss: Mapping[str, Any], head: Mapping[str, Any]) -> Objective:
+        """The family's training loss from the recipe's ``loss`` and ``head`` sections."""
+        raise NotImplementedError
+
+    def recipe_problems(self, cfg) -> list[str]:
+        """Combinations of the merged recipe ``cfg`` this family cannot train, one line each naming the key, the
+        value and the fix (none by default)."""
+        return []
+
+    def head_types(self) -> list[str]:
+        """The ``head.type`` names this family trains."""
+        return [cls.type_name for cls in self.heads]
+
+    def build_head(self, head: Mapping[str, Any], vocab_size: int, hidden_size: int) -> CorrectionHead:
+        """A fresh head of the recipe's ``head.type`` (:meth:`head_kwargs`).
+
+        Raises:
+            KeyError: ``head.type`` is not one of this family's heads (the message lists them).
+            ValueError: a hyper-parameter out of range (named by the head).
+        """
+        by_name = {cls.type_name: cls for cls in self.heads}
+        if head["type"] not in by_name:
+            raise KeyError(f"loss.type {self.name!r} trains head.type {sorted(by_name)}, not {head['type']!r}")
+        return by_name[head["type"]](**self.head_kwargs(head, vocab_size, hidden_size))
+
+
+FAMILIES: dict[str, Family] = {}
+
+
+def register_family(family: Family) -> Family:
+    """Add ``family`` to the registry under ``family.name`` and its head classes to the head registry
+    (:data:`dartree.models.heads.HEADS`; a class registered there already is kept).
+
+    Raises:
+        ValueError: the family name is taken, or one of its head names belongs to another class.
+    """
+    if not family.name:
+        raise ValueError(f"{type(family).__name__} has no name: set the class attribute name (the recipe's loss.type)")
+    if family.name in FAMILIES:
+        raise ValueError(f"drafter family {family.name!r} is already registered")
+    for cls in family.heads:
+        known = HEADS.get(cls.type_name)
+        if known is not None and known is not cls:
+            raise ValueError(f"family {family.name!r}: head type {cls.type_name!r} is already registered as "
+                             f"{known.__module__}.{known.__name__}; give {cls.__name__} another type_name")
+    for cls in family.heads:
+        if cls.type_name not in HEADS:
+            register_head(cls)
+    FAMILIES[family.name] = family
+    return family
+
+
+def get_family(name: str) -> Family:
+    """The registered family ``name`` (a recipe's ``loss.type``).
+
+    Raises:
+        KeyError: unknown name; the message lists the registered ones.
+    """
+    if name not in FAMILIES:
+        raise KeyError(f"unknown drafter family (loss.type) {name!r}; available: {sorted(FAMILIES)}")
+    return FAMILIES[name]
+
+
+def family_of_head(type_name: str) -> Family | None:
+    """The registered family that trains head type ``type_name``, or None."""
+    for fam in FAMILIES.values():
+        if type_name in fam.head_types():
+            return fam
+    return None
