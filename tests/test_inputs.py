@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from conftest import LAYERS, VOCAB, make_drafter, make_head, make_markov
 from dartree.decode.generate import autoregressive_generate, speculative_generate
-from dartree.decode.inputs import token_ids
-from dartree.decode.trees import BUILDERS, DraftBlock, check_builder_params
+from dartree.decode.inputs import check_builder_params, token_ids
+from dartree.decode.trees import BUILDERS, DraftBlock
 from dartree.models.checkpoint import CheckpointError, load_dartree, save_dartree
 from dartree.models.heads import IdentityHead, MarkovHead, build_head
 from dartree.models.validate import DRAFTER_FIELDS, Range, folder_problem
