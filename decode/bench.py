@@ -37,12 +37,15 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from dartree.decode.generate import STAGES, autoregressive_generate, speculative_generate
+from dartree.decode.budget import CostModel, calibrate
+from dartree.decode.generate import (POLICY_PROMPT, STAGES, autoregressive_generate, seed_policy, speculative_generate,
+                                     warm_paths)
 from dartree.decode.harness.prompts import add_prompt_source_args, load_prompt_file, load_prompts
+from dartree.decode.harness.runner import Method, PromptDecode, decode_one
 from dartree.decode.harness.session import encode_prompts, prompt_encoder
 from dartree.decode.inputs import check_prompt_set
 from dartree.models.chat import chat_prompt_ids
-from dartree.decode.trees import Tree, builder_name
+from dartree.decode.trees import Tree, builder_beta, builder_name
 from dartree.decode.verify import compile_tree
 from dartree.models.cli import fail
 from dartree.models.files import write_file_atomically
@@ -208,8 +211,6 @@ def replay_tables(console: Console, label: str, entry: dict, recorded: dict, cur
     replayed from a fresh cost model with these times (its default rule, and the per-round ``rule="scores"``), and
     the hindsight per-round choice (an upper bound). ``orders`` > 1: also :func:`replay_orders`, printed as one line.
     """
-    from dartree.decode.budget import CostModel
-    from dartree.decode.generate import BETA_BUILDERS
     from dartree.decode.replay import recorded_round, replay_auto, replay_fixed, replay_hindsight
 
     shape = CostModel(t_ar=t_ar, t_draft=0.0, verify_s=dict(curve)).verify_time  # monotone, interpolated
@@ -219,7 +220,7 @@ def replay_tables(console: Console, label: str, entry: dict, recorded: dict, cur
         if bmax < 1 or not rounds:
             console.print(f"{label}: {m}: nothing to replay (budget {bmax}, {len(rounds)} rounds)")
             continue
-        beta = -0.2 if m in BETA_BUILDERS else 0.0  # the builders' default, as the bench runs them
+        beta = builder_beta(m)  # the builder's declared default, as the bench runs it
         ran = {int(b): v for key, v in entry["methods"].items()
                for name, _, b in [key.partition("@")] if name == m and b.isdigit()}  # this method's fixed budgets
         knots = {1: t_ar, bmax + 1: rc["verify_ms"] / 1000}
@@ -354,20 +355,15 @@ def _measure(args, console, result: dict, label: str, models, file_prompts: list
     method; print the tables and store them in ``result["dtypes"][label]``; returns the exit status (0, or 2 with
     a one-line error for a prompt that does not fit)."""
     target, dm, mode = models.target, models.draft, models.invariant
-    exact = models.dtype == torch.float32 or mode is not None  # where a split from AR is a real mismatch
-    tok = target.tokenizer
     stop = target_stop_ids(target)  # every id at which the target's own generate stops
     chosen = file_prompts if prompt_file else [p for d in args.datasets for p in load_prompts(d, args.limit, 0)]
     try:  # the checks eval applies, in the same words: each prompt fits the context, the target allows a tree
-        prompts = encode_prompts(prompt_encoder(tok, "auto", {}), chosen, target, args.max_new_tokens)
+        prompts = encode_prompts(prompt_encoder(target.tokenizer, "auto", {}), chosen, target, args.max_new_tokens)
         check_prompt_set(target, prompts, [f"{p.dataset}:{p.id}" for p in chosen], args.max_new_tokens,
                          dm.drafter.cfg.num_proposals)
     except ValueError as exc:
         return fail(str(exc))
-    warm = chat_prompt_ids(tok, "Say hello.")
-    autoregressive_generate(target, warm, max_new_tokens=8, stop_ids=stop)
-    ar = [autoregressive_generate(target, ids, max_new_tokens=args.max_new_tokens, stop_ids=stop) for ids in prompts]
-    t_ar = sum(o.stats.decode_s for o in ar) / max(1, sum(o.stats.new_tokens - 1 for o in ar))
+    ar, t_ar = _ar_baseline(args, target, prompts, stop)
     # context for the verify curve: a prompt followed by its AR continuation, cut to --context tokens
     ctx = (prompts[0] + ar[0].tokens + prompts[-1] * 8)[: args.context]
     curve = verify_curve(target, ctx, reps=args.reps)
@@ -375,13 +371,39 @@ def _measure(args, console, result: dict, label: str, models, file_prompts: list
              "linear": models.linear, "linear_reason": models.linear_note, "linear_aten_rows": models.linear_tuning,
              "t_ar_ms": 1000 * t_ar, "verify_ms": {t: 1000 * s for t, s in curve.items()},
              "verify_ar": {t: s / t_ar for t, s in curve.items()}, "methods": {}}
-    table = Table(title=f"{label}: verify cost t_verify(M) (context {len(ctx)}); AR step {1000 * t_ar:.1f} ms")
+    _print_curve(console, label, len(ctx), curve, t_ar)
+    runs = _bench_runs(args)
+    recorded = _bench_methods(args, console, label, models, prompts, ar, t_ar, runs, stop, entry["methods"])
+    if args.replay:
+        entry["replay"] = replay_tables(console, label, entry, recorded, curve, t_ar, args.replay_orders)
+    if args.profile:
+        entry["profile_top"] = _profile(console, target, dm, prompts[0], runs[-1], stop)
+    result["dtypes"][label] = entry
+    return 0
+
+
+def _ar_baseline(args, target, prompts: list, stop: list) -> tuple[list[PromptDecode], float]:
+    """A short warm-up decode, then AR on every prompt (:func:`~dartree.decode.harness.runner.decode_one`);
+    returns (the decodes, t_AR: seconds per AR token, prefill and first token excluded)."""
+    autoregressive_generate(target, chat_prompt_ids(target.tokenizer, "Say hello."), max_new_tokens=8, stop_ids=stop)
+    ar = [decode_one(target, ids, Method(), max_new_tokens=args.max_new_tokens, stop_ids=stop) for ids in prompts]
+    return ar, sum(o.stats.decode_s for o in ar) / max(1, sum(o.stats.new_tokens - 1 for o in ar))
+
+
+def _print_curve(console, label: str, context: int, curve: dict, t_ar: float) -> None:
+    """The verify cost table: per T = M + 1 tokens, ms and multiples of the AR step."""
+    table = Table(title=f"{label}: verify cost t_verify(M) (context {context}); AR step {1000 * t_ar:.1f} ms")
     table.add_column("M+1 tokens", justify="right")
     table.add_column("ms", justify="right")
     table.add_column("x AR step", justify="right")
     for t, s in curve.items():
         table.add_row(str(t), f"{1000 * s:.1f}", f"{s / t_ar:.2f}")
     console.print(table)
+
+
+def _bench_runs(args) -> list[tuple[str, int | str | None]]:
+    """(method, budget) per timed run: chain once at full length (None), every other builder at each ``--budget``;
+    with ``--auto`` each method also at ``"auto"``."""
     runs = []
     for m in args.tree:
         if m == "chain":
@@ -390,28 +412,31 @@ def _measure(args, console, result: dict, label: str, models, file_prompts: list
             runs += [(m, b) for b in args.budget]
             if args.auto:
                 runs.append((m, "auto"))
-    recorded: dict = {}  # method -> (budget, its decodes' stats with recorded trees, its round costs)
+    return runs
+
+
+def _bench_methods(args, console, label: str, models, prompts: list, ar: list, t_ar: float, runs: list, stop: list,
+                   methods: dict) -> dict:
+    """Decode every prompt with every (method, budget) of ``runs`` (each warmed first, an ``"auto"`` one with a cost
+    model calibrated and seeded outside the timing), check each output against AR's where the arithmetic is exact,
+    store the round costs in ``methods`` and print their table. Returns the runs recorded for ``--replay``:
+    method -> (budget, its decodes' stats with recorded trees, its round costs)."""
+    target, dm = models.target, models.draft
+    exact = models.dtype == torch.float32 or models.invariant is not None  # where a split from AR is a real mismatch
+    recorded: dict = {}
     mt = Table(title=f"{label}: ms per round by stage (x AR step), tau, speedup, break-even tau")
     for col in ["method", "B", "tau", "draft", "tree_build", "tree_compile", "verify", "commit", "round",
                 "break-even tau", "speedup", "nodes"]:
         mt.add_column(col, justify="right")
-    from dartree.decode.generate import POLICY_PROMPT, seed_policy, warm_paths
-
-    policy_ids = chat_prompt_ids(tok, POLICY_PROMPT)
-    for m, b in runs:  # every path warmed before the method's timing, nothing of it in a timed policy
-        warm_paths(target, dm.drafter, dm.head, policy_ids, [(m, b, 0)], stop_ids=stop)
-        cm = None
-        if b == "auto":
-            from dartree.decode.budget import calibrate
-
-            cm = calibrate(target, dm.drafter, prompts[0], max_budget=dm.drafter.cfg.num_proposals)
-            seed_policy(cm, target, dm.drafter, dm.head, policy_ids, builder=m, stop_ids=stop)
+    policy_ids = chat_prompt_ids(target.tokenizer, POLICY_PROMPT)
+    for m, b in runs:
+        cm = _warm_run(target, dm, policy_ids, prompts[0], m, b, stop)
         outs = []
         record = args.replay and b != "auto" and (m == "chain" or b == max(args.budget))
         for i, ids in enumerate(prompts):
-            o = speculative_generate(target, dm.drafter, dm.head, ids, builder=m, max_new_tokens=args.max_new_tokens,
-                                     stop_ids=stop, budget=b, cost_model=cm, record_trees=record)
-            if o.tokens != ar[i].tokens and exact:  # where the arithmetic is exact
+            o = decode_one(target, ids, Method(m, b), max_new_tokens=args.max_new_tokens, drafter=dm.drafter,
+                           head=dm.head, stop_ids=stop, cost_model=cm, record_trees=record, reference=ar[i].tokens)
+            if o.mismatch and exact:
                 console.print(f"[bold red]{m}@{b}: output differs from AR on prompt {i}[/bold red]")
             outs.append(o.stats)
         rc = round_costs(outs, t_ar)
@@ -421,26 +446,38 @@ def _measure(args, console, result: dict, label: str, models, file_prompts: list
             rc["cost_model"] = cm.summary()
             console.print(f"{m}@auto: budgets chosen {rc['cost_model']['chosen_budgets']}, calibration "
                           f"c = {cm.calibration:.2f}")
-        entry["methods"][f"{m}@{b}" if b is not None else m] = rc
+        methods[f"{m}@{b}" if b is not None else m] = rc
         mt.add_row(m, str(b if b is not None else dm.drafter.cfg.num_proposals), f"{rc['tau']:.3f}",
                    *[f"{rc[f'{st}_ms']:.1f} ({rc[f'{st}_ar']:.2f})" for st in STAGES],
                    f"{rc['round_ms']:.1f} ({rc['round_ar']:.2f})", f"{rc['break_even_tau']:.2f}",
                    f"{rc['speedup']:.3f}x", f"{rc['mean_tree_nodes']:.1f}")
     console.print(mt)
-    if args.replay:
-        entry["replay"] = replay_tables(console, label, entry, recorded, curve, t_ar, args.replay_orders)
-    if args.profile:
-        from torch.profiler import ProfilerActivity, profile
+    return recorded
 
-        m, b = runs[-1]
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            speculative_generate(target, dm.drafter, dm.head, prompts[0], builder=m, max_new_tokens=64,
-                                 stop_ids=stop, budget=b)
-        text = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-        console.print(f"profile of {m}@{b} (64 tokens):\n{text}")
-        entry["profile_top"] = text
-    result["dtypes"][label] = entry
-    return 0
+
+def _warm_run(target, dm, policy_ids: list, first_prompt: list, method: str, budget, stop: list) -> CostModel | None:
+    """Every path of (method, budget) warmed before its timing (:func:`~dartree.decode.generate.warm_paths`); for
+    ``"auto"`` a cost model calibrated on the first prompt and seeded on the policy prompt, so nothing of it falls in
+    a timed policy. Returns that model, or None for a fixed budget."""
+    warm_paths(target, dm.drafter, dm.head, policy_ids, [(method, budget, 0)], stop_ids=stop)
+    if budget != "auto":
+        return None
+    cm = calibrate(target, dm.drafter, first_prompt, max_budget=dm.drafter.cfg.num_proposals)
+    seed_policy(cm, target, dm.drafter, dm.head, policy_ids, builder=method, stop_ids=stop)
+    return cm
+
+
+def _profile(console, target, dm, prompt: list, run: tuple, stop: list) -> str:
+    """A torch.profiler table (top 25 ops by self CPU time) of a 64-token decode of ``prompt`` by ``run``
+    (method, budget); printed and returned."""
+    from torch.profiler import ProfilerActivity, profile  # lazy: only --profile needs the profiler
+
+    m, b = run
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        speculative_generate(target, dm.drafter, dm.head, prompt, builder=m, max_new_tokens=64, stop_ids=stop, budget=b)
+    text = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    console.print(f"profile of {m}@{b} (64 tokens):\n{text}")
+    return text
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ import torch
 from rich.console import Console
 from tqdm.auto import tqdm
 
+from dartree.decode.harness.builder_args import add_builder_param_args, builder_param_problems
 from dartree.decode.harness.peers import PEERS
 from dartree.decode.harness.prompts import add_prompt_source_args
 from dartree.decode.harness.report import report_warnings, write_figures
@@ -98,10 +99,7 @@ def _add_method_args(ap: argparse.ArgumentParser) -> None:
                          "shortened the same way; several values run a budget sweep, "
                          "reported as METHOD@B<n> (METHOD@auto) for every tree builder other than chain (which runs at full "
                          "length, and as chain@auto when auto is among the values)")
-    ap.add_argument("--width", type=int, default=12, help="supertree width W per depth (pruned)")
-    ap.add_argument("--candidates", type=int, default=64, help="candidate count K per depth")
-    ap.add_argument("--beta", type=float, default=-0.2, help="depth bonus beta (pruned, heap-sequential; <= 0)")
-    ap.add_argument("--children", type=int, default=4, help="children per kept parent k (pctree)")
+    add_builder_param_args(ap)
     ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (output must equal AR's)")
     ap.add_argument("--acceptance", default="match", choices=["match", "rejection"],
                     help="T > 0 rule: exact target-sample matching of deterministic drafts (every tree), or sampled "
@@ -255,11 +253,7 @@ def _arg_problems(args: argparse.Namespace) -> list[str]:
     """Every bad argument value that needs no model to see, one message each (empty: the arguments are fine)."""
     return [msg for bad, msg in (
         (args.threads < 0, f"--threads must be >= 0 (0: torch's default), got {args.threads}"),
-        (not math.isfinite(args.beta) or args.beta > 0, f"--beta {args.beta} must be a finite number <= 0 "
-                                                         "(beta > 0 breaks prefix closure)"),
-        (args.candidates < 1, f"--candidates must be >= 1, got {args.candidates}"),
-        (args.width < 1, f"--width must be >= 1, got {args.width}"),
-        (args.children < 1, f"--children must be >= 1, got {args.children}"),
+        *builder_param_problems(args),
         (args.lookup < 1, f"--lookup must be >= 1 (tokens of the +lookup methods' chain), got {args.lookup}"),
         (args.lookup_ngram < 1, f"--lookup-ngram must be >= 1, got {args.lookup_ngram}"),
         (args.limit < 1, f"--limit must be >= 1, got {args.limit}"),

@@ -1,16 +1,16 @@
 """Plain autoregressive decoding and the speculative generate loop (one flat loop with named stages).
 
-Stages timed per round (seconds, in ``DecodeStats.stage_s``): ``draft`` (drafter forward + base logits),
-``tree_build``, ``tree_compile`` (ids, positions, ancestor mask), ``verify`` (one target forward, walk,
-KV compaction),
-``commit`` (stop / length handling). The loop follows z-lab ``dflash_generate`` with DDTree's tree verify
-(``z-lab/dflash`` ``dflash/model.py``; ``liranringel/ddtree`` ``ddtree.py``). Prefill is timed separately and
-excluded from decode time.
+Each round of :func:`speculative_generate` reads draft -> build -> choose budget -> verify -> commit; the budget
+policy, the acceptance rule, the prompt-lookup graft and the lockstep pairing are the small objects of
+:mod:`dartree.decode.rounds` it calls. Stages timed per round (seconds, in ``DecodeStats.stage_s``): ``draft``
+(drafter forward + base logits), ``tree_build`` (builder, lookup graft, budget choice), ``tree_compile`` (ids,
+positions, ancestor mask), ``verify`` (one target forward, walk, KV compaction), ``commit`` (stop / length handling,
+bookkeeping). The loop follows z-lab ``dflash_generate`` with DDTree's tree verify (``z-lab/dflash``
+``dflash/model.py``; ``liranringel/ddtree`` ``ddtree.py``). Prefill is timed separately and excluded from decode time.
 
-Both loops (and the draft) run under ``torch.inference_mode``, as z-lab's loop does: under plain ``no_grad`` the
-same 16-token verify forward of the default target took about 8% longer here (version counters and autograd
-dispatch on every op). Tensors a call caches on the drafter (its draft-vocabulary rows) are then inference
-tensors: fine to read anywhere, never to train through.
+Both loops (and the draft) run under ``torch.inference_mode``, as z-lab's loop does (no version counters or autograd
+dispatch per op; the measured difference is in docs/results.md, 2026-12-01). Tensors a call caches on the drafter
+(its draft-vocabulary rows) are then inference tensors: fine to read anywhere, never to train through.
 """
 
 from __future__ import annotations
@@ -22,18 +22,19 @@ from typing import Callable, Sequence
 import torch
 
 from dartree.decode.inputs import check_generate_args, check_speculative_args
-from dartree.decode.sampling import check_acceptance, rejection_verify, sample_chain
+from dartree.decode.sampling import check_acceptance
 from dartree.decode.budget import CostModel, calibrate, prune_to
 from dartree.decode.draft import draft_block
 from dartree.decode.lookup import LookupStats, graft_chain, lookup_match
-from dartree.decode.trees import BUILDER_ALIASES, BUILDERS, Tree, builder_name, get_builder
+from dartree.decode.rounds import (AutoBudget, DraftFeed, FixedBudget, GreedyMatch, Lockstep, LookupGraft,
+                                   RejectionSampling)
+from dartree.decode.trees import BUILDER_ALIASES, BUILDERS, Tree, builder_beta, builder_name, get_builder
 from dartree.decode.verify import compile_tree, target_tokens, verify
 from dartree.models.drafter import DFlashDrafter, DraftCache
 from dartree.models.heads import CorrectionHead
 from dartree.models.target import Target, check_speculative_target, compact_cache
 
 STAGES = ("draft", "tree_build", "tree_compile", "verify", "commit")
-BETA_BUILDERS = ("pruned", "heap-sequential")  # builders that rank nodes by score + beta * depth
 
 
 @dataclass
@@ -83,6 +84,31 @@ class DecodeStats:
     def tau(self) -> float:
         """Acceptance length: committed tokens per target verify forward, bonus included (nan if no round)."""
         return sum(self.accept_lengths) / self.rounds if self.rounds else float("nan")
+
+    def add_round(self, committed: int, tree: Tree, ver, budget: int, root_id: int, record_tree: bool) -> None:
+        """Record one verified round: ``committed`` tokens, the verify ``tree`` (M nodes), its
+        :class:`~dartree.decode.verify.Verification` ``ver``, the ``budget`` used, and with ``record_tree`` the tree
+        itself (root ``root_id``) for :attr:`trees`."""
+        self.accept_lengths.append(committed)
+        self.tree_nodes.append(tree.size)
+        self.budgets.append(budget)
+        self.depth_nodes.append(torch.bincount(tree.depth.cpu(), minlength=1).tolist()[1:])
+        self.accepted_depths.append(ver.accepted.numel() - 1)
+        if record_tree:
+            self.trees.append({"root": int(root_id), "tokens": tree.tokens.tolist(), "parents": tree.parents.tolist(),
+                               "depth": tree.depth.tolist(), "score": tree.score.float().tolist(),
+                               "accepted": ver.accepted.tolist(), "bonus": int(ver.bonus_id)})
+
+    def add_stage_times(self, ta: float, tb: float, tc: float, tc2: float, td: float, te: float) -> None:
+        """Add one round's stage seconds from its clock readings (start, drafted, built, compiled, verified,
+        committed) to :attr:`stage_s`, and its wall seconds to :attr:`round_s`."""
+        st = self.stage_s
+        st["draft"] += tb - ta
+        st["tree_build"] += tc - tb
+        st["tree_compile"] += tc2 - tc
+        st["verify"] += td - tc2
+        st["commit"] += te - td
+        self.round_s.append(te - ta)
 
 
 @dataclass
@@ -205,24 +231,11 @@ def autoregressive_generate(
 
 @torch.inference_mode()
 def speculative_generate(
-    target: Target,
-    drafter: DFlashDrafter,
-    head: CorrectionHead,
-    prompt_ids: Sequence[int],
-    *,
-    builder: str = "pruned",
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    stop_ids: Sequence[int] = (),
-    budget: int | str | None = None,
-    generator: torch.Generator | None = None,
-    builder_params: dict | None = None,
-    record_trees: bool = False,
-    cost_model: CostModel | None = None,
-    acceptance: str = "match",
-    lookup: int = 0,
-    lookup_ngram: int = 3,
-    lockstep: Callable[[int], None] | None = None,
+    target: Target, drafter: DFlashDrafter, head: CorrectionHead, prompt_ids: Sequence[int], *,
+    builder: str = "pruned", max_new_tokens: int, temperature: float = 0.0, stop_ids: Sequence[int] = (),
+    budget: int | str | None = None, generator: torch.Generator | None = None, builder_params: dict | None = None,
+    record_trees: bool = False, cost_model: CostModel | None = None, acceptance: str = "match", lookup: int = 0,
+    lookup_ngram: int = 3, lockstep: Callable[[int], None] | None = None,
 ) -> GenerateOutput:
     """Speculative decoding with a block drafter, a correction head and a tree builder; lossless.
 
@@ -247,7 +260,8 @@ def speculative_generate(
             across calls, so its acceptance calibration carries over; seed it with :func:`seed_policy` after
             :func:`warm_paths`); None calibrates one on this prompt, warms every path of this setting and seeds the
             policy with a pass over the prompt's first tokens, all before the prefill and outside ``stats``.
-        builder_params: extra keyword arguments for the builder (``k``, ``width``, ``beta``).
+        builder_params: the builders' keyword parameters as the registry declares them (``k``, ``width``,
+            ``beta``, ``children``, ``backend``; :class:`~dartree.decode.trees.BuilderParam`).
         record_trees: also keep every round's verify tree and accepted path in ``stats.trees`` (for
             drawing; a few list copies per round).
         acceptance: ``"match"`` (default): deterministic drafts, exact target-sample matching (every builder);
@@ -275,14 +289,37 @@ def speculative_generate(
             (:func:`~dartree.models.target.check_speculative_target`).
         KeyError: unknown builder (lists the available ones).
     """
+    prompt_ids, stop_ids, builder, rejection, pair = _check_speculative(
+        target, drafter, head, prompt_ids, builder=builder, max_new_tokens=max_new_tokens, temperature=temperature,
+        stop_ids=stop_ids, budget=budget, generator=generator, builder_params=builder_params, acceptance=acceptance,
+        lookup=lookup, lookup_ngram=lookup_ngram, lockstep=lockstep)
+    if max_new_tokens == 0:
+        return GenerateOutput([], DecodeStats())
+    params = dict(builder_params or {})
+    if budget == "auto":
+        cm = cost_model if cost_model is not None else _one_off_policy(
+            target, drafter, head, prompt_ids, dict(builder=builder, builder_params=builder_params, lookup=lookup,
+                                                    lookup_ngram=lookup_ngram), stop_ids, temperature, max_new_tokens)
+        policy = AutoBudget(cm, builder_beta(builder, params), clock=time.perf_counter)
+    else:
+        policy = FixedBudget(drafter.cfg.num_proposals if budget is None else int(budget))
+    rule = (RejectionSampling if rejection else GreedyMatch)(get_builder(builder), head, params, temperature, generator)
+    return _decode(target, drafter, prompt_ids, policy=policy, rule=rule,
+                   graft=LookupGraft(prompt_ids, lookup, lookup_ngram), lockstep=pair, max_new_tokens=max_new_tokens,
+                   stops=set(int(s) for s in stop_ids), temperature=temperature, generator=generator,
+                   record_trees=record_trees)
+
+
+def _check_speculative(target, drafter, head, prompt_ids, *, builder, max_new_tokens, temperature, stop_ids, budget,
+                       generator, builder_params, acceptance, lookup, lookup_ngram, lockstep):
+    """Every check of :func:`speculative_generate`, before the prefill (its Raises). Returns (prompt ids, stop ids,
+    the registered builder name, whether the acceptance rule is rejection sampling, the :class:`Lockstep` or None)."""
     prompt_ids, stop_ids = _check_args(target, prompt_ids, max_new_tokens, temperature, stop_ids, generator)
     check_speculative_args(target, drafter, head, builder=builder, budget=budget, builder_params=builder_params,
                            builders=(*BUILDERS, *BUILDER_ALIASES))
     builder = builder_name(builder)
     rejection = check_acceptance(acceptance, builder, temperature) == "rejection"
-    if lockstep is not None and not callable(lockstep):
-        raise TypeError(f"lockstep must be a callable taking the generated token count (e.g. ARStepper.run_to) or "
-                        f"None, got {type(lockstep).__name__}")
+    pair = None if lockstep is None else Lockstep(lockstep, clock=time.perf_counter)
     if not isinstance(lookup, int) or lookup < 0 or not isinstance(lookup_ngram, int) or lookup_ngram < 1:
         raise ValueError(f"lookup must be an int >= 0 and lookup_ngram an int >= 1 (got {lookup!r}, {lookup_ngram!r})")
     if lookup and rejection:
@@ -290,112 +327,47 @@ def speculative_generate(
                          "grafted lookup branch would make it a tree; use lookup=0 with acceptance='rejection'")
     # the deepest tree node is a proposal (depth <= P) or a grafted lookup token (depth <= lookup)
     check_speculative_target(target, len(prompt_ids) + max_new_tokens + max(drafter.cfg.num_proposals, lookup))
-    build = get_builder(builder)
-    params = dict(builder_params or {})
-    auto = budget == "auto"
-    stops, stats, out = set(int(s) for s in stop_ids), DecodeStats(), []
-    if max_new_tokens == 0:
-        return GenerateOutput(out, stats)
-    if auto:
-        cm = cost_model if cost_model is not None else _one_off_policy(
-            target, drafter, head, prompt_ids, dict(builder=builder, builder_params=builder_params, lookup=lookup,
-                                                    lookup_ngram=lookup_ngram), stop_ids, temperature, max_new_tokens)
-        budget = cm.max_budget
-        beta = float(params.get("beta", -0.2)) if builder in BETA_BUILDERS else 0.0
-        cm.mark_gap()  # this decode's first verify does not follow the last one the model saw
-    else:
-        budget = drafter.cfg.num_proposals if budget is None else int(budget)
-    cache = target.new_cache()
+    return prompt_ids, stop_ids, builder, rejection, pair
+
+
+def _decode(target: Target, drafter: DFlashDrafter, prompt_ids: list, *, policy: FixedBudget, rule: GreedyMatch,
+            graft: LookupGraft, lockstep: Lockstep | None, max_new_tokens: int, stops: set, temperature: float,
+            generator: torch.Generator | None, record_trees: bool) -> GenerateOutput:
+    """The prefill, then one round per iteration: draft -> build -> choose budget -> verify -> commit, until a stop
+    id or ``max_new_tokens`` (arguments as :func:`speculative_generate` resolved them; ``policy`` a
+    :class:`FixedBudget` or :class:`AutoBudget`, ``rule`` a :class:`GreedyMatch` or :class:`RejectionSampling`)."""
+    stats, out, cache = DecodeStats(), [], target.new_cache()
     t0 = time.perf_counter()
     anchor, prefill_feats = _prefill(target, prompt_ids, cache, temperature, generator)
-    pending = [prefill_feats]  # target features not yet in the drafter's cache (concatenated once, at the next draft)
     stats.prefill_s = time.perf_counter() - t0
     _, done = _commit(out, [anchor], max_new_tokens, stops)
     t1 = time.perf_counter()
-    start = len(prompt_ids)
-    prompt_list = [int(t) for t in prompt_ids] if lookup else []
-    lookup_stats, chain_pos, ngram = LookupStats(), None, 0
-
-    def graft_lookup(tree: Tree, stats: LookupStats) -> tuple[Tree, torch.Tensor, int]:
-        """The round's prompt-lookup chain over prompt + committed tokens, grafted onto ``tree``."""
-        chain, n = lookup_match(torch.tensor(prompt_list + out), lookup, lookup_ngram)
-        return (*graft_chain(tree, chain, stats.path_probs(chain.numel(), n)), n)
-
-    dcache = DraftCache(len(drafter.layers))
-    st = stats.stage_s
-    lock_s = 0.0  # time spent in ``lockstep`` (another decoder's steps), not this loop's
+    feed, start = DraftFeed(target, drafter, prefill_feats), len(prompt_ids)
     while not done:
         ta = time.perf_counter()
-        drafted = not auto or cm.should_draft()
-        if drafted:
-            feats = pending[0] if len(pending) == 1 else torch.cat(pending)
-            block = draft_block(target, drafter, anchor, start, feats, dcache)
-            pending.clear()
-            tb = time.perf_counter()
-            if rejection:  # sampled chain: its q rows travel with the tree to the rejection verify
-                sampled = sample_chain(block, head, anchor, budget, temperature=temperature, generator=generator,
-                                       **params)
-                tree = sampled.tree
-            else:
-                tree = build(block, head, anchor, budget, **params)
-            if lookup:
-                tree, chain_pos, ngram = graft_lookup(tree, cm.lookup if auto else lookup_stats)
-            if auto:
-                cm.observe_build(time.perf_counter() - tb)
-                if lookup:
-                    b, _ = cm.choose(tree, beta, chain_pos)
-                    tree, chain_pos = prune_to(tree, b, beta, chain_pos)
-                else:
-                    b, _ = cm.choose(tree, beta)
-                    tree = prune_to(tree, b, beta)
-        else:  # no draft: the root alone (a plain AR step) or a lookup chain; features wait for the next draft
-            tb = time.perf_counter()
-            tree, chain_pos = Tree.empty(), torch.zeros(0, dtype=torch.long)
-            if lookup:
-                tree, chain_pos, ngram = graft_lookup(tree, cm.lookup)
-                b, _ = cm.choose(tree, 0.0, chain_pos, drafted=False)  # also tracks what undrafted rounds promise
-                tree, chain_pos = prune_to(tree, b, 0.0, chain_pos)
+        drafted = policy.drafts()  # False: a plain AR step or a lookup chain alone; features wait for the next draft
+        block = feed.draft(anchor, start) if drafted else None
+        tb = time.perf_counter()
+        tree = rule.build(block, anchor, policy.nodes) if drafted else Tree.empty()
+        tree, chain_pos, ngram = graft(tree, out, policy.lookup_stats)
+        tree, chain_pos = policy.choose(tree, chain_pos, drafted, build_started=tb)
         tc = time.perf_counter()
         inputs = compile_tree(tree, anchor, start, dtype=target.dtype, device=target.device) if tree.size else None
         tc2 = time.perf_counter()
-        if rejection and tree.size:
-            ver = rejection_verify(target, sampled.first(tree.size), anchor, start, cache, temperature, generator,
-                                   inputs=inputs)
-        else:
-            ver = verify(target, tree, anchor, start, cache, temperature, generator, inputs=inputs)
+        ver = rule.verify(target, tree, anchor, start, cache, inputs)
         td = time.perf_counter()
         n, done = _commit(out, ver.tokens + [ver.bonus_id], max_new_tokens, stops)
-        stats.accept_lengths.append(n)
-        stats.tree_nodes.append(tree.size)
-        stats.budgets.append(tree.size if auto else budget)
-        if lookup and drafted and not auto:
-            lookup_stats.record(chain_pos, ver.accepted, ngram)
-        stats.depth_nodes.append(torch.bincount(tree.depth.cpu(), minlength=1).tolist()[1:])
-        stats.accepted_depths.append(ver.accepted.numel() - 1)
-        if record_trees:
-            stats.trees.append({"root": int(anchor), "tokens": tree.tokens.tolist(), "parents": tree.parents.tolist(),
-                                "depth": tree.depth.tolist(), "score": tree.score.float().tolist(),
-                                "accepted": ver.accepted.tolist(),
-                                "bonus": int(ver.bonus_id)})
+        stats.add_round(n, tree, ver, policy.recorded_budget(tree), anchor, record_trees)
         start += ver.accepted.numel()
         anchor = ver.bonus_id
-        pending.append(ver.features)
+        feed.add(ver.features)
         te = time.perf_counter()
-        if auto:  # the machine's speed drifts: the cost model follows the stages it just timed, then counts the
-            cm.observe_verify(tree.size + 1, td - tc2)  # round's seconds in AR steps of this moment
-            if drafted:
-                cm.observe_draft(tb - ta)
-            cm.record(tree, ver.accepted, chain_pos if lookup else None, ngram, seconds=te - ta)
-        st["draft"] += tb - ta
-        st["tree_build"] += tc - tb
-        st["tree_compile"] += tc2 - tc
-        st["verify"] += td - tc2
-        st["commit"] += te - td
-        stats.round_s.append(te - ta)
+        policy.observe(tree, ver.accepted, chain_pos, ngram, drafted, draft_s=tb - ta, verify_s=td - tc2,
+                       round_s=te - ta)
+        stats.add_stage_times(ta, tb, tc, tc2, td, te)
         if lockstep is not None:
-            lockstep(len(out))
-            lock_s += time.perf_counter() - te
-    stats.decode_s = time.perf_counter() - t1 - lock_s
+            lockstep(len(out), since=te)
+    stats.decode_s = time.perf_counter() - t1 - (lockstep.seconds if lockstep is not None else 0.0)
     stats.new_tokens = len(out)
     return GenerateOutput(out, stats)
 
@@ -480,7 +452,7 @@ def warm_paths(target: Target, drafter: DFlashDrafter, head: CorrectionHead, con
         nodes, top = _run_nodes(run, p, bmax)
         sizes.update(range(1, top + 1))
         name = builder_name(builder)
-        beta = float(params.get("beta", -0.2)) if name in BETA_BUILDERS else 0.0
+        beta = builder_beta(name, params)
         tree = get_builder(name)(block, head, anchor, nodes, **params)
         chain_pos = None
         if lookup:

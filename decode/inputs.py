@@ -191,10 +191,6 @@ def check_prompt_set(target, prompt_ids: list[list[int]], labels: list[str], max
         check_speculative_target(target, max(map(len, prompt_ids)) + max_new_tokens + depth)
 
 
-# the parameters every tree builder takes (dartree.decode.trees registers the builders)
-COMMON_PARAMS = frozenset({"k", "width", "beta", "children", "backend"})
-
-
 def check_speculative_args(target, drafter, head, *, builder, budget, builder_params, builders=()) -> None:
     """Check the arguments only ``speculative_generate`` takes, before the prefill.
 
@@ -203,8 +199,8 @@ def check_speculative_args(target, drafter, head, *, builder, budget, builder_pa
         head: a :class:`~dartree.models.heads.CorrectionHead` fitting both.
         builder: a registered tree-builder name, one of ``builders`` (the registry's names).
         budget: None, ``"auto"`` (the cost-model budget) or an integer >= 0.
-        builder_params: None or a dict of the builders' parameters (``k``, ``width``, ``beta``, ``children``,
-            ``backend``) with valid values.
+        builder_params: None or a dict of the parameters the registered builders declare (``k``, ``width``,
+            ``beta``, ``children``, ``backend``; :func:`dartree.decode.trees.check_builder_params`) with valid values.
     Raises:
         TypeError: a wrong type (for instance a loaded ``DraftModel`` passed as the drafter), or an unknown
             builder parameter.
@@ -212,6 +208,7 @@ def check_speculative_args(target, drafter, head, *, builder, budget, builder_pa
         ValueError: drafter / head / target mismatch (:func:`dartree.models.validate.check_pairing`), target
             capture layers that differ from the drafter's, a negative budget or an out-of-range parameter.
     """
+    from dartree.decode.trees import check_builder_params  # lazy: trees imports this module (check_build_args)
     from dartree.models.drafter import DFlashDrafter
     from dartree.models.heads import CorrectionHead
     from dartree.models.validate import check_pairing
@@ -238,41 +235,6 @@ def check_speculative_args(target, drafter, head, *, builder, budget, builder_pa
         if budget < 0:
             raise ValueError(f"budget={budget} must be >= 0 (tree nodes per round; None: one per proposal)")
     check_builder_params(builder_params)
-
-
-def check_builder_params(params) -> None:
-    """Check tree-builder parameters before the first round (the builders check again when called).
-
-    Args:
-        params: None or a dict with some of ``k`` (int >= 1), ``width`` (int >= 1), ``children`` (int >= 1),
-            ``beta`` (finite real <= 0) and ``backend`` (``auto`` / ``torch`` / ``triton``).
-    Raises:
-        TypeError: not a dict, an unknown key, or a value of the wrong type.
-        ValueError: a value out of range.
-    """
-    if params is None:
-        return
-    if not isinstance(params, dict):
-        raise TypeError(f"builder_params is {_describe(params)}; give a dict such as {{'k': 64, 'width': 12}}")
-    unknown = sorted(set(params) - COMMON_PARAMS)
-    if unknown:
-        raise TypeError(f"builder_params has unknown key(s) {unknown}; known: {sorted(COMMON_PARAMS)}")
-    for key in ("k", "width", "children"):
-        if key in params:
-            val = params[key]
-            if not is_int(val):
-                raise TypeError(f"builder_params[{key!r}]={val!r} must be an integer >= 1")
-            if val < 1:
-                raise ValueError(f"builder_params[{key!r}]={val} must be >= 1")
-    if "beta" in params:
-        beta = params["beta"]
-        if not is_real(beta):
-            raise TypeError(f"builder_params['beta']={beta!r} must be a real number <= 0")
-        if not math.isfinite(float(beta)) or beta > 0:
-            raise ValueError(f"builder_params['beta']={beta!r} must be a finite number <= 0 (beta > 0 breaks "
-                             "DARTree's prefix closure)")
-    if "backend" in params and params["backend"] not in ("auto", "torch", "triton"):
-        raise ValueError(f"builder_params['backend']={params['backend']!r}: use 'auto', 'torch' or 'triton'")
 
 
 def check_build_args(block, root_id: int, budget: int, head=None) -> int:

@@ -18,13 +18,15 @@ the same tree.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 
-from dartree.decode.inputs import COMMON_PARAMS, check_build_args
+from dartree.decode.inputs import check_build_args
+from dartree.models.validate import is_int, is_real
 from dartree.kernels._backend import resolve
 from dartree.kernels.candidates import topk_candidates
 from dartree.kernels.frontier import frontier_topk
@@ -140,9 +142,10 @@ def _stable_topk(scores: torch.Tensor, k: int) -> torch.Tensor:
 
 
 def _check_params(name: str, extra: dict) -> None:
-    unknown = sorted(set(extra) - COMMON_PARAMS)
+    known = declared_params()
+    unknown = sorted(set(extra) - set(known))
     if unknown:
-        raise TypeError(f"tree builder {name!r} got unknown parameter(s) {unknown}; known: {sorted(COMMON_PARAMS)}")
+        raise TypeError(f"tree builder {name!r} got unknown parameter(s) {unknown}; known: {sorted(known)}")
 
 
 def _check_k(k: int) -> None:
@@ -162,7 +165,101 @@ def _check_beta(beta: float) -> None:
         raise ValueError(f"depth bonus beta={beta} > 0 breaks DARTree's prefix-closure guarantee; use beta <= 0")
 
 
-TreeBuilder = Callable[..., Tree]
+@dataclass(frozen=True)
+class BuilderParam:
+    """One keyword parameter of a tree builder, as the builder declares it in :func:`register_builder`.
+
+    A parameter name means one thing in every builder that declares it (same kind, default, range and help), so one
+    ``builder_params`` dict and one set of command-line flags serve every builder of a run; a builder ignores a
+    declared parameter it does not take (``chain`` accepts ``width``).
+
+    Attributes:
+        name: the keyword in ``builder_params`` (``k``, ``width``, ...).
+        kind: ``"int"`` (an integer), ``"real"`` (a finite real number) or ``"choice"`` (one of ``choices``).
+        default: the value a builder uses when the keyword is absent (the published setting).
+        help: what the value means, with its unit, for ``--help``.
+        minimum, maximum: inclusive bounds of an ``int`` / ``real`` (None: unbounded).
+        choices: the accepted values of a ``"choice"``.
+        flag: the command-line flag of ``dartree-eval`` (``--candidates`` for ``k``); ``""``: not on the command line.
+        reason: why the bounds hold, appended to the range error (``beta > 0 breaks prefix closure``).
+    """
+
+    name: str
+    kind: str
+    default: object
+    help: str
+    minimum: float | None = None
+    maximum: float | None = None
+    choices: tuple = ()
+    flag: str = ""
+    reason: str = ""
+
+    @property
+    def dest(self) -> str:
+        """The argparse attribute of :attr:`flag` (``--candidates`` -> ``candidates``); "" without a flag."""
+        return self.flag.lstrip("-").replace("-", "_")
+
+    def range_text(self) -> str:
+        """The accepted values in words (``an integer >= 1``, ``a finite number <= 0``, ``'auto', 'torch' or ...``)."""
+        if self.kind == "choice":
+            return ", ".join(repr(c) for c in self.choices[:-1]) + f" or {self.choices[-1]!r}"
+        words = "an integer" if self.kind == "int" else "a finite number"
+        bounds = [f">= {self.minimum}"] * (self.minimum is not None) + [f"<= {self.maximum}"] * (self.maximum is not None)
+        return " ".join([words, *bounds])
+
+    def problem(self, value) -> tuple[type, str] | None:
+        """(exception class, what is wrong) when ``value`` is not an accepted value, else None."""
+        if self.kind == "choice":
+            return None if value in self.choices else (ValueError, f"must be {self.range_text()}")
+        if self.kind == "int" and not is_int(value) or self.kind == "real" and not is_real(value):
+            return TypeError, f"must be {self.range_text()}"
+        if self.kind == "real" and not math.isfinite(float(value)) or \
+                self.minimum is not None and value < self.minimum or self.maximum is not None and value > self.maximum:
+            return ValueError, f"must be {self.range_text()}" + (f" ({self.reason})" if self.reason else "")
+        return None
+
+
+# The parameters the registered builders declare (one object per name, shared by the builders that take it).
+PARAM_K = BuilderParam("k", "int", 64, "candidate count K per depth (top-K of the base logits)", minimum=1,
+                       flag="--candidates")
+PARAM_WIDTH = BuilderParam("width", "int", 12, "supertree width W per depth", minimum=1, flag="--width")
+PARAM_BETA = BuilderParam("beta", "real", -0.2, "depth bonus beta of the ranking score + beta * depth (<= 0)",
+                          maximum=0, flag="--beta", reason="beta > 0 breaks DARTree's prefix closure")
+PARAM_CHILDREN = BuilderParam("children", "int", 4, "children per kept parent k", minimum=1, flag="--children")
+PARAM_BACKEND = BuilderParam("backend", "choice", "auto", "kernel backend of candidate selection and frontier scoring",
+                             choices=("auto", "torch", "triton"))
+
+
+@dataclass(frozen=True)
+class TreeBuilder:
+    """A registered tree builder: ``build(block, head, root_id, budget, **params) -> Tree``, with the parameters it
+    declares and whether it ranks its nodes by ``score + beta * depth``. Calling it calls ``build``.
+
+    Attributes:
+        name: its registered name.
+        build: the function (arguments and errors in its own docstring).
+        params: the :class:`BuilderParam` objects it takes.
+        ranks_by_beta: True when its top-B keeps the best nodes by ``score + beta * depth`` (DARTree-pruned,
+            heap-sequential); the ``budget="auto"`` policy then cuts its trees by the same rank.
+    """
+
+    name: str
+    build: Callable[..., Tree]
+    params: tuple = ()
+    ranks_by_beta: bool = False
+
+    def __call__(self, *args, **kwargs) -> Tree:
+        return self.build(*args, **kwargs)
+
+    def beta(self, builder_params: dict | None) -> float:
+        """The depth bonus its ranking uses with ``builder_params`` (the declared default when absent), 0.0 for a
+        builder that does not rank by beta."""
+        if not self.ranks_by_beta:
+            return 0.0
+        default = next(p.default for p in self.params if p.name == "beta")
+        return float((builder_params or {}).get("beta", default))
+
+
 BUILDERS: dict[str, TreeBuilder] = {}
 
 
@@ -170,20 +267,84 @@ BUILDERS: dict[str, TreeBuilder] = {}
 BUILDER_ALIASES: dict[str, str] = {"dartree-pruned": "pruned", "dartree-fixed": "fixed"}
 
 
-def register_builder(name: str):
-    """Decorator registering a builder in :data:`BUILDERS` under its one name.
+def register_builder(name: str, *, params: tuple = (), ranks_by_beta: bool = False):
+    """Decorator registering a builder function in :data:`BUILDERS` under its one name, with the parameters it
+    declares (:class:`BuilderParam`); the decorated function is returned unchanged.
 
     Raises:
-        ValueError: the name is taken (by a builder or an alias of :data:`BUILDER_ALIASES`).
+        ValueError: the name is taken (by a builder or an alias of :data:`BUILDER_ALIASES`), a parameter name is
+            declared by another builder with another meaning (kind, default, range or help), or ``ranks_by_beta``
+            without a ``beta`` parameter.
     """
 
-    def wrap(fn: TreeBuilder) -> TreeBuilder:
+    def wrap(fn: Callable[..., Tree]) -> Callable[..., Tree]:
         if name in BUILDERS or name in BUILDER_ALIASES:
             raise ValueError(f"tree builder {name!r} is already registered")
-        BUILDERS[name] = fn
+        known = declared_params()
+        for p in params:
+            if p.name in known and known[p.name] != p:
+                raise ValueError(f"tree builder {name!r} declares parameter {p.name!r} unlike the registered builders "
+                                 f"({p} vs {known[p.name]}); reuse their BuilderParam or pick another name")
+        if ranks_by_beta and "beta" not in {p.name for p in params}:
+            raise ValueError(f"tree builder {name!r} ranks by beta but declares no 'beta' parameter")
+        BUILDERS[name] = TreeBuilder(name, fn, tuple(params), ranks_by_beta)
         return fn
 
     return wrap
+
+
+def declared_params() -> dict[str, BuilderParam]:
+    """Every parameter some registered builder declares, by name, in registration order (a builder stored in
+    :data:`BUILDERS` as a bare function, as tests do, declares none)."""
+    out: dict[str, BuilderParam] = {}
+    for spec in BUILDERS.values():
+        for p in getattr(spec, "params", ()):
+            out.setdefault(p.name, p)
+    return out
+
+
+def check_builder_params(params) -> None:
+    """Check tree-builder parameters before the first round (the builders check again when called): every key is a
+    parameter some registered builder declares (:func:`declared_params`), every value in its declared range.
+
+    Args:
+        params: None or a dict such as ``{"k": 64, "width": 12, "beta": -0.2}``.
+    Raises:
+        TypeError: not a dict, an unknown key (lists the known ones), or a value of the wrong type.
+        ValueError: a value out of range (names the range).
+    """
+    if params is None:
+        return
+    known = declared_params()
+    if not isinstance(params, dict):
+        raise TypeError(f"builder_params is {type(params).__name__}; give a dict such as {{'k': 64, 'width': 12}}")
+    unknown = sorted(set(params) - set(known))
+    if unknown:
+        raise TypeError(f"builder_params has unknown key(s) {unknown}; known: {sorted(known)}")
+    for key, value in params.items():
+        bad = known[key].problem(value)
+        if bad is not None:
+            raise bad[0](f"builder_params[{key!r}]={value!r} {bad[1]}")
+
+
+def ranks_by_beta(name: str) -> bool:
+    """Whether the builder called ``name`` (or its alias) ranks nodes by ``score + beta * depth``.
+
+    Raises:
+        KeyError: unknown name (:func:`builder_name`).
+    """
+    return bool(getattr(get_builder(name), "ranks_by_beta", False))
+
+
+def builder_beta(name: str, builder_params: dict | None = None) -> float:
+    """The depth bonus the builder called ``name`` ranks by with ``builder_params`` (its declared default when absent;
+    0.0 for a builder that does not rank by beta).
+
+    Raises:
+        KeyError: unknown name (:func:`builder_name`).
+    """
+    spec = get_builder(name)
+    return spec.beta(builder_params) if isinstance(spec, TreeBuilder) else 0.0
 
 
 def builder_name(name: str) -> str:
@@ -238,7 +399,7 @@ def expand_frontier(head: CorrectionHead, hidden: torch.Tensor, state, cand: tor
     return pick // kk, pick % kk, path
 
 
-@register_builder("chain")
+@register_builder("chain", params=(PARAM_K, PARAM_BACKEND))
 @torch.no_grad()
 def build_chain(block: DraftBlock, head: CorrectionHead, root_id: int, budget: int, *, k: int = 64,
                 backend: str = "auto", **extra) -> Tree:
@@ -562,7 +723,7 @@ def select_top_b_keep(tree: Tree, budget: int, beta: float) -> tuple[Tree, torch
     return Tree(tree.tokens[keep], parents, tree.depth[keep], tree.score[keep]), keep
 
 
-@register_builder("pruned")
+@register_builder("pruned", params=(PARAM_K, PARAM_WIDTH, PARAM_BETA, PARAM_BACKEND), ranks_by_beta=True)
 def build_dartree_pruned(
     block: DraftBlock,
     head: CorrectionHead,
@@ -595,7 +756,7 @@ def build_dartree_pruned(
     return select_top_b(sup, int(budget), float(beta))
 
 
-@register_builder("fixed")
+@register_builder("fixed", params=(PARAM_K, PARAM_BACKEND))
 def build_dartree_fixed(
     block: DraftBlock, head: CorrectionHead, root_id: int, budget: int, *, k: int = 64, backend: str = "auto",
     **extra,
@@ -624,7 +785,7 @@ def build_dartree_fixed(
     return build_supertree(block, head, root_id, k=k, quota=quota, backend=backend)
 
 
-@register_builder("pctree")
+@register_builder("pctree", params=(PARAM_K, PARAM_CHILDREN, PARAM_BACKEND))
 def build_pctree(
     block: DraftBlock, head: CorrectionHead, root_id: int, budget: int, *, k: int = 64, children: int = 4,
     backend: str = "auto", **extra,
@@ -663,7 +824,7 @@ def build_pctree(
     return build_supertree(block, head, root_id, k=k, quota=quota, backend=backend)
 
 
-@register_builder("heap-sequential")
+@register_builder("heap-sequential", params=(PARAM_K, PARAM_BETA, PARAM_BACKEND), ranks_by_beta=True)
 @torch.no_grad()
 def build_heap_sequential(
     block: DraftBlock, head: CorrectionHead, root_id: int, budget: int, *, k: int = 64, beta: float = -0.2,
@@ -731,7 +892,7 @@ def build_heap_sequential(
                 torch.tensor(deps, dtype=torch.long), torch.tensor(scs, dtype=torch.float32))
 
 
-@register_builder("ddtree")
+@register_builder("ddtree", params=(PARAM_BACKEND,))
 @torch.no_grad()
 def build_ddtree(block: DraftBlock, head: CorrectionHead, root_id: int, budget: int, **extra) -> Tree:
     """DDTree: best-first heap over the factorised per-depth marginals log_softmax(U_d) (DDTree

@@ -128,6 +128,29 @@ def _lane_sum(a):  # pragma: no cover - compiled
     return (c0 + c2) + (c1 + c3)
 
 
+@numba.njit(cache=True, inline="always")
+def _weighted_values(acc, w, v, g, idx, r, n, prefix):  # pragma: no cover - compiled
+    """acc [d] = sum_j w[j] v[g, key_j] over row r's n keys in position order (key_j = j with ``prefix``, else
+    idx[r, j]), four keys per pass added one after another, then the remainder one by one (float32)."""
+    d = acc.shape[0]
+    acc[:] = _ZERO
+    n4 = n - n % 4
+    for j in range(0, n4, 4):
+        if prefix:
+            k0, k1, k2, k3 = j, j + 1, j + 2, j + 3
+        else:
+            k0, k1, k2, k3 = idx[r, j], idx[r, j + 1], idx[r, j + 2], idx[r, j + 3]
+        e0, e1, e2, e3 = w[j], w[j + 1], w[j + 2], w[j + 3]
+        for t in range(d):
+            acc[t] = (((acc[t] + e0 * _widen2(v, g, k0, t)) + e1 * _widen2(v, g, k1, t))
+                      + e2 * _widen2(v, g, k2, t)) + e3 * _widen2(v, g, k3, t)
+    for j in range(n4, n):
+        kj = j if prefix else idx[r, j]
+        e = w[j]
+        for t in range(d):
+            acc[t] += e * _widen2(v, g, kj, t)
+
+
 @numba.njit(cache=True, parallel=True)
 def _attend(q, kt, v, idx, counts, prefix, scale, out):  # pragma: no cover - compiled; tested against float64
     heads, r_rows, d = q.shape
@@ -191,24 +214,8 @@ def _attend(q, kt, v, idx, counts, prefix, scale, out):  # pragma: no cover - co
                 w[j] = e
                 lanes[j - full * LANES] += e
             total = _lane_sum(lanes)
-            # output: sum_j e_j v_j over the keys in position order, four keys per pass added one after another
             acc = o[item * group + hh]
-            acc[:] = _ZERO
-            n4 = n - n % 4
-            for j in range(0, n4, 4):
-                if prefix:
-                    k0, k1, k2, k3 = j, j + 1, j + 2, j + 3
-                else:
-                    k0, k1, k2, k3 = idx[r, j], idx[r, j + 1], idx[r, j + 2], idx[r, j + 3]
-                e0, e1, e2, e3 = w[j], w[j + 1], w[j + 2], w[j + 3]
-                for t in range(d):
-                    acc[t] = (((acc[t] + e0 * _widen2(v, g, k0, t)) + e1 * _widen2(v, g, k1, t))
-                              + e2 * _widen2(v, g, k2, t)) + e3 * _widen2(v, g, k3, t)
-            for j in range(n4, n):
-                kj = j if prefix else idx[r, j]
-                e = w[j]
-                for t in range(d):
-                    acc[t] += e * _widen2(v, g, kj, t)
+            _weighted_values(acc, w, v, g, idx, r, n, prefix)
             for t in range(d):
                 out[r, g * group + hh, t] = acc[t] / total
 

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from conftest import LAYERS, VOCAB, make_drafter, make_head, make_markov
 from dartree.decode.generate import autoregressive_generate, speculative_generate
-from dartree.decode.inputs import check_builder_params, token_ids
-from dartree.decode.trees import BUILDERS, DraftBlock
+from dartree.decode.inputs import token_ids
+from dartree.decode.trees import BUILDERS, DraftBlock, check_builder_params
 from dartree.models.checkpoint import CheckpointError, load_dartree, save_dartree
 from dartree.models.heads import IdentityHead, MarkovHead, build_head
 from dartree.models.validate import DRAFTER_FIELDS, Range, folder_problem
@@ -126,7 +126,7 @@ def test_stop_ids_as_one_int_a_set_a_tensor_or_none_mean_what_they_say(target):
     ("budget_float", TypeError, "budget=2.5 must be an integer"),
     ("builder_type", TypeError, "builder is a list; give a builder name"),
     ("param_key", TypeError, r"builder_params has unknown key\(s\) \['depth'\]"),
-    ("param_k", ValueError, r"builder_params\['k'\]=0 must be >= 1"),
+    ("param_k", ValueError, r"builder_params\['k'\]=0 must be an integer >= 1"),
     ("param_beta", ValueError, r"builder_params\['beta'\]=0.5 must be a finite number <= 0"),
 ])
 def test_modules_that_do_not_fit_are_refused_before_the_prefill(target, drafter, case, exc, pattern):

@@ -358,6 +358,55 @@ def token_label(text: str, limit: int = 12) -> str:
     return s.replace("$", r"\$") if s else "∅"
 
 
+def _tree_layout(rec: dict) -> tuple[dict, list, list, dict]:
+    """The drawing plan of one recorded round (:func:`fig_tree`'s ``rec``): (label per node, the accepted node
+    indices, every node in depth-first pre-order with the builder's child order kept (best first), the nodes per
+    depth in that order); node 0 is the root, ``"bonus"`` the bonus token one depth after the accepted path.
+
+    Raises:
+        ValueError: a parent index that is not lower than its node's.
+    """
+    tokens, parents, depth = list(rec["tokens"]), list(rec["parents"]), list(rec["depth"])
+    m = len(tokens)
+    for i, p in enumerate(parents):
+        if not 0 <= p <= i:
+            raise ValueError(f"node {i + 1} has parent {p}; parents must precede their children")
+    texts = rec.get("texts") or [str(t) for t in tokens]
+    labels = {0: token_label(rec.get("root_text", str(rec["root"]))),
+              "bonus": token_label(rec.get("bonus_text", str(rec["bonus"])))}
+    labels.update({i + 1: token_label(texts[i]) for i in range(m)})
+    accepted = [int(a) for a in rec["accepted"]]
+    children: dict = {i: [] for i in range(m + 1)} | {"bonus": []}
+    for i, p in enumerate(parents):
+        children[p].append(i + 1)
+    children[accepted[-1]].append("bonus")
+    level = {0: 0, "bonus": len(accepted)}
+    level.update({i + 1: int(depth[i]) for i in range(m)})
+    order, stack = [], [0]
+    while stack:  # depth-first pre-order; children keep the builder's order (best first)
+        n = stack.pop()
+        order.append(n)
+        stack.extend(reversed(children[n]))
+    layers: dict[int, list] = {}
+    for n in order:
+        layers.setdefault(level[n], []).append(n)
+    return labels, accepted, order, layers
+
+
+def _depth_axis(ax, pos: dict, depths: list[int]) -> None:
+    """Depth captions ("root", "d=1", ...) above the columns of node positions ``pos`` and axis limits around them."""
+    xs = sorted({x for x, _ in pos.values()})
+    ys = [y for _, y in pos.values()]
+    span_y = max(ys) - min(ys) or 1.0
+    top = max(ys) + 0.12 * span_y + 0.05
+    for d, x in zip(depths, xs):
+        ax.text(x, top, "root" if d == 0 else f"d={d}", ha="center", va="bottom", fontsize=7, color="0.45")
+    dx = (xs[-1] - xs[0]) / max(len(xs) - 1, 1) if len(xs) > 1 else 1.0
+    ax.set_xlim(xs[0] - 0.6 * dx, xs[-1] + 0.6 * dx)
+    ax.set_ylim(min(ys) - 0.12 * span_y - 0.05, top + 0.1 * span_y + 0.05)
+    ax.set_axis_off()
+
+
 def fig_tree(rec: dict, title: str = "") -> Figure:
     """Draw one verify tree: depth left to right (root at depth 0), nodes labelled with their token texts,
     the accepted path green with bold edges, the bonus token (the target's own next token) as a dashed node
@@ -376,29 +425,8 @@ def fig_tree(rec: dict, title: str = "") -> Figure:
     """
     import networkx as nx
 
-    tokens, parents, depth = list(rec["tokens"]), list(rec["parents"]), list(rec["depth"])
-    m = len(tokens)
-    for i, p in enumerate(parents):
-        if not 0 <= p <= i:
-            raise ValueError(f"node {i + 1} has parent {p}; parents must precede their children")
-    texts = rec.get("texts") or [str(t) for t in tokens]
-    labels = {0: token_label(rec.get("root_text", str(rec["root"]))), "bonus": token_label(rec.get("bonus_text", str(rec["bonus"])))}
-    labels.update({i + 1: token_label(texts[i]) for i in range(m)})
-    accepted = [int(a) for a in rec["accepted"]]
-    children: dict = {i: [] for i in range(m + 1)} | {"bonus": []}
-    for i, p in enumerate(parents):
-        children[p].append(i + 1)
-    children[accepted[-1]].append("bonus")
-    level = {0: 0, "bonus": len(accepted)}
-    level.update({i + 1: int(depth[i]) for i in range(m)})
-    order, stack = [], [0]
-    while stack:  # depth-first pre-order; children keep the builder's order (best first)
-        n = stack.pop()
-        order.append(n)
-        stack.extend(reversed(children[n]))
-    layers: dict[int, list] = {}
-    for n in order:
-        layers.setdefault(level[n], []).append(n)
+    parents, m = list(rec["parents"]), len(rec["tokens"])
+    labels, accepted, order, layers = _tree_layout(rec)
     g = nx.DiGraph()
     g.add_nodes_from(order)
     g.add_edges_from((p, i + 1) for i, p in enumerate(parents))
@@ -429,16 +457,7 @@ def fig_tree(rec: dict, title: str = "") -> Figure:
                                             bbox=box, font_family="DejaVu Sans")
             for n, t in drawn.items():
                 t.set_gid(f"node:{n}")
-    xs = sorted({x for x, _ in pos.values()})
-    ys = [y for _, y in pos.values()]
-    span_y = max(ys) - min(ys) or 1.0
-    top = max(ys) + 0.12 * span_y + 0.05
-    for d, x in zip(sorted(layers), xs):
-        ax.text(x, top, "root" if d == 0 else f"d={d}", ha="center", va="bottom", fontsize=7, color="0.45")
-    dx = (xs[-1] - xs[0]) / max(len(xs) - 1, 1) if len(xs) > 1 else 1.0
-    ax.set_xlim(xs[0] - 0.6 * dx, xs[-1] + 0.6 * dx)
-    ax.set_ylim(min(ys) - 0.12 * span_y - 0.05, top + 0.1 * span_y + 0.05)
-    ax.set_axis_off()
+    _depth_axis(ax, pos, sorted(layers))
     ax.legend(handles=[Patch(fc=_ROOT, ec="#3182bd", label="root (last committed)"),
                        Patch(fc=_ACCEPTED, ec=_PATH, label="accepted"),
                        Patch(fc=_REJECTED, ec="#999999", label="rejected"),

@@ -22,8 +22,9 @@ from rich.console import Console
 from tqdm.auto import tqdm
 
 from dartree.decode.assembly import Assembly, ModeUnavailable, TargetLoadError, assemble, dtype_plan
+from dartree.decode.harness.builder_args import builder_params_of
 from dartree.decode.inputs import check_prompt_set
-from dartree.decode.generate import ARStepper, GenerateOutput, autoregressive_generate, speculative_generate
+from dartree.decode.harness.runner import Method, PromptDecode, decode_one, first_divergence
 from dartree.decode.harness.peers import load_bf16_twin, load_zlab_drafter, run_peer
 from dartree.decode.harness.prompts import Prompt, load_prompt_file, load_prompts
 from dartree.decode.harness.report import (annotate_trees, build_report, prior_text, report_console, report_markdown,
@@ -115,14 +116,6 @@ def encode_prompts(encode: Callable[[str], list[int]], prompts: list[Prompt], ta
     return out
 
 
-def _first_divergence(a: list, b: list) -> int:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
-
-
-@torch.no_grad()
 def _margin_at(target, prompt_ids: list, ref: list, idx: int) -> float:
     """Target's top-2 logit margin when predicting ref[idx] after prompt + ref[:idx] (a near-tie check)."""
     ids = torch.tensor([prompt_ids + ref[:idx]], device=target.device)
@@ -328,8 +321,8 @@ class EvalSession:
 
     @property
     def params(self) -> dict:
-        a = self.args
-        return {"k": a.candidates, "width": a.width, "beta": a.beta, "children": a.children}
+        """The builders' parameters from the flags the registry declares (:func:`builder_params_of`)."""
+        return builder_params_of(self.args)
 
     @property
     def exact_rows(self) -> bool:
@@ -345,30 +338,23 @@ class EvalSession:
                 "generation_config": self.sampling}
 
     def run(self, method: str, ids: list, seed: int, max_new: int, record: bool = False,
-            cost_model=None) -> GenerateOutput:
-        """One decode of ``ids``; with --paired a method's output carries ``paired_ar``, the ARStepper that ran in
-        lockstep with it (then run to its end). ``cost_model``: a ``--budget auto`` method's model for this decode
-        (default: the method's own, :attr:`cost_models`)."""
-        a, target = self.args, self.target
-        gen = torch.Generator().manual_seed(seed)
+            cost_model=None) -> PromptDecode:
+        """One decode of ``ids`` (:func:`~dartree.decode.harness.runner.decode_one`); with --paired a method's
+        result carries ``paired_ar``, the ARStepper that ran in lockstep with it (then run to its end).
+        ``cost_model``: a ``--budget auto`` method's model for this decode (default: the method's own,
+        :attr:`cost_models`)."""
+        a = self.args
         if method == "ar":
-            return autoregressive_generate(target, ids, max_new_tokens=max_new, temperature=a.temperature,
-                                           stop_ids=self.stop_ids, generator=gen)
-        builder, b = self.runs[method]
-        pair = ARStepper(target, ids, max_new_tokens=max_new, temperature=a.temperature, stop_ids=self.stop_ids,
-                         generator=torch.Generator().manual_seed(seed)) if a.paired else None
-        o = speculative_generate(
-            target, self.dm.drafter, self.dm.head, ids, builder=builder, max_new_tokens=max_new,
-            temperature=a.temperature, stop_ids=self.stop_ids, budget=b, generator=gen, builder_params=self.params,
-            record_trees=record, cost_model=self.cost_models.get(method) if cost_model is None else cost_model,
-            acceptance=a.acceptance,
-            lookup=a.lookup if LOOKUP_SUFFIX in method else 0, lookup_ngram=a.lookup_ngram,
-            lockstep=pair.run_to if pair is not None else None,
-        )
-        if pair is not None:
-            pair.run_to(max_new)
-            o.paired_ar = pair
-        return o
+            setting = Method()
+        else:
+            builder, b = self.runs[method]
+            setting = Method(builder, b, self.params, a.acceptance, a.lookup if LOOKUP_SUFFIX in method else 0,
+                             a.lookup_ngram)
+        dm = self.dm
+        return decode_one(self.target, ids, setting, max_new_tokens=max_new, drafter=dm.drafter if dm else None,
+                          head=dm.head if dm else None, temperature=a.temperature, stop_ids=self.stop_ids, seed=seed,
+                          cost_model=self.cost_models.get(method) if cost_model is None else cost_model,
+                          record_trees=record, paired=a.paired and method != "ar")
 
     def run_peer_on(self, name: str, ids: list, max_new: int):
         """One decode of ``ids`` by the peer ``name`` (:func:`dartree.decode.harness.peers.run_peer`)."""
@@ -519,7 +505,7 @@ class EvalSession:
                    "accept_lengths": o.stats.accept_lengths, "stage_s": o.stats.stage_s,
                    "tree_nodes": o.stats.tree_nodes, "budgets": o.stats.budgets, "depth_nodes": o.stats.depth_nodes,
                    "accepted_depths": o.stats.accepted_depths, "mismatch": None}
-            pair = getattr(o, "paired_ar", None)
+            pair = o.paired_ar
             if pair is not None:  # the AR decode that ran in lockstep with this one
                 row["paired_ar_decode_s"], row["paired_ar_new_tokens"] = pair.stats.decode_s, pair.stats.new_tokens
             if pi == 0:
@@ -544,7 +530,7 @@ class EvalSession:
         (:func:`split_label`)."""
         row["mismatch"], row["exact"] = tokens != ref, exact
         if row["mismatch"]:
-            idx = _first_divergence(tokens, ref)
+            idx = first_divergence(tokens, ref)
             row["first_divergence"] = idx
             row["margin_at_divergence"] = _margin_at(self.target, ids, ref, idx)
 
