@@ -136,6 +136,57 @@ def read(config: dict, given: dict, where, target=None) -> tuple[dict, dict]:
     v = _validated(config, cfg_path)
     kind = v["speculators_model_type"]
     tl = dict(v.get("transformer_layer_config") or {})
+    _check_layers(v, tl, cfg_path)
+    vocab = F.field(tl.get("vocab_size"), "transformer_layer_config.vocab_size", cfg_path)
+    n_draft = F.field(v.get("draft_vocab_size") or vocab, "draft_vocab_size", cfg_path)
+    pseudo = {**tl, "block_size": F.field(v.get("block_size"), "block_size", cfg_path, Range(2)),
+              "dflash_config": {"mask_token_id": F.field(v["mask_token_id"], "mask_token_id", cfg_path, F.INT0),
+                                "target_layer_ids": [a - 1 for a in v["aux_hidden_state_layer_ids"]]}}
+    drafter = F.backbone(pseudo, cfg_path, LAYOUT, proposal_offset=0 if v.get("sample_from_anchor") else 1,
+                         target=target)
+    context = F.target_identity(pseudo, NAME, cfg_path, vocab, drafter["hidden_size"]).get("max_position_embeddings")
+    if n_draft != vocab:
+        if kind == "dflash2":
+            raise CheckpointError(f"{cfg_path}: draft_vocab_size {n_draft} differs from the verifier vocabulary {vocab}; "
+                                  "speculators' DFlash2DraftModel refuses that ('DFlash2 currently requires the full "
+                                  "verifier vocabulary'), so the file is inconsistent: set draft_vocab_size to the "
+                                  "verifier's vocab_size")
+        drafter["draft_vocab_size"] = n_draft
+    head = _read_head(kind, v, drafter, vocab, cfg_path)
+    ident = {"name": (v.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") or "(unknown; speculators source)",
+             "vocab_size": vocab, "hidden_size": drafter["hidden_size"], "num_layers": None,
+             **({} if context is None else {"max_position_embeddings": context})}
+    out = dartree_config(drafter, head, ident, {"source_format": NAME, "source": str(where),
+                                                "speculators_model_type": kind})
+    want = expected_tensors(out, cfg_path)
+    given = dict(F.selector_spelling(given, where) if kind == "dflash2" else given)
+    tensors, dropped, ids = {}, [], None
+    if n_draft != vocab:
+        ids = _read_vocab_map(given, n_draft, vocab, drafter["hidden_size"], target, where)
+        tensors["backbone.draft_vocab"] = ids
+        dropped.append("lm_head.weight")
+    for name in _DROPPED + (("lm_head.weight",) if n_draft == vocab else ()):
+        if name in given:
+            t = given.pop(name)
+            if name != "verifier_norm.weight":
+                F.check_copy_of_target(name.removeprefix("verifier_"), t, target, where)
+            dropped.append(name)
+    tensors.update(_take_tensors(given, want, head["type"], ids, where))
+    if given:
+        extra = sorted(given)
+        raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all)")
+    if dropped:
+        out["provenance"]["dropped"] = sorted(dropped)
+    return out, tensors
+
+
+def _check_layers(v: dict, tl: dict, cfg_path: str) -> None:
+    """:func:`read`'s checks of the draft layers and the fields vLLM requires: Qwen3 layers with full attention only,
+    ``aux_hidden_state_layer_ids`` naming decoder-layer outputs (>= 1), a ``mask_token_id``.
+
+    Raises:
+        CheckpointError: the field named, with the fix.
+    """
     if tl.get("model_type", "qwen3") != "qwen3":
         raise CheckpointError(f"{cfg_path}: transformer_layer_config.model_type {tl['model_type']!r} is not "
                               "supported; dartree drafters are Qwen3 layers")
@@ -152,21 +203,16 @@ def read(config: dict, given: dict, where, target=None) -> tuple[dict, dict]:
     if v.get("mask_token_id") is None:
         raise CheckpointError(f"{cfg_path}: mask_token_id is null; vLLM requires it: write the MASK id the drafter "
                               "was trained with into config.json")
-    vocab = F.field(tl.get("vocab_size"), "transformer_layer_config.vocab_size", cfg_path)
-    n_draft = F.field(v.get("draft_vocab_size") or vocab, "draft_vocab_size", cfg_path)
-    pseudo = {**tl, "block_size": F.field(v.get("block_size"), "block_size", cfg_path, Range(2)),
-              "dflash_config": {"mask_token_id": F.field(v["mask_token_id"], "mask_token_id", cfg_path, F.INT0),
-                                "target_layer_ids": [a - 1 for a in aux]}}
-    drafter = F.backbone(pseudo, cfg_path, LAYOUT, proposal_offset=0 if v.get("sample_from_anchor") else 1,
-                         target=target)
-    context = F.target_identity(pseudo, NAME, cfg_path, vocab, drafter["hidden_size"]).get("max_position_embeddings")
-    if n_draft != vocab:
-        if kind == "dflash2":
-            raise CheckpointError(f"{cfg_path}: draft_vocab_size {n_draft} differs from the verifier vocabulary {vocab}; "
-                                  "speculators' DFlash2DraftModel refuses that ('DFlash2 currently requires the full "
-                                  "verifier vocabulary'), so the file is inconsistent: set draft_vocab_size to the "
-                                  "verifier's vocab_size")
-        drafter["draft_vocab_size"] = n_draft
+
+
+def _read_head(kind: str, v: dict, drafter: dict, vocab: int, cfg_path: str) -> dict:
+    """The dartree head config of a speculators ``kind``: ``identity`` (dflash, or dspark with ``markov_rank`` 0),
+    ``selector`` (dflash2, whose convolution fields also enter ``drafter``, updated in place) or a DSpark head.
+
+    Raises:
+        CheckpointError: inconsistent convolution / selector / Markov fields, or a confidence head without a Markov
+            head.
+    """
     head = {"type": "identity"}
     if kind == "dflash2":
         drafter.update(F.conv_fields(v.get("conv_kernel_size"), v.get("conv_group_size"), hidden=drafter["hidden_size"],
@@ -182,65 +228,64 @@ def read(config: dict, given: dict, where, target=None) -> tuple[dict, dict]:
     elif kind == "dspark" and v.get("enable_confidence_head"):
         raise CheckpointError(f"{cfg_path}: a confidence head without a Markov head (markov_rank 0) is not supported "
                               "by dartree")
-    ident = {"name": (v.get("speculators_config") or {}).get("verifier", {}).get("name_or_path") or "(unknown; speculators source)",
-             "vocab_size": vocab, "hidden_size": drafter["hidden_size"], "num_layers": None,
-             **({} if context is None else {"max_position_embeddings": context})}
-    out = dartree_config(drafter, head, ident, {"source_format": NAME, "source": str(where),
-                                                "speculators_model_type": kind})
-    want = expected_tensors(out, cfg_path)
-    if kind == "dflash2":
-        given = F.selector_spelling(given, where)
-    given = dict(given)
-    tensors, dropped = {}, []
-    ids = None
-    if n_draft != vocab:
-        for name, shape, dtype in (("d2t", (n_draft,), torch.int64), ("t2d", (vocab,), torch.bool)):
-            if name not in given:
-                raise CheckpointError(f"{where}: missing tensor {name!r} (expected shape {list(shape)}): "
-                                      f"draft_vocab_size {n_draft} < vocab {vocab} needs the vocabulary mapping")
-            if tuple(given[name].shape) != shape:
-                raise CheckpointError(f"{where}: tensor {name!r} has shape {list(given[name].shape)}, expected {list(shape)}")
-        ids = torch.arange(n_draft) + given.pop("d2t").long()
-        t2d = given.pop("t2d").bool()
-        if (ids.unique().numel() != n_draft or int(ids.min()) < 0 or int(ids.max()) >= vocab
-                or int(t2d.sum()) != n_draft or not bool(t2d[ids].all())):
-            raise CheckpointError(f"{where}: d2t and t2d do not describe one set of {n_draft} distinct target ids "
-                                  f"in [0, {vocab}) (t2d marks {int(t2d.sum())}); the mapping is corrupt")
-        tensors["backbone.draft_vocab"] = ids
-        lm = given.pop("lm_head.weight", None)
-        if lm is None:
-            raise CheckpointError(f"{where}: missing tensor 'lm_head.weight' (expected shape "
-                                  f"[{n_draft}, {drafter['hidden_size']}]): a reduced vocabulary stores its lm_head rows")
-        F.check_copy_of_target("lm_head.weight", lm, target, where, rows=ids)
-        dropped.append("lm_head.weight")
-    for name in _DROPPED + (("lm_head.weight",) if n_draft == vocab else ()):
-        if name in given:
-            t = given.pop(name)
-            if name != "verifier_norm.weight":
-                F.check_copy_of_target(name.removeprefix("verifier_"), t, target, where)
-            dropped.append(name)
+    return head
+
+
+def _read_vocab_map(given: dict, n_draft: int, vocab: int, hidden: int, target, where) -> torch.Tensor:
+    """A reduced vocabulary's target ids [N] int64 from ``d2t`` [N] / ``t2d`` [V] (target id = i + d2t[i]); pops
+    them and ``lm_head.weight`` [N, D] from ``given`` (the latter checked against ``target``'s rows when given).
+
+    Raises:
+        CheckpointError: a missing or mis-shaped mapping or lm_head, or a mapping that is not one set of N distinct
+            target ids.
+    """
+    for name, shape in (("d2t", (n_draft,)), ("t2d", (vocab,))):
+        if name not in given:
+            raise CheckpointError(f"{where}: missing tensor {name!r} (expected shape {list(shape)}): "
+                                  f"draft_vocab_size {n_draft} < vocab {vocab} needs the vocabulary mapping")
+        if tuple(given[name].shape) != shape:
+            raise CheckpointError(f"{where}: tensor {name!r} has shape {list(given[name].shape)}, expected {list(shape)}")
+    ids = torch.arange(n_draft) + given.pop("d2t").long()
+    t2d = given.pop("t2d").bool()
+    if (ids.unique().numel() != n_draft or int(ids.min()) < 0 or int(ids.max()) >= vocab
+            or int(t2d.sum()) != n_draft or not bool(t2d[ids].all())):
+        raise CheckpointError(f"{where}: d2t and t2d do not describe one set of {n_draft} distinct target ids "
+                              f"in [0, {vocab}) (t2d marks {int(t2d.sum())}); the mapping is corrupt")
+    lm = given.pop("lm_head.weight", None)
+    if lm is None:
+        raise CheckpointError(f"{where}: missing tensor 'lm_head.weight' (expected shape "
+                              f"[{n_draft}, {hidden}]): a reduced vocabulary stores its lm_head rows")
+    F.check_copy_of_target("lm_head.weight", lm, target, where, rows=ids)
+    return ids
+
+
+def _take_tensors(given: dict, want: dict, head_type: str, ids: torch.Tensor | None, where) -> dict:
+    """Pop every tensor the dartree config ``want`` (dartree name -> shape) calls for from ``given`` under its
+    published name; with a reduced vocabulary (``ids`` [N]) ``markov_w2`` [N, R] is widened to the full [V, R]
+    (zero rows outside it). Returns dartree name -> tensor.
+
+    Raises:
+        CheckpointError: a missing or mis-shaped tensor (published name and expected shape).
+    """
+    tensors = {}
     for name, shape in want.items():
         if name == "backbone.draft_vocab":
             continue
-        pub = _published(name, head["type"])
+        pub = _published(name, head_type)
         if pub not in given:
             raise CheckpointError(f"{where}: missing tensor {pub!r} (expected shape {list(shape)})")
         t = given.pop(pub)
         if name == "head.w2.weight" and ids is not None:
-            if tuple(t.shape) != (n_draft, shape[1]):
-                raise CheckpointError(f"{where}: tensor {pub!r} has shape {list(t.shape)}, expected [{n_draft}, {shape[1]}]")
+            if tuple(t.shape) != (ids.numel(), shape[1]):
+                raise CheckpointError(f"{where}: tensor {pub!r} has shape {list(t.shape)}, expected "
+                                      f"[{ids.numel()}, {shape[1]}]")
             full = torch.zeros(shape, dtype=t.dtype)
             full[ids] = t
             t = full
         elif tuple(t.shape) != tuple(shape):
             raise CheckpointError(f"{where}: tensor {pub!r} has shape {list(t.shape)}, expected {list(shape)}")
         tensors[name] = t
-    if given:
-        extra = sorted(given)
-        raise CheckpointError(f"{where}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all)")
-    if dropped:
-        out["provenance"]["dropped"] = sorted(dropped)
-    return out, tensors
+    return tensors
 
 
 def write(config: dict, tensors: dict, target=None, where="the checkpoint") -> tuple[dict, dict]:
@@ -275,6 +320,15 @@ def write(config: dict, tensors: dict, target=None, where="the checkpoint") -> t
     kind = {"identity": "dflash", "selector": "dflash2"}.get(htype, "dspark")
     vocab = int(ident.get("vocab_size") or head.get("vocab_size"))
     n_draft = int(d.get("draft_vocab_size") or 0) or vocab
+    out = _validated_by_speculators(_write_config(config, kind, vocab, n_draft, target))
+    return out, _write_tensors(tensors, htype, n_draft, vocab, target)
+
+
+def _write_config(config: dict, kind: str, vocab: int, n_draft: int, target) -> dict:
+    """The speculators config.json dict of a dartree checkpoint ``config`` as speculators type ``kind`` over a
+    verifier vocabulary of ``vocab`` tokens and a draft vocabulary of ``n_draft`` (:func:`write` says what maps to
+    what)."""
+    d, head, ident = config["drafter"], config["head"], config.get("target", {})
     sfa = d["proposal_offset"] == 0
     block = int(d["block_size"])
     tcfg = getattr(target, "config", None)
@@ -306,9 +360,19 @@ def write(config: dict, tensors: dict, target=None, where="the checkpoint") -> t
         out.update(conv_kernel_size=int(d["conv_kernel_size"]), conv_group_size=int(d["conv_group_size"]),
                    selector_rank=int(head["rank"]), selector_top_k=int(head["top_k"]))
     if kind == "dspark":
-        out.update(markov_rank=int(head["rank"]), markov_head_type=F.DSPARK_HEADS[htype],
+        out.update(markov_rank=int(head["rank"]), markov_head_type=F.DSPARK_HEADS[head["type"]],
                    enable_confidence_head=bool(head.get("confidence_head", False)),
                    confidence_head_with_markov=bool(head.get("confidence_with_markov", True)))
+    return out
+
+
+def _validated_by_speculators(out: dict) -> dict:
+    """``out`` as speculators' own config classes write it (``SpeculatorModelConfig``, defaults left out), when the
+    package is importable; else ``out`` itself.
+
+    Raises:
+        CheckpointError: speculators rejects the config (its first line of reasons).
+    """
     try:
         from speculators import SpeculatorModelConfig
     except ImportError:
@@ -320,6 +384,16 @@ def write(config: dict, tensors: dict, target=None, where="the checkpoint") -> t
             out = json.loads(SpeculatorModelConfig.from_dict(out).to_json_string(use_diff=True))
         except Exception as exc:  # pydantic ValidationError: speculators' own words
             raise CheckpointError(f"speculators rejects the exported config: {str(exc).splitlines()[0]}") from None
+    return out
+
+
+def _write_tensors(tensors: dict, htype: str, n_draft: int, vocab: int, target) -> dict:
+    """dartree tensors -> speculators tensors: published names; with a reduced vocabulary (``n_draft`` < ``vocab``)
+    ``d2t`` [N] int64, ``t2d`` [V] bool, the target's lm_head rows [N, D] and ``markov_w2`` cut to those rows.
+
+    Raises:
+        CheckpointError: a reduced vocabulary without ``target`` (its lm_head rows must be written).
+    """
     mapped = {}
     ids = None
     if n_draft != vocab:
@@ -340,7 +414,7 @@ def write(config: dict, tensors: dict, target=None, where="the checkpoint") -> t
         if name == "head.w2.weight" and ids is not None:
             t = t[ids]
         mapped[pub] = t.contiguous()
-    return out, mapped
+    return mapped
 
 
 SPECULATORS = FormatPair(name=NAME, detect=detect, read=read, write=write, marks="speculators_model_type")

@@ -221,41 +221,59 @@ def dspark_loss(
     w_ce = decay_weights(valid & (labels >= 0), gamma)
     nll = -logp.gather(-1, labels.clamp(min=0).reshape(-1, 1)).view(a, p) * (labels >= 0).float()
     ce_term = (w_ce * nll).sum() / _den(w_ce, denom)
-    l1_term = torch.zeros((), dtype=torch.float32, device=logits.device)
-    bce_term = torch.zeros((), dtype=torch.float32, device=logits.device)
-    kl_term = torch.zeros((), dtype=torch.float32, device=logits.device)
+    zero = torch.zeros((), dtype=torch.float32, device=logits.device)
     has_target = target_logits is not None or target_probs is not None
     if conf_logits is not None and not has_target:
         raise ValueError("the confidence BCE needs target_logits (its label is 1 - TV distance to p_t)")
     if (tv_weight or kl_weight) and not has_target:
         raise ValueError("tv_weight / kl_weight need the target distribution: give target_logits or target_probs")
-    if has_target and kl_weight:
-        if target_probs is not None:  # p_t on the draft columns, renormalised over them
-            pt_k = target_probs[0].float().reshape(-1, v)
-            pt_k = pt_k / pt_k.sum(-1, keepdim=True).clamp_min(1e-30)
-            kl = torch.xlogy(pt_k, pt_k).sum(-1) - (pt_k * logp).sum(-1)
-        else:
-            lt = target_logits.float().reshape(-1, v).log_softmax(-1)
-            kl = (lt.exp() * (lt - logp)).sum(-1)
-        kl_term = (w * kl.view(a, p)).sum() / wsum
+    kl_term = _kl_term(logp, w, wsum, target_logits, target_probs) if has_target and kl_weight else zero
     l1_coef = l1_weight + 0.5 * tv_weight
+    l1_term = bce_term = zero
     if has_target and (l1_coef or conf_logits is not None):
-        pd = logp.exp()
-        if target_probs is not None:
-            pt_sub, outside = target_probs
-            l1 = (pd - pt_sub.float().reshape(-1, v)).abs().sum(-1).view(a, p) + outside.float()
-        else:
-            pt = target_logits.float().reshape(-1, v).softmax(-1)
-            l1 = (pd - pt).abs().sum(-1).view(a, p)
-        l1_term = (w * l1).sum() / wsum
-        if conf_logits is not None:
-            label = (1 - 0.5 * l1.detach()).clamp(0, 1)
-            bce = F.binary_cross_entropy_with_logits(conf_logits.float(), label, reduction="none")
-            bce_term = (w * bce).sum() / wsum
+        l1_term, bce_term = _l1_and_bce_terms(logp, w, wsum, target_logits, target_probs, conf_logits)
     loss = ce_weight * ce_term + l1_coef * l1_term + kl_weight * kl_term + conf_weight * bce_term
     acc, cnt, hit = _accuracy(logits, labels, valid)
     return LossOut(loss, ce_term.detach(), l1_term.detach(), acc, cnt, bce=bce_term.detach(), hit=hit,
                    kl=kl_term.detach())
+
+
+def _kl_term(logp: torch.Tensor, w: torch.Tensor, wsum, target_logits, target_probs) -> torch.Tensor:
+    """:func:`dspark_loss`'s KL(p_t || p_d) term: logp [A*P, V'] the drafter's log-probabilities, w [A, P] the decay
+    weights over their normaliser ``wsum``; p_t from ``target_logits`` [A, P, V'] or, on a draft vocabulary,
+    ``target_probs[0]`` renormalised over the V' columns. Returns the weighted mean (a 0-d fp32 tensor, nats)."""
+    a, p = w.shape
+    v = logp.shape[-1]
+    if target_probs is not None:  # p_t on the draft columns, renormalised over them
+        pt_k = target_probs[0].float().reshape(-1, v)
+        pt_k = pt_k / pt_k.sum(-1, keepdim=True).clamp_min(1e-30)
+        kl = torch.xlogy(pt_k, pt_k).sum(-1) - (pt_k * logp).sum(-1)
+    else:
+        lt = target_logits.float().reshape(-1, v).log_softmax(-1)
+        kl = (lt.exp() * (lt - logp)).sum(-1)
+    return (w * kl.view(a, p)).sum() / wsum
+
+
+def _l1_and_bce_terms(logp: torch.Tensor, w: torch.Tensor, wsum, target_logits, target_probs, conf_logits):
+    """:func:`dspark_loss`'s L1 distance sum_v |p_d - p_t| (plus p_t's mass outside a draft vocabulary,
+    ``target_probs[1]``) and confidence BCE towards 1 - L1 / 2 (zero without ``conf_logits`` [A, P]), each weighted
+    by w [A, P] over ``wsum``; logp [A*P, V']. Returns (L1 term, BCE term), 0-d fp32 tensors."""
+    a, p = w.shape
+    v = logp.shape[-1]
+    pd = logp.exp()
+    if target_probs is not None:
+        pt_sub, outside = target_probs
+        l1 = (pd - pt_sub.float().reshape(-1, v)).abs().sum(-1).view(a, p) + outside.float()
+    else:
+        pt = target_logits.float().reshape(-1, v).softmax(-1)
+        l1 = (pd - pt).abs().sum(-1).view(a, p)
+    l1_term = (w * l1).sum() / wsum
+    bce_term = torch.zeros((), dtype=torch.float32, device=logp.device)
+    if conf_logits is not None:
+        label = (1 - 0.5 * l1.detach()).clamp(0, 1)
+        bce = F.binary_cross_entropy_with_logits(conf_logits.float(), label, reduction="none")
+        bce_term = (w * bce).sum() / wsum
+    return l1_term, bce_term
 
 
 def teacher_forced_tau(acc_per_pos: torch.Tensor) -> float:
@@ -329,33 +347,9 @@ class _FusedBlockLoss(torch.autograd.Function):
                     if with_base:
                         base_nll[e] = -base.float().log_softmax(-1)[rows, yc] * ok
                     continue
-                cc = c_ce[e]
-                # CE + KL: (c_ce + c_kl) p - c_kl p~_t - c_ce onehot(y); L1 adds c_l1 p_j (s_j - sum_v s_v p_v)
-                ck = c_kl[e, None] if with_kl else 0.0
-                if with_l1:
-                    sgn = diff.sign_()
-                    inner = (sgn * p).sum(-1, keepdim=True)
-                    g = sgn.sub_(inner).mul_(c_l1[e, None]).add_(cc[:, None] + ck).mul_(p)
-                else:
-                    g = p.mul_(cc[:, None] + ck)
-                if with_kl:
-                    g.sub_(pt_k.mul_(ck))
-                g[rows, yc] -= cc * ok
-                if with_base:  # Domino's base CE on U alone; U gets both gradients, A and W the corrected one
-                    if am is not None:
-                        g_all[e] = g.to(dt)
-                    lpb = base.float().log_softmax(-1)
-                    base_nll[e] = -lpb[rows, yc] * ok
-                    cb = c_base[e]
-                    gb = lpb.exp_().mul_(cb[:, None])
-                    gb[rows, yc] -= cb * ok
-                    g += gb
-                    grad_h[e] = (g.to(dt) @ w_out).float()
-                else:
-                    gd = g.to(dt)
-                    if am is not None:
-                        g_all[e] = gd
-                    grad_h[e] = (gd @ w_out).float()
+                _chunk_grad(e, rows, yc, ok, p, diff if with_l1 else None, pt_k if with_kl else None, base,
+                            coef=(c_ce, c_base, c_l1, c_kl), with_base=with_base, w_out=w_out,
+                            grad_h=grad_h, g_all=g_all, base_nll=base_nll)
             grad_a = grad_w = None
             if am is not None and want_grad:
                 grad_a = (g_all @ whm).float()
@@ -373,6 +367,50 @@ class _FusedBlockLoss(torch.autograd.Function):
         out_a = None if grad_a is None else (grad_a * g_loss).to(da)
         out_w = None if grad_w is None else (grad_w * g_loss).to(dw)
         return (grad_h * g_loss).to(dh), out_a, out_w, *([None] * 13)
+
+
+def _chunk_grad(e: slice, rows: torch.Tensor, yc: torch.Tensor, ok: torch.Tensor, p: torch.Tensor,
+                diff: torch.Tensor | None, pt_k: torch.Tensor | None, base: torch.Tensor, *, coef, with_base: bool,
+                w_out: torch.Tensor, grad_h: torch.Tensor, g_all: torch.Tensor | None, base_nll: torch.Tensor) -> None:
+    """The gradient step of :class:`_FusedBlockLoss` for one chunk ``e`` of c rows (overwrites ``p``, ``diff`` and
+    ``pt_k`` in place).
+
+    The gradient of the chunk's weighted loss with respect to the logits x [c, V']: CE + KL give
+    (c_ce + c_kl) p - c_kl p~_t - c_ce onehot(y); the L1 adds c_l1 p_j (s_j - sum_v s_v p_v), s = sign(p - p_t)
+    (``diff`` = p - p_t, None without the L1; ``pt_k`` = p~_t, None without the KL); with ``with_base`` Domino's
+    base CE on U = ``base`` adds c_base (softmax(U) - onehot(y)) to U's gradient only (A and W get the corrected
+    one) and writes the base NLL [c] into ``base_nll[e]``. ``rows`` = arange(c), ``yc`` the clamped labels [c],
+    ``ok`` [c] 1.0 for in-vocabulary labels; ``coef`` = (c_ce, c_base, c_l1, c_kl) [N] fp32.
+    Writes grad_h[e] = g · w_out [c, D] fp32 and, with factors, g_all[e] = g [c, V'] in w_out's dtype.
+    """
+    c_ce, c_base, c_l1, c_kl = coef
+    dt = w_out.dtype
+    cc = c_ce[e]
+    ck = c_kl[e, None] if pt_k is not None else 0.0
+    if diff is not None:
+        sgn = diff.sign_()
+        inner = (sgn * p).sum(-1, keepdim=True)
+        g = sgn.sub_(inner).mul_(c_l1[e, None]).add_(cc[:, None] + ck).mul_(p)
+    else:
+        g = p.mul_(cc[:, None] + ck)
+    if pt_k is not None:
+        g.sub_(pt_k.mul_(ck))
+    g[rows, yc] -= cc * ok
+    if with_base:  # Domino's base CE on U alone; U gets both gradients, A and W the corrected one
+        if g_all is not None:
+            g_all[e] = g.to(dt)
+        lpb = base.float().log_softmax(-1)
+        base_nll[e] = -lpb[rows, yc] * ok
+        cb = c_base[e]
+        gb = lpb.exp_().mul_(cb[:, None])
+        gb[rows, yc] -= cb * ok
+        g += gb
+        grad_h[e] = (g.to(dt) @ w_out).float()
+    else:
+        gd = g.to(dt)
+        if g_all is not None:
+            g_all[e] = gd
+        grad_h[e] = (gd @ w_out).float()
 
 
 def fused_block_loss(
@@ -400,14 +438,11 @@ def fused_block_loss(
     linear cross-entropy, extended to DSpark's L1, the total variation, the KL to the target and Domino's base CE).
 
     The drafter logits are x = hidden · w_out^T + A · W^T (``factors`` = (A, W) from the head's
-    ``block_factors``; None for plain DFlash). Rows are processed ``chunk`` at a time: logits, log-softmax,
-    CE, p_t, L1, KL, argmax and the gradient with respect to x (CE: p - onehot; L1: p_j (s_j - sum_v s_v p_v) with
-    s = sign(p - p_t); KL: p - p~_t) stay in cache, and only the gradients for hidden, A and W leave the chunk.
-    The target's logits on the V' columns are one [c, D] x [D, V'] matmul per chunk, shared by the L1 and the KL.
-    Matmuls run in
-    ``w_out.dtype`` (pass bf16 rows for autocast-like training; their products are rounded to it as autocast
-    does), everything else in fp32. Equals :func:`dspark_loss` / :func:`domino_loss` on the materialised logits
-    (loss, pieces, hits and gradients; test).
+    ``block_factors``; None for plain DFlash). Rows are processed ``chunk`` at a time: logits, log-softmax, CE,
+    p_t (one [c, D] x [D, V'] matmul, shared by the L1 and the KL), L1, KL, argmax and the gradient with respect to
+    x (:func:`_chunk_grad`) stay in cache; only the gradients for hidden, A and W leave the chunk. Matmuls run in
+    ``w_out.dtype`` (bf16 rows round their products as autocast does), everything else in fp32. Equals
+    :func:`dspark_loss` / :func:`domino_loss` on the materialised logits (loss, pieces, hits and gradients; test).
 
     Args:
         hidden: [A, P, D] drafter hidden states (any float dtype; differentiable).
@@ -422,12 +457,10 @@ def fused_block_loss(
         ce_weight, l1_weight: DSpark's weights (``lam`` None). lam: Domino's curriculum weight: the loss is
             (1 - lam) CE(x) + lam CE(U), both over valid in-vocabulary predictions.
         conf_logits: [A, P] confidence logits, trained by BCE towards 1 - L1/2 (detached), weight conf_weight.
-        chunk: rows per chunk; None: about 2M logits per chunk (256 rows of an 8,192-token draft vocabulary;
-            fastest of 16..512 on the 2-core CPU here, where larger matmuls beat cache residency).
+        chunk: rows per chunk; None: about 2M logits per chunk (256 rows of an 8,192-token draft vocabulary).
         denom: None: normalise per sequence; else every weighted sum over this shared batch denominator.
-        rows: [N] int64 flat indices of the True entries of ``valid`` (``valid.reshape(-1).nonzero()[:, 0]``), on
-            ``hidden``'s device; None finds them here. A caller that knows them on the host passes them, so that a
-            CUDA step does not wait for the device at the ``nonzero``.
+        rows: [N] int64 flat indices of ``valid``'s True entries, on ``hidden``'s device (None: found here; a
+            caller that knows them on the host passes them, so a CUDA step does not wait at the ``nonzero``).
         tv_weight: weight of the total variation 0.5 * L1 (needs target_hidden; on a draft vocabulary with
             target_lse, as the L1).
         kl_weight: weight of KL(p~_t || p_d), p~_t the target's softmax over the V' columns (needs target_hidden,
@@ -441,10 +474,8 @@ def fused_block_loss(
     chunk = _fused_chunk(chunk, w_out, target_hidden, lam, conf_logits)
     if (tv_weight or kl_weight) and target_hidden is None:
         raise ValueError("tv_weight / kl_weight need target_hidden (the target's distribution at each prediction)")
-    in_vocab = valid & (labels >= 0)
-    w, w_ce = decay_weights(valid, gamma), decay_weights(in_vocab, gamma)
-    if rows is None:
-        rows = valid.reshape(-1).nonzero()[:, 0]  # only valid predictions are computed
+    w, w_ce = decay_weights(valid, gamma), decay_weights(valid & (labels >= 0), gamma)
+    rows = valid.reshape(-1).nonzero()[:, 0] if rows is None else rows  # only valid predictions are computed
     l1_coef = l1_weight + 0.5 * tv_weight
     # the L1 is computed for its own weight, the confidence label, or (as before the KL) whenever a target is given
     with_l1 = target_hidden is not None and bool(l1_coef or conf_logits is not None or not kl_weight)
