@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 
 from dartree.models.drafter import DFlashDrafter, DrafterConfig
 from dartree.models.files import write_folder_atomically
-from dartree.models.heads import CorrectionHead, build_head, head_fields
+from dartree.models.heads import HEADS, CorrectionHead, build_head, head_fields
 from dartree.models.validate import same_value, typed
 
 FORMAT = "dartree"
@@ -204,11 +204,13 @@ def check_target_pairing(config: dict, target) -> None:
     bad = [i for i in d["target_layer_ids"] if not 0 <= i < target.num_layers]
     if bad:
         problems.append(f"target_layer_ids {bad} outside the target's {target.num_layers} layers (0..{target.num_layers - 1})")
-    embed_dim = config.get("head", {}).get("embed_dim") or config.get("head", {}).get("hidden_size")
+    hsec = config.get("head", {})
+    embed_dim = hsec.get("embed_dim") or hsec.get("hidden_size")
     width = int(target.embed_tokens.weight.shape[1])
-    if config.get("head", {}).get("type") == "gru" and not same_value(embed_dim, width):
-        problems.append(f"gru head embed_dim: checkpoint {typed(embed_dim, width)} vs target embedding width "
-                        f"{typed(width, embed_dim)}")
+    reads = getattr(HEADS.get(hsec.get("type")) if isinstance(hsec.get("type"), str) else None, "reads_embeddings", False)
+    if reads and not same_value(embed_dim, width):  # a head that reads the target's token embeddings (gru)
+        problems.append(f"{hsec['type']} head embed_dim: checkpoint {typed(embed_dim, width)} vs target embedding "
+                        f"width {typed(width, embed_dim)}")
     if not 0 <= d["mask_token_id"] < target.vocab_size:
         problems.append(f"mask_token_id {d['mask_token_id']} >= target vocab rows {target.vocab_size}")
     if problems:

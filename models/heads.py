@@ -59,6 +59,8 @@ class CorrectionHead(nn.Module):
     # the hyper-parameters of hparams() and their allowed values (dartree.models.validate field rules)
     fields: dict = {}
     max_candidates: int | None = None  # a head defined over the top-k of U only (DFlash 2's selector) caps K
+    # True for a head that reads the target's frozen token embeddings (bound by bind_embeddings; Domino's GRU)
+    reads_embeddings: bool = False
     # True when a node's state is a function of its own token alone (r = W1[x] or none), so g at depth d depends
     # only on (H_d, the parent's token): builders then score every (previous candidate, candidate) pair of a round
     # at once (dartree.decode.trees.pair_log_probs). False for recurrent heads (DSpark RNN, Domino GRU).
@@ -394,6 +396,7 @@ class GRUHead(CorrectionHead):
     """
 
     type_name = "gru"
+    reads_embeddings = True
     fields = {"vocab_size": _VOCAB, "hidden_size": _HIDDEN,
               "emb_dim": Range(1, note="E, rank of the GRU head's logit residual"),
               "gru_hidden_dim": Range(1, note="G, the GRU state width"),

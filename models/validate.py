@@ -269,8 +269,9 @@ def check_pairing(target, drafter=None, head=None) -> None:
         drafter: a :class:`~dartree.models.drafter.DFlashDrafter` or None.
         head: a :class:`~dartree.models.heads.CorrectionHead` or None.
     Raises:
-        ValueError: hidden size, layer ids, mask token id, draft vocabulary, head vocabulary / widths, the gru
-            head's token embeddings, or the device do not fit the target (both values named, with the fix).
+        ValueError: hidden size, layer ids, mask token id, draft vocabulary, head vocabulary / widths, the
+            token embeddings of a head that reads them (``reads_embeddings``: the gru head), or the device do not
+            fit the target (both values named, with the fix).
     """
     v, d, n = target.vocab_size, target.hidden_size, target.num_layers
     rows = int(target.embed_tokens.weight.shape[0])
@@ -303,13 +304,14 @@ def check_pairing(target, drafter=None, head=None) -> None:
         dd = drafter.cfg.hidden_size if drafter is not None else None
         if drafter is not None and hd is not None and not same_value(hd, dd):
             raise ValueError(f"head hidden_size {typed(hd, dd)} != drafter hidden_size {typed(dd, hd)}{fix}")
-        if head.type_name == "gru":
+        if getattr(head, "reads_embeddings", False):  # bound by bind_embeddings, kept as _embed (Domino's GRU)
             emb, want = head.__dict__.get("_embed"), target.embed_tokens.weight
             bind = "call head.bind_embeddings(target.embed_tokens.weight)"
+            name = head.type_name
             if emb is None:
-                raise ValueError(f"gru head has no token embeddings: {bind} (load_dartree(..., target=target) does it)")
+                raise ValueError(f"{name} head has no token embeddings: {bind} (load_dartree(..., target=target) does it)")
             if tuple(emb.shape) != tuple(want.shape):
-                raise ValueError(f"gru head is bound to embeddings of shape {list(emb.shape)}, not the target's "
+                raise ValueError(f"{name} head is bound to embeddings of shape {list(emb.shape)}, not the target's "
                                  f"{list(want.shape)}; {bind}")
         p = next(head.parameters(), None)
         if p is not None and p.device != dev:
