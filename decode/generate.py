@@ -344,18 +344,18 @@ def _decode(target: Target, drafter: DFlashDrafter, prompt_ids: list, *, policy:
     t1 = time.perf_counter()
     feed, start = DraftFeed(target, drafter, prefill_feats), len(prompt_ids)
     while not done:
-        ta = time.perf_counter()
+        ta = time.perf_counter()  # draft
         drafted = policy.drafts()  # False: a plain AR step or a lookup chain alone; features wait for the next draft
         block = feed.draft(anchor, start) if drafted else None
-        tb = time.perf_counter()
+        tb = time.perf_counter()  # build, graft the lookup chain, choose the budget
         tree = rule.build(block, anchor, policy.nodes) if drafted else Tree.empty()
         tree, chain_pos, ngram = graft(tree, out, policy.lookup_stats)
         tree, chain_pos = policy.choose(tree, chain_pos, drafted, build_started=tb)
-        tc = time.perf_counter()
+        tc = time.perf_counter()  # compile, verify
         inputs = compile_tree(tree, anchor, start, dtype=target.dtype, device=target.device) if tree.size else None
         tc2 = time.perf_counter()
         ver = rule.verify(target, tree, anchor, start, cache, inputs)
-        td = time.perf_counter()
+        td = time.perf_counter()  # commit
         n, done = _commit(out, ver.tokens + [ver.bonus_id], max_new_tokens, stops)
         stats.add_round(n, tree, ver, policy.recorded_budget(tree), anchor, record_trees)
         start += ver.accepted.numel()
