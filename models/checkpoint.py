@@ -28,6 +28,7 @@ from safetensors.torch import load_file
 
 from dartree.models.drafter import DFlashDrafter, DrafterConfig
 from dartree.models.files import write_folder_atomically
+from dartree.models import families  # noqa: F401  (registers the built-in families' heads in HEADS)
 from dartree.models.heads import HEADS, CorrectionHead, build_head, head_fields
 from dartree.models.validate import same_value, typed
 
