@@ -1,9 +1,10 @@
 """A drafter family added in one file (this one): a toy head, its recipe defaults and its loss register under a name,
 and the unchanged training, checkpoint, conversion and decoding code serve it (docs/families.md).
 
-The toy head ("tanh bigram"): g(C, H, r) = U[C] + W2[C] · tanh(W1[x_prev] + P h), state r = W1[x_prev] [N, R] (a
-function of the previous token alone, so ``first_order``). Its family ("toy") trains it with CE of the corrected
-logits plus 0.5 KL(p_t || p_d) to the target's distribution. Nothing outside this file names either.
+The toy head ("tanh bigram"): g(C, H, r) = U[C] + s W2[C] · tanh(W1[x_prev] + P h), state r = W1[x_prev] [N, R] (a
+function of the previous token alone, so ``first_order``), s a hyper-parameter. Its family ("toy") adds the recipe key
+``head.toy_scale`` (s, default 1.0) and trains the head with CE of the corrected logits plus 0.5 KL(p_t || p_d) to the
+target's distribution. Nothing outside this file names either.
 """
 
 import json
@@ -23,24 +24,26 @@ from dartree.training.train import run
 
 
 class TanhBigramHead(CorrectionHead):
-    """g(C, H, r) = U[C] + W2[C] · tanh(W1[x_prev] + P h): ``w1`` [V, R], ``w2`` [V, R] (zero at start: an untrained
-    head is the identity), ``proj`` [R, D]. State r = W1[x_prev] [N, R] fp32."""
+    """g(C, H, r) = U[C] + s W2[C] · tanh(W1[x_prev] + P h): ``w1`` [V, R], ``w2`` [V, R] (zero at start: an untrained
+    head is the identity), ``proj`` [R, D], s = ``scale``. State r = W1[x_prev] [N, R] fp32."""
 
     type_name = "toy_tanh"
     first_order = True
-    fields = {"vocab_size": Range(1), "rank": Range(1), "hidden_size": Range(1)}
+    fields = {"vocab_size": Range(1), "rank": Range(1), "hidden_size": Range(1),
+              "scale": Range(0, integer=False, lo_open=True)}
 
-    def __init__(self, vocab_size: int, rank: int, hidden_size: int):
+    def __init__(self, vocab_size: int, rank: int, hidden_size: int, scale: float = 1.0):
         super().__init__()
-        check_fields({"vocab_size": vocab_size, "rank": rank, "hidden_size": hidden_size}, self.fields, "toy_tanh head: ")
-        self.vocab_size, self.rank, self.hidden_size = vocab_size, rank, hidden_size
+        check_fields({"vocab_size": vocab_size, "rank": rank, "hidden_size": hidden_size, "scale": scale},
+                     self.fields, "toy_tanh head: ")
+        self.vocab_size, self.rank, self.hidden_size, self.scale = vocab_size, rank, hidden_size, float(scale)
         self.w1 = nn.Embedding(vocab_size, rank)
         self.w2 = nn.Linear(rank, vocab_size, bias=False)
         self.proj = nn.Linear(hidden_size, rank, bias=False)
         nn.init.zeros_(self.w2.weight)
 
     def hparams(self):
-        return {"vocab_size": self.vocab_size, "rank": self.rank, "hidden_size": self.hidden_size}
+        return {"vocab_size": self.vocab_size, "rank": self.rank, "hidden_size": self.hidden_size, "scale": self.scale}
 
     def init_state(self, anchor_ids):
         return self.w1(anchor_ids).float()
@@ -49,7 +52,7 @@ class TanhBigramHead(CorrectionHead):
         return self.w1(tokens).float()
 
     def factors(self, hidden, state):
-        return torch.tanh(state.float() + F.linear(hidden.float(), self.proj.weight.float()))
+        return self.scale * torch.tanh(state.float() + F.linear(hidden.float(), self.proj.weight.float()))
 
     def out_rows(self, cand):
         return self.w2.weight[cand].float()
@@ -62,18 +65,21 @@ class TanhBigramHead(CorrectionHead):
 
     def block_factors(self, prev_ids, hidden, vocab=None):
         w2 = self.w2.weight if vocab is None else self.w2.weight[vocab]
-        a = torch.tanh(self.w1(prev_ids).float() + F.linear(hidden.float(), self.proj.weight.float()))
+        a = self.scale * torch.tanh(self.w1(prev_ids).float() + F.linear(hidden.float(), self.proj.weight.float()))
         return a, w2.float()
 
 
 class ToyFamily(Family):
-    """The toy family: :class:`TanhBigramHead` of rank ``head.rank``, loss CE + 0.5 KL(p_t || p_d)."""
+    """The toy family: :class:`TanhBigramHead` of rank ``head.rank`` and scale ``head.toy_scale`` (its own recipe
+    key), loss CE + 0.5 KL(p_t || p_d)."""
 
     name = "toy"
     heads = (TanhBigramHead,)
+    recipe_fields = {"toy_scale": (1.0, Range(0, integer=False, lo_open=True, note="the toy head's scale s"))}
 
     def head_kwargs(self, head, vocab_size, hidden_size):
-        return {"vocab_size": vocab_size, "rank": head["rank"], "hidden_size": hidden_size}
+        return {"vocab_size": vocab_size, "rank": head["rank"], "hidden_size": hidden_size,
+                "scale": head["toy_scale"]}
 
     def objective(self, loss, head):
         return Objective(gamma=loss["gamma"], ce_weight=1.0, kl_weight=0.5, logged=("kl",))
@@ -101,11 +107,18 @@ def test_the_registry_refuses_a_second_toy_and_names_the_families(toy_family):
         load_recipe([*TOY, "head.type=markov"])
     with pytest.raises(RecipeError, match="loss.tv_weight=0.3 / loss.kl_weight=0.0 apply to loss.type=dspark only"):
         load_recipe([*TOY, "loss.tv_weight=0.3"])  # the toy's KL is its own, not the recipe's DSpark weights
+    with pytest.raises(RecipeError, match=r"^head.toy_scale=-1 is out of range: must be a finite number > 0 "
+                                          r"\(the toy head's scale s\)$"):
+        load_recipe([*TOY, "head.toy_scale=-1"])
+    assert load_recipe(TOY).head.toy_scale == 1.0 and load_recipe([*TOY, "head.toy_scale=0.5"]).head.toy_scale == 0.5
+    assert load_recipe(["recipe=tiny_dspark"]).head.toy_scale == 1.0  # every recipe holds the registered keys
 
 
 def test_the_toy_family_is_refused_before_it_registers():
     with pytest.raises(RecipeError, match=r"head.type 'toy_tanh' is unknown; available: \['gated_markov', 'gru', "):
         load_recipe(TOY)
+    with pytest.raises(RecipeError, match=r"unknown key 'head.toy_scale' in command line; valid keys there: "):
+        load_recipe(["recipe=tiny_dflash", "head.toy_scale=0.5"])
 
 
 @pytest.mark.slow  # trains end to end
@@ -117,12 +130,12 @@ def test_a_family_in_one_file_trains_saves_converts_and_decodes_losslessly(toy_f
     from dartree.models.target import load_target
 
     monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
-    summary = run(load_recipe([*TOY, f"output_dir={tmp_path / 'run'}"]))
+    summary = run(load_recipe([*TOY, "head.toy_scale=0.5", f"output_dir={tmp_path / 'run'}"]))
     losses = summary["losses"]
     # CE + 0.5 KL over 96 tokens from an untrained drafter: the CE alone is about ln 96 = 4.56 nats
     assert len(losses) == 4 and all(4.0 < x < 8.0 for x in losses)
     config = json.loads((tmp_path / "run" / "checkpoint" / "config.json").read_text())
-    assert config["head"] == {"type": "toy_tanh", "vocab_size": VOCAB, "rank": 8, "hidden_size": 32}
+    assert config["head"] == {"type": "toy_tanh", "vocab_size": VOCAB, "rank": 8, "hidden_size": 32, "scale": 0.5}
     dm = load_dartree(tmp_path / "run" / "checkpoint")
     assert isinstance(dm.head, TanhBigramHead) and float(dm.head.w2.weight.detach().abs().sum()) > 0  # trained from 0
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from omegaconf import DictConfig, OmegaConf
 
 from dartree.models.dtypes import DTYPES as DTYPE_TABLE
-from dartree.models.families import FAMILIES
+from dartree.models.families import FAMILIES, recipe_fields
 from dartree.models.validate import Choice, Flag, IdList, Range, field_problems
 
 
@@ -115,7 +115,8 @@ def recipe_problems(cfg: DictConfig) -> list[str]:
         cfg: the recipe as :func:`dartree.training.recipe.load_recipe` merges it (or any DictConfig of that schema).
     """
     values = OmegaConf.to_container(cfg, resolve=True)
-    out = field_problems(values, RECIPE_FIELDS)
+    families = {f"head.{key}": rule for key, (_, rule) in recipe_fields().items()}  # the families' own head keys
+    out = field_problems(values, {**RECIPE_FIELDS, **families})
     if out:
         return out
     lo, da, tr = cfg.loss, cfg.data, cfg.train

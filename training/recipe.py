@@ -15,7 +15,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from dartree.models.dtypes import native_bf16
-from dartree.models.families import FAMILIES
+from dartree.models.families import FAMILIES, recipe_fields
 from dartree.models.heads import HEADS
 from dartree.training.checks import RecipeError, check_recipe  # noqa: F401  (RecipeError: this module's error)
 
@@ -197,6 +197,10 @@ def load_recipe(args: list[str]) -> DictConfig:
         raise RecipeError(f"recipe {name!r} not found ({path}); available: {names}")
     schema = OmegaConf.structured(Recipe)
     OmegaConf.set_struct(schema, True)
+    with open_dict(schema.head):  # head keys of the registered families beyond HeadSection's, at their defaults
+        for key, (default, _) in recipe_fields().items():
+            if key not in schema.head:
+                schema.head[key] = default
     OmegaConf.set_struct(schema.data.chat_template_kwargs, False)  # template variables: any names
     cli.recipe = path.stem
     try:

@@ -2,7 +2,8 @@
 :mod:`.dspark`, :mod:`.domino`, :mod:`.dflash2`. :mod:`.base` defines a family and the registry; docs/families.md says
 how to add one."""
 
-from dartree.models.families.base import FAMILIES, Family, Objective, family_of_head, get_family, register_family
+from dartree.models.families.base import (FAMILIES, Family, Objective, family_of_head, get_family, recipe_fields,
+                                          register_family)
 from dartree.models.families import dflash, dflash2, domino, dspark  # noqa: F401  (each registers its family)
 
-__all__ = ["FAMILIES", "Family", "Objective", "family_of_head", "get_family", "register_family"]
+__all__ = ["FAMILIES", "Family", "Objective", "family_of_head", "get_family", "recipe_fields", "register_family"]

@@ -8,7 +8,9 @@ A *family* is one way of training and reading a DFlash drafter's correction head
 - :meth:`Family.head_kwargs`: the constructor arguments of its head from a recipe's ``head`` section (its defaults);
 - :meth:`Family.objective`: its training loss as an :class:`Objective`, from the recipe's ``loss`` and ``head``
   sections;
-- :meth:`Family.recipe_problems`: recipe combinations it cannot train (one line each).
+- :meth:`Family.recipe_problems`: recipe combinations it cannot train (one line each);
+- :attr:`Family.recipe_fields`: ``head`` keys of its own that recipes may set (beside the shared ones of
+  :class:`dartree.training.recipe.HeadSection`), each with its default and allowed values.
 
 The family's registered name is the recipe's ``loss.type``. Registering it registers its head classes under their
 ``type_name`` (the checkpoint config's ``head.type``), so checkpoints of its heads load through
@@ -91,12 +93,15 @@ class Family:
             elsewhere).
         distribution: its loss has the terms that compare with the target's distribution (``loss.tv_weight`` /
             ``loss.kl_weight`` > 0 are refused elsewhere).
+        recipe_fields: recipe ``head`` keys this family adds: name -> (default, rule), the rule a
+            :mod:`dartree.models.validate` field rule (``Range``, ``Flag``, ``Choice``); every recipe then holds them.
     """
 
     name: str = ""
     heads: tuple[type[CorrectionHead], ...] = ()
     confidence: bool = False
     distribution: bool = False
+    recipe_fields: dict[str, tuple[Any, Any]] = {}
 
     def head_kwargs(self, head: Mapping[str, Any], vocab_size: int, hidden_size: int) -> dict:
         """Constructor arguments of the recipe's head (``head.type``) for a target of ``vocab_size`` tokens and
@@ -143,6 +148,7 @@ def register_family(family: Family) -> Family:
         raise ValueError(f"{type(family).__name__} has no name: set the class attribute name (the recipe's loss.type)")
     if family.name in FAMILIES:
         raise ValueError(f"drafter family {family.name!r} is already registered")
+    # (a family whose head names or recipe fields clash is refused below, before anything is registered)
     for cls in family.heads:
         known = HEADS.get(cls.type_name)
         if known is not None and known is not cls:
@@ -151,6 +157,11 @@ def register_family(family: Family) -> Family:
     for cls in family.heads:
         if cls.type_name not in HEADS:
             register_head(cls)
+    known = recipe_fields()
+    for key, (default, _) in family.recipe_fields.items():
+        if key in known and known[key][0] != default:
+            raise ValueError(f"family {family.name!r}: recipe field head.{key} is already declared with default "
+                             f"{known[key][0]!r}; use that default or another name")
     FAMILIES[family.name] = family
     return family
 
@@ -164,6 +175,14 @@ def get_family(name: str) -> Family:
     if name not in FAMILIES:
         raise KeyError(f"unknown drafter family (loss.type) {name!r}; available: {sorted(FAMILIES)}")
     return FAMILIES[name]
+
+
+def recipe_fields() -> dict[str, tuple[Any, Any]]:
+    """The recipe ``head`` keys the registered families add (:attr:`Family.recipe_fields`): name -> (default, rule)."""
+    out: dict[str, tuple[Any, Any]] = {}
+    for fam in FAMILIES.values():
+        out.update(fam.recipe_fields)
+    return out
 
 
 def family_of_head(type_name: str) -> Family | None:
