@@ -205,8 +205,8 @@ def replay_tables(console: Console, label: str, entry: dict, recorded: dict, cur
     Round times are modelled from what this run measured in the loop: a drafted round that verifies b nodes costs the
     recorded run's per-round draft, build, compile and commit time plus t_verify(b + 1), where t_verify is pinned to
     the in-loop verify time per round of every fixed budget the bench ran for the method (and t_verify(1) = t_AR) and
-    follows the shape of the start-up ``curve`` between those knots (the curve alone put a B = 4 round's speedup
-    17% too high on a 2-core VM); a plain AR step costs ``t_ar``. Rows: each budget b <= B_max (tau replayed, modelled round and
+    follows the shape of the start-up ``curve`` between those knots (the curve alone overestimates a round's speedup:
+    docs/evaluation.md); a plain AR step costs ``t_ar``. Rows: each budget b <= B_max (tau replayed, modelled round and
     speedup, and the measured speedup where the bench ran that budget), the best of them, the ``--budget auto`` policy
     replayed from a fresh cost model with these times (its default rule, and the per-round ``rule="scores"``), and
     the hindsight per-round choice (an upper bound). ``orders`` > 1: also :func:`replay_orders`, printed as one line.

@@ -18,8 +18,8 @@ over-trusts the confident nodes and under-trusts the doubtful ones when the draf
 uniform (a reliability diagram, Guo et al. 2017, "On Calibration of Modern Neural Networks").
 
 That per-round rule (``rule="scores"``) trusts the drafter's path probabilities round by round, and they say
-little about a single round (docs/budget.md, "Replays"): on recorded rounds it came 2-5% below the best fixed
-budget. The default rule (``rule="outcomes"``) learns instead what each budget b accepts from the rounds' outcomes:
+little about a single round: on recorded rounds it came below the best fixed budget (docs/budget.md, "Replays").
+The default rule (``rule="outcomes"``) learns instead what each budget b accepts from the rounds' outcomes:
 at temperature 0 the accepted path of a round's top-b sub-tree is the longest prefix of the verified tree's accepted
 path whose nodes all rank among its b best (DARTree Lemma 1; :mod:`dartree.decode.replay`), and in distribution the
 same holds when sampling, so one round verified at V tells what every b <= V would have accepted. Per b the rule keeps
