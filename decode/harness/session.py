@@ -2,7 +2,8 @@
 target, checkpoint, matmul path and tuning, row-invariant mode through :func:`dartree.decode.assembly.assemble`, the
 assembly the API and the bench use too; prompts and their ids, runs, cost models, peers, stop ids, sampling record),
 and the per-prompt decode that turns each prompt into report rows
-(:meth:`EvalSession.decode_prompt`). Rendering the rows is :mod:`dartree.decode.harness.report`'s.
+(:meth:`EvalSession.decode_prompt`; each single decode through :func:`dartree.decode.harness.runner.decode_one`, the
+step the bench runs too). Rendering the rows is :mod:`dartree.decode.harness.report`'s.
 """
 
 from __future__ import annotations
@@ -351,8 +352,9 @@ class EvalSession:
             setting = Method(builder, b, self.params, a.acceptance, a.lookup if LOOKUP_SUFFIX in method else 0,
                              a.lookup_ngram)
         dm = self.dm
-        return decode_one(self.target, ids, setting, max_new_tokens=max_new, drafter=dm.drafter if dm else None,
-                          head=dm.head if dm else None, temperature=a.temperature, stop_ids=self.stop_ids, seed=seed,
+        return decode_one(self.target, ids, setting, max_new_tokens=max_new,
+                          drafter=dm.drafter if dm is not None else None, head=dm.head if dm is not None else None,
+                          temperature=a.temperature, stop_ids=self.stop_ids, seed=seed,
                           cost_model=self.cost_models.get(method) if cost_model is None else cost_model,
                           record_trees=record, paired=a.paired and method != "ar")
 
