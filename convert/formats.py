@@ -23,7 +23,7 @@ from typing import Callable
 
 from dartree.models.checkpoint import CheckpointError, dartree_config, expected_tensors
 from dartree.models.target import model_id
-from dartree.models.validate import Flag, Range
+from dartree.base.fields import Flag, Range
 
 QWEN3 = ("hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, "
          "head_dim, rms_norm_eps, vocab_size, rope_theta (or rope_parameters.rope_theta)")
@@ -129,8 +129,8 @@ def field(value, key: str, where, rule=INT1):
 
     Args:
         value: the field's value as read from JSON. key: its name for the message (``hidden_size``).
-        where: the file, for the message. rule: a :class:`~dartree.models.validate.Range` (default: an integer
-            >= 1) or :class:`~dartree.models.validate.Flag`.
+        where: the file, for the message. rule: a :class:`~dartree.base.fields.Range` (default: an integer
+            >= 1) or :class:`~dartree.base.fields.Flag`.
     Returns:
         ``int`` (integer ranges), ``float`` (real ranges) or ``bool`` (flags).
     Raises:

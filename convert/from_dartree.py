@@ -23,9 +23,9 @@ from pathlib import Path
 
 from dartree.convert.formats import with_target_context
 from dartree.convert.publishers import EXPORT_FORMATS, FORMAT_PAIRS
-from dartree.models.cli import fail
+from dartree.base.cli import fail
 from dartree.models.checkpoint import CheckpointError, load_dartree, read_safetensors
-from dartree.models.files import write_folder_atomically
+from dartree.base.files import write_folder_atomically
 
 
 def _ensure_exportable_destination(dest: Path) -> None:

@@ -28,7 +28,7 @@ from safetensors import SafetensorError, safe_open
 
 from dartree.convert.formats import check_tensors, with_target_context
 from dartree.convert.publishers import FORMAT_PAIRS, detect
-from dartree.models.cli import fail
+from dartree.base.cli import fail
 from dartree.models.checkpoint import (
     FORMAT,
     CheckpointError,

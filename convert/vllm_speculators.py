@@ -46,7 +46,7 @@ import torch
 
 from dartree.convert import formats as F
 from dartree.convert.registry import FormatPair
-from dartree.models.validate import Range
+from dartree.base.fields import Range
 from dartree.models.checkpoint import CheckpointError, dartree_config, expected_tensors
 from dartree.models.target import model_id
 

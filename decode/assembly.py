@@ -44,7 +44,7 @@ import torch
 from dartree.decode.precision import drafter_tau, pick_dtype, time_modes
 from dartree.models.chat import chat_prompt_ids
 from dartree.models.checkpoint import DraftModel, load_dartree
-from dartree.models.dtypes import DTYPES, dtype_candidates
+from dartree.base.dtypes import DTYPES, dtype_candidates
 from dartree.models.invariant import INVARIANT_CHOICES, enter_invariant, row_invariant
 from dartree.models.packed import choose_linear, pack_linears, tune_linears
 from dartree.models.target import DEFAULT_TARGET, Target, load_target
@@ -126,11 +126,11 @@ def dtype_plan(requested: str, invariant: str = "auto", *, drafter: bool = True,
                device: str | torch.device = "cpu") -> tuple[list[str], str]:
     """The dtypes :func:`assemble` will build for ``requested``, and why (for a program's header before it loads).
 
-    :func:`dartree.models.dtypes.dtype_candidates`, narrowed to float32 where two candidates could not both be
+    :func:`dartree.base.dtypes.dtype_candidates`, narrowed to float32 where two candidates could not both be
     exact or timed: ``invariant="off"`` (bfloat16 would be inexact) or no drafter (nothing to time a round with).
 
     Args:
-        requested: ``auto`` or a name of :data:`dartree.models.dtypes.DTYPES`.
+        requested: ``auto`` or a name of :data:`dartree.base.dtypes.DTYPES`.
         invariant: ``auto``, ``on`` or ``off`` (:func:`~dartree.models.invariant.enter_invariant`).
         drafter: whether a drafter will be assembled.
         device: where the models decode.

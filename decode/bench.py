@@ -47,9 +47,9 @@ from dartree.decode.inputs import check_prompt_set
 from dartree.models.chat import chat_prompt_ids
 from dartree.decode.trees import Tree, builder_beta, builder_name
 from dartree.decode.verify import compile_tree
-from dartree.models.cli import fail
-from dartree.models.files import write_file_atomically
-from dartree.models.dtypes import DTYPES
+from dartree.base.cli import fail
+from dartree.base.files import write_file_atomically
+from dartree.base.dtypes import DTYPES
 from dartree.models.generation import stop_ids as target_stop_ids
 from dartree.models.packed import LINEAR_BACKENDS, choose_linear
 from dartree.models.target import DEFAULT_TARGET, compact_cache

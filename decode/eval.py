@@ -34,8 +34,8 @@ from dartree.decode.harness.prompts import add_prompt_source_args
 from dartree.decode.harness.report import report_warnings, write_figures
 from dartree.decode.harness.session import Refused, open_session, spread_repeats
 from dartree.decode.trees import BUILDERS
-from dartree.models.cli import fail
-from dartree.models.dtypes import DTYPES
+from dartree.base.cli import fail
+from dartree.base.dtypes import DTYPES
 from dartree.models.invariant import INVARIANT_CHOICES
 from dartree.models.packed import LINEAR_BACKENDS
 from dartree.models.target import DEFAULT_TARGET
@@ -166,8 +166,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def out_problem(out: str) -> str | None:
     """Why ``--out`` cannot receive the report (an existing file, or a folder that cannot be created or written;
-    :func:`dartree.models.validate.folder_problem`), checked before any model is loaded; None when it can."""
-    from dartree.models.validate import folder_problem
+    :func:`dartree.base.fields.folder_problem`), checked before any model is loaded; None when it can."""
+    from dartree.base.fields import folder_problem
 
     why = folder_problem(out)
     return None if why is None else f"--out {out!r} {why}; give a writable folder for report.json and report.md"

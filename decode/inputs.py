@@ -15,18 +15,8 @@ from typing import Any, Sequence
 
 import torch
 
-from dartree.models.validate import is_int, is_real
-
-
-def _describe(x: Any) -> str:
-    """Type (and shape, dtype) of ``x`` for messages, e.g. ``a torch.Tensor of shape [2, 5] and dtype
-    torch.int64``."""
-    if isinstance(x, torch.Tensor):
-        return f"a torch.Tensor of shape {list(x.shape)} and dtype {x.dtype}"
-    shape = getattr(x, "shape", None)
-    if shape is not None and hasattr(x, "dtype"):
-        return f"a {type(x).__module__}.{type(x).__name__} of shape {list(shape)} and dtype {x.dtype}"
-    return f"a {type(x).__name__}"
+from dartree.base.fields import describe, is_int, is_real
+from dartree.decode.trees import check_builder_params
 
 
 def _is_row(x: Any) -> bool:
@@ -58,18 +48,18 @@ def token_ids(value: Any, name: str, vocab_size: int | None = None, *, allow_emp
         try:
             value = torch.as_tensor(value)  # numpy arrays and other array-likes
         except (TypeError, ValueError, RuntimeError):
-            raise TypeError(f"{name} is {_describe(value)}; give integer token ids") from None
+            raise TypeError(f"{name} is {describe(value)}; give integer token ids") from None
     if isinstance(value, torch.Tensor):
         if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
-            raise TypeError(f"{name} is {_describe(value)}; token ids must be an integer tensor (e.g. torch.long)")
+            raise TypeError(f"{name} is {describe(value)}; token ids must be an integer tensor (e.g. torch.long)")
         if value.dim() == 2 and value.shape[0] == 1:
             value = value[0]
         elif value.dim() != 1:
-            raise ValueError(f"{name} is {_describe(value)}; give one prompt as [T] or [1, T] (batched decoding is "
+            raise ValueError(f"{name} is {describe(value)}; give one prompt as [T] or [1, T] (batched decoding is "
                              "not supported: call once per prompt)")
         ids = value.detach().cpu().tolist()
     elif isinstance(value, (set, frozenset, dict)) and ordered:
-        raise TypeError(f"{name} is {_describe(value)}, which has no order; give the token ids as a list")
+        raise TypeError(f"{name} is {describe(value)}, which has no order; give the token ids as a list")
     elif isinstance(value, Sequence) or hasattr(value, "__iter__"):
         ids = list(value)
         if ids and _is_row(ids[0]):
@@ -81,10 +71,10 @@ def token_ids(value: Any, name: str, vocab_size: int | None = None, *, allow_emp
             if isinstance(t, torch.Tensor) and t.dim() == 0 and not t.is_floating_point() and t.dtype != torch.bool:
                 ids[i] = int(t)
             elif not is_int(t):
-                raise TypeError(f"{name}[{i}] = {t!r} is {_describe(t)}; token ids must be integers")
+                raise TypeError(f"{name}[{i}] = {t!r} is {describe(t)}; token ids must be integers")
         ids = [int(t) for t in ids]
     else:
-        raise TypeError(f"{name} is {_describe(value)}; give token ids as a list of ints or an integer tensor")
+        raise TypeError(f"{name} is {describe(value)}; give token ids as a list of ints or an integer tensor")
     if not ids and not allow_empty:
         raise ValueError(f"{name} is empty; give at least one token id")
     if vocab_size is not None:
@@ -119,7 +109,7 @@ def check_generate_args(target, prompt_ids, *, max_new_tokens, temperature, stop
     from dartree.models.target import Target
 
     if not isinstance(target, Target):
-        raise TypeError(f"target is {_describe(target)}, not a dartree Target; load it with "
+        raise TypeError(f"target is {describe(target)}, not a dartree Target; load it with "
                         "dartree.models.target.load_target(...) or wrap a model: Target(model, tokenizer, layer_ids)")
     prompt = token_ids(prompt_ids, "prompt_ids", _embedding_rows(target))
     if not is_int(max_new_tokens):
@@ -136,7 +126,7 @@ def check_generate_args(target, prompt_ids, *, max_new_tokens, temperature, stop
                       ordered=False)
     if generator is not None:
         if not isinstance(generator, torch.Generator):
-            raise TypeError(f"generator is {_describe(generator)}; give a torch.Generator (or None)")
+            raise TypeError(f"generator is {describe(generator)}; give a torch.Generator (or None)")
         if generator.device.type != target.device.type:
             raise ValueError(f"generator is on {generator.device} but the target samples on {target.device}; "
                              f"create it there: torch.Generator(device={str(target.device)!r}).manual_seed(seed)")
@@ -208,17 +198,16 @@ def check_speculative_args(target, drafter, head, *, builder, budget, builder_pa
         ValueError: drafter / head / target mismatch (:func:`dartree.models.validate.check_pairing`), target
             capture layers that differ from the drafter's, a negative budget or an out-of-range parameter.
     """
-    from dartree.decode.trees import check_builder_params  # lazy: trees imports this module (check_build_args)
     from dartree.models.drafter import DFlashDrafter
     from dartree.models.heads import CorrectionHead
     from dartree.models.validate import check_pairing
 
     if not isinstance(drafter, DFlashDrafter):
         hint = "; a loaded checkpoint is passed as dm.drafter, dm.head" if hasattr(drafter, "drafter") else ""
-        raise TypeError(f"drafter is {_describe(drafter)}, not a DFlashDrafter{hint}")
+        raise TypeError(f"drafter is {describe(drafter)}, not a DFlashDrafter{hint}")
     if not isinstance(head, CorrectionHead):
         hint = "; a loaded checkpoint is passed as dm.drafter, dm.head" if hasattr(head, "head") else ""
-        raise TypeError(f"head is {_describe(head)}, not a CorrectionHead (IdentityHead() for plain DFlash){hint}")
+        raise TypeError(f"head is {describe(head)}, not a CorrectionHead (IdentityHead() for plain DFlash){hint}")
     check_pairing(target, drafter, head)
     if list(target.layer_ids) != list(drafter.cfg.target_layer_ids):
         raise ValueError(
@@ -226,7 +215,7 @@ def check_speculative_args(target, drafter, head, *, builder, budget, builder_pa
             "call target.set_layer_ids(drafter.cfg.target_layer_ids)"
         )
     if not isinstance(builder, str):
-        raise TypeError(f"builder is {_describe(builder)}; give a builder name, one of {sorted(builders)}")
+        raise TypeError(f"builder is {describe(builder)}; give a builder name, one of {sorted(builders)}")
     if builder not in builders:
         raise KeyError(f"unknown tree builder {builder!r}; available: {sorted(builders)}")
     if budget is not None and budget != "auto":
@@ -235,49 +224,3 @@ def check_speculative_args(target, drafter, head, *, builder, budget, builder_pa
         if budget < 0:
             raise ValueError(f"budget={budget} must be >= 0 (tree nodes per round; None: one per proposal)")
     check_builder_params(builder_params)
-
-
-def check_build_args(block, root_id: int, budget: int, head=None) -> int:
-    """Check a tree builder's positional arguments; returns the budget as an int.
-
-    Args:
-        block: a DraftBlock with ``hidden`` [P, D] float and ``base_logits`` [P, V] float (same P, V >= 1).
-        root_id: the root token, an integer in [0, V).
-        budget: an integer >= 0 (nodes to keep).
-        head: the correction head, if any: its ``vocab_size`` (when it has one) must be >= V and its
-            ``hidden_size`` D.
-    Raises:
-        TypeError: block without ``hidden`` / ``base_logits`` tensors, or a non-integer root_id / budget.
-        ValueError: shapes that do not fit ([P, D] and [P, V]), a head of another vocabulary or width, a root id
-            outside [0, V) or a negative budget.
-    """
-    hid, base = getattr(block, "hidden", None), getattr(block, "base_logits", None)
-    if not isinstance(hid, torch.Tensor) or not isinstance(base, torch.Tensor):
-        raise TypeError(f"block is {_describe(block)}; give a DraftBlock(hidden [P, D], base_logits [P, V])")
-    if base.dim() != 2 or hid.dim() != 2 or hid.shape[0] != base.shape[0] or base.shape[1] < 1:
-        raise ValueError(f"block.hidden {list(hid.shape)} and block.base_logits {list(base.shape)} must be [P, D] "
-                         "and [P, V] with the same P and V >= 1")
-    if not base.is_floating_point() or not hid.is_floating_point():
-        raise TypeError(f"block tensors must be floating point, got hidden {hid.dtype} and base_logits {base.dtype}")
-    vocab = getattr(block, "vocab", None)  # a reduced draft vocabulary: base_logits columns are these token ids
-    if vocab is not None and (not isinstance(vocab, torch.Tensor) or vocab.dim() != 1 or vocab.numel() != base.shape[1]):
-        raise ValueError(f"block.vocab must be [V'] token ids, one per base_logits column ({base.shape[1]}), got "
-                         f"{_describe(vocab)}")
-    n_vocab = base.shape[1] if vocab is None else int(vocab[-1]) + 1  # ascending ids: the last is the largest
-    hv, hd = getattr(head, "vocab_size", None), getattr(head, "hidden_size", None)
-    if hv is not None and hv < n_vocab:
-        raise ValueError(f"head vocab_size {hv} < block.base_logits vocabulary {n_vocab}: candidate ids would "
-                         "fall outside the head's tables; use the head trained with this drafter and target")
-    if hd is not None and hd != hid.shape[1]:
-        raise ValueError(f"head hidden_size {hd} != block.hidden width {hid.shape[1]}")
-    if not is_int(root_id):
-        raise TypeError(f"root_id={root_id!r} must be an integer token id")
-    upper = hv if hv is not None else (n_vocab if vocab is None else None)  # a draft vocabulary does not bound it
-    if root_id < 0 or (upper is not None and root_id >= upper):
-        raise ValueError(f"root_id={root_id} is outside the vocabulary [0, {upper})")
-    if not is_int(budget):
-        raise TypeError(f"budget={budget!r} must be an integer >= 0")
-    if budget < 0:
-        raise ValueError(f"budget={budget} must be >= 0 (tree nodes to keep)")
-    return int(budget)
-

@@ -30,8 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dartree.decode.inputs import check_build_args
-from dartree.decode.trees import DraftBlock, Tree, _check_k, _check_params, block_candidates, head_k
+from dartree.decode.trees import DraftBlock, Tree, _check_k, _check_params, block_candidates, check_build_args, head_k
 from dartree.decode.verify import TreeInputs, Verification, compile_tree
 from dartree.models.heads import CorrectionHead
 from dartree.models.target import Target, cache_length, compact_cache
@@ -149,7 +148,7 @@ def sample_chain(block: DraftBlock, head: CorrectionHead, root_id: int, budget: 
     Returns:
         SampledChain (Tree of M nodes, cand [M, K], q [M, K]).
     Raises:
-        ValueError: T <= 0, k < 1, or arguments rejected by :func:`dartree.decode.inputs.check_build_args`.
+        ValueError: T <= 0, k < 1, or arguments rejected by :func:`dartree.decode.trees.check_build_args`.
         TypeError: an unknown builder parameter (``width``, ``beta``, ``children`` are accepted and ignored).
     """
     _check_params("chain", extra)

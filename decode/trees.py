@@ -2,7 +2,7 @@
 
 ``build(block, head, root_id, budget, **params) -> Tree`` where ``block`` holds the drafter's hidden states
 H [P, D] and base logits U [P, V] for the P proposals of one round. Builders never touch the target. Every
-builder first checks its arguments (:func:`dartree.decode.inputs.check_build_args`): a block whose shapes do
+builder first checks its arguments (:func:`check_build_args`): a block whose shapes do
 not fit, a root id outside [0, V) or a non-integer budget raises TypeError / ValueError naming it; a budget of
 0 gives the empty tree and a negative one is a ValueError.
 
@@ -25,8 +25,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from dartree.decode.inputs import check_build_args
-from dartree.models.validate import is_int, is_real
+from dartree.base.fields import describe, is_int, is_real
 from dartree.kernels._backend import resolve
 from dartree.kernels.candidates import topk_candidates
 from dartree.kernels.frontier import frontier_topk
@@ -301,6 +300,51 @@ def declared_params() -> dict[str, BuilderParam]:
         for p in getattr(spec, "params", ()):
             out.setdefault(p.name, p)
     return out
+
+
+def check_build_args(block, root_id: int, budget: int, head=None) -> int:
+    """Check a tree builder's positional arguments; returns the budget as an int.
+
+    Args:
+        block: a DraftBlock with ``hidden`` [P, D] float and ``base_logits`` [P, V] float (same P, V >= 1).
+        root_id: the root token, an integer in [0, V).
+        budget: an integer >= 0 (nodes to keep).
+        head: the correction head, if any: its ``vocab_size`` (when it has one) must be >= V and its
+            ``hidden_size`` D.
+    Raises:
+        TypeError: block without ``hidden`` / ``base_logits`` tensors, or a non-integer root_id / budget.
+        ValueError: shapes that do not fit ([P, D] and [P, V]), a head of another vocabulary or width, a root id
+            outside [0, V) or a negative budget.
+    """
+    hid, base = getattr(block, "hidden", None), getattr(block, "base_logits", None)
+    if not isinstance(hid, torch.Tensor) or not isinstance(base, torch.Tensor):
+        raise TypeError(f"block is {describe(block)}; give a DraftBlock(hidden [P, D], base_logits [P, V])")
+    if base.dim() != 2 or hid.dim() != 2 or hid.shape[0] != base.shape[0] or base.shape[1] < 1:
+        raise ValueError(f"block.hidden {list(hid.shape)} and block.base_logits {list(base.shape)} must be [P, D] "
+                         "and [P, V] with the same P and V >= 1")
+    if not base.is_floating_point() or not hid.is_floating_point():
+        raise TypeError(f"block tensors must be floating point, got hidden {hid.dtype} and base_logits {base.dtype}")
+    vocab = getattr(block, "vocab", None)  # a reduced draft vocabulary: base_logits columns are these token ids
+    if vocab is not None and (not isinstance(vocab, torch.Tensor) or vocab.dim() != 1 or vocab.numel() != base.shape[1]):
+        raise ValueError(f"block.vocab must be [V'] token ids, one per base_logits column ({base.shape[1]}), got "
+                         f"{describe(vocab)}")
+    n_vocab = base.shape[1] if vocab is None else int(vocab[-1]) + 1  # ascending ids: the last is the largest
+    hv, hd = getattr(head, "vocab_size", None), getattr(head, "hidden_size", None)
+    if hv is not None and hv < n_vocab:
+        raise ValueError(f"head vocab_size {hv} < block.base_logits vocabulary {n_vocab}: candidate ids would "
+                         "fall outside the head's tables; use the head trained with this drafter and target")
+    if hd is not None and hd != hid.shape[1]:
+        raise ValueError(f"head hidden_size {hd} != block.hidden width {hid.shape[1]}")
+    if not is_int(root_id):
+        raise TypeError(f"root_id={root_id!r} must be an integer token id")
+    upper = hv if hv is not None else (n_vocab if vocab is None else None)  # a draft vocabulary does not bound it
+    if root_id < 0 or (upper is not None and root_id >= upper):
+        raise ValueError(f"root_id={root_id} is outside the vocabulary [0, {upper})")
+    if not is_int(budget):
+        raise TypeError(f"budget={budget!r} must be an integer >= 0")
+    if budget < 0:
+        raise ValueError(f"budget={budget} must be >= 0 (tree nodes to keep)")
+    return int(budget)
 
 
 def check_builder_params(params) -> None:

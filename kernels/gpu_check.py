@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from dartree.models.cli import fail
+from dartree.base.cli import fail
 
 REPO = Path(__file__).resolve().parents[1]
 SIZES = [1, 7, 63, 64, 65]  # tests/test_kernels.py: one row, odd, around a power of two
@@ -473,7 +473,7 @@ def main(argv=None) -> int:
     report["ok"] = not report["failures"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    from dartree.models.files import write_file_atomically
+    from dartree.base.files import write_file_atomically
 
     write_file_atomically(out, json.dumps(report, indent=2, default=str))
     print(f"gpu_check ({report['mode']}): {'ok' if report['ok'] else 'FAILED'} in {report['elapsed_s']:.0f}s; "

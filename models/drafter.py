@@ -90,7 +90,8 @@ class DrafterConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistent field (its value and allowed range:
         :data:`dartree.models.validate.DRAFTER_FIELDS`)."""
-        from dartree.models.validate import DRAFTER_FIELDS, check_fields
+        from dartree.base.fields import check_fields
+        from dartree.models.validate import DRAFTER_FIELDS
 
         check_fields(asdict(self), DRAFTER_FIELDS)
         if self.block_size < 2:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dartree.models.validate import is_int, is_real
+from dartree.base.fields import is_int, is_real
 
 # generation_config fields that change what a sample at T > 0 is, each with the value under which it does nothing
 # (None, the transformers default, also means off). repetition_penalty changes the greedy token too.

@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dartree.models.validate import Range
+from dartree.base.fields import Range
 
 # Checkpoint-config rules of hyper-parameters several heads share (config ``head`` besides ``type``); each head class
 # lists its own as ``fields`` (checked at construction and when a checkpoint loads).
@@ -51,7 +51,7 @@ class CorrectionHead(nn.Module):
     """Base class; see the module docstring for the interface. ``type_name`` keys the registry."""
 
     type_name = "base"
-    # the hyper-parameters of hparams() and their allowed values (dartree.models.validate field rules)
+    # the hyper-parameters of hparams() and their allowed values (dartree.base.fields rules)
     fields: dict = {}
     max_candidates: int | None = None  # a head defined over the top-k of U only (DFlash 2's selector) caps K
     # True for a head that reads the target's frozen token embeddings (bound by bind_embeddings; Domino's GRU)

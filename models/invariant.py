@@ -214,7 +214,7 @@ def choose_invariant_linear(model: torch.nn.Module) -> LinearTiling:
         ValueError: no path is row invariant for some shape here (named), so no verify row can equal the AR
             step by construction on this CPU; decode without the mode.
     """
-    from dartree.models.packed import onednn_linear_supported
+    from dartree.base.dtypes import onednn_linear_supported
 
     shapes = {}
     for mod in model.modules():

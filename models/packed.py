@@ -24,25 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dartree.base.dtypes import onednn_linear_supported
+
 LINEAR_BACKENDS = ("auto", "onednn", "aten")
-
-
-def onednn_linear_supported(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> tuple[bool, str]:
-    """Whether prepacked oneDNN linears can run for this dtype and device, and why not.
-
-    Returns:
-        (supported, reason). fp32 needs a CPU torch build with oneDNN (``torch.backends.mkldnn``); bf16 also
-        needs oneDNN bf16 support of the CPU (AVX512-BF16 / AMX / AVX-NE-CONVERT); CUDA and other devices never.
-    """
-    if torch.device(device).type != "cpu":
-        return False, f"device {device} is not a CPU (oneDNN prepacking is a CPU path)"
-    if not torch.backends.mkldnn.is_available():
-        return False, "this torch build has no oneDNN (torch.backends.mkldnn unavailable)"
-    if dtype == torch.float32:
-        return True, "fp32 oneDNN linear available"
-    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return True, "bf16 oneDNN linear supported by this CPU"
-    return False, f"oneDNN has no native {dtype} linear on this CPU"
 
 
 def choose_linear(requested: str, dtype: torch.dtype, device: str | torch.device = "cpu") -> tuple[str, str]:

@@ -24,7 +24,7 @@ from typing import Sequence
 
 import torch
 
-from dartree.models.files import atomic_folder
+from dartree.base.files import atomic_folder
 
 DEFAULT_TARGET = "smollm2"
 TINY_TARGET = "tiny-qwen3"

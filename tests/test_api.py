@@ -123,7 +123,7 @@ def test_the_row_invariant_mode_by_default_in_bf16_and_on_request_in_fp32(spec):
 
 
 def test_load_auto_dtype_is_measured_and_exact_in_the_mode_it_picks():
-    from dartree.models.dtypes import native_bf16
+    from dartree.base.dtypes import native_bf16
 
     auto = dartree.load(threads=1)  # the API's default: dtype="auto"
     if native_bf16()[0]:

@@ -203,7 +203,7 @@ def test_target_pairing_and_field_messages_show_types_where_they_differ(tmp_path
 
 
 def test_choice_fields_show_types_where_they_differ():
-    from dartree.models.validate import Choice
+    from dartree.base.fields import Choice
 
     rule = Choice((0, 1, 2))
     assert rule.problem("k", 1) is None and rule.problem("k", "1") == "k='1' (str) is not allowed: use one of [0, 1, 2] (int)"

@@ -1,6 +1,6 @@
-"""The one way a command-line program refuses input (dartree.models.cli): one stderr line, exit status 2."""
+"""The one way a command-line program refuses input (dartree.base.cli): one stderr line, exit status 2."""
 
-from dartree.models.cli import fail, first_line
+from dartree.base.cli import fail, first_line
 
 
 def test_fail_prints_one_error_line_and_returns_the_exit_status(capsys):

@@ -63,7 +63,7 @@ def test_eval_cli_writes_report(tiny_folder, tmp_path):
     for key in ("device", "dtype", "torch", "transformers", "prompts", "max_new_tokens", "attn_implementation"):
         assert key in env
     assert len(env["prompts"]) == 4
-    from dartree.models.packed import onednn_linear_supported
+    from dartree.base.dtypes import onednn_linear_supported
 
     assert env["linear"] == ("onednn" if onednn_linear_supported()[0] else "aten")  # --linear auto
     assert f"linear layers: {env['linear']}" in r.stdout and env["linear_reason"].startswith("auto:")

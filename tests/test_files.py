@@ -1,4 +1,4 @@
-"""Atomic writes (dartree.models.files): a destination is its old version or the complete new one, never a mix, and
+"""Atomic writes (dartree.base.files): a destination is its old version or the complete new one, never a mix, and
 a failed write leaves nothing behind."""
 
 import os
@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dartree.models.files import atomic_folder, write_file_atomically, write_folder_atomically
+from dartree.base.files import atomic_folder, write_file_atomically, write_folder_atomically
 
 
 def _leftovers(folder):
@@ -49,7 +49,7 @@ def test_a_folder_is_swapped_whole_and_an_error_inside_the_block_keeps_the_old_o
 def test_a_writer_killed_mid_write_leaves_the_old_folder(tmp_path):
     dest = tmp_path / "out"
     write_folder_atomically(dest, {"x": b"old"})
-    script = ("import os, sys; from pathlib import Path; from dartree.models.files import atomic_folder\n"
+    script = ("import os, sys; from pathlib import Path; from dartree.base.files import atomic_folder\n"
               "with atomic_folder(Path(sys.argv[1])) as tmp:\n"
               "    (tmp / 'x').write_bytes(b'half')\n"
               "    os._exit(9)\n")

@@ -1,4 +1,4 @@
-"""The dtype ``auto`` picks by measurement (dartree.decode.precision, dartree.models.dtypes.dtype_candidates): the
+"""The dtype ``auto`` picks by measurement (dartree.decode.precision, dartree.base.dtypes.dtype_candidates): the
 rate formula, the choice and its reason, the held-out tau it scores with, and the interleaved timing."""
 
 import pytest
@@ -66,7 +66,7 @@ def test_time_modes_interleaves_the_candidates_and_keeps_each_figures_fastest(mo
 
 
 def test_dtype_candidates_time_both_only_where_bf16_is_native(monkeypatch):
-    import dartree.models.dtypes as dtypes
+    import dartree.base.dtypes as dtypes
 
     assert dtypes.dtype_candidates("float32")[0] == ["float32"]
     assert dtypes.dtype_candidates("bfloat16")[0] == ["bfloat16"]

@@ -18,7 +18,7 @@ from torch import nn
 from conftest import VOCAB
 from dartree.models.families import FAMILIES, Family, Objective, get_family, register_family
 from dartree.models.heads import HEADS, CorrectionHead
-from dartree.models.validate import Range, check_fields
+from dartree.base.fields import Range, check_fields
 from dartree.training.recipe import RecipeError, load_recipe
 from dartree.training.train import run
 

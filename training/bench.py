@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from dartree.models.files import write_file_atomically
+from dartree.base.files import write_file_atomically
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -18,9 +18,9 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from dartree.models.checkpoint import cast_floats, dartree_config
-from dartree.models.files import write_folder_atomically
+from dartree.base.files import write_folder_atomically
 from dartree.models.drafter import DFlashDrafter, DrafterConfig, build_target_layer_ids
-from dartree.models.dtypes import parse_dtype
+from dartree.base.dtypes import parse_dtype
 from dartree.models.families import get_family
 from dartree.models.target import Target, load_target
 from dartree.training.campaign_data import CampaignData, campaign_rows
@@ -40,7 +40,7 @@ PROVENANCE_FIELDS = ("steps", "final_loss", "train_min", "data_prep_min", "train
 
 
 def parse_recipe_dtype(name: str, key: str) -> torch.dtype:
-    """The dtype a recipe key names (:func:`~dartree.models.dtypes.parse_dtype`).
+    """The dtype a recipe key names (:func:`~dartree.base.dtypes.parse_dtype`).
 
     Raises:
         RecipeError: an unknown name, with the key and the known names.

@@ -150,7 +150,7 @@ def sha256_file(path: Path) -> str:
 
 
 def _atomic_json(path: Path, obj) -> None:
-    from dartree.models.files import write_file_atomically
+    from dartree.base.files import write_file_atomically
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_file_atomically(path, json.dumps(obj, indent=1) + "\n")
@@ -543,7 +543,7 @@ def _train_all(cfg, keep: Path, target_spec: str, work_end: float) -> list[dict]
 
     recipes = list(cfg.recipes)
     ev = float(cfg.eval_seconds)
-    # made first: each worker's output_dir check (models.validate.folder_problem) creates and removes the missing
+    # made first: each worker's output_dir check (base.fields.folder_problem) creates and removes the missing
     # parents of its own folder, so side by side one worker could remove runs/ under another's check
     (keep / "runs").mkdir(parents=True, exist_ok=True)
     if cfg.parallel:
@@ -733,7 +733,7 @@ def _merge_shards(camp: Path, stage: Path) -> list[dict]:
     Raises:
         BurstError: the returned manifest does not extend the local one, or a shard's sha256 differs from it.
     """
-    from dartree.models.files import write_file_atomically
+    from dartree.base.files import write_file_atomically
     from dartree.training.campaign_store import read_manifest
 
     local = read_manifest(camp)
@@ -963,7 +963,7 @@ def _state_lock(camp: Path, runs_dir: str):
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status (2 for a settings, payload or result error)."""
-    from dartree.models.cli import fail
+    from dartree.base.cli import fail
 
     args = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in args):

@@ -50,7 +50,7 @@ from typing import Iterator
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from dartree.models.cli import fail
+from dartree.base.cli import fail
 from dartree.training.campaign_store import (  # noqa: F401  (the store's names, for the tools that import them here)
     DEFAULT_DIR,
     REPO,
@@ -419,7 +419,7 @@ def _git_commit() -> str:
 
 
 def _gen_dtype(cfg: DictConfig, device=None):
-    from dartree.models.dtypes import native_bf16, parse_dtype
+    from dartree.base.dtypes import native_bf16, parse_dtype
 
     if cfg.gen_dtype == "auto":
         on_gpu = getattr(device, "type", "cpu") == "cuda"
@@ -470,7 +470,7 @@ def write_plan(cfg: DictConfig, path: Path, count: int, tokenizer=None) -> dict:
     """
     import gzip
 
-    from dartree.models.files import write_file_atomically
+    from dartree.base.files import write_file_atomically
     from dartree.training.data import dialogue_segments
 
     if tokenizer is None:
@@ -574,7 +574,7 @@ def _regenerate(target, cfg: DictConfig, items: list, folder: Path, deadline: fl
 
 
 def _note_seconds(folder: Path, seconds: float) -> None:
-    from dartree.models.files import write_file_atomically
+    from dartree.base.files import write_file_atomically
 
     spent = folder / "seconds.json"
     before = json.loads(spent.read_text())["seconds"] if spent.exists() else 0.0
@@ -646,7 +646,7 @@ class _Wave:
             self.written += 1
 
     def _write(self, g: int, rows: list) -> None:
-        from dartree.models.files import write_file_atomically
+        from dartree.base.files import write_file_atomically
 
         name, start, items, end = self.pieces[g]
         now = time.time()

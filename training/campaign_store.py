@@ -105,7 +105,7 @@ def read_manifest(folder: Path) -> dict:
 
 def write_manifest(folder: Path, manifest: dict) -> None:
     """Write ``<folder>/manifest.json`` atomically, with totals over the training shards."""
-    from dartree.models.files import write_file_atomically
+    from dartree.base.files import write_file_atomically
 
     shards = manifest["shards"]
     manifest["totals"] = {

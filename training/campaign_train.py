@@ -66,7 +66,7 @@ def write_state(cfg: DictConfig, state: dict) -> None:
     """Write the training state to ``campaign/train_state.json`` atomically, every path relative to its stated
     root (:func:`dartree.training.campaign_store.to_record`). Callers that may run side by side use
     :func:`locked_state` instead."""
-    from dartree.models.files import write_file_atomically
+    from dartree.base.files import write_file_atomically
 
     write_file_atomically(_state_path(cfg), json.dumps(to_record(state, record_roots(cfg)), indent=1) + "\n")
 
@@ -370,7 +370,7 @@ def plot_curve(cfg: DictConfig, path: Path) -> Path | None:
     import numpy as np
     from matplotlib.ticker import FuncFormatter, LogLocator
 
-    from dartree.models.files import write_file_atomically
+    from dartree.base.files import write_file_atomically
 
     points = curve_points(cfg)
     if not points:

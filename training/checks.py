@@ -15,9 +15,9 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from dartree.models.dtypes import DTYPES as DTYPE_TABLE
+from dartree.base.dtypes import DTYPES as DTYPE_TABLE
 from dartree.models.families import FAMILIES, recipe_fields
-from dartree.models.validate import Choice, Flag, IdList, Range, field_problems
+from dartree.base.fields import Choice, Flag, IdList, Range, field_problems
 
 
 class RecipeError(ValueError):
@@ -237,9 +237,9 @@ def check_output_dir(path: str | os.PathLike) -> None:
 
     Raises:
         RecipeError: ``path`` is an existing file, or cannot be created or written (tried and undone:
-            :func:`dartree.models.validate.folder_problem`).
+            :func:`dartree.base.fields.folder_problem`).
     """
-    from dartree.models.validate import folder_problem
+    from dartree.base.fields import folder_problem
     if int(os.environ.get("RANK", "0") or 0) != 0:
         # only rank 0 tries to create the folder: ranks trying at once race on mkdir / rmdir ("File exists");
         # rank 0 refuses the run for all of them

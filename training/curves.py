@@ -17,7 +17,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 
-from dartree.models.files import write_file_atomically
+from dartree.base.files import write_file_atomically
 
 
 def save_png(fig: Figure, path: str | Path, dpi: int = 110) -> Path:

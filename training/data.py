@@ -45,10 +45,10 @@ from safetensors.torch import load_file, save
 from tqdm.auto import tqdm
 
 from dartree.models.chat import check_chat_template
-from dartree.models.files import write_file_atomically
+from dartree.base.files import write_file_atomically
 from dartree.models.generation import stop_ids as target_stop_ids
 from dartree.models.target import Target, cache_root
-from dartree.models.validate import is_int
+from dartree.base.fields import is_int
 from dartree.training.regen import continuous_greedy
 
 

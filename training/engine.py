@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dartree.models.files import replace_folder
+from dartree.base.files import replace_folder
 
 RESUME_DIR = "resume"
 RESUME_TAG = "last"

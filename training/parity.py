@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from dartree.models.cli import fail
+from dartree.base.cli import fail
 from dartree.training.recipe import RecipeError
 
 

@@ -15,7 +15,7 @@ import time
 
 from omegaconf import DictConfig
 
-from dartree.models.cli import fail
+from dartree.base.cli import fail
 from dartree.models.drafter import build_target_layer_ids
 from dartree.training.recipe import RecipeError, load_recipe
 

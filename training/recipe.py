@@ -14,7 +14,7 @@ from typing import Any, Dict, Optional
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-from dartree.models.dtypes import native_bf16
+from dartree.base.dtypes import native_bf16
 from dartree.models.families import FAMILIES, recipe_fields
 from dartree.models.heads import HEADS
 from dartree.training.checks import RecipeError, check_recipe  # noqa: F401  (RecipeError: this module's error)
@@ -284,7 +284,7 @@ def resolve_auto_dtypes(cfg: DictConfig) -> list[str]:
 
     auto means bf16 (regeneration in bfloat16, drafter autocast to bf16) where the device has native bf16
     arithmetic, else float32 / false: on ``train.device=cuda`` where ``torch.cuda.is_bf16_supported()`` (every GPU
-    since Ampere), on the CPU where :func:`~dartree.models.dtypes.native_bf16` holds. A recipe whose ``train.device``
+    since Ampere), on the CPU where :func:`~dartree.base.dtypes.native_bf16` holds. A recipe whose ``train.device``
     is still ``auto`` is resolved first (:func:`resolve_train_device`). The resolved values are what the run
     records (recipe.yaml beside the checkpoint, the data cache key), so a run is reproducible from its record.
     Returns one line per field resolved (printed by train).

@@ -266,8 +266,8 @@ def load_sources(repo: Path = REPO) -> ResultSources:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: write the page (``--out``, default docs/results.md) atomically, or with ``--check``
     exit 1 when it differs from its data; 2 for a malformed source."""
-    from dartree.models.cli import fail
-    from dartree.models.files import write_file_atomically
+    from dartree.base.cli import fail
+    from dartree.base.files import write_file_atomically
 
     ap = argparse.ArgumentParser(prog="python -m dartree.training.results", description=__doc__.splitlines()[0])
     ap.add_argument("--repo", type=Path, default=REPO, help="the repository whose data to render")

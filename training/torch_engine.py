@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dartree.models.files import write_folder_atomically
+from dartree.base.files import write_folder_atomically
 
 MODEL_FILE = "model.safetensors"
 STATE_FILE = "state.pt"

@@ -16,7 +16,7 @@ import sys
 
 from omegaconf import DictConfig, OmegaConf
 
-from dartree.models.cli import fail
+from dartree.base.cli import fail
 from dartree.training.recipe import RecipeError, load_recipe
 from dartree.training.trainer import Trainer
 

@@ -27,7 +27,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig, OmegaConf
 from tqdm.auto import tqdm
 
-from dartree.models.files import write_file_atomically
+from dartree.base.files import write_file_atomically
 from dartree.models.generation import stop_ids as target_stop_ids
 from dartree.training.build import (
     build_models,

@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             how, rows = mode_cost(args.target, getattr(torch, dname), prefix=args.prefix)
         except ValueError as exc:
-            from dartree.models.cli import fail
+            from dartree.base.cli import fail
 
             return fail(f"--cost {dname}: {exc}")
         print(f"\n{dname}, prefix {args.prefix} tokens; the mode's linears {how}")

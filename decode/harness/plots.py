@@ -204,9 +204,9 @@ def _new_figure(w: float, h: float) -> Figure:
 
 def save_figure(fig: Figure, path: str | Path, dpi: int = 110) -> Path:
     """Write ``fig`` as a PNG atomically under a unique temporary name
-    (:func:`dartree.models.files.write_file_atomically`: two runs drawing into one folder never share it) and
+    (:func:`dartree.base.files.write_file_atomically`: two runs drawing into one folder never share it) and
     return the path."""
-    from dartree.models.files import write_file_atomically
+    from dartree.base.files import write_file_atomically
 
     buf = io.BytesIO()
     fig.savefig(buf, dpi=dpi, format="png")

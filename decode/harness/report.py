@@ -22,16 +22,16 @@ import sys
 from pathlib import Path
 from typing import Callable, Sequence
 
-from dartree.models.cli import fail
-from dartree.models.files import write_file_atomically
+from dartree.base.cli import fail
+from dartree.base.files import write_file_atomically
 
 FIGURES_MARKER = "<!-- dartree-report figures: everything below is redrawn by dartree-report -->"
 
 
 def _write(path: Path, text: str) -> None:
-    """Write ``path`` atomically under a unique temporary name (:func:`dartree.models.files.write_file_atomically`,
+    """Write ``path`` atomically under a unique temporary name (:func:`dartree.base.files.write_file_atomically`,
     imported here so that this module does not load torch until it writes)."""
-    from dartree.models.files import write_file_atomically
+    from dartree.base.files import write_file_atomically
 
     write_file_atomically(path, text)
 
@@ -446,7 +446,7 @@ def main(argv=None) -> int:
         return fail(f"{len(labels)} --labels for {len(sources)} inputs")
     if args.draw_round is not None and args.draw_round < 1:
         return fail(f"--draw-round is 1-based, got {args.draw_round}")
-    from dartree.models.validate import folder_problem
+    from dartree.base.fields import folder_problem
 
     if args.curves:
         png = Path(args.out or "curves.png")
@@ -682,7 +682,7 @@ def build_report(environment: dict, rows: dict[str, list[dict]], trees: dict, me
 
 def write_report_files(out: Path, report: dict, md: str) -> None:
     """Write ``out/report.json`` (``report``) and ``out/report.md`` (``md``, made from the same report), each
-    atomically under a unique temporary name (:func:`dartree.models.files.write_file_atomically`), so two runs
+    atomically under a unique temporary name (:func:`dartree.base.files.write_file_atomically`), so two runs
     writing one folder never share a temporary file. Call it inside ``Signals.held`` (``decode/eval.py``), so that
     SIGINT / SIGTERM cannot fall between the two files and leave one a prompt behind the other.
 

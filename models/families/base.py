@@ -94,7 +94,7 @@ class Family:
         distribution: its loss has the terms that compare with the target's distribution (``loss.tv_weight`` /
             ``loss.kl_weight`` > 0 are refused elsewhere).
         recipe_fields: recipe ``head`` keys this family adds: name -> (default, rule), the rule a
-            :mod:`dartree.models.validate` field rule (``Range``, ``Flag``, ``Choice``); every recipe then holds them.
+            :mod:`dartree.base.fields` field rule (``Range``, ``Flag``, ``Choice``); every recipe then holds them.
     """
 
     name: str = ""

@@ -12,7 +12,7 @@ from torch import nn
 
 from dartree.models.families.base import Family, Objective, register_family
 from dartree.models.heads import HIDDEN_RULE, RANK_RULE, VOCAB_RULE, CorrectionHead
-from dartree.models.validate import Range, check_fields
+from dartree.base.fields import Range, check_fields
 
 # weight of the base (unary) CE beside the selector-corrected CE, (1 - w) CE(U + A W^T) + w CE(U); 0.5 weights them
 # equally, as speculators' DFlash 2 trainer does (selector_loss_alpha 1.0 beside the unary loss)

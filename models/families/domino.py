@@ -18,7 +18,7 @@ from torch import nn
 from dartree.kernels.gru import gru_cell
 from dartree.models.families.base import Family, Objective, register_family
 from dartree.models.heads import HIDDEN_RULE, VOCAB_RULE, CorrectionHead
-from dartree.models.validate import Range, check_fields
+from dartree.base.fields import Range, check_fields
 
 
 def lambda_schedule(step: int, total_steps: int, start: float = 1.0, ratio: float = 1.0) -> float:

@@ -19,7 +19,7 @@ from torch import nn
 
 from dartree.models.families.base import Family, Objective, register_family
 from dartree.models.heads import HIDDEN_RULE, RANK_RULE, VOCAB_RULE, CorrectionHead
-from dartree.models.validate import Flag, check_fields
+from dartree.base.fields import Flag, check_fields
 
 _CONFIDENCE = {"confidence_head": Flag(), "confidence_with_markov": Flag()}
 

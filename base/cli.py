@@ -1,6 +1,6 @@
 """How every dartree command-line program refuses bad input: one line on stderr, ``error: WHAT; FIX``, and exit
 status 2 (argparse's own status for a bad argument), never a traceback. The programs check what they can before
-loading a model, so a refusal costs nothing."""
+loading a model, so a refusal costs nothing. Layer 0 (``dartree.base``): imports nothing of dartree."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The floating-point dtypes the tools take by name (``--dtype``, recipe ``target.dtype``), in one table."""
+"""The floating-point dtypes the tools take by name (``--dtype``, recipe ``target.dtype``), in one table, and what
+this machine runs natively (layer 0, ``dartree.base``: imports nothing of dartree)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,24 @@ def parse_dtype(name: str, what: str = "dtype") -> torch.dtype:
     return DTYPES[name]
 
 
+def onednn_linear_supported(dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> tuple[bool, str]:
+    """Whether prepacked oneDNN linears can run for this dtype and device, and why not.
+
+    Returns:
+        (supported, reason). fp32 needs a CPU torch build with oneDNN (``torch.backends.mkldnn``); bf16 also
+        needs oneDNN bf16 support of the CPU (AVX512-BF16 / AMX / AVX-NE-CONVERT); CUDA and other devices never.
+    """
+    if torch.device(device).type != "cpu":
+        return False, f"device {device} is not a CPU (oneDNN prepacking is a CPU path)"
+    if not torch.backends.mkldnn.is_available():
+        return False, "this torch build has no oneDNN (torch.backends.mkldnn unavailable)"
+    if dtype == torch.float32:
+        return True, "fp32 oneDNN linear available"
+    if dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return True, "bf16 oneDNN linear supported by this CPU"
+    return False, f"oneDNN has no native {dtype} linear on this CPU"
+
+
 def native_bf16() -> tuple[bool, str]:
     """Whether this machine's CPU has native bf16 matrix arithmetic (oneDNN bf16: AVX512-BF16 / AMX), and why.
 
@@ -31,8 +50,6 @@ def native_bf16() -> tuple[bool, str]:
     Returns:
         (native, a one-line reason naming the CPU capability).
     """
-    from dartree.models.packed import onednn_linear_supported
-
     cap = torch.backends.cpu.get_cpu_capability()
     if onednn_linear_supported(torch.bfloat16)[0]:  # the same oneDNN bf16 check the packed linears use
         return True, f"this CPU ({cap}) has native bf16 matrix arithmetic"

@@ -1,6 +1,7 @@
 """Files and folders written atomically: a reader (or a process killed mid-write) sees the old version or the
 complete new one, never a torn mix. Every checkpoint, report, data set and cache of dartree is written through
 these helpers (a temporary file or folder beside the destination, then one ``os.replace``, atomic on POSIX).
+Layer 0 (``dartree.base``): imports nothing of dartree.
 """
 
 from __future__ import annotations
