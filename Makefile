@@ -56,7 +56,7 @@ eval-20: setup
 # On a CUDA machine (<= 8 min): Triton kernels vs torch twins, tree-build ms (pruned vs heap-sequential), a bf16 eval
 # of every builder; exits non-zero on a kernel mismatch. Without CUDA it runs the small --dry check.
 gpu-check: $(VENV_DEP)
-	$(PY) kernels/gpu_check.py --out reports/gpu_check.json
+	$(PY) kernels/tools/gpu_check.py --out reports/gpu_check.json
 	@# the trainer on CUDA (tests/test_training_cuda.py: skipped, with the reason, where no GPU is present)
 	$(PY) -m pytest -rs tests/test_training_cuda.py
 
@@ -76,7 +76,7 @@ train: setup
 # thread, safe to kill; commit campaign/ afterwards so the next machine continues from it.
 CAMPAIGN_HOURS ?= 2.5
 campaign: setup
-	$(PY) training/campaign.py hours=$(CAMPAIGN_HOURS)
+	$(PY) training/tools/campaign.py hours=$(CAMPAIGN_HOURS)
 
 clean:
 	rm -rf reports runs .pytest_cache
@@ -89,7 +89,7 @@ clean:
 .PHONY: burst-payload burst-dry burst-apply
 BURST_SHARDS ?= 64
 burst-payload: $(VENV_DEP)
-	$(PY) training/burst.py stage=payload shards=$(BURST_SHARDS)
+	$(PY) training/tools/burst.py stage=payload shards=$(BURST_SHARDS)
 
 burst-dry: $(VENV_DEP)
 	$(PY) -m pytest -q -m slow tests/test_burst.py -k dry_run
@@ -97,10 +97,10 @@ burst-dry: $(VENV_DEP)
 # BURST_RESULTS: the folders of the returned files, comma-separated (set 1 first); BURST_APPLY: more key=value words
 # (eval_limit=0: merge only; ship=false: measure only)
 burst-apply: $(VENV_DEP)
-	$(PY) training/burst.py stage=apply results=[$(BURST_RESULTS)] $(BURST_APPLY)
+	$(PY) training/tools/burst.py stage=apply results=[$(BURST_RESULTS)] $(BURST_APPLY)
 
 # The results page: render docs/results.md from campaign/train_state.json, campaign/manifest.json,
 # checkpoints/*/learning_curve.json and checkpoints/results.json (edit those, then run this)
 .PHONY: results
 results: $(VENV_DEP)
-	$(PY) -m dartree.training.results
+	$(PY) -m dartree.training.tools.results

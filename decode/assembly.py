@@ -3,7 +3,7 @@
 Every program that decodes builds its models here and passes the :class:`Assembly` on: the Python API
 (:func:`dartree.load` wraps it in a :class:`~dartree.speculator.SpeculativeDecoder`), the evaluation session
 (``decode/eval.py``, :func:`dartree.decode.harness.session.open_session`), the round-cost bench (``decode/bench.py``)
-and the GPU check (``kernels/gpu_check.py``). For one dtype it
+and the GPU check (``kernels/tools/gpu_check.py``). For one dtype it
 
 1. loads the target (:func:`~dartree.models.target.load_target`, moved to ``device``),
 2. loads the dartree checkpoint against it (:func:`~dartree.models.checkpoint.load_dartree`: pairing checked,
@@ -26,7 +26,7 @@ the CPU. The programs pass their own flags through, and differ from those defaul
   weight shape and row count; its few seconds would lengthen every :func:`dartree.load`.
 - ``decode/bench.py``: ``--dtype float32`` by default, and ``invariant`` ``off`` (``on`` for the ``DTYPE/invariant``
   rows of ``--invariant``): it measures named modes side by side, never a measured choice; ``tune`` on as eval.
-- ``kernels/gpu_check.py``: ``bfloat16`` on CUDA (the dry run: float32 on the tiny target, with a random drafter
+- ``kernels/tools/gpu_check.py``: ``bfloat16`` on CUDA (the dry run: float32 on the tiny target, with a random drafter
   written as a checkpoint), ``linear="aten"`` (no packed path on CUDA; the dry run keeps F.linear), ``invariant``
   ``off``: its own section enters the Triton mode to compare it with the default kernels.
 """

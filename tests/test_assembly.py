@@ -80,7 +80,7 @@ def test_load_decodes_with_the_assembled_models(tiny_folder, builds):  # noqa: F
 
 
 def test_the_eval_session_decodes_with_the_assembled_models(tiny_folder, builds):  # noqa: F811
-    from dartree.decode.eval import parse_args
+    from dartree.decode.harness.eval import parse_args
     from dartree.decode.harness.session import open_session
 
     args = parse_args(["--target", str(tiny_folder / "target"), "--checkpoint", str(tiny_folder / "ckpt"),
@@ -105,7 +105,7 @@ def test_the_eval_session_decodes_with_the_assembled_models(tiny_folder, builds)
 
 @pytest.mark.slow
 def test_the_bench_measures_the_assembled_models(tiny_folder, builds, tmp_path):  # noqa: F811
-    from dartree.decode.bench import main
+    from dartree.decode.harness.bench import main
 
     out = tmp_path / "bench.json"
     assert main(["--target", str(tiny_folder / "target"), "--checkpoint", str(tiny_folder / "ckpt"), "--tree", "chain",
@@ -123,7 +123,7 @@ def test_the_bench_measures_the_assembled_models(tiny_folder, builds, tmp_path):
 
 
 def test_the_gpu_check_runs_on_the_assembled_models(builds):
-    from dartree.kernels.gpu_check import load_models
+    from dartree.kernels.tools.gpu_check import load_models
 
     models, prompts = load_models("smollm2", torch.device("cpu"), dry=True)  # the dry run: tiny target, random drafter
     (call,) = builds

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from dartree.training.campaign import (CampaignError, load_settings, read_manifest, read_plan, usable_items,
+from dartree.training.tools.campaign import (CampaignError, load_settings, read_manifest, read_plan, usable_items,
                                        write_plan)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -50,7 +50,7 @@ def test_the_plan_cuts_the_pool_as_the_data_stage_would(tmp_path, tokenizer):
 
 
 def test_an_upload_over_the_limit_names_what_is_largest(tmp_path):
-    from dartree.training.burst import BurstError, check_upload
+    from dartree.training.tools.burst import BurstError, check_upload
 
     (tmp_path / "up").mkdir()
     (tmp_path / "up" / "target.part1").write_bytes(b"x" * (3 << 20))
@@ -63,9 +63,9 @@ def test_an_upload_over_the_limit_names_what_is_largest(tmp_path):
 
 
 def test_the_wheels_follow_the_trainer_and_settings_are_checked(monkeypatch):
-    import dartree.training.campaign_train as ct
-    from dartree.training.burst import BASE_WHEELS, DEEPSPEED_WHEELS, BurstError, load_settings as burst_settings
-    from dartree.training.burst import wheel_requirements
+    import dartree.training.tools.campaign_train as ct
+    from dartree.training.tools.burst import BASE_WHEELS, DEEPSPEED_WHEELS, BurstError, load_settings as burst_settings
+    from dartree.training.tools.burst import wheel_requirements
 
     cfg = burst_settings([])
     monkeypatch.setattr(ct, "recipe_has", lambda key: False)
@@ -118,7 +118,7 @@ def test_the_dry_run_is_the_burst_on_a_cpu(tmp_path):
     (camp / "campaign.yaml").write_text(f"target: {tiny}\ndata:\n  holdout: 2\n  shard_size: 3\n  max_new_tokens: 8\n"
                                         "  max_turns: 2\n")
     common = [f"dir={tmp_path / 'burst'}", f"campaign={camp}"]
-    r = subprocess.run([sys.executable, "training/burst.py", "stage=payload", *common, f"target={tiny}", "shards=3",
+    r = subprocess.run([sys.executable, "training/tools/burst.py", "stage=payload", *common, f"target={tiny}", "shards=3",
                         "wheels=[]", "hidden_mib=1", "eval_per_set=1"], cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-2000:]
@@ -127,15 +127,15 @@ def test_the_dry_run_is_the_burst_on_a_cpu(tmp_path):
     assert pay["plan"]["pieces"] == ["holdout", "train-00000", "train-00001"] and len(parts) == 2
     assert sum(p["bytes"] for p in parts) == pay["target"]["joined_bytes"] and all(p["bytes"] > 0 for p in parts)
     assert all(u["total_bytes"] <= u["limit_bytes"] for u in pay["uploads"])
-    from dartree.training.burst import git_view
+    from dartree.training.tools.burst import git_view
 
     whole, hidden = git_view(), git_view(1.0)  # hidden_mib=1 counts the view as hide-large-files hide 1 leaves it
     assert any(p.startswith("checkpoints/") and n >= 1 << 20 for n, p in whole)
     assert not any(n >= 1 << 20 for n, p in hidden) and pay["uploads"][0]["git_view_bytes"] == sum(n for n, _ in hidden)
-    r = subprocess.run(["bash", "training/burst.sh", "receive"], cwd=REPO, env=env, capture_output=True, text=True)
+    r = subprocess.run(["bash", "training/tools/burst.sh", "receive"], cwd=REPO, env=env, capture_output=True, text=True)
     assert r.returncode == 0 and "part 1" in r.stdout, r.stderr
     out = tmp_path / "out"
-    run = ["bash", "training/burst.sh", "run", "device=cpu", f"campaign={camp}", f"runs_dir={tmp_path / 'x'}",
+    run = ["bash", "training/tools/burst.sh", "run", "device=cpu", f"campaign={camp}", f"runs_dir={tmp_path / 'x'}",
            "data_args=[gen_slots=64,gen_min_free=4,gen_prefill_tokens=65536,gen_requeue=true,shards_per_call=2,"
            "threads=1]", "train_overrides=" + json.dumps(TINY_TRAIN + [f"target.path={tiny}"]),
            "eval_tokens=8", "eval_seconds=40", "pack_seconds=20", "overhead_minutes=0.5", "piece_mib=0.5",
@@ -161,7 +161,7 @@ def test_the_dry_run_is_the_burst_on_a_cpu(tmp_path):
     fetched = []
     for k in range(2, rep["sets"] + 1):
         o = tmp_path / f"out{k}"
-        r = subprocess.run(["bash", "training/burst.sh", "fetch", str(k)], cwd=REPO, env={**env, "OUT": str(o)},
+        r = subprocess.run(["bash", "training/tools/burst.sh", "fetch", str(k)], cwd=REPO, env={**env, "OUT": str(o)},
                            capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         fetched.append(str(o))
@@ -171,13 +171,13 @@ def test_the_dry_run_is_the_burst_on_a_cpu(tmp_path):
     home.mkdir()
     shutil.copy(camp / "campaign.yaml", home / "campaign.yaml")
     ship = tmp_path / "ship"
-    from dartree.convert.to_dartree import convert
+    from dartree.convert.importer import convert
 
     (dflash_run,) = (tmp_path / "keep" / "runs").glob("dflash_b16-*")
     convert(dflash_run / "checkpoint", ship / "dflash_b16")  # as pack converts it: bf16
     (ship / "dflash_b16" / "learning_curve.json").write_text("[]\n")
     shipped_before = (ship / "dflash_b16" / "model.safetensors").read_bytes()
-    apply = [sys.executable, "training/burst.py", "stage=apply", f"dir={tmp_path / 'burst'}", f"campaign={home}",
+    apply = [sys.executable, "training/tools/burst.py", "stage=apply", f"dir={tmp_path / 'burst'}", f"campaign={home}",
              f"runs_dir={tmp_path / 'runs'}", f"results=[{out}" + "".join(f",{f}" for f in fetched) + "]",
              "eval_limit=1", "eval_max_new_tokens=8", f"ship_dir={ship}"]
     r = subprocess.run(apply, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -214,7 +214,7 @@ def test_the_dry_run_is_the_burst_on_a_cpu(tmp_path):
     assert all(again[k]["runs"] == state[k]["runs"] for k in ("dspark_b16", "domino_b16", "dflash_b16"))
     assert read_manifest(home) == m
     if fetched:  # a missing set is named with the command that fetches it
-        r = subprocess.run([sys.executable, "training/burst.py", "stage=apply", f"dir={tmp_path / 'burst'}",
+        r = subprocess.run([sys.executable, "training/tools/burst.py", "stage=apply", f"dir={tmp_path / 'burst'}",
                             f"campaign={home}", f"results=[{out}]"], cwd=REPO, env=env, capture_output=True,
                            text=True)
         assert r.returncode == 2 and "burst.sh fetch 2" in r.stderr
@@ -250,7 +250,7 @@ def _read_state(camp: Path, runs_dir: Path | str = "") -> dict:
     user cache), every other stored path made local."""
     from omegaconf import OmegaConf
 
-    from dartree.training.campaign_train import read_state
+    from dartree.training.tools.campaign_train import read_state
 
     return read_state(OmegaConf.create({"dir": str(camp), "runs_dir": str(runs_dir)}))
 
@@ -283,7 +283,7 @@ def test_apply_measures_eval_tau_on_the_cpu_and_ships_what_beats_the_shipped_one
     checkpoint ties and is kept; both runs' records get their tau and its settings, the winner is shipped_run."""
     import torch
 
-    from dartree.training.burst import evaluate_and_ship, load_settings as burst_settings
+    from dartree.training.tools.burst import evaluate_and_ship, load_settings as burst_settings
 
     camp, runs = _eval_campaign(tmp_path, tiny_eval_target, {"dspark_b16": 1, "domino_b16": 2})
     ship = tmp_path / "ship"
@@ -319,7 +319,7 @@ def test_apply_measures_eval_tau_on_the_cpu_and_ships_what_beats_the_shipped_one
     # the curve has the measured point beside the held-out one
     from omegaconf import OmegaConf
 
-    from dartree.training.campaign_train import curve_points
+    from dartree.training.tools.campaign_train import curve_points
 
     state["baseline"] = {"dspark_b16": {"response_tokens": 1, "predictions": 1, "holdout_chain_tau": 1.0}}
     state["dspark_b16"]["runs"][0]["holdout_chain_tau"] = 1.1
@@ -333,8 +333,8 @@ def test_apply_keeps_the_shipped_checkpoint_when_the_new_one_loses_and_says_why_
     alone; ship=false measures and records only; a ship_dir entry that is not a checkpoint, an evaluation that fails
     and bad eval settings are one-line BurstErrors; the default ship_dir is checkpoints/ only for the repository's
     own campaign."""
-    import dartree.training.burst as burst
-    from dartree.training.burst import BurstError, evaluate_and_ship, load_settings as burst_settings, ship_root
+    import dartree.training.tools.burst as burst
+    from dartree.training.tools.burst import BurstError, evaluate_and_ship, load_settings as burst_settings, ship_root
 
     camp, runs = _eval_campaign(tmp_path, tmp_path / "no-target-needed", {"dspark_b16": 1})
     ship = tmp_path / "ship"

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dartree.training.campaign import (
+from dartree.training.tools.campaign import (
     CampaignError,
     eval_texts,
     load_settings,
@@ -58,7 +58,7 @@ def test_settings_errors_name_the_key_and_the_fix(tmp_path):
 
 
 def test_a_shard_file_round_trips_token_ids_and_masks(tmp_path):
-    from dartree.training.campaign import PoolItem
+    from dartree.training.tools.campaign import PoolItem
 
     items = [(PoolItem("a", "chat", ["x"]), [[5]]), (PoolItem("b", "math", ["y"]), [[6]])]
     rows = [{"index": 1, "prompt_ids": [6, 7], "response_ids": [60000, 2], "loss_mask": [1, 1], "turns": 1},
@@ -161,7 +161,7 @@ def test_a_recorded_run_resumes_only_where_its_state_is(tmp_path):
     """The committed train_state names run folders and init_from paths of the machine that ran them: on this
     machine the run resumes with its own init_from; on a fresh one it starts from the committed or shipped
     weights instead of a path that does not exist."""
-    from dartree.training.campaign_train import REPO, start_for
+    from dartree.training.tools.campaign_train import REPO, start_for
 
     folder = tmp_path / "c"
     cfg = load_settings(SMALL + [f"dir={folder}"], folder=folder)
@@ -189,7 +189,7 @@ def test_a_recorded_run_resumes_only_where_its_state_is(tmp_path):
 def test_the_curve_counts_the_predictions_of_a_runs_own_lineage(tmp_path, monkeypatch):
     """A run that started again from the baseline does not inherit the predictions of runs it did not continue;
     one that continued the committed checkpoint inherits that run's (parent_of, curve_points)."""
-    from dartree.training.campaign_train import curve_points, parent_of
+    from dartree.training.tools.campaign_train import curve_points, parent_of
 
     folder = tmp_path / "c"
     folder.mkdir()
@@ -215,7 +215,7 @@ def test_the_curve_counts_the_predictions_of_a_runs_own_lineage(tmp_path, monkey
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
 
-    from dartree.training.campaign_train import plot_curve
+    from dartree.training.tools.campaign_train import plot_curve
 
     seen, real_close = [], plt.close
     monkeypatch.setattr(plt, "close", lambda fig: (seen.append(fig), real_close(fig)))  # keep the figure to read
@@ -234,7 +234,7 @@ def test_the_curve_counts_the_predictions_of_a_runs_own_lineage(tmp_path, monkey
 def test_a_lineage_from_scratch_counts_its_own_data_and_the_state_lock_keeps_every_writer(tmp_path):
     """A burst run trained from random weights (from_scratch) and its continuation count only their own shards
     and predictions; two writers under locked_state both keep their runs."""
-    from dartree.training.campaign_train import curve_points, locked_state, read_state
+    from dartree.training.tools.campaign_train import curve_points, locked_state, read_state
 
     folder = tmp_path / "c"
     folder.mkdir()
@@ -270,7 +270,7 @@ def test_gpu_settings_are_checked_by_name(tmp_path):
         load_settings(["train.init=warm"], folder=tmp_path)
     import torch
 
-    from dartree.training.campaign import resolve_device
+    from dartree.training.tools.campaign import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     if not torch.cuda.is_available():
@@ -282,7 +282,7 @@ def test_gpu_settings_are_checked_by_name(tmp_path):
 @pytest.mark.slow
 def test_the_plan_reproduces_the_committed_pool_ranges():
     """Walking the pool once cuts it as the committed shards were cut (held-out set and shards 0..N-1)."""
-    from dartree.training.campaign import REPO, _next_names, write_plan
+    from dartree.training.tools.campaign import REPO, _next_names, write_plan
 
     cfg = load_settings([])
     committed = read_manifest(REPO / "campaign")
@@ -303,7 +303,7 @@ def test_the_plan_reproduces_the_committed_pool_ranges():
 def test_the_training_stage_trains_on_the_shards_resumes_and_records_its_runs(tmp_path, monkeypatch):
     import os
 
-    from dartree.training.campaign_train import init_for, read_state, run_train
+    from dartree.training.tools.campaign_train import init_for, read_state, run_train
 
     monkeypatch.setenv("TORCH_EXTENSIONS_DIR", os.environ.get("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext")))
     folder = tmp_path / "c"
@@ -326,7 +326,7 @@ def test_the_training_stage_trains_on_the_shards_resumes_and_records_its_runs(tm
     (run,) = run_train(cfg, time.time() + 3600, runs_root=tmp_path / "runs")["dspark_b16"]["runs"]
     assert run["steps"] == 3 and run["init_from"].endswith("checkpoints/dspark_b16")
     # the shipped checkpoint scored on the same held-out set is the curve's first point; the run is the next
-    from dartree.training.campaign_train import curve_points, holdout_baseline, plot_curve
+    from dartree.training.tools.campaign_train import curve_points, holdout_baseline, plot_curve
 
     base = holdout_baseline(cfg, "dspark_b16")
     assert base["holdout_sequences"] == 2 and 1.0 <= base["holdout_chain_tau"] <= 16
@@ -358,7 +358,7 @@ def _committed_campaign(folder: Path, cfg) -> None:
     written without a target."""
     import hashlib
 
-    from dartree.training.campaign import data_key
+    from dartree.training.tools.campaign import data_key
     from dartree.training.campaign_store import write_manifest
 
     (folder / "data").mkdir(parents=True)
@@ -380,9 +380,9 @@ def test_every_stage_checks_settings_and_files_first_and_draws_beside_its_folder
     or changed shard in one line before loading anything, and the curve goes where the arguments say."""
     import dartree.models.target as target_mod
     import dartree.training.trainer as trainer_mod
-    from dartree.training.campaign import main
+    from dartree.training.tools.campaign import main
     from dartree.training.campaign_store import REPO
-    from dartree.training.train import main as train_main
+    from dartree.training.tools.train import main as train_main
 
     def no_load(*a, **k):
         raise AssertionError("loaded a target before the checks")

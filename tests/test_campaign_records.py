@@ -29,7 +29,7 @@ def _cfg(tmp_path: Path):
 
 
 def test_a_written_record_stores_no_absolute_path_and_reads_back_local_paths(tmp_path):
-    from dartree.training.campaign_train import locked_state, read_state
+    from dartree.training.tools.campaign_train import locked_state, read_state
 
     cfg = _cfg(tmp_path)
     runs, camp = tmp_path / "runs", tmp_path / "camp"
@@ -57,7 +57,7 @@ def test_a_written_record_stores_no_absolute_path_and_reads_back_local_paths(tmp
 def test_an_old_record_with_absolute_paths_still_reads(tmp_path):
     """Paths of another machine map to this one's roots by their campaign-runs / campaign/checkpoints /
     checkpoints folders; the lineage (parent_of, curve_points) works on the mapped paths."""
-    from dartree.training.campaign_train import curve_points, parent_of, read_state, write_state
+    from dartree.training.tools.campaign_train import curve_points, parent_of, read_state, write_state
 
     cfg = _cfg(tmp_path)
     camp, runs = tmp_path / "camp", tmp_path / "runs"

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from conftest import make_drafter, make_markov, write_legacy_training_checkpoint
-from dartree.convert.to_dartree import convert
+from dartree.convert.importer import convert
 from dartree.decode.generate import draft_block
 from dartree.models.checkpoint import CheckpointError, load_dartree
 from dartree.models.drafter import DraftCache

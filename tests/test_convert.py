@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from conftest import LAYERS, VOCAB, make_drafter
-from dartree.convert.from_dartree import export
-from dartree.convert.to_dartree import convert, detect_format_why
+from dartree.convert.exporter import export
+from dartree.convert.importer import convert, detect_format_why
 from dartree.decode.generate import autoregressive_generate, draft_block, speculative_generate
 from dartree.decode.trees import get_builder
 from dartree.models.checkpoint import CheckpointError, load_dartree
@@ -414,7 +414,7 @@ def test_export_carries_the_targets_context_length(tmp_path, fmt):
 def test_user_trains_with_train_py_exports_and_reimports_unchanged(tmp_path, monkeypatch, target):
     from dartree.training.recipe import load_recipe
     from dartree.training.build import build_models
-    from dartree.training.train import run
+    from dartree.training.trainer import run
 
     for recipe, kind in (("tiny_dspark", "gated_markov"), ("tiny_dspark", "rnn"), ("tiny_domino", "gru")):
         _, head = build_models(load_recipe([f"recipe={recipe}", f"head.type={kind}"]), target)
@@ -628,7 +628,8 @@ def _cli_choices(main, argv, monkeypatch) -> dict:
 def test_the_registry_lists_exactly_the_layouts_the_clis_accept(monkeypatch):
     """--from is auto, dartree's own two sources and every registered layout; --to every layout with a writer (all
     but the read-only deepspec-dspark); both lists come from the one registry."""
-    from dartree.convert import from_dartree, publishers, to_dartree
+    from dartree.convert import importer, publishers
+    from dartree.convert.tools import from_dartree, to_dartree
 
     pairs = publishers.FORMAT_PAIRS
     assert set(pairs) == {"zlab-dflash", "zlab-dflash2", "specforge-domino", "specforge-dspark", "deepspec-dspark",
@@ -638,7 +639,7 @@ def test_the_registry_lists_exactly_the_layouts_the_clis_accept(monkeypatch):
     assert pairs["deepspec-dspark"].write is None and all(pairs[n].write for n in publishers.EXPORT_FORMATS)
     froms = _cli_choices(to_dartree.main, ["src"], monkeypatch)["source_format"]
     assert sorted(froms) == sorted(["auto", "dartree", "dartree-train", *pairs])
-    assert sorted(to_dartree.READERS) == sorted(["dartree", "dartree-train", *pairs])
+    assert sorted(importer.READERS) == sorted(["dartree", "dartree-train", *pairs])
     tos = _cli_choices(from_dartree.main, ["src", "--to", "zlab-dflash", "--out", "x"], monkeypatch)["to"]
     assert sorted(tos) == sorted(publishers.EXPORT_FORMATS)
     with pytest.raises(CheckpointError, match=r"--to 'deepspec-dspark' is not one of"):
@@ -705,16 +706,22 @@ def test_auto_detection_tries_the_registry_in_order(cfg, names, fmt):
 
 def test_convert_modules_import_one_way():
     """registry < formats (shared helpers) < the publisher modules (none imports another) < publishers.py < the two
-    converters."""
+    converters (importer, exporter) < their command lines (convert/tools/ and the thin scripts at the documented
+    paths)."""
     from test_layers import import_graph
 
     rank = {"registry": 0, "formats": 1, "zlab": 2, "specforge": 2, "deepspec": 2, "vllm_speculators": 2,
-            "publishers": 3, "to_dartree": 4, "from_dartree": 4, "__init__": 0}
+            "publishers": 3, "importer": 4, "exporter": 4, "tools": 5, "tools.to_dartree": 5, "tools.from_dartree": 5,
+            "to_dartree": 6, "from_dartree": 6, "__init__": 0}
     graph = import_graph()
     mods = {m: deps for m, deps in graph.items() if m.startswith("dartree.convert")}
-    assert {m.rsplit(".", 1)[1] if m != "dartree.convert" else "__init__" for m in mods} == set(rank)
+
+    def key(m: str) -> str:
+        return m.removeprefix("dartree.convert").lstrip(".") or "__init__"
+
+    assert {key(m) for m in mods} == set(rank)
     bad = [f"{a} -> {b}" for a, deps in mods.items() for b in deps if b.startswith("dartree.convert.")
-           and rank[b.rsplit(".", 1)[1]] >= rank[a.rsplit(".", 1)[1] if a != "dartree.convert" else "__init__"]]
+           and rank[key(b)] >= rank[key(a)]]
     assert bad == []
 
 
@@ -722,7 +729,7 @@ def test_convert_modules_import_one_way():
 def test_exports_name_the_target_by_a_model_id_another_machine_resolves(tmp_path, fmt):
     """A drafter for the packaged default target records it as SmolLM2's hub id, never this machine's dequantised
     cache folder or the recorded name's note; --verifier overrides it."""
-    from dartree.convert.from_dartree import main as export_main
+    from dartree.convert.tools.from_dartree import main as export_main
     from dartree.models.heads import IdentityHead
     from dartree.models.target import _SMOLLM2_NAME, SMOLLM2_ID, model_id, resolve_target_path
 

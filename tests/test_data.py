@@ -249,7 +249,7 @@ def test_a_mask_from_the_prompt_on_draws_the_same_anchors_as_no_mask():
 
 
 def test_fixed_holdout_set_is_shared_across_data_sizes_and_seeds(tmp_path, monkeypatch, capsys):
-    from dartree.training.prepare import main as prepare_main
+    from dartree.training.tools.prepare import main as prepare_main
 
     monkeypatch.setenv("DARTREE_CACHE", str(tmp_path))
     base = ["recipe=tiny_dspark", "data.holdout_set=fixed", "data.holdout=3", "data.max_turns=2",

@@ -200,7 +200,7 @@ def test_eval_cli_lookup_rows_side_by_side(tiny_folder, tmp_path):
 
 
 def test_negative_threads_is_a_one_line_error(capsys):
-    from dartree.decode.eval import main
+    from dartree.decode.harness.eval import main
 
     assert main(["--threads", "-2", "--limit", "1"]) == 2
     assert "--threads must be >= 0" in capsys.readouterr().err
@@ -534,7 +534,7 @@ def test_eval_cli_prompts_file_replaces_the_packaged_sets(tiny_folder, tmp_path,
     assert rep["methods"]["chain"]["lossless"] is True and rep["methods"]["chain"]["mismatches"] == 0
     assert "decode/s" in r.stderr and "4/4" in r.stderr  # the progress bar: 2 prompts x (AR + chain) decodes
 
-    from dartree.decode.eval import main
+    from dartree.decode.harness.eval import main
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "ok"}\n{"input_text": "no prompt field"}\n')
@@ -601,7 +601,7 @@ def test_eval_dtype_auto_times_the_exact_modes_and_keeps_the_faster(tiny_folder,
     the faster decodes, the header and report say why, and its outputs equal AR's; --invariant off leaves only
     fp32."""
     import dartree.decode.assembly as assembly
-    from dartree.decode.eval import main as eval_main
+    from dartree.decode.harness.eval import main as eval_main
 
     monkeypatch.setattr(assembly, "dtype_candidates", lambda requested, device="cpu": (["bfloat16", "float32"],
                                                                                       "auto: stub"))
@@ -634,8 +634,8 @@ def test_eval_dtype_auto_times_the_exact_modes_and_keeps_the_faster(tiny_folder,
 def test_eval_and_bench_refuse_a_prompt_past_the_context_in_the_same_words(tiny_folder, tmp_path, program, capsys):
     """The same --prompts file and --max-new-tokens reach decoding through one check in both programs: one line
     naming the prompt, exit 2 (bench crashed with a traceback)."""
-    from dartree.decode.bench import main as bench_main
-    from dartree.decode.eval import main as eval_main
+    from dartree.decode.harness.bench import main as bench_main
+    from dartree.decode.harness.eval import main as eval_main
     from dartree.models.chat import chat_prompt_ids
     from dartree.models.target import load_target
 

@@ -76,11 +76,11 @@ def test_replacing_a_folder_keeps_the_files_its_writer_did_not_write(tmp_path):
 def test_converting_into_a_shipped_folder_keeps_its_learning_curve(tmp_path):
     import json
 
-    from dartree.convert.to_dartree import main as convert_main
+    from dartree.convert.tools.to_dartree import main as convert_main
 
     from pathlib import Path
 
-    from dartree.convert.to_dartree import convert
+    from dartree.convert.importer import convert
 
     src = tmp_path / "src"
     dest = tmp_path / "shipped"

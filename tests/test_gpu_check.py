@@ -1,4 +1,4 @@
-"""``make gpu-check`` stays alive without a GPU: ``kernels/gpu_check.py --dry`` runs every section small and writes
+"""``make gpu-check`` stays alive without a GPU: ``kernels/tools/gpu_check.py --dry`` runs every section small and writes
 the JSON report."""
 
 import json
@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[1]
 def test_gpu_check_dry_writes_a_complete_report(tmp_path):
     out = tmp_path / "gpu_check.json"
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, str(REPO / "kernels" / "gpu_check.py"), "--dry", "--out", str(out)],
+    proc = subprocess.run([sys.executable, str(REPO / "kernels" / "tools" / "gpu_check.py"), "--dry", "--out", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(out.read_text())
@@ -41,6 +41,6 @@ def test_gpu_check_dry_writes_a_complete_report(tmp_path):
 
 
 def test_gpu_check_bad_time_limit_is_an_argument_error(tmp_path):
-    from dartree.kernels.gpu_check import main
+    from dartree.kernels.tools.gpu_check import main
 
     assert main(["--dry", "--time-limit", "0", "--out", str(tmp_path / "x.json")]) == 2

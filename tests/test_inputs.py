@@ -389,7 +389,7 @@ def test_load_dartree_names_a_dtype_given_as_a_string(saved):
 
 
 def test_checkpoint_config_that_is_not_json_or_not_an_object_is_named(saved):
-    from dartree.convert.from_dartree import main as export_main
+    from dartree.convert.tools.from_dartree import main as export_main
 
     (saved / "config.json").write_text("{oops")
     with pytest.raises(CheckpointError, match="config.json is not valid JSON"):
@@ -412,7 +412,7 @@ def test_checkpoint_config_that_is_not_json_or_not_an_object_is_named(saved):
 def test_values_that_depend_on_the_target_are_checked_before_any_step(tmp_path, monkeypatch, capsys, overrides,
                                                                        pattern):
     from dartree.models.target import tiny_target
-    from dartree.training.train import main
+    from dartree.training.tools.train import main
 
     cfg = load_recipe(["recipe=tiny_dspark", *overrides])
     with pytest.raises(RecipeError, match=pattern):
@@ -433,8 +433,8 @@ def test_every_configuration_the_trainer_accepts_exports_and_reimports_or_is_ref
     from safetensors.torch import load_file
 
     from dartree.convert.publishers import EXPORT_FORMATS
-    from dartree.convert.from_dartree import export
-    from dartree.convert.to_dartree import convert
+    from dartree.convert.exporter import export
+    from dartree.convert.importer import convert
     from dartree.training.build import build_models
 
     exported = refused = 0
@@ -474,7 +474,7 @@ def test_every_configuration_the_trainer_accepts_exports_and_reimports_or_is_ref
 
 _TWICE = r"""
 import os, sys, torch, torch.distributed as dist
-from dartree.training.train import main
+from dartree.training.tools.train import main
 out = sys.argv[1]
 env0 = None
 codes = []
@@ -508,9 +508,9 @@ def test_train_main_runs_repeatedly_in_one_process_leaving_no_global_state(tmp_p
 
 
 def test_convert_export_and_eval_mains_run_repeatedly(tmp_path, saved):
-    from dartree.convert.from_dartree import main as export_main
-    from dartree.convert.to_dartree import main as convert_main
-    from dartree.decode.eval import main as eval_main
+    from dartree.convert.tools.from_dartree import main as export_main
+    from dartree.convert.tools.to_dartree import main as convert_main
+    from dartree.decode.harness.eval import main as eval_main
 
     threads = torch.get_num_threads()
     for i in range(2):
@@ -532,9 +532,9 @@ def _snapshot(folder: Path) -> dict:
 
 
 def test_refused_runs_leave_earlier_results_untouched(tmp_path, saved, capsys, monkeypatch):
-    from dartree.convert.to_dartree import main as convert_main
-    from dartree.decode.eval import main as eval_main
-    from dartree.training.train import main as train_main
+    from dartree.convert.tools.to_dartree import main as convert_main
+    from dartree.decode.harness.eval import main as eval_main
+    from dartree.training.tools.train import main as train_main
 
     monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
     run = tmp_path / "run"
@@ -564,8 +564,8 @@ def test_refused_runs_leave_earlier_results_untouched(tmp_path, saved, capsys, m
 
 
 def test_an_output_folder_that_cannot_be_written_is_refused_before_any_work(tmp_path, capsys):
-    from dartree.decode.eval import main as eval_main
-    from dartree.training.train import main as train_main
+    from dartree.decode.harness.eval import main as eval_main
+    from dartree.training.tools.train import main as train_main
 
     afile = tmp_path / "afile"
     afile.write_text("keep me")
@@ -636,8 +636,8 @@ def _err_line(capsys) -> str:
 def test_published_config_numbers_are_type_checked_naming_file_and_field(tmp_path, saved, capsys, fmt, path, bad):
     """A published export whose config.json has ``"hidden_size": "abc"`` (or any number / flag of the wrong type
     or range) is one line naming the file and the field, exit 2, no output folder (was a ValueError traceback)."""
-    from dartree.convert.from_dartree import export
-    from dartree.convert.to_dartree import main as convert_main
+    from dartree.convert.exporter import export
+    from dartree.convert.tools.to_dartree import main as convert_main
 
     src = export(saved, tmp_path / "pub", to=fmt)
     cfg = json.loads((src / "config.json").read_text())
@@ -659,7 +659,7 @@ def test_export_with_a_target_checks_the_pairing_for_every_format(tmp_path, save
     """``from_dartree.py --target`` checks the drafter against the target (as to_dartree.py --target does) for every
     layout, before anything is written: a drafter built for another target is exit 2 naming both values."""
     from dartree.convert.publishers import EXPORT_FORMATS
-    from dartree.convert.from_dartree import main as export_main
+    from dartree.convert.tools.from_dartree import main as export_main
     from dartree.models import target as target_mod
 
     real = target_mod.load_target

@@ -117,7 +117,7 @@ def test_ar_bf16_peer_is_the_ar_loop_on_a_bf16_copy(target):
 
 
 def test_eval_reports_peer_rows(tiny_folder, tmp_path):  # noqa: F811
-    from dartree.decode.eval import main
+    from dartree.decode.harness.eval import main
 
     out = tmp_path / "rep"
     argv = ["--target", str(tiny_folder / "target"), "--checkpoint", str(tiny_folder / "ckpt"), "--tree", "chain",

@@ -11,7 +11,7 @@ import pytest
 
 from dartree.decode.harness import plots
 from dartree.decode.harness import report as rpt
-from dartree.training import curves as curves_mod
+from dartree.base import figures as curves_mod
 from test_eval_cli import tiny_folder  # noqa: F401  (fixture: the tiny target and drafter folders)
 
 REPO = Path(__file__).resolve().parents[1]

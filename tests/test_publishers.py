@@ -28,8 +28,8 @@ pytest.importorskip("speculators", reason="make setup installs speculators==0.9.
 
 from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 
-from dartree.convert.from_dartree import export  # noqa: E402
-from dartree.convert.to_dartree import convert, detect_format_why  # noqa: E402
+from dartree.convert.exporter import export  # noqa: E402
+from dartree.convert.importer import convert, detect_format_why  # noqa: E402
 from dartree.decode.generate import speculative_generate  # noqa: E402
 from dartree.models.checkpoint import CheckpointError, load_dartree  # noqa: E402
 from dartree.models.target import Target  # noqa: E402

@@ -1,4 +1,4 @@
-"""The results page is rendered from data (training/results.py): lineage from the training state, data from the
+"""The results page is rendered from data (training/tools/results.py): lineage from the training state, data from the
 manifest, curves from learning_curve.json, measurements from results.json."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dartree.training.results import REPO, ResultsError, ResultSources, load_sources, main, render_results
+from dartree.training.tools.results import REPO, ResultsError, ResultSources, load_sources, main, render_results
 
 STATE = {
     "path_roots": {"runs": "the runs folder"},

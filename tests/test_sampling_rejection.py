@@ -183,7 +183,7 @@ def test_rejection_needs_chain_and_positive_temperature(target, prompts, builder
 
 @pytest.mark.parametrize("argv", [["--tree", "pruned", "--temperature", "1.0"], ["--tree", "chain"]])
 def test_eval_cli_refuses_rejection_without_chain_and_temperature(argv, capsys):
-    from dartree.decode.eval import main
+    from dartree.decode.harness.eval import main
 
     assert main(argv + ["--acceptance", "rejection", "--limit", "1"]) == 2
     assert "--acceptance rejection needs --tree chain" in capsys.readouterr().err

@@ -20,7 +20,7 @@ from dartree.models.families import FAMILIES, Family, Objective, get_family, reg
 from dartree.models.heads import HEADS, CorrectionHead
 from dartree.base.fields import Range, check_fields
 from dartree.training.recipe import RecipeError, load_recipe
-from dartree.training.train import run
+from dartree.training.trainer import run
 
 
 class TanhBigramHead(CorrectionHead):
@@ -124,7 +124,7 @@ def test_the_toy_family_is_refused_before_it_registers():
 @pytest.mark.slow  # trains end to end
 def test_a_family_in_one_file_trains_saves_converts_and_decodes_losslessly(toy_family, tmp_path, monkeypatch,
                                                                            prompts):
-    from dartree.convert.to_dartree import convert
+    from dartree.convert.importer import convert
     from dartree.decode.generate import autoregressive_generate, speculative_generate
     from dartree.models.checkpoint import load_dartree
     from dartree.models.target import load_target

@@ -18,7 +18,7 @@ from dartree.decode.generate import draft_block
 from dartree.models.drafter import DraftCache
 from dartree.training.losses import block_attention_mask, domino_loss, dspark_loss, fused_block_loss
 from dartree.training.recipe import RecipeError, load_recipe
-from dartree.training.train import run
+from dartree.training.trainer import run
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -406,7 +406,7 @@ def test_a_resume_may_name_another_init_from_but_not_another_model(tmp_path):
 @pytest.mark.parametrize("recipe,head_type", [("tiny_dflash", "identity"), ("tiny_domino", "gru"),
                                               ("tiny_dspark", "markov"), ("tiny_dflash2", "selector")])
 def test_each_recipe_trains_its_head_and_converts(tmp_path, monkeypatch, recipe, head_type):
-    from dartree.convert.to_dartree import convert
+    from dartree.convert.importer import convert
     from dartree.models.checkpoint import load_dartree
 
     monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
@@ -430,7 +430,7 @@ def test_each_recipe_trains_its_head_and_converts(tmp_path, monkeypatch, recipe,
 def test_init_from_a_dflash_drafter_adds_identity_convolutions_for_dflash2(tmp_path, monkeypatch):
     """recipe dflash2 with init_from= a DFlash checkpoint: the backbone gains DFlash 2 convolutions that start as the
     identity, so before any step the drafter computes exactly the DFlash checkpoint's hidden states."""
-    from dartree.convert.to_dartree import convert
+    from dartree.convert.importer import convert
     from dartree.models.checkpoint import load_dartree
     from dartree.models.target import tiny_target
     from dartree.training.build import load_init
@@ -456,8 +456,8 @@ def test_init_from_widens_a_cpu_drafter_to_an_exportable_one(tmp_path, monkeypat
     """init_from with drafter.qk_norm=true / draft_vocab_size=0 on a drafter trained without q/k norms and with a
     draft vocabulary: the full vocabulary keeps the old ids' scores exactly; the added q/k norms start at the RMS
     the projections give a unit-RMS input; the fine-tuned result exports to z-lab's layout."""
-    from dartree.convert.from_dartree import export
-    from dartree.convert.to_dartree import convert
+    from dartree.convert.exporter import export
+    from dartree.convert.importer import convert
     from dartree.models.checkpoint import load_dartree
     from dartree.models.target import tiny_target
     from dartree.training.build import load_init
@@ -539,7 +539,7 @@ def test_confidence_bce_targets_one_minus_half_l1():
 
 @pytest.mark.slow
 def test_init_from_dflash_drafter_with_frozen_backbone_trains_only_the_head(tmp_path, monkeypatch):
-    from dartree.convert.to_dartree import convert
+    from dartree.convert.importer import convert
 
     monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
     run(load_recipe(["recipe=tiny_dflash", f"output_dir={tmp_path / 'dflash'}", "train.max_steps=2",
@@ -588,7 +588,7 @@ def test_loss_and_head_must_fit_together():
 
 
 def test_prepare_is_its_own_cached_step(tmp_path, monkeypatch, capsys):
-    from dartree.training.prepare import main as prepare_main
+    from dartree.training.tools.prepare import main as prepare_main
 
     monkeypatch.setenv("DARTREE_CACHE", str(tmp_path))
     assert prepare_main(["recipe=tiny_dspark"]) == 0
@@ -665,7 +665,7 @@ def test_select_draft_vocab_counts_ties_and_required_ids():
 
 @pytest.mark.slow
 def test_draft_vocab_drafter_trains_converts_and_decodes_losslessly(tmp_path, monkeypatch, prompts):
-    from dartree.convert.to_dartree import convert
+    from dartree.convert.importer import convert
     from dartree.decode.generate import autoregressive_generate, speculative_generate
     from dartree.models.checkpoint import load_dartree
     from dartree.models.target import load_target
@@ -705,8 +705,8 @@ def test_draft_vocab_drafter_trains_converts_and_decodes_losslessly(tmp_path, mo
 
 @pytest.mark.slow
 def test_a_draft_vocab_drafter_is_not_exported_to_published_layouts(tmp_path, monkeypatch):
-    from dartree.convert.from_dartree import export
-    from dartree.convert.to_dartree import convert
+    from dartree.convert.exporter import export
+    from dartree.convert.importer import convert
     from dartree.models.checkpoint import CheckpointError
 
     monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
@@ -722,7 +722,7 @@ def test_a_draft_vocab_drafter_is_not_exported_to_published_layouts(tmp_path, mo
 @pytest.mark.parametrize("data", [[], ["data.max_turns=3", "data.max_seq_tokens=120", "data.holdout_set=fixed"]],
                          ids=["single-turn", "multi-turn"])
 def test_train_infer_parity_tool_agrees_within_two_points(tmp_path, monkeypatch, data):
-    from dartree.training.parity import main as parity_main, parity
+    from dartree.training.tools.parity import main as parity_main, parity
 
     monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
     run(load_recipe(["recipe=tiny_dspark", f"output_dir={tmp_path / 'run'}", "train.max_steps=60", "train.lr=3e-3",

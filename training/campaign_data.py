@@ -30,14 +30,14 @@ def campaign_rows(folder: Path, max_shards: int | None = None) -> tuple[list[dic
     """Training rows of the first ``max_shards`` committed shards (all by default) and the held-out rows.
 
     Raises:
-        CampaignError: no held-out set or no training shard yet (fix: run ``python training/campaign.py
+        CampaignError: no held-out set or no training shard yet (fix: run ``python training/tools/campaign.py
             stage=data`` first), or a shard file that cannot be read or does not match its manifest entry.
     """
     folder = Path(folder)
     m = read_manifest(folder)
     if not m.get("holdout") or not m.get("shards"):
         raise CampaignError(f"{folder} has no held-out set or no training shard yet; run "
-                            "`python training/campaign.py stage=data` first")
+                            "`python training/tools/campaign.py stage=data` first")
     check_files(folder, m, max_shards)
     recs = m["shards"] if max_shards is None else m["shards"][:max_shards]
     out = [read_shard(folder / rec["file"]) for rec in [m["holdout"]] + recs]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -41,7 +42,7 @@ from dartree.training.build import (
 )
 from dartree.training.checks import check_against_target, check_data_files, check_output_dir, check_recipe
 from dartree.training.cursor import DataCursor, data_fingerprint, lineage_record
-from dartree.training.curves import plot_curve_file
+from dartree.base.figures import plot_curve_file
 from dartree.training.data import select_draft_vocab, target_lse
 from dartree.training.engine import (
     check_resumable,
@@ -52,6 +53,7 @@ from dartree.training.engine import (
     init_distributed,
     load_resume,
     make_engine,
+    process_group_scope,
     save_resume,
 )
 from dartree.training.losses import teacher_forced_tau
@@ -592,3 +594,32 @@ def check_resume_length(saved_step: int, total: int, cfg: DictConfig, out_dir: P
     raise RecipeError(f"resume=true: {out_dir / 'resume'} was saved at step {saved_step} but this run ends at step "
                       f"{total} ({why}); resuming would report the longer run as this one: set train.max_steps to "
                       f"{saved_step} or more, or use a new output_dir")
+
+
+def run(cfg: DictConfig) -> dict:
+    """Run a recipe end to end on every rank (:class:`Trainer`); returns the summary dict (rank 0 also writes
+    ``<output_dir>/summary.json``, ``acceptance.json``, the learning curve and the checkpoint).
+
+    Raises:
+        RecipeError: the recipe, target, data or a resumable state does not fit (one line).
+    """
+    trainer = Trainer(cfg)
+    trainer.fit()
+    return trainer.finish()
+
+
+def train_recipe(cfg: DictConfig) -> dict:
+    """Train from a merged recipe (:func:`~dartree.training.recipe.load_recipe`) as the train command does: print the
+    recipe on rank 0, then :func:`run` inside :func:`~dartree.training.engine.process_group_scope`, which tears down
+    the process group this call created (gloo/shm teardown at exit can abort) and every other process-wide setting,
+    so it can run again in the same process. The train command and the campaign's training stage call it.
+
+    Returns:
+        the summary dict of :func:`run`.
+    Raises:
+        RecipeError: the recipe, target, data or a resumable state does not fit (one line).
+    """
+    if os.environ.get("RANK", "0") == "0":
+        print(OmegaConf.to_yaml(cfg), flush=True)
+    with process_group_scope():
+        return run(cfg)

@@ -7,7 +7,7 @@
   memory-bound one-token step gains from half the weight bytes even without native bf16 arithmetic (docs/performance.md,
   "The honest baseline"). Its outputs are compared with the fp32 AR's like every row (near-ties may split).
 * ``zlab-dflash``: z-lab's ``dflash_generate`` (package ``dflash`` 0.1.0) on the drafter exported to z-lab's layout
-  by :func:`dartree.convert.from_dartree.export`; a drafter that layout cannot express is skipped with the reason.
+  by :func:`dartree.convert.exporter.export`; a drafter that layout cannot express is skipped with the reason.
 
 Every peer runs greedy (T = 0) only. Timing, the same for all peers: forward hooks on the target's Hugging Face
 module (``Target.model``) record the end of its first forward (the prefill, prompt ids only) and the cache length
@@ -232,7 +232,7 @@ def load_zlab_drafter(checkpoint: str | Path, target: Target):
         from dflash.model import DFlashDraftModel
     except ImportError as exc:
         return None, f"z-lab dflash is not installed ({exc}); make setup installs dflash==0.1.0"
-    from dartree.convert.from_dartree import export
+    from dartree.convert.exporter import export
     from dartree.models.checkpoint import CheckpointError
 
     with tempfile.TemporaryDirectory(prefix="dartree-zlab-") as tmp:

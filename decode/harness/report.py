@@ -456,7 +456,7 @@ def main(argv=None) -> int:
             return fail(f"--out '{png}'{where} {problem}; give a PNG path in a writable folder")
         try:
             curves = {lab: load_curve(p) for lab, p in zip(labels, args.curves)}
-            from dartree.training.curves import fig_curves, save_png
+            from dartree.base.figures import fig_curves, save_png
 
             png = save_png(fig_curves(curves), args.out or "curves.png")
         except (FileNotFoundError, ValueError, json.JSONDecodeError) as exc:

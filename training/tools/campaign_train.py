@@ -1,4 +1,4 @@
-"""The campaign's training stage: ``python training/campaign.py stage=train`` (or ``stage=all``).
+"""The campaign's training stage: ``python training/tools/campaign.py stage=train`` (or ``stage=all``).
 
 Each call trains every recipe of ``train.recipes`` on all committed campaign shards (``data.source=campaign``:
 the target's features are recomputed online, see :mod:`dartree.training.campaign_data`), for its share of the
@@ -24,6 +24,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from dartree.base.cli import fail
 from dartree.training.campaign_store import (REPO, CampaignError, RecordRoots, cpu_model, device_name, from_record,
                                              read_manifest, resolve_device, to_record)
 
@@ -170,7 +171,9 @@ def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -
     Raises:
         CampaignError: a training run failed (its exit status and output folder named).
     """
-    from dartree.training.train import main as train_main
+    # lazy: the trainer loads torch, transformers and deepspeed; the campaign's status and plan stages stay light
+    from dartree.training.recipe import RecipeError, load_recipe
+    from dartree.training.trainer import train_recipe
 
     tc = cfg.train
     n = len(read_manifest(Path(cfg.dir))["shards"])
@@ -202,7 +205,11 @@ def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -
                 *([] if scratch or not tc.lineage else ["data.cursor_from_init=true", "train.schedule_from_init=true"]),
                 *list(tc.overrides)]
         print("campaign train: python training/train.py " + " ".join(args), flush=True)
-        rc = train_main(args)
+        try:  # the train command's run, from the merged recipe (no argv round trip)
+            train_recipe(load_recipe(args))
+            rc = 0
+        except RecipeError as exc:
+            rc = fail(str(exc))
         if rc != 0:
             raise CampaignError(f"training {recipe} on {n} shards exited with {rc}; see the output above and {out}")
         summary = json.loads((out / "summary.json").read_text())
@@ -267,7 +274,7 @@ def holdout_baseline(cfg: DictConfig, recipe: str, checkpoint: str | None = None
                             "first")
     m = read_manifest(Path(cfg.dir))
     if not m.get("holdout"):
-        raise CampaignError("no held-out set yet; run `python training/campaign.py stage=data` first")
+        raise CampaignError("no held-out set yet; run `python training/tools/campaign.py stage=data` first")
     _, hold = campaign_rows(Path(cfg.dir), 0) if m["shards"] else ([], _holdout_only(cfg))
     torch.set_num_threads(int(cfg.threads))
     try:
@@ -306,7 +313,7 @@ def curve_points(cfg: DictConfig) -> dict:
     run descends from the baseline's weights), ``predictions`` (the baseline's, plus those of the run and of the
     runs it continued: its ``parent`` chain, :func:`parent_of`) and ``holdout_chain_tau`` (on the campaign's
     held-out set), and ``eval_chain_tau`` where the record has one (``decode/eval.py --tree chain`` on the
-    evaluation prompts: recorded with its settings in ``eval_chain`` by ``training/burst.py stage=apply``, or added
+    evaluation prompts: recorded with its settings in ``eval_chain`` by ``training/tools/burst.py stage=apply``, or added
     by hand with the command on the results page, docs/results.md). A run recorded
     without ``parent`` (before lineage was recorded) counts every earlier run. A lineage that began from random
     weights (``from_scratch``, e.g. a GPU burst) counts its own shards and predictions only, not the baseline's."""
@@ -349,7 +356,7 @@ HAND_EVAL_SETTING = "15 prompts x 128 tokens"
 
 def eval_setting(record: dict) -> str:
     """What a record's ``eval_chain_tau`` was measured on, for the curve's legend: ``"N prompts x T tokens"`` from its
-    ``eval_chain`` settings (``training/burst.py stage=apply`` writes them), else :data:`HAND_EVAL_SETTING`."""
+    ``eval_chain`` settings (``training/tools/burst.py stage=apply`` writes them), else :data:`HAND_EVAL_SETTING`."""
     ev = record.get("eval_chain") or {}
     if "prompts" in ev and "max_new_tokens" in ev:
         return f"{ev['prompts']} prompts x {ev['max_new_tokens']} tokens"

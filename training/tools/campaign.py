@@ -1,4 +1,4 @@
-"""A drafter training campaign that accumulates across sessions: ``python training/campaign.py [key=value ...]``.
+"""A drafter training campaign that accumulates across sessions: ``python training/tools/campaign.py [key=value ...]``.
 
 One command continues the campaign from wherever it stopped and runs until a wall-clock limit (``hours``); it is
 safe to kill at any moment. Its settings are ``campaign/campaign.yaml`` (``key=value`` overrides any field; a
@@ -22,13 +22,13 @@ the repository's campaign, ``<dir>/campaign_curve.png`` for another folder, or `
 checks the call's data settings against the manifest and every listed file against its sha256
 (:func:`check_campaign`), in one line, before anything slow.
 
-On a GPU (``device=cuda``, e.g. the burst, :mod:`dartree.training.burst`): ``shards_per_call`` shards share one
+On a GPU (``device=cuda``, e.g. the burst, :mod:`dartree.training.tools.burst`): ``shards_per_call`` shards share one
 continuous batch and each is written as soon as it is complete; follow-up turns are requeued as whole-history
 prompts (``gen_requeue``), refills wait for ``gen_min_free`` free slots and prefills take ``gen_prefill_tokens``.
 ``stage=plan shards=K out=FILE`` writes the next K pieces' tokenized prompts (:func:`write_plan`), so a machine
 without the prompt packages regenerates them with ``plan=FILE``.
 
-Training stage (``stage=train``): see :mod:`dartree.training.campaign_train`.
+Training stage (``stage=train``): see :mod:`dartree.training.tools.campaign_train`.
 
 Sources: DFlash (github.com/z-lab/dflash) and DSpark (arXiv 2607.05147) train on target-regenerated responses;
 EAGLE-3 (arXiv 2503.01840) reports acceptance growing with training data, which is why this runs for days.
@@ -520,7 +520,7 @@ def read_plan(path: Path, cfg: DictConfig, manifest: dict) -> dict:
         plan = json.loads(gzip.decompress(Path(path).read_bytes()))
     except (OSError, ValueError, EOFError) as exc:
         raise CampaignError(f"plan={path} cannot be read ({str(exc).splitlines()[0] if str(exc) else exc!r}); "
-                            "write it with `python training/campaign.py stage=plan shards=K out=FILE`") from None
+                            "write it with `python training/tools/campaign.py stage=plan shards=K out=FILE`") from None
     if plan.get("version") != PLAN_VERSION:
         raise CampaignError(f"plan={path} is version {plan.get('version')}, this code reads {PLAN_VERSION}; plan "
                             "again")
@@ -596,7 +596,7 @@ def _record(name: str, rows: list, items: list, start: int, end: int, seconds: f
         "response_tokens_per_s": round(resp / max(seconds, 1e-9), 2), "cpu": cpu_model(), "threads": int(cfg.threads),
         "slots": int(cfg.gen_slots), "torch": __import__("torch").__version__, "dartree": _git_commit(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "command": "python training/campaign.py stage=verify shard="
+        "command": "python training/tools/campaign.py stage=verify shard="
                    + (str(int(name.split("-")[-1])) if name != "holdout" else "-1"),
     }
     if device != "cpu":  # the regenerating device, where it is not the CPU named above
@@ -845,7 +845,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"{plan['entries'][-1]['pool'][1]}, {Path(cfg.out).stat().st_size:,} bytes")
             return 0
         if cfg.stage in ("baseline", "curve"):
-            from dartree.training.campaign_train import holdout_baseline, plot_curve
+            from dartree.training.tools.campaign_train import holdout_baseline, plot_curve
 
             if cfg.stage == "baseline":
                 for recipe in cfg.train.recipes:
@@ -859,7 +859,7 @@ def main(argv: list[str] | None = None) -> int:
                 data_deadline = t0 + (1 - float(cfg.train_share)) * float(cfg.hours) * 3600
             run_data(cfg, data_deadline)
         if cfg.stage in ("train", "all") and time.time() < deadline:
-            from dartree.training.campaign_train import run_train
+            from dartree.training.tools.campaign_train import run_train
 
             run_train(cfg, deadline)
         print(status(cfg))

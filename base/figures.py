@@ -1,7 +1,9 @@
-"""Learning-curve figures of training runs (matplotlib, Agg canvas, no pyplot state).
+"""Learning-curve figures of training runs (matplotlib, Agg canvas, no pyplot state), and writing a figure as a PNG
+atomically. Layer 0 (``dartree.base``: imports nothing of dartree but :mod:`~dartree.base.files`): the trainer draws
+a run's curve with it and the report (``dartree-report --curves``) draws several, so neither imports the other.
 
-A curve is the list of points ``training/train.py`` writes to ``<output_dir>/curve.json`` (and checkpoints keep as
-``learning_curve.json``): each point has ``train_tokens`` (training tokens seen), ``holdout_chain_tau`` and
+A curve is the list of points the trainer (``training/train.py``) writes to ``<output_dir>/curve.json`` (and
+checkpoints keep as ``learning_curve.json``): each point has ``train_tokens`` (training tokens seen), ``holdout_chain_tau`` and
 ``holdout_tf_tau`` (held-out chain and teacher-forced acceptance length) and, where recorded, ``train_loss`` (the
 mean training loss since the previous point).
 """

@@ -2,7 +2,7 @@
 
 Usage (``make gpu-check``)::
 
-    python kernels/gpu_check.py [--out reports/gpu_check.json] [--time-limit 480] [--dry] [--target smollm2|FOLDER]
+    python kernels/tools/gpu_check.py [--out reports/gpu_check.json] [--time-limit 480] [--dry] [--target smollm2|FOLDER]
 
 On CUDA (about 8 minutes at most, ``--time-limit`` seconds; later sections are marked ``skipped`` past it):
 
@@ -42,7 +42,7 @@ import torch
 
 from dartree.base.cli import fail
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 SIZES = [1, 7, 63, 64, 65]  # tests/test_kernels.py: one row, odd, around a power of two
 DRY_SIZES = [1, 7]
 TOL = {torch.float32: 1e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The GPU burst on the lent machine (docs/burst.md): python training/burst.py stage=payload makes the uploads here.
-#   bash training/burst.sh receive           call 1 (upload .burst/up1): check target part 1, install the wheels
-#   bash training/burst.sh run [key=value]   call 2 (upload .burst/up2, seconds later): join and place the target,
-#                                            then python training/burst.py stage=device out=$OUT (9 minutes, all in)
-#   bash training/burst.sh fetch N           a later call on the same machine: result set N into $OUT
+# The GPU burst on the lent machine (docs/burst.md): python training/tools/burst.py stage=payload makes the uploads here.
+#   bash training/tools/burst.sh receive           call 1 (upload .burst/up1): check target part 1, install the wheels
+#   bash training/tools/burst.sh run [key=value]   call 2 (upload .burst/up2, seconds later): join and place the target,
+#                                            then python training/tools/burst.py stage=device out=$OUT (9 minutes, all in)
+#   bash training/tools/burst.sh fetch N           a later call on the same machine: result set N into $OUT
 # Environment: OUT (results), PYTHON (default python3), BURST_DIR (default .burst: up1/ and up2/), BURST_KEEP (default
 # .burst/keep: kept between calls), BURST_MINUTES (default 9: the whole call's wall clock, set-up included).
 set -u
 t0=$(date +%s.%N)
-cd "$(dirname "$0")/.." || exit 2
+cd "$(dirname "$0")/../.." || exit 2
 repo=$(pwd)
 py=${PYTHON:-python3}
 keep=${BURST_KEEP:-.burst/keep}
@@ -77,13 +77,13 @@ case "${1:-}" in
     export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline PYTHONUNBUFFERED=1
     export TORCH_EXTENSIONS_DIR="$keep/torch_extensions"
     mkdir -p "$OUT"
-    exec "$py" training/burst.py stage=device started="$t0" minutes="${BURST_MINUTES:-9}" out="$OUT" \
+    exec "$py" training/tools/burst.py stage=device started="$t0" minutes="${BURST_MINUTES:-9}" out="$OUT" \
       dir="$dir" keep="$keep" "$@"
     ;;
   fetch)
-    [ -n "${OUT:-}" ] && [ -n "${2:-}" ] || { echo "usage: OUT=DIR bash training/burst.sh fetch N" >&2; exit 2; }
+    [ -n "${OUT:-}" ] && [ -n "${2:-}" ] || { echo "usage: OUT=DIR bash training/tools/burst.sh fetch N" >&2; exit 2; }
     [ -d "$keep/out/set-$2" ] || { echo "burst: no set $2 in $keep/out (sets: $(ls "$keep/out" 2>/dev/null))" >&2; exit 1; }
     mkdir -p "$OUT" && cp "$keep/out/set-$2"/* "$OUT"/ && ls -la "$OUT"
     ;;
-  *) echo "usage: bash training/burst.sh receive | run [key=value ...] | fetch N" >&2; exit 2 ;;
+  *) echo "usage: bash training/tools/burst.sh receive | run [key=value ...] | fetch N" >&2; exit 2 ;;
 esac

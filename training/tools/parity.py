@@ -1,6 +1,6 @@
 """Train/infer parity: teacher-forced acceptance of a trained drafter through the inference code path.
 
-``python training/parity.py runs/NAME`` reads the run's training checkpoint and recipe, rebuilds its data (from
+``python training/tools/parity.py runs/NAME`` reads the run's training checkpoint and recipe, rebuilds its data (from
 the cache), and for the held-out sequences at the anchors the training metric uses computes, per block position,
 how often the drafter's draft equals the true next token, twice:
 

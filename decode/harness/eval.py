@@ -1,0 +1,324 @@
+"""Acceptance length and speedup of tree decoders against plain autoregressive decoding of the target.
+
+``python decode/eval.py --tree pruned [--datasets humaneval mtbench gsm8k | --prompts FILE] [--limit N] [--budget B] ...``
+
+For every prompt (chat-templated by the target's tokenizer) the target first decodes on its own (AR, the
+baseline and the losslessness oracle), then each requested method decodes the same prompt. Reported per
+method and dataset: tau (committed tokens per verify forward, bonus included), tokens/s and speedup over AR
+(AR time-per-output-token / method time-per-output-token, prefill excluded, same process, after a warm-up),
+per-round stage times, and losslessness (T = 0: the count of prompts whose output differs from AR's, with
+the first divergence and the target's top-2 logit margin there). Writes ``report.json`` and ``report.md``,
+then the figures beside them, embedded in report.md (``dartree.decode.harness.report``; ``--no-plots`` skips them;
+``dartree-report DIR`` redraws them from report.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from tqdm.auto import tqdm
+
+from dartree.decode.harness.builder_args import add_builder_param_args, builder_param_problems
+from dartree.decode.harness.peers import PEERS
+from dartree.decode.harness.prompts import add_prompt_source_args
+from dartree.decode.harness.report import report_warnings, write_figures
+from dartree.decode.harness.session import Refused, open_session, spread_repeats
+from dartree.decode.trees import BUILDERS
+from dartree.base.cli import fail
+from dartree.base.dtypes import DTYPES
+from dartree.models.invariant import INVARIANT_CHOICES
+from dartree.models.packed import LINEAR_BACKENDS
+from dartree.models.target import DEFAULT_TARGET
+
+REPO = Path(__file__).resolve().parents[2]
+DEFAULT_CHECKPOINT = REPO / "checkpoints" / "dspark_b16"
+
+
+def budget_arg(text: str) -> int | str:
+    """argparse type of ``--budget``: ``auto`` (the cost-model budget, :mod:`dartree.decode.budget`) or an int >= 0.
+
+    Raises:
+        argparse.ArgumentTypeError: anything else (names the accepted values).
+    """
+    if text == "auto":
+        return "auto"
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor an integer >= 0") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{value} must be >= 0 (tree nodes per round) or 'auto'")
+    return value
+
+
+def template_kwargs_arg(text: str) -> dict:
+    """argparse type of ``--chat-template-kwargs``: a JSON object of template variables.
+
+    Raises:
+        argparse.ArgumentTypeError: not JSON, or JSON that is not an object (one line with an example).
+    """
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({exc.msg}); give an object such as "
+                                         "'{\"enable_thinking\": false}'") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is a JSON {type(value).__name__}, not an object such as "
+                                         "'{\"enable_thinking\": false}'")
+    return value
+
+
+def _add_method_args(ap: argparse.ArgumentParser) -> None:
+    """The arguments that choose the decoders, their trees, the prompts and the sampling rule (before the target's
+    own generation settings)."""
+    ap.add_argument("--tree", nargs="+", default=["pruned"],
+                    help=f"methods besides the AR baseline: ar, {', '.join(sorted(BUILDERS))}, or all "
+                         "(every builder once; heap-sequential is the slow exact reference); BUILDER+lookup also "
+                         "grafts a prompt-lookup chain onto each round's tree (--lookup tokens); METHOD@B<n> runs "
+                         "METHOD at the fixed budget n beside --budget (with --budget auto the auto row is then "
+                         "METHOD@auto), so the report shows what auto chose against")
+    ap.add_argument("--lookup", type=int, default=10,
+                    help="tokens of the prompt-lookup chain of the +lookup methods (transformers' default, 10)")
+    ap.add_argument("--lookup-ngram", type=int, default=3, help="longest n-gram the +lookup methods match")
+    add_prompt_source_args(ap)
+    ap.add_argument("--limit", type=int, default=20, help="prompts per data set (with --prompts: the first N of the file)")
+    ap.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
+    ap.add_argument("--budget", type=budget_arg, nargs="+", default=["auto"],
+                    help="tree nodes per round B, or auto: per round the cost model (calibrated at start-up) keeps the "
+                         "tree size that maximises expected tokens per second, 0 = a plain AR step, and chain is "
+                         "shortened the same way; several values run a budget sweep, "
+                         "reported as METHOD@B<n> (METHOD@auto) for every tree builder other than chain (which runs at full "
+                         "length, and as chain@auto when auto is among the values)")
+    add_builder_param_args(ap)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (output must equal AR's)")
+    ap.add_argument("--acceptance", default="match", choices=["match", "rejection"],
+                    help="T > 0 rule: exact target-sample matching of deterministic drafts (every tree), or sampled "
+                         "chain drafts + speculative rejection sampling (--tree chain only)")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="dartree-eval", description=__doc__.split("\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    _add_method_args(ap)
+    ap.add_argument("--ignore-generation-config", action="store_true",
+                    help="at --temperature > 0, sample softmax(logits / T) even where the target's generation_config "
+                         "sets top_k / top_p / min_p / typical_p / repetition_penalty, which dartree's samplers do "
+                         "not apply (refused by name without this flag); the report records them as ignored")
+    ap.add_argument("--chat-template", default="auto", choices=["auto", "none"],
+                    help="auto: each prompt through the target tokenizer's chat template (refused by name when it has "
+                         "none); none: the raw prompt text (a base model), named in the report")
+    ap.add_argument("--chat-template-kwargs", type=template_kwargs_arg, default={}, metavar="JSON",
+                    help="extra chat-template variables as a JSON object, passed to apply_chat_template, e.g. "
+                         "'{\"enable_thinking\": false}'; recorded in the report")
+    ap.add_argument("--seed", type=int, default=0, help="prompt choice and sampling seed")
+    ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="dartree checkpoint folder")
+    ap.add_argument("--target", default=DEFAULT_TARGET, help="'smollm2' or a local Hugging Face folder")
+    ap.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
+                    help="target and drafter dtype; auto: bfloat16 on CUDA, float32 on a CPU without native bf16 "
+                         "matrix arithmetic; on a CPU with it (oneDNN bf16), bfloat16 in the row-invariant mode and "
+                         "float32 are timed at start-up and the faster decodes; the run prints which and why")
+    ap.add_argument("--linear", default="auto", choices=list(LINEAR_BACKENDS),
+                    help="matmul path of the target's and drafter's linear layers: onednn (weights prepacked once, "
+                         "the fast small-M path on CPU), aten (plain F.linear), auto (onednn where it can run); "
+                         "every row of the run, AR and peers included, uses the same one")
+    ap.add_argument("--invariant", nargs="?", const="on", default="auto", choices=list(INVARIANT_CHOICES),
+                    help="row-invariant target forwards (dartree.models.invariant): every verify row computes the bits "
+                         "an AR step computes for it, so the output equals AR's by construction, in bf16 too; auto: "
+                         "on for a CPU target in bfloat16, off in float32 (exact in practice, and the mode costs its "
+                         "AR step ~25%%) and on CUDA (measured on an H200: not needed there, 16-21%% dearer; on enters it), the "
+                         "reason in the header; a bare --invariant means on (docs/invariance.md)")
+    ap.add_argument("--no-tune", dest="tune", action="store_false",
+                    help="with onednn: keep the fixed single-row rule instead of timing F.linear against the packed "
+                         "call per weight shape and row count at start-up (a few seconds) and taking the faster")
+    ap.add_argument("--ar-repeats", type=int, default=2,
+                    help="AR runs per prompt, spread through that prompt's rows; the AR baseline is their mean "
+                         "time, and the report gives their spread (the machine's own timing noise, next to every "
+                         "speedup)")
+    ap.add_argument("--paired", action="store_true",
+                    help="also time every method in lockstep with its own AR decode of the same prompt (after each "
+                         "round the AR loop steps until it has as many tokens), and report that paired speedup next to "
+                         "the plain one: both loops then see the same seconds of a machine whose speed drifts, which "
+                         "separate runs minutes apart do not (costs one more AR decode per method and prompt)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    ap.add_argument("--out", default="reports/latest", help="folder for report.json and report.md")
+    ap.add_argument("--no-plots", action="store_true",
+                    help="tables only: no PNG figures (report.json still keeps the data to draw them later)")
+    ap.add_argument("--draw-round", type=int, default=None,
+                    help="1-based verify round of the first prompt to draw as a tree per method (default: the "
+                         "round with the longest accepted path)")
+    ap.add_argument("--peers", nargs="*", default=[], choices=list(PEERS),
+                    help="other decoders as extra rows on the same prompts and target, greedy only "
+                         "(dartree.decode.harness.peers): transformers generate, transformers prompt-lookup decoding, "
+                         "dartree's AR loop on a bfloat16 copy of the target (ar-bf16), "
+                         "z-lab dflash_generate on this checkpoint exported to z-lab's layout")
+    return ap.parse_args(argv)
+
+
+def out_problem(out: str) -> str | None:
+    """Why ``--out`` cannot receive the report (an existing file, or a folder that cannot be created or written;
+    :func:`dartree.base.fields.folder_problem`), checked before any model is loaded; None when it can."""
+    from dartree.base.fields import folder_problem
+
+    why = folder_problem(out)
+    return None if why is None else f"--out {out!r} {why}; give a writable folder for report.json and report.md"
+
+
+class Interrupted(BaseException):
+    """SIGINT or SIGTERM arrived (a ``BaseException``, as ``KeyboardInterrupt``: no ``except Exception`` swallows it).
+
+    Attributes:
+        signum: the signal's number; the process exits with 128 + signum (130 for SIGINT, 143 for SIGTERM).
+    """
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class Signals:
+    """Context manager: while active, SIGINT and SIGTERM raise :class:`Interrupted` in the main thread, except
+    inside :meth:`held`, where they wait until the held block ends (so report.json and report.md are written as a
+    pair or not at all). Outside the main thread (where Python cannot install handlers) it does nothing."""
+
+    def __init__(self):
+        self._old: dict = {}
+        self._depth, self._pending = 0, None
+
+    def __enter__(self) -> "Signals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self._old[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
+
+    def _handle(self, signum, _frame) -> None:
+        if self._depth:
+            self._pending = signum
+        else:
+            raise Interrupted(signum)
+
+    @contextlib.contextmanager
+    def held(self):
+        """A block that SIGINT / SIGTERM do not cut: one arriving inside it raises :class:`Interrupted` at its end."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+            pending, self._pending = (self._pending, None) if not self._depth else (None, self._pending)
+            if pending is not None:
+                raise Interrupted(pending)
+
+
+def main(argv=None) -> int:
+    """Console entry point (``dartree-eval``); returns the exit status: 0, or 2 with a one-line error for a bad
+    argument, target (its end ids, sampling settings, chat template, context, attention layout), checkpoint or
+    prompt set (checked before any decoding), or 130 / 143 with one line after SIGINT / SIGTERM (the finished
+    prompts' report stays). Restores torch's thread count on return, so it can run repeatedly in one process."""
+    threads = torch.get_num_threads()
+    progress = {"done": 0, "planned": 0, "out": None}
+    try:
+        with Signals() as sig, contextlib.ExitStack() as modes:
+            return _eval_main(argv, sig, progress, modes)
+    except Interrupted as exc:  # one line, never a traceback; the report of the finished prompts stays
+        print(f"interrupted by {exc}: {_progress_text(progress)}", file=sys.stderr)
+        return 128 + exc.signum
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _progress_text(progress: dict) -> str:
+    """Where an interrupted run left its report: ``progress`` holds ``done`` / ``planned`` prompts and ``out``."""
+    if not progress["done"]:
+        return "stopped before the first prompt finished; no report written"
+    return (f"{progress['out']}/report.json and report.md hold the {progress['done']} of {progress['planned']} "
+            "prompts that finished")
+
+
+def _arg_problems(args: argparse.Namespace) -> list[str]:
+    """Every bad argument value that needs no model to see, one message each (empty: the arguments are fine)."""
+    return [msg for bad, msg in (
+        (args.threads < 0, f"--threads must be >= 0 (0: torch's default), got {args.threads}"),
+        *builder_param_problems(args),
+        (args.lookup < 1, f"--lookup must be >= 1 (tokens of the +lookup methods' chain), got {args.lookup}"),
+        (args.lookup_ngram < 1, f"--lookup-ngram must be >= 1, got {args.lookup_ngram}"),
+        (args.limit < 1, f"--limit must be >= 1, got {args.limit}"),
+        (args.ar_repeats < 1, f"--ar-repeats must be >= 1 (AR runs per prompt), got {args.ar_repeats}"),
+        (args.max_new_tokens < 1, f"--max-new-tokens must be >= 1, got {args.max_new_tokens}"),
+        (not math.isfinite(args.temperature) or args.temperature < 0,
+         f"--temperature must be a finite number >= 0, got {args.temperature}"),
+        (args.acceptance == "rejection" and (set(args.tree) != {"chain"} or not args.temperature > 0),
+         f"--acceptance rejection needs --tree chain and --temperature > 0, got --tree {' '.join(args.tree)} "
+         f"--temperature {args.temperature}"),
+        (not 0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}"),
+        (out_problem(args.out) is not None, out_problem(args.out)),
+        (args.draw_round is not None and args.draw_round < 1, f"--draw-round is 1-based, got {args.draw_round}"),
+    ) if bad]
+
+
+def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = None,
+               modes: contextlib.ExitStack | None = None) -> int:
+    """:func:`main` without the thread-count restore and the signal handlers (``sig``: the active
+    :class:`Signals`; ``progress``: updated with the prompts done and the report folder; ``modes``: holds the
+    row-invariant mode until the caller closes it)."""
+    sig = sig if sig is not None else Signals()
+    modes = modes if modes is not None else contextlib.ExitStack()
+    progress = progress if progress is not None else {}
+    args = parse_args(argv)
+    console = Console(width=120)
+    problems = _arg_problems(args)
+    if problems:
+        return fail("; ".join(problems))
+    try:
+        s = open_session(args, console, modes)
+    except Refused as exc:
+        return fail(exc.args[0])
+    s.warm_up()
+    out = Path(args.out)
+    rows: dict[str, list[dict]] = {m: [] for m in s.names}
+    trees: dict[str, dict] = {}
+    progress.update(done=0, planned=len(s.prompts), out=str(out))
+    # one step per decode (every prompt's AR runs, methods and peers), so the bar's rate and time left count them all
+    per_prompt = len(spread_repeats(s.names, "ar", args.ar_repeats))
+    bar = tqdm(total=len(s.prompts) * per_prompt, desc="decoding", unit="decode", file=sys.stderr, dynamic_ncols=True)
+    try:
+        for pi in range(len(s.prompts)):
+            new, new_trees = s.decode_prompt(pi, bar)
+            with sig.held():  # the rows enter together with the report files that hold them
+                for name, row in new.items():
+                    rows[name].append(row)
+                trees.update(new_trees)
+                s.write_report(rows, trees, pi + 1, sig, show=False)
+                progress["done"] = pi + 1
+    except Interrupted as exc:  # the finished prompts' report, marked as interrupted; then the one-line exit
+        bar.close()
+        if progress["done"]:
+            s.write_report(rows, trees, progress["done"], sig, show=False, interrupted=str(exc))
+        raise
+    bar.close()
+    report = s.write_report(rows, trees, len(s.prompts), sig, show=True)
+    for w in report_warnings(report):
+        console.print(f"[bold red]{w}[/bold red]")
+    if not args.no_plots:  # after report.json and the tables: a figure problem is a warning, never a lost report
+        for w in write_figures(report, out, args.draw_round):
+            console.print(f"[bold yellow]{w}[/bold yellow]")
+    console.print(f"wrote {out / 'report.json'} and {out / 'report.md'} ({(time.time() - s.t0) / 60:.1f} min)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
