@@ -19,8 +19,8 @@ __all__ = ["Generation", "SpeculativeDecoder", "load"]
 
 
 def __getattr__(name: str):
-    # the API's names load torch and transformers only when first used, so `import dartree.models...` stays light
     if name in __all__:
+        # lazy: the API's names load torch and transformers when first used (`import dartree.models` stays light)
         from dartree import speculator
 
         return getattr(speculator, name)

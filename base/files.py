@@ -13,7 +13,6 @@ import tempfile
 from pathlib import Path
 from typing import Iterator
 
-from safetensors.torch import save_file
 
 
 def _umask() -> int:
@@ -135,6 +134,8 @@ def write_folder_atomically(dest: Path, files: dict[str, bytes | dict]) -> None:
     with atomic_folder(dest) as tmp:
         for name, content in files.items():
             if isinstance(content, dict):
+                from safetensors.torch import save_file  # lazy: torch loads only where tensors are written
+
                 save_file(content["tensors"], str(tmp / name), metadata=content.get("metadata"))
             else:
                 (tmp / name).write_bytes(content)

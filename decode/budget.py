@@ -71,7 +71,10 @@ import torch
 
 from dartree.decode.draft import draft_block
 from dartree.decode.lookup import LookupStats
-from dartree.decode.trees import Tree
+from dartree.decode.trees import Tree, select_top_b_keep
+from dartree.decode.verify import compile_tree
+from dartree.models.drafter import DraftCache
+from dartree.models.target import compact_cache
 
 CALIBRATION_SIZES = (1, 2, 3, 5, 9, 17)
 # edges of the predicted-probability bins of the acceptance calibration (last edge above 1 so p = 1 falls inside)
@@ -721,8 +724,6 @@ def prune_to(tree: Tree, budget: int, beta: float = 0.0, chain_pos: torch.Tensor
     """The ``budget`` best nodes of ``tree`` by ``score + beta * depth`` (prefix-closed for beta <= 0 since path
     scores never increase along a path; DARTree Lemma 1), re-indexed topologically. With ``chain_pos`` [M]
     (lookup chain positions, :mod:`dartree.decode.lookup`) returns (tree, the kept nodes' chain positions)."""
-    from dartree.decode.trees import select_top_b_keep
-
     pruned, keep = select_top_b_keep(tree, budget, beta)
     return pruned if chain_pos is None else (pruned, chain_pos[keep])
 
@@ -745,10 +746,6 @@ def calibrate(target, drafter, context_ids, *, max_budget: int = 16, reps: int =
     Raises:
         ValueError: fewer than 2 context tokens, or max_budget < 1.
     """
-    from dartree.decode.verify import compile_tree
-    from dartree.models.drafter import DraftCache
-    from dartree.models.target import compact_cache
-
     ids = [int(t) for t in context_ids]
     if len(ids) < 2:
         raise ValueError(f"calibrate needs at least 2 context tokens, got {len(ids)}")

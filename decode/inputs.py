@@ -17,6 +17,11 @@ import torch
 
 from dartree.base.fields import describe, is_int, is_real
 from dartree.decode.trees import check_builder_params
+from dartree.models.drafter import DFlashDrafter
+from dartree.models.generation import context_length
+from dartree.models.heads import CorrectionHead
+from dartree.models.target import Target, check_speculative_target
+from dartree.models.validate import check_pairing
 
 
 def _is_row(x: Any) -> bool:
@@ -106,8 +111,6 @@ def check_generate_args(target, prompt_ids, *, max_new_tokens, temperature, stop
             with max_new_tokens does not fit the target's context (:func:`check_context`), a negative or
             non-finite temperature, or a generator on another device type.
     """
-    from dartree.models.target import Target
-
     if not isinstance(target, Target):
         raise TypeError(f"target is {describe(target)}, not a dartree Target; load it with "
                         "dartree.models.target.load_target(...) or wrap a model: Target(model, tokenizer, layer_ids)")
@@ -146,8 +149,6 @@ def check_context(target, prompt_len: int, max_new_tokens: int, what: str = "pro
     Raises:
         ValueError: one line naming the prompt, its length, the positions needed, the context and the fix.
     """
-    from dartree.models.generation import context_length
-
     limit = context_length(target)
     if limit is None or prompt_len + max_new_tokens <= limit:
         return
@@ -173,8 +174,6 @@ def check_prompt_set(target, prompt_ids: list[list[int]], labels: list[str], max
     Raises:
         ValueError: one line naming the first prompt or target that does not fit, and the fix.
     """
-    from dartree.models.target import check_speculative_target
-
     for ids, label in zip(prompt_ids, labels):
         check_context(target, len(ids), max_new_tokens, f"prompt {label}", fix)
     if depth > 0 and prompt_ids:
@@ -198,10 +197,6 @@ def check_speculative_args(target, drafter, head, *, builder, budget, builder_pa
         ValueError: drafter / head / target mismatch (:func:`dartree.models.validate.check_pairing`), target
             capture layers that differ from the drafter's, a negative budget or an out-of-range parameter.
     """
-    from dartree.models.drafter import DFlashDrafter
-    from dartree.models.heads import CorrectionHead
-    from dartree.models.validate import check_pairing
-
     if not isinstance(drafter, DFlashDrafter):
         hint = "; a loaded checkpoint is passed as dm.drafter, dm.head" if hasattr(drafter, "drafter") else ""
         raise TypeError(f"drafter is {describe(drafter)}, not a DFlashDrafter{hint}")

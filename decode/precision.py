@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from dartree.decode.budget import CostModel
+from dartree.decode import budget as budget_lib
 
 # Acceptance length assumed for a drafter whose checkpoint records no held-out figure (the shipped drafters' held-out
 # chain tau is 1.4-1.7 on the default target, recorded in their provenance).
@@ -139,12 +140,10 @@ def time_modes(candidates: dict, context_ids: list[int], *, passes: int = 2, rep
     Raises:
         ValueError: fewer than 2 context tokens (:func:`~dartree.decode.budget.calibrate`).
     """
-    from dartree.decode.budget import calibrate
-
     best: dict = {}
     for _ in range(max(1, passes)):
         for d, (target, drafter) in candidates.items():
-            c = calibrate(target, drafter, context_ids, max_budget=budget, reps=reps)
+            c = budget_lib.calibrate(target, drafter, context_ids, max_budget=budget, reps=reps)
             old = best.get(d)
             if old is not None:
                 c = CostModel(t_ar=min(c.t_ar, old.t_ar), t_draft=min(c.t_draft, old.t_draft),

@@ -660,6 +660,7 @@ def _expand_first_order(logq: torch.Tensor, ids: torch.Tensor, quota: Callable[[
     Raises:
         ValueError: a NaN log-probability (a broken head or drafter output; named, instead of a short tree).
     """
+    # lazy: a numba kernel module: numba loads and compiles on first use, not when this module is imported
     from dartree.kernels.tree_expand import expand_first_order
 
     lq = logq.detach().cpu().numpy()
@@ -746,6 +747,7 @@ def select_top_b_keep(tree: Tree, budget: int, beta: float) -> tuple[Tree, torch
     if budget <= 0:
         return Tree.empty(), torch.zeros(0, dtype=torch.long)
     if tree.score.device.type == "cpu" and tree.score.dtype == torch.float32:  # compiled, same result (tested)
+        # lazy: a numba kernel module: numba loads and compiles on first use, not when this module is imported
         from dartree.kernels.tree_expand import top_b_keep
 
         out = top_b_keep(tree.score.numpy(), tree.depth.numpy(), tree.parents.numpy(), int(budget), float(beta))

@@ -176,6 +176,7 @@ def topk_candidates(logits: torch.Tensor, k: int, backend: str = "auto", *, with
             ids, vals = ids.gather(-1, order), vals.gather(-1, order)
             return ids, vals, torch.logsumexp(vals, dim=-1)
         return topk_candidates_ref(logits, k)
+    # lazy: triton is optional (CUDA only): the Triton kernel module loads on the first GPU call
     from dartree.kernels import _candidates_triton
 
     return _candidates_triton.launch(logits, kk)

@@ -83,6 +83,7 @@ def frontier_topk(base, parent_scores, quota, act=None, rows=None, backend: str 
                          "use backend='auto' (falls back to torch) or a smaller frontier")
     if chosen == "torch" or too_big or f == 0 or k == 0 or int(quota) == 0:
         return frontier_topk_ref(base, parent_scores, quota, act, rows)
+    # lazy: triton is optional (CUDA only): the Triton kernel module loads on the first GPU call
     from dartree.kernels import _frontier_triton
 
     return _frontier_triton.launch(base, parent_scores, min(int(quota), f * k), act, rows)

@@ -60,6 +60,7 @@ def gru_cell(gi: torch.Tensor, h: torch.Tensor, w_hh: torch.Tensor, backend: str
     _check(gi, h, w_hh)
     if resolve(backend, h.device) == "torch" or h.shape[0] == 0:
         return gru_cell_ref(gi, h, w_hh)
+    # lazy: triton is optional (CUDA only): the Triton kernel module loads on the first GPU call
     from dartree.kernels import _gru_triton
 
     return _gru_triton.launch(gi, h, w_hh)

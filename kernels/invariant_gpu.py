@@ -33,6 +33,7 @@ DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def _launcher():
+    # lazy: triton is optional (CUDA only): the Triton kernel module loads on the first GPU call
     from dartree.kernels import _invariant_triton
 
     return _invariant_triton

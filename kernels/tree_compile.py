@@ -94,6 +94,7 @@ def full_mask_cpu(parents: torch.Tensor, start: int, dtype: torch.dtype):
     Raises:
         ValueError: parents not 1-D or not preceding their children, or start < 0.
     """
+    # lazy: a numba kernel module: numba loads and compiles on first use, not when this module is imported
     from dartree.kernels.tree_expand import tree_mask
 
     if parents.dim() != 1:
@@ -124,6 +125,7 @@ def tree_attention(parents: torch.Tensor, start: int = 0, dtype: torch.dtype = t
         if parents.device.type == "cpu":
             return _tree_attention_cpu(parents.long(), start, dtype)
         return tree_attention_ref(parents, start, dtype)
+    # lazy: triton is optional (CUDA only): the Triton kernel module loads on the first GPU call
     from dartree.kernels import _tree_compile_triton
 
     return _tree_compile_triton.launch(parents, int(start), dtype)

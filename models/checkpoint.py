@@ -30,7 +30,8 @@ from dartree.models.drafter import DFlashDrafter, DrafterConfig
 from dartree.base.files import write_folder_atomically
 from dartree.models import families  # noqa: F401  (registers the built-in families' heads in HEADS)
 from dartree.models.heads import HEADS, CorrectionHead, build_head, head_fields
-from dartree.base.fields import same_value, typed
+from dartree.base.fields import field_problems, same_value, typed
+from dartree.models.validate import DRAFTER_FIELDS
 
 FORMAT = "dartree"
 FORMAT_VERSION = 1
@@ -172,9 +173,6 @@ def check_config_fields(config, where) -> None:
             wrong type or is out of range; one line naming the file, the key (``drafter.block_size``), the
             value and the allowed range.
     """
-    from dartree.base.fields import field_problems
-    from dartree.models.validate import DRAFTER_FIELDS
-
     if not isinstance(config, dict):
         raise CheckpointError(f"{where}: holds a JSON {type(config).__name__}, not an object of config fields")
     for section in ("drafter", "head"):

@@ -24,6 +24,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dartree.models.packed import is_packed, pack_weight, packed_linear
+from dartree.base.fields import check_fields
+from dartree.models.validate import DRAFTER_FIELDS
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -90,9 +92,6 @@ class DrafterConfig:
     def validate(self) -> None:
         """Raise ValueError naming the first inconsistent field (its value and allowed range:
         :data:`dartree.models.validate.DRAFTER_FIELDS`)."""
-        from dartree.base.fields import check_fields
-        from dartree.models.validate import DRAFTER_FIELDS
-
         check_fields(asdict(self), DRAFTER_FIELDS)
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")

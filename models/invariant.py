@@ -44,6 +44,11 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dartree.base.dtypes import onednn_linear_supported
+from dartree.kernels._backend import resolve, triton_available
+from dartree.kernels.invariant_gpu import DTYPES, attend_gpu, invariant_linear, invariant_rms_norm
+from dartree.models.packed import is_packed, pack_linears
+
 ATTN_NAME = "dartree_row_invariant"
 
 
@@ -85,6 +90,7 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
     """
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    # lazy: a numba kernel module: numba loads and compiles on first use, not when this module is imported
     from dartree.kernels.row_attention import attend
 
     b, h, nq, d = query.shape
@@ -114,8 +120,6 @@ def invariant_attention(module, query, key, value, attention_mask, dropout: floa
         _PLAN["plans"] = plans
         _PLAN["dev"] = None
     if getattr(module, "_dartree_invariant_backend", None) == "triton":
-        from dartree.kernels.invariant_gpu import attend_gpu
-
         dev = query.device
         if _PLAN.get("dev") is None or _PLAN["dev"][0] != dev:  # the plan as int32 tensors on the query's device
             _PLAN["dev"] = (dev, [(torch.from_numpy(c).to(dev, torch.int32), torch.from_numpy(i).to(dev, torch.int32),
@@ -154,8 +158,6 @@ def linear_is_row_invariant(weight: torch.Tensor, backend: str, min_rows: int = 
         several (bf16 and fp32), so ``min_rows=1`` fails there and ``min_rows=2`` passes; on an AMX Xeon in bf16
         calls of 1-32 rows agree and calls of 33 or more block their reduction otherwise, so ``max_rows=32`` passes.
     """
-    from dartree.models.packed import pack_linears
-
     g = torch.Generator().manual_seed(1234)
     x = torch.randn(rows, weight.shape[1], generator=g)
     x = (x * (1 + 15 * (torch.rand(x.shape, generator=g) < 0.02))).to(weight.dtype)
@@ -214,8 +216,6 @@ def choose_invariant_linear(model: torch.nn.Module) -> LinearTiling:
         ValueError: no path is row invariant for some shape here (named), so no verify row can equal the AR
             step by construction on this CPU; decode without the mode.
     """
-    from dartree.base.dtypes import onednn_linear_supported
-
     shapes = {}
     for mod in model.modules():
         if isinstance(mod, torch.nn.Linear):
@@ -247,14 +247,10 @@ def _is_rms_norm(mod: torch.nn.Module) -> bool:
 
 
 def _triton_linear_forward(mod: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    from dartree.kernels.invariant_gpu import invariant_linear
-
     return invariant_linear(x, mod.weight, mod.bias)
 
 
 def _triton_norm_forward(mod: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    from dartree.kernels.invariant_gpu import invariant_rms_norm
-
     return invariant_rms_norm(x, mod.weight, mod.variance_epsilon)
 
 
@@ -316,17 +312,12 @@ class row_invariant:
     def __enter__(self):
         from transformers import AttentionInterface
 
-        from dartree.models.packed import is_packed, pack_linears
-
         model = self.target.model
         self.was_packed = [m for m in model.modules() if is_packed(m)]
         self.rows_before = {id(m): m.__dict__.get("_dartree_aten_rows") for m in self.was_packed}
         self.patched: list[torch.nn.Module] = []
         self.marked: list[torch.nn.Module] = []
         if self.backend == "triton":
-            from dartree.kernels._backend import resolve
-            from dartree.kernels.invariant_gpu import DTYPES
-
             if model.dtype not in DTYPES:
                 raise ValueError(f"row-invariant mode (triton): no kernel for {model.dtype} (float32, bfloat16, "
                                  "float16)")
@@ -355,8 +346,6 @@ class row_invariant:
         return self
 
     def __exit__(self, *exc):
-        from dartree.models.packed import pack_linears
-
         model = self.target.model
         model.set_attn_implementation(self.prev)
         for mod in self.patched:
@@ -401,8 +390,6 @@ def enter_invariant(requested: str, target, stack) -> tuple[row_invariant | None
     dtype, device = target.model.dtype, target.model.device
     why_not = None
     if device.type == "cuda":
-        from dartree.kernels._backend import triton_available
-
         if not triton_available():
             why_not = "no Triton here for the CUDA kernels (pip install triton)"
         elif dtype not in (torch.float32, torch.bfloat16, torch.float16):

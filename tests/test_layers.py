@@ -1,59 +1,125 @@
-"""The import graph is layered one way: kernels < models < libraries (the decoding library, training, convert) <
-tools (the evaluation harness, the command-line programs, the Python API), with no cycle anywhere.
+"""Where a file sits tells its layer, and the import graph goes one way, with no cycle anywhere.
 
-Every ``import`` / ``from ... import`` of a ``dartree`` module counts, at module level or inside a function. A
-library module imports lower layers and its own package; a tool imports anything below it and other tools.
+Layers, read from each module's folder (no list of modules):
+
+0. ``base/`` (``dartree.base``): the utilities every layer may use; imports nothing of dartree;
+1. ``kernels/``;
+2. ``models/`` (and its sub-packages);
+3. the libraries ``decode/``, ``training/``, ``convert/``: each imports lower layers and itself, never another library;
+4. programs: every module inside a programs sub-folder (``tools/``, and ``decode/harness/``, the evaluation harness),
+   and every thin script at a documented path (a module docstring, one ``from ... import main`` and
+   ``if __name__ == "__main__": raise SystemExit(main())``, recognised by that structure); programs import anything
+   below them and each other;
+5. the top-level Python API (``api/``, package ``dartree``): imports anything; nothing imports it.
+
+Every ``import`` / ``from ... import`` of a ``dartree`` module counts, at module level or inside a function. An
+import inside a function is allowed only with a stated reason: a comment starting ``# lazy:`` on the line above or
+on the same line (an optional heavy dependency, a cycle that cannot be broken, or a program that keeps ``--help``
+and its light stages fast by not importing torch-heavy modules).
 """
 
 import ast
+import tomllib
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PACKAGES = {"kernels": "kernels", "models": "models", "decode": "decode", "decode.harness": "decode/harness",
-            "training": "training", "convert": "convert", "": "api"}  # dartree.<package> -> folder; api/ is dartree
-# tools: the evaluation harness, the CLIs and programs that sit on several libraries, the Python API
-TOOLS = {
-    "decode": {"bench", "eval"},  # the harness's two commands; the harness itself is decode/harness/ (all tools)
-    "training": {"train", "campaign", "campaign_train", "parity", "bench", "prepare", "burst"},
-    "kernels": {"gpu_check"}, "models": set(), "convert": set(),
-}
-RANK = {"kernels": 0, "models": 1, "decode": 2, "training": 2, "convert": 2}
+LIBRARY_RANK = {"base": 0, "kernels": 1, "models": 2, "decode": 3, "training": 3, "convert": 3}
+PROGRAM_FOLDERS = {"tools", "harness"}  # the names of programs sub-folders
+PROGRAM, API = 4, 5
+
+
+def _package_dirs() -> dict[str, str]:
+    """{package: folder} from pyproject.toml's [tool.setuptools.package-dir] (``dartree`` is ``api/``)."""
+    with open(REPO / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["tool"]["setuptools"]["package-dir"]
 
 
 def _modules() -> dict[str, Path]:
+    """{dotted module name: file} of every module of every package."""
     out = {}
-    for pkg, folder in PACKAGES.items():
+    for pkg, folder in _package_dirs().items():
         for f in sorted((REPO / folder).glob("*.py")):
-            name = "dartree" + (f".{pkg}" if pkg else "") + ("" if f.stem == "__init__" else f".{f.stem}")
-            out[name] = f
+            out[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
     return out
 
 
-def _package_and_rank(module: str) -> tuple[str, int]:
-    """(package, layer) of ``dartree.PKG.NAME``: the package's rank, 3 for a tool and for the top-level API."""
+def is_thin_script(tree: ast.Module) -> bool:
+    """A documented command kept at its path as a thin script: a module docstring, ``from X import main`` (an
+    ``import sys`` allowed) and ``if __name__ == "__main__":`` that exits with ``main()``'s status; nothing else."""
+    body = list(tree.body)
+    if not (body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant)
+            and isinstance(body[0].value.value, str)):
+        return False
+    body = [n for n in body[1:] if not (isinstance(n, ast.Import) and [a.name for a in n.names] == ["sys"])]
+    if len(body) != 2 or not isinstance(body[0], ast.ImportFrom) or [a.name for a in body[0].names] != ["main"]:
+        return False
+    guard = body[1]
+    return (isinstance(guard, ast.If) and ast.unparse(guard.test) in ('__name__ == "__main__"', "__name__ == '__main__'")
+            and len(guard.body) == 1 and ast.unparse(guard.body[0]) in ("raise SystemExit(main())", "sys.exit(main())"))
+
+
+def layer(module: str, thin: bool = False) -> tuple[str, int]:
+    """(package, layer) of ``module`` from where it sits: its top-level folder's rank, :data:`PROGRAM` inside a
+    programs sub-folder or for a thin script, :data:`API` for the top-level API (package ``""``)."""
     parts = module.split(".")[1:]
-    if parts[:2] == ["decode", "harness"]:  # the evaluation harness: tools on the decoding library
-        return "decode", 3
-    if parts and parts[0] in RANK:
-        pkg, stem = parts[0], parts[1] if len(parts) > 1 else "__init__"
-    else:
-        pkg, stem = "", parts[0] if parts else "__init__"
-    return pkg, 3 if not pkg or stem in TOOLS[pkg] else RANK[pkg]
+    if not parts or parts[0] not in LIBRARY_RANK:
+        return "", API
+    if thin or any(p in PROGRAM_FOLDERS for p in parts[1:]):
+        return parts[0], PROGRAM
+    return parts[0], LIBRARY_RANK[parts[0]]
+
+
+def _imports(tree: ast.Module) -> list[tuple[ast.stmt, list[str], bool]]:
+    """(node, the dartree names it imports, at module level?) for every import in ``tree``."""
+    top = {id(n) for n in tree.body}
+    out = []
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dartree"):
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names if a.name.startswith("dartree")]
+        if names:
+            out.append((node, names, id(node) in top))
+    return out
+
+
+def unexplained_lazy_imports(text: str, where: str = "") -> list[str]:
+    """The dartree imports inside functions of module source ``text`` with no ``# lazy:`` reason: on the same line,
+    on the line above, or above the run of consecutive imports it belongs to; as ``where:LINE statement``."""
+    lines = text.splitlines()
+    found = _imports(ast.parse(text))
+    import_lines = {ln for node, _, _ in found for ln in range(node.lineno, node.end_lineno + 1)}
+    out = []
+    for node, _, at_top in found:
+        if at_top or "# lazy:" in lines[node.lineno - 1]:
+            continue
+        ln = node.lineno - 1  # walk up over the imports just above it
+        while ln >= 1 and (ln in import_lines or lines[ln - 1].strip().startswith(("from ", "import "))):
+            ln -= 1
+        if ln < 1 or not lines[ln - 1].strip().startswith("# lazy:"):
+            out.append(f"{where}:{node.lineno} {lines[node.lineno - 1].strip()}")
+    return out
+
+
+def scan() -> tuple[dict[str, set[str]], dict[str, int], list[str]]:
+    """(import graph {module: the dartree modules it imports}, {module: layer}, function-level dartree imports
+    without a ``# lazy:`` reason), from the source of every module (module level and functions)."""
+    mods = _modules()
+    graph, ranks, unexplained = {m: set() for m in mods}, {}, []
+    for m, f in mods.items():
+        text = f.read_text()
+        tree = ast.parse(text, str(f))
+        ranks[m] = layer(m, is_thin_script(tree))[1]
+        for _, names, _ in _imports(tree):
+            graph[m].update(n for n in names if n in mods and n != m)
+        unexplained += unexplained_lazy_imports(text, str(f.relative_to(REPO)))
+    return graph, ranks, unexplained
 
 
 def import_graph() -> dict[str, set[str]]:
-    """{module: the dartree modules it imports}, from the source of every module (module level and functions)."""
-    mods = _modules()
-    graph = {m: set() for m in mods}
-    for m, f in mods.items():
-        for node in ast.walk(ast.parse(f.read_text(), str(f))):
-            names = []
-            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dartree"):
-                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            elif isinstance(node, ast.Import):
-                names = [a.name for a in node.names]
-            graph[m].update(n for n in names if n in mods and n != m)
-    return graph
+    """{module: the dartree modules it imports}."""
+    return scan()[0]
 
 
 def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
@@ -87,15 +153,18 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
-def back_edges(graph: dict[str, set[str]]) -> list[str]:
-    """Imports that go up a layer, or sideways from one library package into another."""
+def back_edges(graph: dict[str, set[str]], thin: frozenset = frozenset()) -> list[str]:
+    """Imports that go up a layer, sideways from one library into another, or into the top-level API. ``thin``: the
+    modules that are thin scripts."""
     bad = []
     for a, targets in graph.items():
-        pa, ra = _package_and_rank(a)
+        pa, ra = layer(a, a in thin)
         for b in targets:
-            pb, rb = _package_and_rank(b)
-            if ra == 3:
-                ok = pb != "" or pa == ""  # a tool may use anything but the top-level API
+            pb, rb = layer(b, b in thin)
+            if ra == API:
+                ok = True
+            elif ra == PROGRAM:
+                ok = rb <= PROGRAM
             else:
                 ok = rb < ra or (rb == ra and pa == pb)
             if not ok:
@@ -103,20 +172,60 @@ def back_edges(graph: dict[str, set[str]]) -> list[str]:
     return sorted(bad)
 
 
+def _thin_modules() -> frozenset:
+    return frozenset(m for m, f in _modules().items() if is_thin_script(ast.parse(f.read_text())))
+
+
 def test_the_import_graph_has_no_back_edge_and_no_cycle():
-    graph = import_graph()
+    graph, ranks, _ = scan()
     assert len(graph) > 60 and graph["dartree.decode.generate"]  # the walk found the modules and their imports
-    assert back_edges(graph) == []
+    assert back_edges(graph, _thin_modules()) == []
     assert _cycles(graph) == []
+    # the layers come from the folders: base imports nothing of dartree, programs sit in programs folders
+    assert [b for a in graph if a.startswith("dartree.base") for b in graph[a] if not b.startswith("dartree.base")] == []
+    assert ranks["dartree.kernels.tools.gpu_check"] == ranks["dartree.training.tools.campaign"] == PROGRAM
+    assert ranks["dartree.decode.harness.report"] == PROGRAM and ranks["dartree.decode.generate"] == 3
+    # the documented commands are thin scripts at their paths
+    assert {"dartree.training.train", "dartree.convert.to_dartree", "dartree.convert.from_dartree",
+            "dartree.decode.eval"} <= _thin_modules()
 
 
-def test_the_checks_catch_a_back_edge_and_a_cycle():
+def test_the_report_does_not_import_training():
+    graph = import_graph()
+    assert [b for b in graph["dartree.decode.harness.report"] if b.startswith("dartree.training")] == []
+
+
+def test_every_import_inside_a_function_states_why():
+    assert scan()[2] == []
+
+
+def test_the_checks_catch_a_back_edge_a_cycle_and_an_unexplained_lazy_import(tmp_path):
     graph = {"dartree.models.target": {"dartree.decode.trees"}, "dartree.decode.trees": {"dartree.decode.verify"},
-             "dartree.decode.verify": {"dartree.decode.trees"}, "dartree.decode.eval": {"dartree.training.data"},
-             "dartree.training.data": {"dartree.decode.generate"}, "dartree.decode.generate": set()}
-    assert back_edges(graph) == ["dartree.models.target -> dartree.decode.trees",
-                                 "dartree.training.data -> dartree.decode.generate"]
+             "dartree.decode.verify": {"dartree.decode.trees"},
+             "dartree.decode.harness.eval": {"dartree.training.data", "dartree.training.tools.campaign"},
+             "dartree.training.data": {"dartree.decode.generate", "dartree.base.cli"},
+             "dartree.decode.generate": {"dartree.decode.harness.session"}, "dartree.decode.harness.session": set(),
+             "dartree.base.cli": {"dartree.models.target"}, "dartree.training.tools.campaign": set(),
+             "dartree.kernels.gru": {"dartree.decode.eval"}, "dartree.decode.eval": {"dartree.decode.harness.eval"},
+             "dartree.convert.registry": {"dartree.speculator"}, "dartree.speculator": {"dartree.decode.harness.eval"}}
+    # the location rule: a module under a programs folder and a thin script rank as programs, wherever they sit
+    assert back_edges(graph, frozenset({"dartree.decode.eval"})) == [
+        "dartree.base.cli -> dartree.models.target", "dartree.convert.registry -> dartree.speculator",
+        "dartree.decode.generate -> dartree.decode.harness.session", "dartree.kernels.gru -> dartree.decode.eval",
+        "dartree.models.target -> dartree.decode.trees", "dartree.training.data -> dartree.decode.generate"]
     assert _cycles(graph) == [["dartree.decode.trees", "dartree.decode.verify"]]
+    thin = ast.parse('"""doc."""\n\nfrom dartree.x.tools.y import main\n\nif __name__ == "__main__":\n'
+                     '    raise SystemExit(main())\n')
+    fat = ast.parse('"""doc."""\n\nfrom dartree.x.tools.y import main\n\nX = 1\n\nif __name__ == "__main__":\n'
+                    '    raise SystemExit(main())\n')
+    assert is_thin_script(thin) and not is_thin_script(fat)
+    assert layer("dartree.decode.eval", True) == ("decode", PROGRAM) and layer("dartree.decode.eval") == ("decode", 3)
+    # the lazy-import rule: a function-level import counts as explained only with a `# lazy:` comment
+    src = ("def f():\n    from dartree.models import target\n\n\ndef g():\n    # lazy: triton is optional\n"
+           "    from dartree.kernels import gru\n    from dartree.kernels import frontier\n\n\n"
+           "def h():\n    import dartree.kernels.gru  # lazy: a cycle\n    x = 1\n    from dartree.models import heads\n")
+    assert unexplained_lazy_imports(src, "m") == ["m:2 from dartree.models import target",
+                                                  "m:14 from dartree.models import heads"]
 
 
 def test_no_file_cites_design_notes_outside_the_repository():
@@ -146,12 +255,11 @@ def _longest_functions(path: Path, limit: int) -> list[str]:
             and node.end_lineno - node.lineno + 1 > limit]
 
 
-def test_the_eval_cli_and_the_trainer_have_no_function_over_80_lines():
-    # the evaluation CLI is named stages (a session, a per-prompt decode, pure report building and rendering) and
-    # the trainer stays so: no one function that holds a whole run's state in closures
-    harness = REPO / "decode" / "harness"
-    files = [REPO / "decode" / "eval.py", harness / "session.py", harness / "report.py",
-             REPO / "training" / "trainer.py", REPO / "training" / "train.py"]
-    assert all(f.is_file() for f in files)
+def test_no_function_over_80_lines():
+    # every module of the libraries, the base and the programs is named steps: no one function that holds a whole
+    # run's state in closures (the eval session, the report, the trainer and the campaign included)
+    files = [f for folder in ("base", "kernels", "models", "decode", "training", "convert")
+             for f in sorted((REPO / folder).rglob("*.py"))]
+    assert REPO / "decode" / "harness" / "eval.py" in files and REPO / "training" / "trainer.py" in files
     assert [line for f in files for line in _longest_functions(f, 80)] == []
-    assert _longest_functions(REPO / "decode" / "eval.py", 1)  # the walk sees the functions
+    assert _longest_functions(REPO / "decode" / "harness" / "eval.py", 1)  # the walk sees the functions

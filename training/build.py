@@ -17,18 +17,20 @@ from pathlib import Path
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from dartree.models.checkpoint import cast_floats, dartree_config
+from dartree.models.checkpoint import (CheckpointError, build_from_config, cast_floats, check_target_pairing,
+    dartree_config, load_strict, read_safetensors)
 from dartree.base.files import write_folder_atomically
 from dartree.models.drafter import DFlashDrafter, DrafterConfig, build_target_layer_ids
 from dartree.base.dtypes import parse_dtype
 from dartree.models.families import get_family
-from dartree.models.target import Target, load_target
+from dartree.models.target import Target, cache_root, load_target
 from dartree.training.campaign_data import CampaignData, campaign_rows
 from dartree.training.campaign_store import DEFAULT_DIR, CampaignError
 from dartree.training.checks import template_kwargs
 from dartree.training.data import BlockData, DataSpec, compute_features, regenerate_responses
 from dartree.training.recipe import RecipeError
 from dartree.training.step import StepSettings, needs_target_lse
+from dartree.training.feature_store import FeatureStore
 
 # format of the older training checkpoints (read by load_init and convert/to_dartree.py)
 TRAIN_FORMAT = "dartree-train"
@@ -193,9 +195,6 @@ def prepare_data(cfg: DictConfig, target: Target) -> BlockData:
             raise RecipeError(f"data.source=campaign: {exc}") from None
         store = None
         if float(d.get("feature_store_gb", 0) or 0) > 0:
-            from dartree.models.target import cache_root
-            from dartree.training.feature_store import FeatureStore
-
             store = FeatureStore(cache_root() / "feature-store", target, int(float(d.feature_store_gb) * 1e9))
         data = CampaignData(target, train_rows, hold_rows, store=store)
         # the full-vocabulary lse per sequence only where the loss reads it (a draft vocabulary's L1 / TV /
@@ -315,9 +314,6 @@ def load_init(path: str, target: Target, cfg: DictConfig):
         RecipeError: the folder is not a drafter checkpoint, does not fit the target, or holds a different head
             type than the recipe trains (other than identity).
     """
-    from dartree.models.checkpoint import (CheckpointError, build_from_config, check_target_pairing, load_strict,
-                                          read_safetensors)
-
     folder = Path(path)
     cfg_path = folder / "config.json"
     try:

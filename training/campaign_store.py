@@ -15,6 +15,8 @@ import platform
 from dataclasses import dataclass
 from pathlib import Path
 
+from dartree.base.files import write_file_atomically
+
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = REPO / "campaign"
 
@@ -105,8 +107,6 @@ def read_manifest(folder: Path) -> dict:
 
 def write_manifest(folder: Path, manifest: dict) -> None:
     """Write ``<folder>/manifest.json`` atomically, with totals over the training shards."""
-    from dartree.base.files import write_file_atomically
-
     shards = manifest["shards"]
     manifest["totals"] = {
         "shards": len(shards),

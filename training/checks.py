@@ -17,7 +17,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from dartree.base.dtypes import DTYPES as DTYPE_TABLE
 from dartree.models.families import FAMILIES, recipe_fields
-from dartree.base.fields import Choice, Flag, IdList, Range, field_problems
+from dartree.base.fields import Choice, Flag, IdList, Range, field_problems, folder_problem
+from dartree.models.chat import check_chat_template
+from dartree.models.drafter import build_target_layer_ids
+from dartree.training.campaign_store import CampaignError, DEFAULT_DIR, check_files
 
 
 class RecipeError(ValueError):
@@ -187,7 +190,6 @@ def check_against_target(cfg: DictConfig, target) -> list[int]:
             more drafter layers than the target has when ``drafter.init_from_target`` copies them, or a drafter
             width that differs from the copied layers'.
     """
-    from dartree.models.drafter import build_target_layer_ids
     d = cfg.drafter
     n, v = target.num_layers, target.vocab_size
     rows = int(target.embed_tokens.weight.shape[0])
@@ -209,8 +211,6 @@ def check_against_target(cfg: DictConfig, target) -> list[int]:
         raise RecipeError(f"data.source=sharegpt needs a target with a tokenizer (to chat-template the prompts); "
                           f"target {target.name!r} has none: use data.source=random")
     if cfg.data.source == "sharegpt":
-        from dartree.models.chat import check_chat_template
-
         try:
             check_chat_template(target.tokenizer, template_kwargs(cfg), fix="data.source=sharegpt renders prompts "
                                 "through it: use a chat model as the target, or data.source=random")
@@ -239,7 +239,6 @@ def check_output_dir(path: str | os.PathLike) -> None:
         RecipeError: ``path`` is an existing file, or cannot be created or written (tried and undone:
             :func:`dartree.base.fields.folder_problem`).
     """
-    from dartree.base.fields import folder_problem
     if int(os.environ.get("RANK", "0") or 0) != 0:
         # only rank 0 tries to create the folder: ranks trying at once race on mkdir / rmdir ("File exists");
         # rank 0 refuses the run for all of them
@@ -262,8 +261,6 @@ def check_data_files(cfg: DictConfig) -> None:
     if cfg.data.source != "campaign":
         return
     from pathlib import Path
-
-    from dartree.training.campaign_store import DEFAULT_DIR, CampaignError, check_files
 
     try:
         check_files(Path(cfg.data.campaign_dir or DEFAULT_DIR), max_shards=int(cfg.data.campaign_shards) or None)

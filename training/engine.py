@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from dartree.base.files import replace_folder
+from dartree.training.recipe import Recipe
 
 RESUME_DIR = "resume"
 RESUME_TAG = "last"
@@ -325,8 +326,6 @@ def check_resumable(out_dir: Path, recipe: dict) -> None:
         return
     saved, now = _flat(json.loads(saved_path.read_text())), _flat(recipe)
     from omegaconf import OmegaConf
-
-    from dartree.training.recipe import Recipe
 
     defaults = _flat(OmegaConf.to_container(OmegaConf.structured(Recipe)))
     for k in set(now) - set(saved):

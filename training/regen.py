@@ -32,6 +32,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
+from dartree.models.packed import choose_linear, is_packed, pack_linears
+
 ATTN_NAME = "dartree_decode"
 PREFILL_TOKENS = 4096  # padded tokens per prefill forward (rows x longest prompt of the group)
 
@@ -210,8 +212,6 @@ def continuous_greedy(
         pending = list(order) if order is not None else sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     if not pending:
         return
-    from dartree.models.packed import choose_linear, is_packed, pack_linears
-
     device = next(model.parameters()).device
     backend, _ = choose_linear(linear, next(model.parameters()).dtype, device)
     # pack only what is plain nn.Linear now; a caller's packed modules stay packed afterwards

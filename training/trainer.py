@@ -59,6 +59,7 @@ from dartree.training.engine import (
 from dartree.training.losses import teacher_forced_tau
 from dartree.training.recipe import RecipeError
 from dartree.training.step import TrainModule, evaluate_holdout, seed_mix, sequence_weight
+from dartree.training.torch_engine import TorchEngine
 
 
 def write_json(path: Path, payload) -> None:
@@ -292,8 +293,6 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr)
         self.stage = int(cfg.deepspeed.zero_stage)
         if self.engine_name == "torch":
-            from dartree.training.torch_engine import TorchEngine
-
             self.engine = TorchEngine(self.module, opt, self.sched, grad_accum=self.sps // self.world,
                                       grad_clip=cfg.train.grad_clip)
             return

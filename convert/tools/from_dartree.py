@@ -12,6 +12,8 @@ vocabulary as ``d2t`` / ``t2d`` (needs ``--target``), the DFlash 2 ``selector`` 
 proposal offset 1. Tensors are written bit for bit under their published names, so ``to_dartree.py`` reads the
 export back unchanged. A drafter the layout cannot express (q/k norm off, a proposal offset the layout does not
 use, another head type) is refused with the reason. The output folder appears by atomic rename.
+
+A program (layer 4, ``convert/tools/``): the command line over :mod:`dartree.convert.exporter`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dartree.base.cli import fail
 from dartree.convert.exporter import export
 from dartree.convert.publishers import EXPORT_FORMATS
 from dartree.models.checkpoint import CheckpointError
+from dartree.models import target as target_lib
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,9 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         target = None
         if args.target:
-            from dartree.models.target import load_target
-
-            target = load_target(args.target)
+            target = target_lib.load_target(args.target)
         export(args.src, args.out, to=args.to, target=target, verifier=args.verifier)
     except CheckpointError as exc:
         return fail(str(exc))

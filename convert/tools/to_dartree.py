@@ -13,6 +13,8 @@ unknown config layout lists the expected fields, and with ``--target`` the vocab
 are checked against the target. The output folder appears by atomic rename, so a failed conversion leaves nothing
 half-written. Published tensors are passed through bit for bit (``--dtype auto``), so converting and exporting back
 gives identical tensors.
+
+A program (layer 4, ``convert/tools/``): the command line over :mod:`dartree.convert.importer`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 from dartree.base.cli import fail
 from dartree.convert.importer import READERS, convert, detect_format_why, read_config
 from dartree.models.checkpoint import CheckpointError
+from dartree.models import target as target_lib
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -50,9 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"format: {fmt} (given with --from)")
         target = None
         if args.target:
-            from dartree.models.target import load_target
-
-            target = load_target(args.target)
+            target = target_lib.load_target(args.target)
         dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
         convert(src, out, source_format=fmt, dtype=dtype, target=target)
     except CheckpointError as exc:

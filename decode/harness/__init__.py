@@ -1,6 +1,8 @@
-"""The evaluation harness: what ``decode/eval.py`` and ``decode/bench.py`` stand on, kept apart from the decoding
-library in ``decode/`` (which never imports it).
+"""The evaluation harness, a programs folder (layer 4): the commands ``decode/eval.py`` and ``decode/bench.py`` (thin
+scripts calling :mod:`.eval` and :mod:`.bench`) and what they stand on, kept apart from the decoding library in
+``decode/`` (which never imports it).
 
+- :mod:`.eval`, :mod:`.bench`: the two commands (``dartree-eval``, ``dartree-bench``);
 - :mod:`.session`: one evaluation session (target, drafter, packing, row-invariant mode, runs, cost models,
   peers) and its per-prompt decode;
 - :mod:`.report`: report.json to report.md and the console (pure renderers) and the figures; :mod:`.plots` draws them;

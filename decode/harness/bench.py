@@ -53,6 +53,8 @@ from dartree.base.dtypes import DTYPES
 from dartree.models.generation import stop_ids as target_stop_ids
 from dartree.models.packed import LINEAR_BACKENDS, choose_linear
 from dartree.models.target import DEFAULT_TARGET, compact_cache
+from dartree.decode.assembly import ModeUnavailable, assemble
+from dartree.decode.replay import recorded_round, replay_auto, replay_fixed, replay_hindsight
 
 REPO = Path(__file__).resolve().parents[2]
 VERIFY_SIZES = (1, 2, 5, 9, 17, 33, 65)
@@ -185,8 +187,6 @@ def replay_orders(prompts: list, orders: int, new_policy, beta: float, round_s, 
     """
     import random
 
-    from dartree.decode.replay import replay_auto
-
     out = {rule: [] for rule in ("outcomes", "scores")}
     for k in range(orders):
         order = list(prompts)
@@ -211,8 +211,6 @@ def replay_tables(console: Console, label: str, entry: dict, recorded: dict, cur
     replayed from a fresh cost model with these times (its default rule, and the per-round ``rule="scores"``), and
     the hindsight per-round choice (an upper bound). ``orders`` > 1: also :func:`replay_orders`, printed as one line.
     """
-    from dartree.decode.replay import recorded_round, replay_auto, replay_fixed, replay_hindsight
-
     shape = CostModel(t_ar=t_ar, t_draft=0.0, verify_s=dict(curve)).verify_time  # monotone, interpolated
     out = {}
     for m, (bmax, stats, rc) in recorded.items():
@@ -329,8 +327,6 @@ def _bench_one(args, console, result: dict, label: str, dname: str, linear: str,
     (:func:`dartree.decode.assembly.assemble`, the assembly eval and the API use: ``--dtype`` DTYPE, ``--linear``,
     ``--no-tune``, the mode off, or on for ``--invariant``'s second pass), then :func:`_measure` it; returns the exit
     status (0, or 2 with a one-line error for a target, a checkpoint or a mode that cannot run here)."""
-    from dartree.decode.assembly import ModeUnavailable, assemble
-
     try:
         models = assemble(args.checkpoint, args.target, dtype=dname, linear=linear,
                           invariant="on" if invariant else "off", tune=args.tune)

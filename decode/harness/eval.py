@@ -39,6 +39,7 @@ from dartree.base.dtypes import DTYPES
 from dartree.models.invariant import INVARIANT_CHOICES
 from dartree.models.packed import LINEAR_BACKENDS
 from dartree.models.target import DEFAULT_TARGET
+from dartree.base.fields import folder_problem
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "dspark_b16"
@@ -167,8 +168,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 def out_problem(out: str) -> str | None:
     """Why ``--out`` cannot receive the report (an existing file, or a folder that cannot be created or written;
     :func:`dartree.base.fields.folder_problem`), checked before any model is loaded; None when it can."""
-    from dartree.base.fields import folder_problem
-
     why = folder_problem(out)
     return None if why is None else f"--out {out!r} {why}; give a writable folder for report.json and report.md"
 

@@ -30,7 +30,10 @@ import sys
 
 import torch
 
-from dartree.models.packed import choose_linear, pack_linears
+from dartree.models.packed import choose_linear, pack_linears, tune_linears
+from dartree.base.cli import fail
+from dartree.models.invariant import choose_invariant_linear, row_invariant
+from dartree.models import target as target_lib
 
 
 def _diff(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -211,11 +214,7 @@ def mode_cost(target_name: str, dtype: torch.dtype, prefix: int = 300, calls: in
 
     from transformers import DynamicCache
 
-    from dartree.models.invariant import row_invariant
-    from dartree.models.packed import tune_linears
-    from dartree.models.target import load_target
-
-    today, inv = load_target(target_name, dtype=dtype), load_target(target_name, dtype=dtype)
+    today, inv = target_lib.load_target(target_name, dtype=dtype), target_lib.load_target(target_name, dtype=dtype)
     for t in (today, inv):
         pack_linears(t.model, "onednn")
         tune_linears(t.model)
@@ -252,12 +251,9 @@ def mode_cost(target_name: str, dtype: torch.dtype, prefix: int = 300, calls: in
 
 def _print_maps(args: argparse.Namespace) -> None:
     """The map for each dtype x linear backend x row count (``main`` without ``--cost``)."""
-    from dartree.models.invariant import row_invariant
-    from dartree.models.target import load_target
-
     for dname in args.dtype:
         dtype = getattr(torch, dname)
-        target = load_target(args.target, dtype=dtype)
+        target = target_lib.load_target(args.target, dtype=dtype)
         ids = target.tokenizer.apply_chat_template([{"role": "user", "content": "Explain how a hash map works, "
                                                     "with a short example in Python."}], add_generation_prompt=True)
         ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
@@ -270,8 +266,6 @@ def _print_maps(args: argparse.Namespace) -> None:
                 continue
             min_rows, max_rows = 1, None
             if invariant and chosen == "onednn":  # the tiling the mode takes here, else the plain packed call
-                from dartree.models.invariant import choose_invariant_linear
-
                 try:
                     tiling = choose_invariant_linear(target.model)
                     if tiling.backend == "onednn":
@@ -324,8 +318,6 @@ def main(argv: list[str] | None = None) -> int:
         try:
             how, rows = mode_cost(args.target, getattr(torch, dname), prefix=args.prefix)
         except ValueError as exc:
-            from dartree.base.cli import fail
-
             return fail(f"--cost {dname}: {exc}")
         print(f"\n{dname}, prefix {args.prefix} tokens; the mode's linears {how}")
         print(f"  {'forward':<24} {'today ms':>9} {'mode ms':>9} {'mode/today':>11}")

@@ -33,6 +33,10 @@ from typing import Sequence
 import torch
 
 from dartree.models.target import Target
+from dartree.convert.exporter import export
+from dartree.decode.generate import autoregressive_generate
+from dartree.models.checkpoint import CheckpointError
+from dartree.models import target as target_lib
 
 PEERS = ("hf-generate", "hf-prompt-lookup", "ar-bf16", "zlab-dflash")
 PROMPT_LOOKUP_TOKENS = 10  # candidate tokens per lookup (transformers' documented example value)
@@ -192,9 +196,7 @@ def hf_prompt_lookup(target: Target, prompt_ids: Sequence[int], *, max_new_token
 def load_bf16_twin(spec, layer_ids=()) -> Target:
     """Load the target named by ``spec`` (as :func:`dartree.models.target.load_target` takes it) again in bfloat16,
     for the ``ar-bf16`` peer. Raises what ``load_target`` raises."""
-    from dartree.models.target import load_target
-
-    return load_target(spec, dtype=torch.bfloat16, layer_ids=layer_ids)
+    return target_lib.load_target(spec, dtype=torch.bfloat16, layer_ids=layer_ids)
 
 
 @torch.no_grad()
@@ -211,8 +213,6 @@ def ar_bf16(twin: Target, prompt_ids: Sequence[int], *, max_new_tokens: int, sto
     """
     if twin is None:
         return PeerOutput(skipped="no bf16 copy of the target (see load_bf16_twin)")
-    from dartree.decode.generate import autoregressive_generate
-
     out = autoregressive_generate(twin, prompt_ids, max_new_tokens=max_new_tokens, stop_ids=stop_ids)
     return PeerOutput(tokens=list(out.tokens), decode_s=out.stats.decode_s, prefill_s=out.stats.prefill_s,
                       accept_lengths=list(out.stats.accept_lengths))
@@ -232,9 +232,6 @@ def load_zlab_drafter(checkpoint: str | Path, target: Target):
         from dflash.model import DFlashDraftModel
     except ImportError as exc:
         return None, f"z-lab dflash is not installed ({exc}); make setup installs dflash==0.1.0"
-    from dartree.convert.exporter import export
-    from dartree.models.checkpoint import CheckpointError
-
     with tempfile.TemporaryDirectory(prefix="dartree-zlab-") as tmp:
         try:
             folder = export(checkpoint, Path(tmp) / "zlab", to="zlab-dflash")

@@ -35,6 +35,8 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from dartree.base.files import write_file_atomically
+
 STAGES = ("draft", "tree_build", "tree_compile", "verify", "commit")  # dartree.decode.generate.STAGES
 _SWEEP = re.compile(r"^(?P<builder>.+)@B(?P<budget>\d+)$")
 _ACCEPTED, _REJECTED, _ROOT, _BONUS = "#98df8a", "#eeeeee", "#c6dbef", "#ffffff"  # node fills
@@ -206,8 +208,6 @@ def save_figure(fig: Figure, path: str | Path, dpi: int = 110) -> Path:
     """Write ``fig`` as a PNG atomically under a unique temporary name
     (:func:`dartree.base.files.write_file_atomically`: two runs drawing into one folder never share it) and
     return the path."""
-    from dartree.base.files import write_file_atomically
-
     buf = io.BytesIO()
     fig.savefig(buf, dpi=dpi, format="png")
     write_file_atomically(Path(path), buf.getvalue())

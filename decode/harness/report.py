@@ -24,6 +24,7 @@ from typing import Callable, Sequence
 
 from dartree.base.cli import fail
 from dartree.base.files import write_file_atomically
+from dartree.base.fields import folder_problem
 
 FIGURES_MARKER = "<!-- dartree-report figures: everything below is redrawn by dartree-report -->"
 
@@ -31,8 +32,6 @@ FIGURES_MARKER = "<!-- dartree-report figures: everything below is redrawn by da
 def _write(path: Path, text: str) -> None:
     """Write ``path`` atomically under a unique temporary name (:func:`dartree.base.files.write_file_atomically`,
     imported here so that this module does not load torch until it writes)."""
-    from dartree.base.files import write_file_atomically
-
     write_file_atomically(path, text)
 
 
@@ -86,6 +85,7 @@ def render_figures(report: dict, out_dir: str | Path, draw_round: int | None = N
     written: list[dict] = []
     notes: list[str] = []
     try:
+        # lazy: matplotlib and networkx are optional here: without them the report is tables only (except below)
         from dartree.decode.harness import plots
     except Exception as exc:  # matplotlib / networkx missing or broken: tables only
         return [], [f"WARNING: no figures: cannot import the plotting libraries ({type(exc).__name__}: {exc})"]
@@ -446,8 +446,6 @@ def main(argv=None) -> int:
         return fail(f"{len(labels)} --labels for {len(sources)} inputs")
     if args.draw_round is not None and args.draw_round < 1:
         return fail(f"--draw-round is 1-based, got {args.draw_round}")
-    from dartree.base.fields import folder_problem
-
     if args.curves:
         png = Path(args.out or "curves.png")
         problem = "is an existing folder, not a PNG file" if png.is_dir() else folder_problem(png.parent)
@@ -456,6 +454,7 @@ def main(argv=None) -> int:
             return fail(f"--out '{png}'{where} {problem}; give a PNG path in a writable folder")
         try:
             curves = {lab: load_curve(p) for lab, p in zip(labels, args.curves)}
+            # lazy: matplotlib loads only for --curves
             from dartree.base.figures import fig_curves, save_png
 
             png = save_png(fig_curves(curves), args.out or "curves.png")

@@ -35,6 +35,8 @@ from dartree.models.chat import chat_prompt_ids, check_chat_template, messages_p
 from dartree.models.generation import sampling_problem, sampling_settings
 from dartree.models.generation import stop_ids as target_stop_ids
 from dartree.models.packed import choose_linear, pack_linears, tune_linears
+from dartree.decode.generate import POLICY_PROMPT, SEED_TOKENS, seed_policy, warm_paths
+from dartree.decode import budget as budget_lib
 
 LOOKUP_SUFFIX = "+lookup"  # BUILDER+lookup: the builder's tree with a prompt-lookup chain grafted on (decode/lookup.py)
 FIXED_RUN = re.compile(r"^(?P<method>.+)@B(?P<budget>\d+)$")  # METHOD@B<n>: a fixed-budget run beside --budget
@@ -367,11 +369,9 @@ class EvalSession:
         """The cost models of the ``--budget auto`` runs, calibrated on the first prompt."""
         if not any(b == "auto" for _, b in self.runs.values()):
             return
-        from dartree.decode.budget import calibrate
-
         tc0 = time.time()
         drafter = self.dm.drafter
-        cal = calibrate(self.target, drafter, self.prompt_ids[0] if self.prompts else [1, 2, 3],
+        cal = budget_lib.calibrate(self.target, drafter, self.prompt_ids[0] if self.prompts else [1, 2, 3],
                         max_budget=drafter.cfg.num_proposals)
         self.cost_models = {m: cal.fresh() for m, (_, b) in self.runs.items() if b == "auto"}
         self.console.print(f"cost model calibrated in {time.time() - tc0:.1f}s: AR step {1000 * cal.t_ar:.1f} ms, "
@@ -411,8 +411,6 @@ class EvalSession:
         ``--budget auto`` method on a scratch copy of its cost model, so that nothing of the warm-up reaches the
         policy), then each ``--budget auto`` policy seeded by a calibration pass with its own builder on
         :data:`~dartree.decode.generate.POLICY_PROMPT` (:meth:`seed_policies`)."""
-        from dartree.decode.generate import POLICY_PROMPT, warm_paths
-
         a, warm_ids = self.args, self.encode("Say hello.")
         policy_ids = self.encode(POLICY_PROMPT) if self.methods else []
         if self.methods:
@@ -441,8 +439,6 @@ class EvalSession:
     def seed_policies(self, policy_ids: list) -> None:
         """Seed every ``--budget auto`` method's cost model with a calibration pass of its own builder on
         ``policy_ids`` (:func:`~dartree.decode.generate.seed_policy`), and print what each policy starts from."""
-        from dartree.decode.generate import SEED_TOKENS, seed_policy
-
         a = self.args
         for m, cm in self.cost_models.items():
             builder, _ = self.runs[m]

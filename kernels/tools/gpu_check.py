@@ -41,6 +41,22 @@ from pathlib import Path
 import torch
 
 from dartree.base.cli import fail
+from dartree.base.files import write_file_atomically
+from dartree.decode.assembly import assemble
+from dartree.decode.draft import draft_block
+from dartree.decode.generate import autoregressive_generate, speculative_generate
+from dartree.decode.harness.invariance import _tree_mask, verify_rows_vs_ar
+from dartree.decode.trees import BUILDERS, get_builder
+from dartree.kernels.candidates import topk_candidates, topk_candidates_ref
+from dartree.kernels.frontier import frontier_topk, frontier_topk_ref
+from dartree.kernels.gru import gru_cell, gru_cell_ref
+from dartree.kernels.tree_compile import tree_attention, tree_attention_ref
+from dartree.models.chat import chat_prompt_ids
+from dartree.models.checkpoint import save_dartree
+from dartree.models.drafter import DFlashDrafter, DraftCache, DrafterConfig
+from dartree.models.heads import MarkovHead
+from dartree.models.invariant import row_invariant
+from dartree.models.target import TINY_TARGET
 
 REPO = Path(__file__).resolve().parents[2]
 SIZES = [1, 7, 63, 64, 65]  # tests/test_kernels.py: one row, odd, around a power of two
@@ -78,11 +94,6 @@ def check_kernels(dev: torch.device, dry: bool) -> list[dict]:
         One row per (kernel, shape, dtype): ``ok`` (ids / picks / masks exactly equal, floats within
         :data:`TOL`) and the largest absolute float error.
     """
-    from dartree.kernels.candidates import topk_candidates, topk_candidates_ref
-    from dartree.kernels.frontier import frontier_topk, frontier_topk_ref
-    from dartree.kernels.gru import gru_cell, gru_cell_ref
-    from dartree.kernels.tree_compile import tree_attention, tree_attention_ref
-
     sizes = DRY_SIZES if dry else SIZES
     low = [torch.float32, torch.float16] if dry else [torch.float32, torch.float16, torch.bfloat16]
     rows = []
@@ -162,8 +173,6 @@ def time_tree_builds(block, head, root_id: int, budgets: list[int], dev: torch.d
         Rows {budget, pruned_ms, heap_sequential_ms, speedup, same_nodes}; ``same_nodes`` compares the two node
         sets as (depth, token, parent token path) sets (equal in exact arithmetic, DARTree Lemma 1).
     """
-    from dartree.decode.trees import get_builder
-
     def paths(tree):
         out, toks, par = set(), tree.tokens.tolist(), tree.parents.tolist()
         for i in range(len(toks)):
@@ -198,9 +207,6 @@ def run_eval(models, prompts: list[list[int]], budgets: list[int], max_new_token
         Rows {method, budget, tau, ms_per_token, stage_ms_per_round, mismatches, skipped}; the first row is
         ``ar`` (ms per token of plain decoding).
     """
-    from dartree.decode.generate import autoregressive_generate, speculative_generate
-    from dartree.decode.trees import BUILDERS
-
     target, drafter, head = models.target, models.drafter, models.head
     dev = target.device
     names, seen = [], set()
@@ -249,8 +255,6 @@ def _verify_ms(target, prompt: list[int], rows: int, dev: torch.device, reps: in
     prompt after each call (slicing, outside the forward's own kernels, so a copy of the cache is not timed)."""
     from transformers import DynamicCache
 
-    from dartree.decode.harness.invariance import _tree_mask
-
     m, p = target.model, len(prompt)
     cache = DynamicCache(config=m.config)
     with torch.no_grad():
@@ -284,10 +288,6 @@ def check_invariant(models, prompts: list[list[int]], dry: bool, deadline: float
     Returns:
         {"dtype", "rows": [{mode, rows, shape, equal, of}], "ms": {...} (CUDA), "eval": [...], "failures": [...]}.
     """
-    from dartree.decode.generate import autoregressive_generate, speculative_generate
-    from dartree.decode.harness.invariance import verify_rows_vs_ar
-    from dartree.models.invariant import row_invariant
-
     target, drafter, head = models.target, models.drafter, models.head
     dev, prompt = target.device, prompts[0]
     sizes = [9] if dry else [9, 17]
@@ -354,19 +354,10 @@ def load_models(target: str, dev: torch.device, dry: bool):
     """
     import tempfile
 
-    from dartree.decode.assembly import assemble
-
     if not dry:
-        from dartree.models.chat import chat_prompt_ids
-
         models = assemble(REPO / "checkpoints" / "dspark_b16", target, dtype="bfloat16", linear="aten",
                           invariant="off", device=dev)
         return models, [chat_prompt_ids(models.target.tokenizer, t) for t in PROMPTS]
-    from dartree.models.checkpoint import save_dartree
-    from dartree.models.drafter import DFlashDrafter, DrafterConfig
-    from dartree.models.heads import MarkovHead
-    from dartree.models.target import TINY_TARGET
-
     torch.manual_seed(0)  # the test suite's tiny shapes, random weights
     drafter = DFlashDrafter(DrafterConfig(
         hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2, head_dim=8,
@@ -443,9 +434,6 @@ def main(argv=None) -> int:
     models: dict = {}
 
     def load() -> dict:
-        from dartree.decode.draft import draft_block
-        from dartree.models.drafter import DraftCache
-
         assembled, prompts = load_models(args.target, dev, dry)
         target, drafter, head = assembled.target, assembled.drafter, assembled.head
         cache = target.new_cache()
@@ -473,8 +461,6 @@ def main(argv=None) -> int:
     report["ok"] = not report["failures"]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    from dartree.base.files import write_file_atomically
-
     write_file_atomically(out, json.dumps(report, indent=2, default=str))
     print(f"gpu_check ({report['mode']}): {'ok' if report['ok'] else 'FAILED'} in {report['elapsed_s']:.0f}s; "
           f"{sum(r['ok'] for r in report['kernels']) if isinstance(report['kernels'], list) else 0} kernel checks "

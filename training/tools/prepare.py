@@ -18,6 +18,9 @@ from omegaconf import DictConfig
 from dartree.base.cli import fail
 from dartree.models.drafter import build_target_layer_ids
 from dartree.training.recipe import RecipeError, load_recipe
+from dartree.training.build import load_recipe_target, parse_recipe_dtype, prepare_data
+from dartree.training.checks import check_against_target
+from dartree.training.data import target_lse
 
 
 def prepare(cfg: DictConfig) -> dict:
@@ -26,9 +29,6 @@ def prepare(cfg: DictConfig) -> dict:
     Raises:
         RecipeError: invalid recipe values (for example layer ids outside the target).
     """
-    from dartree.training.checks import check_against_target
-    from dartree.training.build import load_recipe_target, parse_recipe_dtype, prepare_data
-
     t0 = time.time()
     target = load_recipe_target(cfg.target.path, parse_recipe_dtype(cfg.target.dtype, "target.dtype"))
     check_against_target(cfg, target)
@@ -40,8 +40,6 @@ def prepare(cfg: DictConfig) -> dict:
         raise RecipeError(f"drafter.target_layer_ids: {exc}") from None
     data = prepare_data(cfg, target)
     if cfg.drafter.draft_vocab_size:
-        from dartree.training.data import target_lse
-
         target_lse(target, data.features_path)  # needed by draft-vocabulary training
     return {
         "train_sequences": len(data),

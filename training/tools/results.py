@@ -20,6 +20,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dartree.base.cli import fail
+from dartree.base.files import write_file_atomically
+
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "results.md"
 RECIPES = ("dflash_b16", "domino_b16", "dspark_b16")
@@ -266,9 +269,6 @@ def load_sources(repo: Path = REPO) -> ResultSources:
 def main(argv: list[str] | None = None) -> int:
     """Console entry point: write the page (``--out``, default docs/results.md) atomically, or with ``--check``
     exit 1 when it differs from its data; 2 for a malformed source."""
-    from dartree.base.cli import fail
-    from dartree.base.files import write_file_atomically
-
     ap = argparse.ArgumentParser(prog="python -m dartree.training.tools.results", description=__doc__.splitlines()[0])
     ap.add_argument("--repo", type=Path, default=REPO, help="the repository whose data to render")
     ap.add_argument("--out", type=Path, default=None, help="the page (default: REPO/docs/results.md)")
