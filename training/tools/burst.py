@@ -406,7 +406,7 @@ def _worker_cmd(cfg, recipe: str, hours: float, keep: Path) -> list[str]:
     if campaign_train.recipe_has("train.engine") and not any(w.startswith("train.engine=") for w in words):
         words.append("train.engine=torch")  # a plain-torch engine where the trainer has one: no DeepSpeed, no NCCL
     over = ",".join(json.dumps(w) for w in words)  # quoted: a value may hold brackets and commas
-    return [sys.executable, str(REPO / "training" / "campaign.py"), "stage=train", f"hours={hours:.6f}",
+    return [sys.executable, str(REPO / "training" / "tools" / "campaign.py"), "stage=train", f"hours={hours:.6f}",
             f"train.recipes=[{recipe}]", "train.init=scratch", "train.min_shards=1", "train.min_minutes=0.2",
             f"train.overhead_minutes={cfg.overhead_minutes}", "train.eval_every_steps=0",
             f"train.overrides=[{over}]", *_campaign_words(cfg, keep)]
@@ -519,7 +519,7 @@ def run_device(cfg, target_spec: str) -> dict:
                     "payload": json.loads((_up(cfg, 2) / "payload.json").read_text()), "stages": {}}
     work_end = deadline - float(cfg.pack_seconds)
     data_s = (work_end - time.time()) * float(cfg.data_share)
-    cmd = [sys.executable, str(REPO / "training" / "campaign.py"), "stage=data", f"hours={data_s / 3600:.6f}",
+    cmd = [sys.executable, str(REPO / "training" / "tools" / "campaign.py"), "stage=data", f"hours={data_s / 3600:.6f}",
            f"plan={_up(cfg, 2) / 'plan.json.gz'}", *_campaign_words(cfg, keep), *list(cfg.data_args)]
     report["stages"]["data"] = _run_stage(cmd, data_s + 15, keep / "logs" / "data.log")
     after = read_manifest(camp)
