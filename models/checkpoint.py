@@ -253,9 +253,13 @@ def load_dartree(
     folder = Path(folder)
     cfg_path, w_path = folder / "config.json", folder / "model.safetensors"
     if not cfg_path.exists() or not w_path.exists():
+        inner = folder / "checkpoint"
+        if (inner / "config.json").exists() and (inner / "model.safetensors").exists():  # a training run's folder
+            raise CheckpointError(f"{folder} is a training run's folder, not a dartree checkpoint; its checkpoint is "
+                                  f"{inner} (give that path)")
         raise CheckpointError(
             f"{folder} is not a dartree checkpoint (needs config.json and model.safetensors); "
-            "convert a training checkpoint with `python convert/to_dartree.py SRC --out DST`"
+            "convert a published checkpoint with `python convert/to_dartree.py SRC --out DST`"
         )
     try:
         config = json.loads(cfg_path.read_text())

@@ -208,3 +208,14 @@ def test_choice_fields_show_types_where_they_differ():
     rule = Choice((0, 1, 2))
     assert rule.problem("k", 1) is None and rule.problem("k", "1") == "k='1' (str) is not allowed: use one of [0, 1, 2] (int)"
     assert rule.problem("k", 5) == "k=5 is not allowed: use one of [0, 1, 2]"
+
+
+def test_a_training_run_folder_is_refused_with_its_checkpoint_path(tmp_path):
+    # `--checkpoint runs/NAME` instead of runs/NAME/checkpoint: the error names the checkpoint inside, not a conversion
+    (tmp_path / "run" / "checkpoint").mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        (tmp_path / "run" / "checkpoint" / name).write_text("{}")
+    with pytest.raises(CheckpointError, match=r"training run's folder.*run/checkpoint \(give that path\)"):
+        load_dartree(tmp_path / "run")
+    with pytest.raises(CheckpointError, match="convert a published checkpoint"):
+        load_dartree(tmp_path / "run" / "missing")

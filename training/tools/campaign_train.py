@@ -2,7 +2,8 @@
 
 Each call trains every recipe of ``train.recipes`` on all committed campaign shards (``data.source=campaign``:
 the target's features are recomputed online, see :mod:`dartree.training.campaign_data`), for its share of the
-wall-clock limit, through ``training/train.py`` itself (DeepSpeed engine, resumable checkpoints, learning curve).
+wall-clock limit, through :func:`dartree.training.trainer.train_recipe`, the body of ``training/train.py``
+(DeepSpeed engine, resumable checkpoints, learning curve).
 
 One run per (recipe, number of shards): ``<cache>/campaign-runs/<recipe>-<shards>``. A run that was stopped by
 the clock resumes in the next call (``resume=true``: model, optimiser and data position); once new shards have
