@@ -167,7 +167,7 @@ class SpeculativeDecoder:
             :class:`Generation`. A setting (tree, budget kind, lookup, builder parameters) used for the first time
             is prepared by :meth:`warm_up` before the timing starts; its time is ``setup_s``, not in ``seconds``.
         Raises:
-            ValueError / TypeError / KeyError: a bad argument, named (the checks of
+            ValueError / TypeError: a bad argument (an unknown tree builder included), named (the checks of
                 :func:`~dartree.decode.generate.speculative_generate`), or sampling settings as above.
         """
         self._check_sampling(temperature, ignore_generation_config)
@@ -207,7 +207,7 @@ class SpeculativeDecoder:
         Returns:
             Seconds spent (0.0 when the setting was prepared already).
         Raises:
-            KeyError / TypeError / ValueError: an unknown builder or a bad parameter (as :meth:`generate`).
+            ValueError / TypeError: an unknown builder or a bad parameter (as :meth:`generate`).
         """
         key = self._key(tree, lookup, builder_params)
         if (*key, budget) in self._warmed:

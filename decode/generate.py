@@ -287,7 +287,7 @@ def speculative_generate(
             target whose rope scaling changes with the sequence length (dynamic NTK, LongRoPE) when the decode can
             reach its switch length, or one with sliding-window cache layers
             (:func:`~dartree.models.target.check_speculative_target`).
-        KeyError: unknown builder (lists the available ones).
+        ValueError: unknown builder (lists the available ones).
     """
     prompt_ids, stop_ids, builder, rejection, pair = _check_speculative(
         target, drafter, head, prompt_ids, builder=builder, max_new_tokens=max_new_tokens, temperature=temperature,
@@ -429,7 +429,7 @@ def warm_paths(target: Target, drafter: DFlashDrafter, head: CorrectionHead, con
         {"seconds": wall time, "verify_sizes": [T, ...] run, "draft_rows": [C, ...] run}.
     Raises:
         ValueError: fewer than 2 context tokens, or a setting :func:`speculative_generate` refuses.
-        KeyError: an unknown builder.
+        ValueError: an unknown builder.
     """
     t0 = time.perf_counter()
     ids = [int(t) for t in context_ids]
@@ -508,7 +508,7 @@ def seed_policy(cost_model: CostModel, target: Target, drafter: DFlashDrafter, h
     Returns:
         :attr:`~dartree.decode.budget.CostModel.prior` (rounds, tokens per round, AR steps per round, ...).
     Raises:
-        ValueError / TypeError / KeyError: as :func:`speculative_generate`.
+        ValueError / TypeError: as :func:`speculative_generate`.
     """
     cost_model.start_seeding(new_tokens)
     gen = torch.Generator(device=target.device.type).manual_seed(0) if temperature > 0 else None

@@ -4,8 +4,8 @@ builders), run once where the arguments enter, before any target forward.
 Accepted token-id inputs: a 1-D sequence of Python / numpy integers, a 1-D integer tensor or numpy array [T], or
 a batch of one row (``[1, T]`` tensor or array, ``[[...]]`` list), as Hugging Face ``input_ids`` come. A
 batch of several rows is refused (the decoders run one request at a time). Errors are one line naming the
-argument, what was given and the fix: ``TypeError`` for a wrong type, ``ValueError`` for a wrong shape, size or
-range, ``KeyError`` for an unknown builder name.
+argument, what was given and the fix: ``TypeError`` for a wrong type, ``ValueError`` for a wrong shape, size,
+range or an unknown builder name.
 """
 
 from __future__ import annotations
@@ -193,8 +193,7 @@ def check_speculative_args(target, drafter, head, *, builder, budget, builder_pa
     Raises:
         TypeError: a wrong type (for instance a loaded ``DraftModel`` passed as the drafter), or an unknown
             builder parameter.
-        KeyError: an unknown builder name (lists the registered ones).
-        ValueError: drafter / head / target mismatch (:func:`dartree.models.validate.check_pairing`), target
+        ValueError: an unknown builder name (lists the registered ones), drafter / head / target mismatch (:func:`dartree.models.validate.check_pairing`), target
             capture layers that differ from the drafter's, a negative budget or an out-of-range parameter.
     """
     if not isinstance(drafter, DFlashDrafter):
@@ -212,7 +211,7 @@ def check_speculative_args(target, drafter, head, *, builder, budget, builder_pa
     if not isinstance(builder, str):
         raise TypeError(f"builder is {describe(builder)}; give a builder name, one of {sorted(builders)}")
     if builder not in builders:
-        raise KeyError(f"unknown tree builder {builder!r}; available: {sorted(builders)}")
+        raise ValueError(f"unknown tree builder {builder!r}; available: {sorted(builders)}")
     if budget is not None and budget != "auto":
         if not is_int(budget):
             raise TypeError(f"budget={budget!r} must be an integer >= 0 (tree nodes per round), 'auto' or None")

@@ -375,7 +375,7 @@ def ranks_by_beta(name: str) -> bool:
     """Whether the builder called ``name`` (or its alias) ranks nodes by ``score + beta * depth``.
 
     Raises:
-        KeyError: unknown name (:func:`builder_name`).
+        ValueError: unknown name (:func:`builder_name`).
     """
     return bool(getattr(get_builder(name), "ranks_by_beta", False))
 
@@ -385,7 +385,7 @@ def builder_beta(name: str, builder_params: dict | None = None) -> float:
     0.0 for a builder that does not rank by beta).
 
     Raises:
-        KeyError: unknown name (:func:`builder_name`).
+        ValueError: unknown name (:func:`builder_name`).
     """
     spec = get_builder(name)
     return spec.beta(builder_params) if isinstance(spec, TreeBuilder) else 0.0
@@ -396,11 +396,11 @@ def builder_name(name: str) -> str:
     stands for: ``dartree-pruned`` -> ``pruned``).
 
     Raises:
-        KeyError: unknown name; the message lists the registered names and the aliases.
+        ValueError: unknown name; the message lists the registered names and the aliases.
     """
     name = BUILDER_ALIASES.get(name, name)
     if name not in BUILDERS:
-        raise KeyError(f"unknown tree builder {name!r}; available: {sorted(BUILDERS)} (aliases: "
+        raise ValueError(f"unknown tree builder {name!r}; available: {sorted(BUILDERS)} (aliases: "
                        + ", ".join(f"{a} = {b}" for a, b in sorted(BUILDER_ALIASES.items())) + ")")
     return name
 
@@ -409,7 +409,7 @@ def get_builder(name: str) -> TreeBuilder:
     """Look a builder up by its name or an alias (:func:`builder_name`).
 
     Raises:
-        KeyError: unknown name; the message lists the registered names.
+        ValueError: unknown name; the message lists the registered names.
     """
     return BUILDERS[builder_name(name)]
 

@@ -73,7 +73,7 @@ def test_sampling_is_seeded_and_bad_arguments_are_named(spec):
     a = spec.generate("Tell me a fact.", max_new_tokens=16, temperature=0.8, seed=5, budget=6)
     b = spec.generate("Tell me a fact.", max_new_tokens=16, temperature=0.8, seed=5, budget=6)
     assert a.tokens == b.tokens
-    with pytest.raises(KeyError, match="chain"):
+    with pytest.raises(ValueError, match=r"^unknown tree builder 'no-such-tree'; available: \['chain', "):
         spec.generate("x", max_new_tokens=4, tree="no-such-tree")
     with pytest.raises(ValueError, match="max_new_tokens"):
         spec.generate("x", max_new_tokens=-1)

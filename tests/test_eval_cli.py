@@ -162,9 +162,9 @@ def test_tree_all_expands_to_every_builder_once():
     assert resolve_methods(["dartree-pruned", "pruned", "ar"]) == ["pruned"]
     assert resolve_methods(["dartree-pruned+lookup", "chain+lookup", "pruned"]) == ["pruned+lookup", "chain+lookup",
                                                                                     "pruned"]
-    with pytest.raises(KeyError, match="available"):
+    with pytest.raises(ValueError, match="available"):
         resolve_methods(["beam"])
-    with pytest.raises(KeyError, match="NAME\\+lookup"):
+    with pytest.raises(ValueError, match="NAME\\+lookup"):
         resolve_methods(["beam+lookup"])
     # METHOD@B<n>: a fixed-budget row beside --budget; the auto row of that method is then METHOD@auto
     from dartree.decode.harness.session import plan_runs
@@ -176,7 +176,7 @@ def test_tree_all_expands_to_every_builder_once():
                                         "chain@B4": ("chain", 4)}
     assert plan_runs(["pruned", "pruned@B8"], ["auto", 8]) == {"pruned@auto": ("pruned", "auto"),
                                                                "pruned@B8": ("pruned", 8)}
-    with pytest.raises(KeyError, match="NAME@B<n>"):
+    with pytest.raises(ValueError, match="NAME@B<n>"):
         resolve_methods(["ar@B3"])
 
 

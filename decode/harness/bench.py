@@ -281,8 +281,8 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     try:
         args.tree = list(dict.fromkeys(builder_name(n) for n in args.tree))
-    except KeyError as exc:
-        return fail(f"--tree: {exc.args[0]}")
+    except ValueError as exc:
+        return fail(f"--tree: {exc}")
     if min(args.budget) < 0 or args.limit < 1 or args.max_new_tokens < 2 or args.context < 2 or args.reps < 1 \
             or args.replay_orders < 1:
         return fail("--budget >= 0, --limit >= 1, --max-new-tokens >= 2, --context >= 2, --reps >= 1, "

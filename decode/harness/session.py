@@ -48,7 +48,7 @@ def resolve_methods(names: list[str]) -> list[str]:
     ``METHOD@B<n>`` (the method at the fixed budget n, whatever ``--budget`` says: :func:`plan_runs`).
 
     Raises:
-        KeyError: an unknown method name (lists the available ones).
+        ValueError: an unknown method name (lists the available ones).
     """
     out: list[str] = []
     for n in names:
@@ -59,10 +59,10 @@ def resolve_methods(names: list[str]) -> list[str]:
             if base != "ar" or plus or fixed:
                 try:
                     base = builder_name(base)
-                except KeyError:
-                    raise KeyError(f"unknown --tree {n!r}; available: ar, all, {', '.join(sorted(BUILDERS))}, each "
-                                   f"also as NAME{LOOKUP_SUFFIX}, and any of them as NAME@B<n> (a fixed budget n "
-                                   "beside --budget)") from None
+                except ValueError:
+                    raise ValueError(f"unknown --tree {n!r}; available: ar, all, {', '.join(sorted(BUILDERS))}, "
+                                     f"each also as NAME{LOOKUP_SUFFIX}, and any of them as NAME@B<n> (a fixed budget "
+                                     "n beside --budget)") from None
             if base + plus + fixed not in out:
                 out.append(base + plus + fixed)
     return [m for m in out if m != "ar"]
@@ -586,8 +586,8 @@ def open_session(args: argparse.Namespace, console: Console, modes: contextlib.E
         torch.set_num_threads(args.threads)
     try:
         methods = resolve_methods(args.tree)
-    except KeyError as exc:
-        raise Refused(f"error: {exc.args[0]}") from None
+    except ValueError as exc:
+        raise Refused(f"error: {exc}") from None
     names, dtype_reason = dtype_plan(args.dtype, args.invariant, drafter=bool(methods))
     console.print(f"mode: {names[0] if len(names) == 1 else ' or '.join(names) + ' (timed below)'}; {dtype_reason}")
     budgets = list(args.budget)
