@@ -9,17 +9,20 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from dartree.base.dtypes import native_bf16
 from dartree.models.families import FAMILIES, recipe_fields
+from dartree.models.families.plugins import import_families, load_entry_point_families
 from dartree.models.heads import HEADS
 from dartree.training.checks import RecipeError, check_recipe  # noqa: F401  (RecipeError: this module's error)
 
 RECIPE_DIR = Path(__file__).resolve().parents[1] / "recipes"
+_OWN_FAMILY = ("(a family of your own registers when its module is imported: families=[MODULE], or its package's "
+               "dartree.families entry point; docs/families.md)")
 
 
 @dataclass
@@ -147,6 +150,7 @@ class WandbSection:
 @dataclass
 class Recipe:
     recipe: str = MISSING
+    families: List[str] = field(default_factory=list)  # modules imported first, each registering a family of its own
     seed: int = 0
     output_dir: str = "runs/${recipe}"
     init_from: Optional[str] = None  # start from an existing drafter (dartree or training checkpoint folder)
@@ -181,8 +185,13 @@ def load_recipe(args: list[str]) -> DictConfig:
     Returns:
         The merged, resolved, struct-mode config.
     Raises:
-        RecipeError: no recipe given, recipe file not found, an unknown / ill-typed key (valid keys listed), or a
-            value out of its range (``dartree.training.checks.RECIPE_FIELDS``: key, value and range named).
+        RecipeError: no recipe given, recipe file not found, an unknown / ill-typed key (valid keys listed), a
+            ``families`` module that cannot be imported, or a value out of its range
+            (``dartree.training.checks.RECIPE_FIELDS``: key, value and range named).
+
+    ``families`` (a list of module names, on the command line ``families=[my_family]``) is read from the command
+    line, else the recipe file, and imported before anything else is checked, so the families those modules register
+    (:mod:`dartree.models.families.plugins`) are known to ``loss.type``, ``head.type`` and the ``head`` keys.
     """
     cli = OmegaConf.from_dotlist(list(args))
     name = cli.get("recipe")
@@ -195,6 +204,13 @@ def load_recipe(args: list[str]) -> DictConfig:
     if not path.exists():
         names = sorted(p.stem for p in RECIPE_DIR.glob("*.yaml"))
         raise RecipeError(f"recipe {name!r} not found ({path}); available: {names}")
+    try:
+        from_file = OmegaConf.load(path)
+    except Exception as exc:  # yaml.YAMLError and friends: report the file and the parser's one-line reason
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RecipeError(f"cannot parse recipe {path}: {reason}") from None
+    load_entry_point_families()  # families of installed packages, then the recipe's own modules
+    _import_families(cli, from_file, path)
     schema = OmegaConf.structured(Recipe)
     OmegaConf.set_struct(schema, True)
     with open_dict(schema.head):  # head keys of the registered families beyond HeadSection's, at their defaults
@@ -203,11 +219,6 @@ def load_recipe(args: list[str]) -> DictConfig:
                 schema.head[key] = default
     OmegaConf.set_struct(schema.data.chat_template_kwargs, False)  # template variables: any names
     cli.recipe = path.stem
-    try:
-        from_file = OmegaConf.load(path)
-    except Exception as exc:  # yaml.YAMLError and friends: report the file and the parser's one-line reason
-        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise RecipeError(f"cannot parse recipe {path}: {reason}") from None
     for source, label in ((from_file, str(path)), (cli, "command line")):
         try:
             schema = OmegaConf.merge(schema, source)
@@ -234,6 +245,25 @@ def load_recipe(args: list[str]) -> DictConfig:
     return schema
 
 
+def _import_families(cli: DictConfig, from_file, path: Path) -> None:
+    """Import the ``families`` modules the command line (else the recipe file ``path``) names.
+
+    Raises:
+        RecipeError: ``families`` is not a list of module names, or a module cannot be imported (named).
+    """
+    source, label = (cli, "command line") if "families" in cli else (from_file, str(path))
+    names = source.get("families") if isinstance(source, DictConfig) else None
+    if names is None:
+        return
+    if not OmegaConf.is_list(names):
+        raise RecipeError(f"families in {label} must be a list of module names, e.g. families=[my_family]; got "
+                          f"{names!r}")
+    try:
+        import_families(list(names))
+    except ValueError as exc:
+        raise RecipeError(f"{exc} ({label})") from None
+
+
 def check_family(cfg: DictConfig) -> None:
     """Check that the recipe's ``loss.type`` names a registered drafter family (:mod:`dartree.models.families`) that
     trains its ``head.type``, and that a confidence head is asked of a family whose heads carry one.
@@ -243,9 +273,9 @@ def check_family(cfg: DictConfig) -> None:
     """
     head, loss = cfg.head.type, cfg.loss.type
     if head not in HEADS:
-        raise RecipeError(f"head.type {head!r} is unknown; available: {sorted(HEADS)}")
+        raise RecipeError(f"head.type {head!r} is unknown; available: {sorted(HEADS)} {_OWN_FAMILY}")
     if loss not in FAMILIES:
-        raise RecipeError(f"loss.type {loss!r} is unknown; use one of {sorted(FAMILIES)}")
+        raise RecipeError(f"loss.type {loss!r} is unknown; use one of {sorted(FAMILIES)} {_OWN_FAMILY}")
     types = FAMILIES[loss].head_types()
     if head not in types:
         raise RecipeError(f"loss.type {loss!r} trains head.type {sorted(types)}, not {head!r}; change one of them")

@@ -1,0 +1,125 @@
+"""Families from outside dartree reach every program: a recipe's ``families`` list imports modules for a training run,
+and the ``dartree.families`` entry points of installed packages register families for every program
+(dartree.models.families.plugins; docs/families.md)."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from dartree.models.families import FAMILIES
+from dartree.models.families.plugins import import_families, load_entry_point_families
+from dartree.training.recipe import RecipeError, load_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+
+
+def _dist(site: Path, name: str, group: str, entries: dict[str, str]) -> None:
+    """An installed distribution as importlib.metadata finds it on sys.path: ``NAME-0.1.dist-info`` with METADATA and
+    an entry_points.txt declaring ``entries`` (entry name -> module) in ``group``."""
+    info = site / f"{name}-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(f"[{group}]\n" + "".join(f"{k} = {v}\n" for k, v in entries.items()))
+
+
+def test_entry_points_import_each_module_once_and_a_broken_one_is_named(tmp_path, monkeypatch):
+    group = "dartree.families.test-only"  # a group of this test's own: the real registry is left as it is
+    (tmp_path / "plug_ok.py").write_text("LOADED = True\n")
+    (tmp_path / "plug_broken.py").write_text("raise RuntimeError('the family needs a GPU library')\n")
+    _dist(tmp_path, "good_plugin", group, {"good": "plug_ok"})
+    _dist(tmp_path, "bad_plugin", group, {"bad": "plug_broken"})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.warns(UserWarning, match=r"dartree.families.test-only entry point 'bad' = 'plug_broken' of bad_plugin "
+                                         r"failed to import \(RuntimeError: the family needs a GPU library\); its "
+                                         r"drafter family is not available"):
+        assert load_entry_point_families(group) == ["plug_ok"]
+    assert sys.modules["plug_ok"].LOADED is True
+    assert load_entry_point_families(group) == []  # imported once: a second scan imports nothing
+    monkeypatch.delitem(sys.modules, "plug_ok")
+
+
+def test_a_recipe_names_family_modules_and_a_bad_one_is_refused_in_one_line(tmp_path, monkeypatch):
+    with pytest.raises(RecipeError, match=r"^families: cannot import 'no_such_family' \(ModuleNotFoundError: No module "
+                                          r"named 'no_such_family'\); put its folder on PYTHONPATH or install its "
+                                          r"package \(command line\)$"):
+        load_recipe(["recipe=tiny_dflash", "families=[no_such_family]"])
+    with pytest.raises(RecipeError, match=r"^families in command line must be a list of module names, e.g. "
+                                          r"families=\[my_family\]; got 3$"):
+        load_recipe(["recipe=tiny_dflash", "families=3"])
+    with pytest.raises(ValueError, match=r"^families: '' is not a module name"):
+        import_families([""])
+    with pytest.raises(RecipeError, match=r"loss.type 'toy' is unknown; use one of \['dflash', 'dflash2', 'domino', "
+                                          r"'dspark'\] \(a family of your own registers when its module is imported: "
+                                          r"families=\[MODULE\], or its package's dartree.families entry point"):
+        load_recipe(["recipe=tiny_dflash", "loss.type=toy"])
+    # a recipe file's own list is read too, and the command line's replaces it
+    (tmp_path / "mod_a.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "r.yaml").write_text((REPO / "recipes" / "tiny_dflash.yaml").read_text() + "\nfamilies: [mod_a]\n")
+    assert list(load_recipe([f"recipe={tmp_path / 'r.yaml'}"]).families) == ["mod_a"]
+    with pytest.raises(RecipeError, match=r"cannot import 'mod_b'.*\(command line\)$"):
+        load_recipe([f"recipe={tmp_path / 'r.yaml'}", "families=[mod_b]"])
+    assert list(load_recipe(["recipe=tiny_dflash"]).families) == [] and "toy" not in FAMILIES
+
+
+@pytest.mark.slow  # trains and evaluates end to end, three programs in subprocesses
+def test_a_family_of_ones_own_trains_from_the_cli_and_evaluates_through_its_entry_point(tmp_path):
+    plug, site = tmp_path / "plug", tmp_path / "site"
+    plug.mkdir()
+    # the toy family of tests/test_toy_family.py, registered when this module is imported
+    (plug / "toy_cli_family.py").write_text(textwrap.dedent("""\
+        from test_toy_family import ToyFamily
+        from dartree.models.families import register_family
+        register_family(ToyFamily())
+    """))
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DARTREE_CACHE": str(tmp_path / "cache"),
+           "PYTHONPATH": os.pathsep.join([str(TESTS), str(plug), str(site)])}
+
+    def cli(*args):
+        return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
+
+    r = cli("training/train.py", "recipe=tiny_dflash", "families=[toy_cli_family]", "loss.type=toy",
+            "head.type=toy_tanh", "head.rank=8", "head.toy_scale=0.5", "train.max_steps=2", "train.engine=torch",
+            f"output_dir={tmp_path / 'run'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    ckpt = tmp_path / "run" / "checkpoint"
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["head"]["type"] == "toy_tanh" and config["head"]["scale"] == 0.5
+    assert json.loads((ckpt / "training.json").read_text())["recipe"]["families"] == ["toy_cli_family"]
+
+    convert = ("convert/to_dartree.py", str(ckpt), "--out", str(tmp_path / "dt"))
+    r = cli(*convert)  # no entry point yet: the head type is unknown, and the message says how to register it
+    assert r.returncode == 2 and "unknown head type 'toy_tanh'" in r.stderr and "dartree.families entry point" in \
+        r.stderr, r.stderr[-3000:]
+    assert not (tmp_path / "dt").exists()
+    _dist(site, "toy_plugin", "dartree.families", {"toy": "toy_cli_family"})
+    r = cli(*convert)
+    assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
+    # a fresh process that never names the toy module loads and decodes the converted drafter (its package's entry
+    # point registers the family), with output equal to greedy AR decoding of the tiny target
+    decode = textwrap.dedent(f"""\
+        import json, sys
+        from dartree.decode.generate import autoregressive_generate, speculative_generate
+        from dartree.models.checkpoint import load_dartree
+        from dartree.models.target import load_target
+        target = load_target("tiny-qwen3")
+        dm = load_dartree({str(tmp_path / "dt")!r}, target=target)
+        target.set_layer_ids(dm.drafter.cfg.target_layer_ids)
+        same = []
+        for builder in ("pruned", "chain"):
+            for p in ([5, 9, 13, 2], [7, 7, 3]):
+                want = autoregressive_generate(target, p, max_new_tokens=16, stop_ids=[1]).tokens
+                got = speculative_generate(target, dm.drafter, dm.head, p, builder=builder, budget=8,
+                                           max_new_tokens=16, stop_ids=[1]).tokens
+                same.append(got == want and len(got) > 0)
+        print(json.dumps({{"head": type(dm.head).__name__, "same": same}}))
+    """)
+    r = cli("-c", decode)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert json.loads(r.stdout.strip().splitlines()[-1]) == {"head": "TanhBigramHead", "same": [True] * 4}
