@@ -60,6 +60,9 @@ class CorrectionHead(nn.Module):
     # only on (H_d, the parent's token): builders then score every (previous candidate, candidate) pair of a round
     # at once (dartree.decode.trees.pair_log_probs). False for recurrent heads (DSpark RNN, Domino GRU).
     first_order: bool = False
+    # False for a head that leaves the base logits as they are (g(C, H, r) = U[C]: the identity head, plain DFlash):
+    # it has nothing to train or load, so training's init_from gives such a checkpoint a fresh head of the recipe's type
+    corrects: bool = True
 
     def hparams(self) -> dict:
         """Hyper-parameters stored as ``head`` in checkpoint configs (besides ``type``)."""
@@ -129,6 +132,7 @@ class IdentityHead(CorrectionHead):
 
     type_name = "identity"
     first_order = True
+    corrects = False
     fields = {"vocab_size": VOCAB_RULE}
 
     def __init__(self, vocab_size: int | None = None):

@@ -327,7 +327,7 @@ def test_single_turn_recipes_keep_their_data_through_the_one_pipeline(tmp_path, 
     pinned values were recorded with the code before the two stages were merged; the live comparison is that
     stage's own steps (random prompts from one ``torch.randint``, one ``continuous_greedy`` call with its default
     order and slot count, every response token supervised)."""
-    from dartree.training.build import load_recipe_target, prepare_data
+    from dartree.training.build import data_settings, load_recipe_target, prepare_data
     from dartree.training.recipe import load_recipe
     from dartree.training.regen import continuous_greedy
 
@@ -336,7 +336,7 @@ def test_single_turn_recipes_keep_their_data_through_the_one_pipeline(tmp_path, 
     d = cfg.data
     target = load_recipe_target(cfg.target.path, torch.float32)
     target.set_layer_ids([1, 2])
-    data = prepare_data(cfg, target)
+    data = prepare_data(data_settings(cfg), target)
     path = data.features_path.parent / "responses.jsonl"
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert path.parent.name == "responses-38efd421c0abc1e6"  # the former cache folder (key unchanged)
@@ -349,6 +349,34 @@ def test_single_turn_recipes_keep_their_data_through_the_one_pipeline(tmp_path, 
     for i, r in enumerate(rows):
         assert data.mask_of(i).tolist() == [False] * len(r["prompt_ids"]) + [True] * len(r["response_ids"])
     assert data.train_ids == list(range(10)) and data.holdout_ids == [10, 11]
+
+
+def test_data_settings_hold_the_recipe_values_the_data_stage_reads():
+    """data_settings builds the data stage's settings once from the recipe (DataSpec, source, held-out set, campaign
+    folder and shards, feature-store bytes, regeneration dtype, whether the loss reads the target's lse); prepare_data
+    reads only them and still names an unknown source."""
+    from dataclasses import replace
+    from pathlib import Path
+
+    from dartree.models.target import tiny_target
+    from dartree.training.build import data_settings, prepare_data
+    from dartree.training.campaign_store import DEFAULT_DIR
+    from dartree.training.recipe import RecipeError, load_recipe
+
+    s = data_settings(load_recipe(["recipe=tiny_dspark"]))
+    assert s.spec == DataSpec(num_prompts=12, max_new_tokens=24, seed=0, batch_size=6)
+    assert (s.source, s.holdout, s.holdout_set, s.holdout_turns, s.random_prompt_len) == ("random", 2, "tail", 0, 6)
+    assert (s.gen_dtype, s.target_path, s.campaign_dir, s.campaign_shards) == (torch.float32, "tiny-qwen3",
+                                                                                Path(DEFAULT_DIR), None)
+    assert s.feature_store_bytes is None and not s.need_lse  # no draft vocabulary: no lse
+    c = data_settings(load_recipe(["recipe=tiny_dspark", "data.source=campaign", "data.campaign_dir=/x",
+                                   "data.campaign_shards=2", "data.feature_store_gb=0.5",
+                                   "drafter.draft_vocab_size=16"]))
+    assert (c.source, c.campaign_dir, c.campaign_shards, c.feature_store_bytes) == ("campaign", Path("/x"), 2,
+                                                                                    500_000_000)
+    assert c.gen_dtype is None and c.need_lse  # no regeneration; dspark's L1 over a draft vocabulary reads the lse
+    with pytest.raises(RecipeError, match=r"data.source 'web' is not 'sharegpt', 'random' or 'campaign'"):
+        prepare_data(replace(s, source="web"), tiny_target())
 
 
 def _former_single_turn_prompts(tok, num, seed, max_prompt_tokens, code_fraction):

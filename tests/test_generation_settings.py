@@ -208,7 +208,7 @@ def test_recipe_chat_template_kwargs_enter_the_data_hash_only_when_set():
 
 
 def test_training_passes_chat_template_kwargs_and_refuses_a_base_model(monkeypatch, smollm2_tok):
-    """prepare_data hands data.chat_template_kwargs to the data stage (which renders the template with them), and
+    """prepare_data hands data.chat_template_kwargs (in its DataSettings) to the data stage (which renders the template with them), and
     check_against_target refuses ShareGPT data for a tokenizer without a chat template in one line."""
     import dartree.training.build as train_mod
     from dartree.models.target import tiny_target
@@ -226,7 +226,7 @@ def test_training_passes_chat_template_kwargs_and_refuses_a_base_model(monkeypat
 
     monkeypatch.setattr(train_mod, "regenerate_responses", stop)
     with pytest.raises(RecipeError, match="data: stopped here"):
-        train_mod.prepare_data(cfg, tiny_target())
+        train_mod.prepare_data(train_mod.data_settings(cfg), tiny_target())
     assert seen["kwargs"] == {"enable_thinking": False}
     tok, saved = smollm2_tok, smollm2_tok.chat_template
     try:

@@ -426,6 +426,27 @@ def test_each_recipe_trains_its_head_and_converts(tmp_path, monkeypatch, recipe,
         assert dm.drafter.cfg.conv_kernel_size == 2 and float(kp.abs().sum()) > 0
 
 
+def _load_init(path, target, cfg):
+    """load_init as the trainer calls it: the recipe's InitSettings, and build_models' head as the fresh one."""
+    from dartree.training.build import build_models, init_settings, load_init
+
+    return load_init(str(path), target, init_settings(cfg), lambda: build_models(cfg, target)[1])
+
+
+def test_only_the_identity_head_corrects_nothing():
+    """Of the built-in heads only identity corrects nothing (CorrectionHead.corrects False: load_init replaces it by
+    the recipe's head), and init_settings holds the recipe's drafter widening fields and head type."""
+    from dartree.models.heads import HEADS, build_head
+    from dartree.training.build import InitSettings, init_settings
+
+    build_head("identity")  # registers the built-in families' heads
+    assert not HEADS["identity"].corrects
+    assert all(HEADS[name].corrects for name in ("markov", "gated_markov", "rnn", "gru", "selector"))
+    cfg = load_recipe(["recipe=tiny_dflash2", "drafter.qk_norm=false", "drafter.draft_vocab_size=0"])
+    assert init_settings(cfg) == InitSettings(conv_kernel_size=2, conv_group_size=8, qk_norm=False,
+                                              draft_vocab_size=0, head_type="selector")
+
+
 @pytest.mark.slow
 def test_init_from_a_dflash_drafter_adds_identity_convolutions_for_dflash2(tmp_path, monkeypatch):
     """recipe dflash2 with init_from= a DFlash checkpoint: the backbone gains DFlash 2 convolutions that start as the
@@ -433,15 +454,15 @@ def test_init_from_a_dflash_drafter_adds_identity_convolutions_for_dflash2(tmp_p
     from dartree.convert.importer import convert
     from dartree.models.checkpoint import load_dartree
     from dartree.models.target import tiny_target
-    from dartree.training.build import load_init
 
     monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
     run(load_recipe(["recipe=tiny_dflash", f"output_dir={tmp_path / 'dflash'}", "train.max_steps=2"]))
     src = convert(tmp_path / "dflash" / "checkpoint", tmp_path / "dflash_dt", dtype=torch.float32)
     target = tiny_target()
     cfg = load_recipe(["recipe=tiny_dflash2", f"init_from={src}"])
-    drafter, head = load_init(str(src), target, cfg)
+    drafter, head = _load_init(src, target, cfg)
     assert drafter.cfg.conv_kernel_size == 2 and head.type_name == "selector"
+    assert not load_dartree(src).head.corrects  # the checkpoint's identity head, replaced by the recipe's
     plain = load_dartree(src).drafter.float()
     x, ctx = torch.randn(1, 8, drafter.cfg.hidden_size), torch.randn(1, 5, len(drafter.cfg.target_layer_ids) * drafter.cfg.hidden_size)
     q, c = torch.arange(5, 13)[None], torch.arange(5)[None]
@@ -460,7 +481,6 @@ def test_init_from_widens_a_cpu_drafter_to_an_exportable_one(tmp_path, monkeypat
     from dartree.convert.importer import convert
     from dartree.models.checkpoint import load_dartree
     from dartree.models.target import tiny_target
-    from dartree.training.build import load_init
 
     monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
     narrow = ["drafter.qk_norm=false", "drafter.draft_vocab_size=32"]
@@ -474,8 +494,8 @@ def test_init_from_widens_a_cpu_drafter_to_an_exportable_one(tmp_path, monkeypat
     x, ctx = torch.randn(1, 8, old.cfg.hidden_size), torch.randn(1, 5, len(old.cfg.target_layer_ids) * old.cfg.hidden_size)
     q, c = torch.arange(5, 13)[None], torch.arange(5)[None]
 
-    vocab_only, _ = load_init(str(src), target, load_recipe(["recipe=tiny_dflash", "drafter.qk_norm=false",
-                                                              "drafter.draft_vocab_size=0"]))
+    vocab_only, _ = _load_init(src, target, load_recipe(["recipe=tiny_dflash", "drafter.qk_norm=false",
+                                                         "drafter.draft_vocab_size=0"]))
     assert vocab_only.cfg.draft_vocab_size == 0 and not vocab_only.cfg.qk_norm
     with torch.no_grad():
         h_old, h_new = old(x, q, ctx, c), vocab_only(x, q, ctx, c)
@@ -485,10 +505,10 @@ def test_init_from_widens_a_cpu_drafter_to_an_exportable_one(tmp_path, monkeypat
     torch.testing.assert_close(u_new[..., ids], u_old[..., ids])
     assert torch.isinf(u_old).sum() > 0 and torch.isfinite(u_new).all()  # the other ids are scored now
 
-    kept, _ = load_init(str(src), target, load_recipe(["recipe=tiny_dflash", *narrow]))  # never narrows or widens
+    kept, _ = _load_init(src, target, load_recipe(["recipe=tiny_dflash", *narrow]))  # never narrows or widens
     assert not kept.cfg.qk_norm and kept.cfg.draft_vocab_size == 32
 
-    wide, _ = load_init(str(src), target, load_recipe(["recipe=tiny_dflash", "drafter.draft_vocab_size=0"]))
+    wide, _ = _load_init(src, target, load_recipe(["recipe=tiny_dflash", "drafter.draft_vocab_size=0"]))
     assert wide.cfg.qk_norm and wide.cfg.draft_vocab_size == 0
     gen = torch.Generator().manual_seed(0)
     for layer in wide.layers:

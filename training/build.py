@@ -1,6 +1,9 @@
-"""What a recipe builds and writes: the target, the drafter and head (fresh or from ``init_from``), the step
-settings with the drafter family's objective, the training data, and the training checkpoint. Everything below
-this module receives these objects, never the recipe.
+"""What a recipe builds and writes: the target, the drafter and head (fresh or from ``init_from``), the settings
+objects built once from the recipe's sections (:class:`~dartree.training.step.StepSettings` with the drafter family's
+objective, :class:`DataSettings`, :class:`InitSettings`), the training data, and the training checkpoint.
+:func:`build_models` is the one place that turns the recipe's ``drafter`` and ``head`` sections into modules;
+:func:`prepare_data` and :func:`load_init` receive settings objects, and everything below this module receives these
+objects, never the recipe.
 
 The checkpoint a run writes (``<output_dir>/checkpoint``) is a dartree checkpoint (:mod:`dartree.models.checkpoint`:
 config.json + model.safetensors, tensors in fp32) that ``decode/eval.py --checkpoint`` loads as it is, with the
@@ -12,7 +15,9 @@ run's recipe and summary beside it in ``training.json``. Checkpoints of the olde
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -23,6 +28,7 @@ from dartree.base.files import write_folder_atomically
 from dartree.models.drafter import DFlashDrafter, DrafterConfig, build_target_layer_ids
 from dartree.base.dtypes import parse_dtype
 from dartree.models.families import get_family
+from dartree.models.heads import CorrectionHead
 from dartree.models.target import Target, cache_root, load_target
 from dartree.training.campaign_data import CampaignData, campaign_rows
 from dartree.training.campaign_store import DEFAULT_DIR, CampaignError
@@ -114,6 +120,68 @@ def step_settings(cfg: DictConfig) -> StepSettings:
                         fused_loss=bool(cfg.train.get("fused_loss", True)))
 
 
+@dataclass(frozen=True)
+class DataSettings:
+    """What the data stage (:func:`prepare_data`) reads, built once from the recipe (:func:`data_settings`).
+
+    Attributes:
+        spec: prompts and generation settings of regenerated data (``data.*``,
+            :class:`~dartree.training.data.DataSpec`).
+        source: ``data.source``: ``sharegpt`` / ``random`` (regenerated, features cached) or ``campaign``.
+        holdout: held-out sequences (``data.holdout``). holdout_set: ``tail`` or ``fixed`` (``data.holdout_set``).
+        holdout_turns: turns per conversation of the fixed held-out set (``data.holdout_turns``; 0: ``max_turns``).
+        random_prompt_len: prompt length in tokens of ``random`` data (``data.random_prompt_len``).
+        campaign_dir: the campaign folder of ``campaign`` data (``data.campaign_dir``; default: the repository's).
+        campaign_shards: train on the first this many campaign shards (``data.campaign_shards``); None: all.
+        feature_store_bytes: campaign data keeps the target's features in a store of at most this many bytes
+            (``data.feature_store_gb`` * 1e9); None: off, every feature computed online.
+        gen_dtype: the target's dtype while regenerating (``target.gen_dtype``); None for campaign data (no
+            regeneration). target_path: ``target.path``, loaded again in ``gen_dtype`` when it differs from the
+            training target's dtype.
+        need_lse: the loss reads the target's full-vocabulary log-sum-exp (a draft vocabulary's L1 / TV / confidence
+            label, :func:`~dartree.training.step.needs_target_lse`); campaign data then computes it per sequence.
+    """
+
+    spec: DataSpec
+    source: str
+    holdout: int
+    holdout_set: str = "tail"
+    holdout_turns: int = 0
+    random_prompt_len: int = 12
+    campaign_dir: Path = DEFAULT_DIR
+    campaign_shards: int | None = None
+    feature_store_bytes: int | None = None
+    gen_dtype: torch.dtype | None = None
+    target_path: str = ""
+    need_lse: bool = False
+
+
+def data_settings(cfg: DictConfig) -> DataSettings:
+    """The data settings of a recipe: its ``data`` section, ``target.gen_dtype`` and ``target.path``, and whether its
+    loss needs the target's log-sum-exp (:func:`step_settings`, ``drafter.draft_vocab_size``).
+
+    Raises:
+        RecipeError: an unknown ``target.gen_dtype`` of regenerated data, or ``loss.type`` naming no registered
+            family (named).
+    """
+    d = cfg.data
+    spec = DataSpec(num_prompts=d.num_prompts, max_prompt_tokens=d.max_prompt_tokens, max_new_tokens=d.max_new_tokens,
+                    seed=d.seed, batch_size=d.gen_batch_size, code_fraction=d.code_fraction,
+                    max_turns=int(d.get("max_turns", 1)), max_seq_tokens=int(d.get("max_seq_tokens", 2048)),
+                    chat_template_kwargs=template_kwargs(cfg))
+    store_gb = float(d.get("feature_store_gb", 0) or 0)
+    regenerated = d.source in ("sharegpt", "random")
+    return DataSettings(
+        spec=spec, source=d.source, holdout=d.holdout, holdout_set=d.get("holdout_set", "tail"),
+        holdout_turns=int(d.get("holdout_turns", 0)), random_prompt_len=d.random_prompt_len,
+        campaign_dir=Path(d.get("campaign_dir", "") or DEFAULT_DIR),
+        campaign_shards=int(d.get("campaign_shards", 0)) or None,  # .get: a run's recipe older than campaigns
+        feature_store_bytes=int(store_gb * 1e9) if store_gb > 0 else None,
+        gen_dtype=parse_recipe_dtype(cfg.target.gen_dtype, "target.gen_dtype") if regenerated else None,
+        target_path=cfg.target.path,
+        need_lse=needs_target_lse(step_settings(cfg), int(cfg.drafter.draft_vocab_size)))
+
+
 def build_models(cfg: DictConfig, target: Target):
     """Create the drafter backbone and head for ``target`` from the recipe; returns (drafter, head). The head is
     the recipe's ``head.type`` with the constructor arguments its family derives from the ``head`` section
@@ -164,59 +232,48 @@ def rope_theta(tcfg) -> float:
     return rp.get("rope_theta") or getattr(tcfg, "rope_theta", None) or 10000.0
 
 
-def prepare_data(cfg: DictConfig, target: Target) -> BlockData:
-    """Regenerate responses (cached) and cache features for ``target``'s layer ids; return BlockData.
+def prepare_data(settings: DataSettings, target: Target) -> BlockData | CampaignData:
+    """The training data of :func:`data_settings` for ``target``'s layer ids.
 
     Every ShareGPT or random data set, single-turn (``data.max_turns=1``, the shipped recipes) or multi-turn, with
     either held-out set, is :func:`~dartree.training.data.regenerate_responses` (one pipeline; single-turn data
-    keeps its cache folders).
+    keeps its cache folders) in ``settings.gen_dtype``, with the target's features cached: a BlockData. Campaign data
+    is the committed campaign shards with the features computed online (in a feature store where
+    ``settings.feature_store_bytes`` is set): a CampaignData.
 
     Raises:
-        RecipeError: an unknown ``data.source``, or a data problem (too few usable prompts), named.
+        RecipeError: an unknown ``data.source``, unreadable campaign shards, or a data problem (too few usable
+            prompts), named.
     """
-    d = cfg.data
-    spec = DataSpec(
-        num_prompts=d.num_prompts,
-        max_prompt_tokens=d.max_prompt_tokens,
-        max_new_tokens=d.max_new_tokens,
-        seed=d.seed,
-        batch_size=d.gen_batch_size,
-        code_fraction=d.code_fraction,
-        max_turns=int(d.get("max_turns", 1)),
-        max_seq_tokens=int(d.get("max_seq_tokens", 2048)),
-        chat_template_kwargs=template_kwargs(cfg),
-    )
-    holdout_set = d.get("holdout_set", "tail")
-    if d.source == "campaign":  # committed campaign shards, features recomputed online (no feature store)
-
+    s = settings
+    if s.source == "campaign":  # committed campaign shards, features recomputed online
         try:
-            train_rows, hold_rows = campaign_rows(Path(d.campaign_dir or DEFAULT_DIR), int(d.campaign_shards) or None)
+            train_rows, hold_rows = campaign_rows(s.campaign_dir, s.campaign_shards)
         except CampaignError as exc:
             raise RecipeError(f"data.source=campaign: {exc}") from None
         store = None
-        if float(d.get("feature_store_gb", 0) or 0) > 0:
-            store = FeatureStore(cache_root() / "feature-store", target, int(float(d.feature_store_gb) * 1e9))
+        if s.feature_store_bytes is not None:
+            store = FeatureStore(cache_root() / "feature-store", target, s.feature_store_bytes)
         data = CampaignData(target, train_rows, hold_rows, store=store)
         # the full-vocabulary lse per sequence only where the loss reads it (a draft vocabulary's L1 / TV /
         # confidence label): a dflash or domino run, or the KL alone, skips that [T, V] matmul per target forward
-        data.need_lse = needs_target_lse(step_settings(cfg), int(cfg.drafter.draft_vocab_size))
+        data.need_lse = s.need_lse
         return data
-    if d.source not in ("sharegpt", "random"):
-        raise RecipeError(f"data.source {d.source!r} is not 'sharegpt', 'random' or 'campaign'")
-    gen_dtype = parse_recipe_dtype(cfg.target.gen_dtype, "target.gen_dtype")
+    if s.source not in ("sharegpt", "random"):
+        raise RecipeError(f"data.source {s.source!r} is not 'sharegpt', 'random' or 'campaign'")
     # regeneration runs where the target is (continuous_greedy follows the model's device)
-    gen_target = (target if gen_dtype == target.dtype
-                  else load_recipe_target(cfg.target.path, gen_dtype, device=target.device))
+    gen_target = (target if s.gen_dtype == target.dtype
+                  else load_recipe_target(s.target_path, s.gen_dtype, device=target.device))
     # every stage stops where the target's own generate stops (dartree.models.generation.stop_ids)
     try:
-        responses = regenerate_responses(gen_target, spec, source=d.source, holdout=d.holdout,
-                                         holdout_set=holdout_set, holdout_turns=int(d.get("holdout_turns", 0)),
-                                         random_prompt_len=d.random_prompt_len)
+        responses = regenerate_responses(gen_target, s.spec, source=s.source, holdout=s.holdout,
+                                         holdout_set=s.holdout_set, holdout_turns=s.holdout_turns,
+                                         random_prompt_len=s.random_prompt_len)
     except ValueError as exc:
         raise RecipeError(f"data: {exc}") from None
     del gen_target
     feats = compute_features(target, responses)
-    return BlockData(responses, feats, holdout=d.holdout)
+    return BlockData(responses, feats, holdout=s.holdout)
 
 
 def save_training_checkpoint(folder: Path, drafter, head, target: Target, cfg: DictConfig, state: dict,
@@ -289,14 +346,42 @@ def qk_norm_init(tensors: dict, prefix: str, dcfg) -> dict:
     return out
 
 
-def load_init(path: str, target: Target, cfg: DictConfig):
+@dataclass(frozen=True)
+class InitSettings:
+    """What :func:`load_init` reads of the recipe, built once from it (:func:`init_settings`).
+
+    Attributes:
+        conv_kernel_size: ``drafter.conv_kernel_size``; > 0 turns a DFlash backbone into a DFlash 2 one.
+        conv_group_size: ``drafter.conv_group_size``, the added convolutions' group size.
+        qk_norm: ``drafter.qk_norm``; True adds q/k norms to a backbone without them.
+        draft_vocab_size: ``drafter.draft_vocab_size``; 0 drops a checkpoint's draft vocabulary.
+        head_type: ``head.type``, the head type the recipe trains.
+    """
+
+    conv_kernel_size: int
+    conv_group_size: int
+    qk_norm: bool
+    draft_vocab_size: int
+    head_type: str
+
+
+def init_settings(cfg: DictConfig) -> InitSettings:
+    """The :class:`InitSettings` of a recipe (its ``drafter`` widening fields and ``head.type``)."""
+    d = cfg.drafter
+    return InitSettings(conv_kernel_size=int(d.conv_kernel_size), conv_group_size=int(d.conv_group_size),
+                        qk_norm=bool(d.qk_norm), draft_vocab_size=int(d.draft_vocab_size), head_type=cfg.head.type)
+
+
+def load_init(path: str, target: Target, settings: InitSettings, fresh_head: Callable[[], CorrectionHead]):
     """Drafter and head to fine-tune from ``init_from=PATH`` (a dartree checkpoint, e.g. a converted published
-    drafter, or a ``training/train.py`` checkpoint). The backbone architecture comes from the checkpoint; a
-    checkpoint whose head is ``identity`` (a plain DFlash drafter) gets a fresh head of the recipe's type, and a
-    recipe with ``drafter.conv_kernel_size`` > 0 turns a DFlash backbone into a DFlash 2 one whose convolutions
-    start as the identity (the same function as the checkpoint's). Two more widenings make a CPU-tuned drafter
-    exportable to the published layouts (:func:`dartree.convert.formats.export_config`), which all have Qwen3
-    layers over the full vocabulary:
+    drafter, or a ``training/train.py`` checkpoint); returns (drafter, head) in fp32. The backbone architecture comes
+    from the checkpoint; a checkpoint whose head corrects nothing
+    (:attr:`~dartree.models.heads.CorrectionHead.corrects` False: identity, a plain DFlash drafter) gets
+    ``fresh_head()`` instead, a fresh head of the recipe's type bound to ``target`` (callers pass
+    :func:`build_models`'s; called only in this case), and a recipe with ``drafter.conv_kernel_size`` > 0 turns a
+    DFlash backbone into a DFlash 2 one whose convolutions start as the identity (the same function as the
+    checkpoint's). Two more widenings make a CPU-tuned drafter exportable to the published layouts
+    (:func:`dartree.convert.formats.export_config`), which all have Qwen3 layers over the full vocabulary:
 
     * ``drafter.qk_norm=true`` on a checkpoint without q/k norms adds them (``layers.{i}.{q,k}_norm.weight``, [head_dim]),
       each weight a constant c = sqrt(mean_j sum_k (W[j, k] g[k])^2) over the rows j of ``q_proj`` / ``k_proj`` (W)
@@ -310,9 +395,13 @@ def load_init(path: str, target: Target, cfg: DictConfig):
     The recipe never narrows a checkpoint: ``qk_norm=false`` or a draft vocabulary in the recipe keep the
     checkpoint's q/k norms and vocabulary.
 
+    Args:
+        settings: the recipe's :class:`InitSettings` (the ``drafter.*`` and ``head.type`` values named here).
+        fresh_head: no arguments; the recipe's head, called only for a checkpoint whose head corrects nothing.
     Raises:
         RecipeError: the folder is not a drafter checkpoint, does not fit the target, or holds a different head
-            type than the recipe trains (other than identity).
+            type than the recipe trains (other than one that corrects nothing), or ``fresh_head`` raises ValueError (a
+            RecipeError included); each prefixed ``init_from=PATH:``.
     """
     folder = Path(path)
     cfg_path = folder / "config.json"
@@ -323,13 +412,13 @@ def load_init(path: str, target: Target, cfg: DictConfig):
             raise CheckpointError(f"{cfg_path}: format {fmt!r} is not a dartree or training checkpoint; convert it "
                                   "first: python convert/to_dartree.py SRC --out DST, then init_from=DST")
         check_target_pairing(config, target)
-        dsec = config.get("drafter", {})
-        add_conv = int(cfg.drafter.conv_kernel_size) > 0 and not dsec.get("conv_kernel_size")
+        dsec, s = config.get("drafter", {}), settings
+        add_conv = s.conv_kernel_size > 0 and not dsec.get("conv_kernel_size")
         if add_conv:  # DFlash -> DFlash 2: the convolutions start as the identity, so the function is unchanged
-            config = {**config, "drafter": {**dsec, "conv_kernel_size": int(cfg.drafter.conv_kernel_size),
-                                            "conv_group_size": int(cfg.drafter.conv_group_size)}}
-        add_qk = bool(cfg.drafter.qk_norm) and not dsec.get("qk_norm", False)
-        full_vocab = int(cfg.drafter.draft_vocab_size) == 0 and bool(dsec.get("draft_vocab_size", 0))
+            config = {**config, "drafter": {**dsec, "conv_kernel_size": s.conv_kernel_size,
+                                            "conv_group_size": s.conv_group_size}}
+        add_qk = s.qk_norm and not dsec.get("qk_norm", False)
+        full_vocab = s.draft_vocab_size == 0 and bool(dsec.get("draft_vocab_size", 0))
         if add_qk or full_vocab:
             config = {**config, "drafter": {**config["drafter"], **({"qk_norm": True} if add_qk else {}),
                                             **({"draft_vocab_size": 0} if full_vocab else {})}}
@@ -343,14 +432,14 @@ def load_init(path: str, target: Target, cfg: DictConfig):
         if add_qk:
             tensors = {**tensors, **qk_norm_init(tensors, prefix, drafter.cfg)}
         load_strict(drafter, tensors, prefix, folder)
-        if head.type_name == cfg.head.type:
+        if head.type_name == s.head_type:
             load_strict(head, tensors, "head.", folder)
             head.bind_embeddings(target.embed_tokens.weight)
-        elif head.type_name == "identity":
-            _, head = build_models(cfg, target)
+        elif not head.corrects:  # nothing to keep: the recipe's head starts fresh
+            head = fresh_head()
         else:
             raise CheckpointError(f"init_from {folder} holds a {head.type_name!r} head but the recipe trains "
-                                  f"{cfg.head.type!r}; set head.type={head.type_name} or start from a DFlash drafter")
+                                  f"{s.head_type!r}; set head.type={head.type_name} or start from a DFlash drafter")
     except FileNotFoundError as exc:
         raise RecipeError(f"init_from={path}: {exc.strerror or exc}: {exc.filename}") from None
     except (CheckpointError, ValueError, KeyError) as exc:

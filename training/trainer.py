@@ -32,6 +32,8 @@ from dartree.base.files import write_file_atomically
 from dartree.models.generation import stop_ids as target_stop_ids
 from dartree.training.build import (
     build_models,
+    data_settings,
+    init_settings,
     load_init,
     load_recipe_target,
     parse_recipe_dtype,
@@ -227,8 +229,9 @@ class Trainer:
         self.target = load_recipe_target(cfg.target.path, parse_recipe_dtype(cfg.target.dtype, "target.dtype"),
                                          device=self.device)
         check_against_target(cfg, self.target)  # layer ids, mask id, vocabulary sizes: before the data stage
-        if cfg.init_from:
-            self.drafter, self.head = load_init(cfg.init_from, self.target, cfg)
+        if cfg.init_from:  # a checkpoint whose head corrects nothing gets build_models' fresh head
+            self.drafter, self.head = load_init(cfg.init_from, self.target, init_settings(cfg),
+                                                lambda: build_models(cfg, self.target)[1])
             self.log(f"init_from {cfg.init_from}: {self.drafter.cfg.num_layers}-layer backbone, block "
                      f"{self.drafter.cfg.block_size}, head {self.head.type_name}")
         else:
@@ -245,8 +248,8 @@ class Trainer:
         return out if self.main else fn()
 
     def _build_data(self) -> None:
-        cfg, t0 = self.cfg, time.time()
-        self.data = self._on_rank0_first(lambda: prepare_data(cfg, self.target))
+        settings, t0 = data_settings(self.cfg), time.time()
+        self.data = self._on_rank0_first(lambda: prepare_data(settings, self.target))
         self.data_s = time.time() - t0
         self.log(f"data: {len(self.data)} training sequences ({self.data.num_tokens()} tokens), "
                  f"{len(self.data.holdout_ids)} held out; prepared in {self.data_s / 60:.1f} min")

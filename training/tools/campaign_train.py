@@ -265,7 +265,8 @@ def holdout_baseline(cfg: DictConfig, recipe: str, checkpoint: str | None = None
     # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.training.campaign_data import CampaignData, campaign_rows
     from dartree.training.recipe import RecipeError, load_recipe
-    from dartree.training.build import load_init, load_recipe_target, parse_recipe_dtype, step_settings
+    from dartree.training.build import (build_models, init_settings, load_init, load_recipe_target,
+        parse_recipe_dtype, step_settings)
     from dartree.training.step import evaluate_holdout
 
     checkpoint = checkpoint or str(REPO / "checkpoints" / recipe)
@@ -284,7 +285,7 @@ def holdout_baseline(cfg: DictConfig, recipe: str, checkpoint: str | None = None
     try:
         rc = load_recipe([f"recipe={recipe}", "data.source=campaign", f"data.campaign_dir={cfg.dir}"])
         target = load_recipe_target(rc.target.path, parse_recipe_dtype(rc.target.dtype, "target.dtype"))
-        drafter, head = load_init(checkpoint, target, rc)
+        drafter, head = load_init(checkpoint, target, init_settings(rc), lambda: build_models(rc, target)[1])
     except RecipeError as exc:
         raise CampaignError(str(exc)) from None
     target.set_layer_ids(drafter.cfg.target_layer_ids)

@@ -26,7 +26,8 @@ from dartree.training.recipe import RecipeError
 from dartree.decode.draft import draft_block
 from dartree.decode.trees import block_candidates, expand_frontier
 from dartree.models.drafter import DraftCache
-from dartree.training.build import load_init, parse_recipe_dtype, prepare_data, run_recipe, step_settings
+from dartree.training.build import (build_models, data_settings, init_settings, load_init, parse_recipe_dtype,
+    prepare_data, run_recipe, step_settings)
 from dartree.training.data import target_lse
 from dartree.training.step import block_targets, evaluate_holdout, seed_mix
 from dartree.models import target as target_lib
@@ -99,11 +100,12 @@ def parity(run_dir: str | Path, split: str = "holdout") -> dict:
     ckpt = Path(run_dir) / "checkpoint"
     cfg = OmegaConf.create(run_recipe(ckpt))
     target = target_lib.load_target(cfg.target.path, dtype=parse_recipe_dtype(cfg.target.dtype, "target.dtype"))
-    drafter, head = load_init(str(ckpt), target, cfg)  # the run's own recipe: loaded as saved
+    # the run's own recipe: loaded as saved
+    drafter, head = load_init(str(ckpt), target, init_settings(cfg), lambda: build_models(cfg, target)[1])
     drafter.eval()
     head.eval()
     target.set_layer_ids(drafter.cfg.target_layer_ids)
-    data = prepare_data(cfg, target)
+    data = prepare_data(data_settings(cfg), target)
     if drafter.cfg.draft_vocab_size:
         data.lse = target_lse(target, data.features_path)
     if split == "train":

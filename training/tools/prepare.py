@@ -18,7 +18,7 @@ from omegaconf import DictConfig
 from dartree.base.cli import fail
 from dartree.models.drafter import build_target_layer_ids
 from dartree.training.recipe import RecipeError, load_recipe
-from dartree.training.build import load_recipe_target, parse_recipe_dtype, prepare_data
+from dartree.training.build import data_settings, load_recipe_target, parse_recipe_dtype, prepare_data
 from dartree.training.checks import check_against_target
 from dartree.training.data import target_lse
 
@@ -38,7 +38,7 @@ def prepare(cfg: DictConfig) -> dict:
         target.set_layer_ids(layer_ids)
     except ValueError as exc:
         raise RecipeError(f"drafter.target_layer_ids: {exc}") from None
-    data = prepare_data(cfg, target)
+    data = prepare_data(data_settings(cfg), target)
     if cfg.drafter.draft_vocab_size:
         target_lse(target, data.features_path)  # needed by draft-vocabulary training
     return {
