@@ -29,7 +29,7 @@ from dartree.base.fields import describe, is_int, is_real
 from dartree.kernels._backend import resolve
 from dartree.kernels.candidates import topk_candidates
 from dartree.kernels.frontier import frontier_topk
-from dartree.models.heads import CorrectionHead, IdentityHead
+from dartree.models.heads import CorrectionHead
 
 
 @dataclass
@@ -467,7 +467,7 @@ def build_chain(block: DraftBlock, head: CorrectionHead, root_id: int, budget: i
         return Tree.empty()
     block = block.first(m)
     if head.first_order and resolve(backend, block.base_logits.device) == "torch":  # one factor call, a NumPy walk
-        if isinstance(head, IdentityHead):  # DFlash's own chain: the argmax row by row, K values for the normalizer
+        if not head.corrects:  # DFlash's own chain (g = U): the argmax row by row, K values for the normalizer
             fast = _chain_identity(block, head_k(k, head))
             if fast is not None:
                 return fast

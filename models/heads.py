@@ -180,9 +180,13 @@ _FAMILY_HEADS = {"MarkovHead": "dspark", "GatedMarkovHead": "dspark", "RNNHead":
 
 
 def _load_families() -> None:
-    """Import :mod:`dartree.models.families`, whose built-in families register their heads here. Lazy: the family
-    modules import this module (the interface and the registry), so it cannot import them at its top."""
+    """Import :mod:`dartree.models.families`, whose built-in families register their heads here, and the families
+    installed packages declare as ``dartree.families`` entry points
+    (:func:`dartree.models.families.plugins.load_entry_point_families`). Lazy: the family modules import this module
+    (the interface and the registry), so it cannot import them at its top; and a plugin's module may import any
+    dartree module, so plugins load at the first lookup, once every module is imported."""
     importlib.import_module("dartree.models.families")
+    importlib.import_module("dartree.models.families.plugins").load_entry_point_families()
 
 
 def __getattr__(name: str):
@@ -207,7 +211,8 @@ def build_head(type_name: str, **params) -> CorrectionHead:
     _load_families()
     if type_name not in HEADS:
         raise KeyError(f"unknown head type {type_name!r}; available: {sorted(HEADS)} (a head of another drafter "
-                       "family registers when that family's module is imported)")
+                       "family registers when that family's module is imported: install its package, whose "
+                       "dartree.families entry point imports it, or import the module first)")
     return HEADS[type_name](**params)
 
 
