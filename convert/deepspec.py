@@ -3,8 +3,9 @@
 Facts (read from DeepSpec ``deepspec/modeling/dspark/qwen3/{config,modeling}.py``): the target's config with
 top-level ``target_layer_ids``, ``mask_token_id``, ``block_size``, ``num_anchors`` and the DSpark fields
 ``markov_rank`` (required), ``markov_head_type`` (default vanilla), ``enable_confidence_head`` (default false),
-``confidence_head_with_markov`` (default true); no ``dflash_config``. Tensors: the z-lab DFlash backbone and the
-DSpark head of :mod:`dartree.convert.formats` (``markov_head.*``, ``confidence_head.*``), plus frozen copies
+``confidence_head_with_markov`` (default true); no ``dflash_config``. Tensors: the z-lab DFlash backbone of
+:mod:`dartree.convert.formats` and the DSpark head under the published names of its family
+(:mod:`dartree.models.families.dspark`: ``markov_head.*``, ``confidence_head.*``), plus frozen copies
 ``embed_tokens.weight`` and ``lm_head.weight`` [V, D], which dartree drops (the target provides them; with a target
 they must equal its own). All B block positions are proposals (dartree ``proposal_offset`` 0). dartree writes no
 DeepSpec layout (``--to`` does not list it): export a DSpark drafter as ``specforge-dspark`` or ``speculators``.
@@ -61,7 +62,7 @@ def read(config: dict, given: dict, where, target=None) -> tuple[dict, dict]:
             ``target``, an ``embed_tokens`` / ``lm_head`` copy that differs from the target's.
     """
     parsed = parse_dspark(config, f"{where}/config.json", target=target)
-    return F.read_parsed(parsed, NAME, F.DSPARK_NAMES, given, where, target)
+    return F.read_parsed(parsed, NAME, given, where, target)
 
 
 DSPARK = FormatPair(name=NAME, detect=detect, read=read, write=None,

@@ -4,11 +4,11 @@
 Every published drafter is the DFlash backbone of z-lab/dflash ``dflash/model.py`` (``DFlashDraftModel``): a Qwen3
 config (transformers ``Qwen3Config``) and Qwen3 layers ``layers.{i}.self_attn.{q,k,v,o}_proj / {q,k}_norm``,
 ``layers.{i}.mlp.{gate,up,down}_proj``, ``layers.{i}.{input,post_attention}_layernorm`` plus ``fc``,
-``hidden_norm`` and ``norm``; no embedding or lm_head. Here: the names of those tensors and of the heads two or
-more publishers share (DSpark's ``markov_head.*`` / ``confidence_head.*``: SpecForge, DeepSpec, speculators;
-DFlash 2's ``candidate_selector.*`` and convolutions: z-lab, speculators), the checked reading of config fields
-(:func:`field`, :func:`backbone`, :func:`dspark_head`), the strict tensor checks (:func:`check_tensors`,
-:func:`check_copy_of_target`) and the base config.json of an export (:func:`export_config`).
+``hidden_norm`` and ``norm``; no embedding or lm_head. Here: the names of those tensors (:func:`backbone_name`),
+the renaming of a drafter's tensors by its head type's published names (:func:`published_name`; the names live
+with the head's family, :attr:`dartree.models.families.Family.published`, the same for every publisher), the
+checked reading of config fields (:func:`field`, :func:`backbone`, :func:`dspark_head`), the strict tensor checks
+(:func:`check_tensors`, :func:`check_copy_of_target`) and the base config.json of an export (:func:`export_config`).
 
 Both transformers config layouts are read: ``rope_theta`` at the top level (transformers 4) or under
 ``rope_parameters`` (transformers 5). Exports write the transformers-4 layout, as the published configs do.
@@ -22,28 +22,16 @@ from dataclasses import dataclass
 from typing import Callable
 
 from dartree.models.checkpoint import CheckpointError, dartree_config, expected_tensors
+from dartree.models.families import family_of_head, get_family, published_names
 from dartree.models.target import model_id
 from dartree.base.fields import Flag, Range
 
 QWEN3 = ("hidden_size, intermediate_size, num_hidden_layers, num_attention_heads, num_key_value_heads, "
          "head_dim, rms_norm_eps, vocab_size, rope_theta (or rope_parameters.rope_theta)")
-MARKOV_TYPES = {"vanilla": "markov", "gated": "gated_markov", "rnn": "rnn"}  # DSpark markov_head_type -> dartree head
-DSPARK_HEADS = {v: k for k, v in MARKOV_TYPES.items()}
 _LEGACY_PREFIXES = ("prefix_gru.", "embed_proj.", "markov_head.", "confidence_head.")
 _LAYER = re.compile(r"^backbone\.layers\.(\d+)\.(.+)$")
 _ATTN = {"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"}
 _MLP = {"gate_proj", "up_proj", "down_proj"}
-# dartree head tensor (without ``head.``) -> published name. DSpark (SpecForge dspark_heads.py, DeepSpec, speculators
-# dspark):
-DSPARK_NAMES = {"w1.weight": "markov_head.markov_w1.weight", "w2.weight": "markov_head.markov_w2.weight",
-                "gate_proj.weight": "markov_head.gate_proj.weight", "gate_proj.bias": "markov_head.gate_proj.bias",
-                "joint_proj.weight": "markov_head.joint_proj.weight", "joint_proj.bias": "markov_head.joint_proj.bias",
-                "confidence.weight": "confidence_head.proj.weight", "confidence.bias": "confidence_head.proj.bias"}
-# DFlash 2 (z-lab DFlash2DraftModel, speculators dflash2); the published spelling has no ``.weight`` on the codebooks
-SELECTOR_NAMES = {"w1.weight": "candidate_selector.predecessor_codebook",
-                  "w2.weight": "candidate_selector.successor_codebook",
-                  "proj.weight": "candidate_selector.hidden_projection.weight"}
-_CODEBOOKS = ("candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook")
 
 
 @dataclass(frozen=True)
@@ -85,8 +73,8 @@ def published_name(name: str, heads: dict[str, str], fmt: str) -> str:
     """Map a dartree tensor name (``backbone.*`` / ``head.*``) to its name in the published layout ``fmt``.
 
     Args:
-        name: the dartree name. heads: the layout's head table, dartree name without ``head.`` -> published name
-            (:data:`DSPARK_NAMES`, :data:`SELECTOR_NAMES`, SpecForge Domino's; empty for a layout without a head).
+        name: the dartree name. heads: the head's published names, dartree name without ``head.`` -> published name
+            (:func:`dartree.models.families.published_names` of its head type; empty for a head without tensors).
         fmt: the layout's name, for the message.
     Raises:
         CheckpointError: a head tensor that ``heads`` has no name for (the head type does not fit the layout).
@@ -354,9 +342,10 @@ def dspark_head(rank: int, kind, confidence: bool, with_markov: bool, *, vocab: 
                                   "supported by dartree")
         return {"type": "identity"}
     kind = str(kind).lower()
-    if kind not in MARKOV_TYPES:
-        raise CheckpointError(f"{where}: markov_head_type {kind!r} is unknown; expected one of {sorted(MARKOV_TYPES)}")
-    head = {"type": MARKOV_TYPES[kind], "vocab_size": vocab, "rank": rank}
+    types = {pub: ours for ours, pub in get_family("dspark").published_types.items()}  # vanilla -> markov, ...
+    if kind not in types:
+        raise CheckpointError(f"{where}: markov_head_type {kind!r} is unknown; expected one of {sorted(types)}")
+    head = {"type": types[kind], "vocab_size": vocab, "rank": rank}
     if kind != "vanilla" or confidence:
         head["hidden_size"] = hidden
     if confidence:
@@ -390,15 +379,16 @@ def target_identity(config: dict, fmt: str, where, vocab: int, hidden: int) -> d
     return target
 
 
-def read_parsed(parsed: Parsed, fmt: str, heads: dict[str, str], given: dict, where, target=None) -> tuple[dict, dict]:
-    """Finish reading a DFlash-family checkpoint whose config is parsed: check and rename its tensors.
+def read_parsed(parsed: Parsed, fmt: str, given: dict, where, target=None) -> tuple[dict, dict]:
+    """Finish reading a DFlash-family checkpoint whose config is parsed: check and rename its tensors (the head's
+    by the published names of its type, :func:`dartree.models.families.published_names`).
 
     Args:
         parsed: the config in dartree terms (the publisher's parse function). fmt: the layout's name (provenance
-            ``source_format``, messages). heads: its head table (:func:`published_name`). given: published name ->
-            tensor (older SpecForge ``logit_head.*`` names accepted, :func:`strip_legacy`). where: the checkpoint
-            folder. target: optional :class:`~dartree.models.target.Target`, against which the copies in
-            ``parsed.dropped`` are checked (:func:`check_copy_of_target`).
+            ``source_format``, messages). given: published name -> tensor (older SpecForge ``logit_head.*`` names
+            accepted, :func:`strip_legacy`). where: the checkpoint folder. target: optional
+            :class:`~dartree.models.target.Target`, against which the copies in ``parsed.dropped`` are checked
+            (:func:`check_copy_of_target`).
     Returns:
         (dartree config, tensors by dartree name); the tensors are ``given``'s own objects, unchanged.
     Raises:
@@ -414,6 +404,7 @@ def read_parsed(parsed: Parsed, fmt: str, heads: dict[str, str], given: dict, wh
         if tuple(given[name].shape) != shape:
             raise CheckpointError(f"{where}: tensor {name!r} has shape {list(given[name].shape)}, expected {list(shape)}")
         check_copy_of_target(name, given.pop(name), target, where)
+    heads = published_names(parsed.head["type"])
     check_tensors(given, expected, where, rename=lambda n: published_name(n, heads, fmt))
     tensors = {k: given[published_name(k, heads, fmt)] for k in expected}
     if parsed.dropped:
@@ -444,10 +435,15 @@ def context_length(config: dict) -> int | None:
     return int(ctx)
 
 
-def fmt_for_head(htype) -> str:
-    """The ``--to`` layout that carries a dartree head type, for the "choose --to ..." part of a refusal."""
-    return {"identity": "zlab-dflash", "gru": "specforge-domino",
-            "selector": "zlab-dflash2 or --to speculators"}.get(htype, "specforge-dspark")
+def layout_for_head(htype) -> str:
+    """What to do instead when a layout cannot carry head type ``htype``, the end of a refusal: ``choose --to`` the
+    layouts of its family (:attr:`dartree.models.families.Family.export_to`, e.g. ``choose --to zlab-dflash2 or
+    --to speculators``), or, for a head no published layout carries, how one is added."""
+    fam = family_of_head(htype)
+    if fam is None or not fam.export_to:
+        return ("no published layout carries it (a reader/writer pair in dartree.convert adds one, "
+                "docs/conversion.md)")
+    return "choose --to " + " or --to ".join(fam.export_to)
 
 
 def export_ready(config: dict, fmt: str, target=None, where="the checkpoint") -> dict:
@@ -468,25 +464,26 @@ def export_ready(config: dict, fmt: str, target=None, where="the checkpoint") ->
     return config
 
 
-def export_config(config: dict, fmt: str, *, heads: tuple[str, ...], proposal_offset: int | None) -> dict:
+def export_config(config: dict, fmt: str, *, family: str, proposal_offset: int | None) -> dict:
     """The base published config.json of a dartree drafter exported to the DFlash-family layout ``fmt``: z-lab's
     ``DFlashDraftModel`` config (transformers-4 layout: Qwen3 fields, ``block_size``, ``dflash_config.{mask_token_id,
     target_layer_ids}``, ``num_target_layers``, ``max_position_embeddings`` and ``_name_or_path`` when recorded);
     the publisher module adds its head's fields.
 
     Args:
-        config: the dartree checkpoint config. fmt: the layout's name, for messages. heads: the dartree head types
-            the layout carries. proposal_offset: the one proposal offset the layout uses, or None (any).
+        config: the dartree checkpoint config. fmt: the layout's name, for messages. family: the registered drafter
+            family whose head types the layout carries (``dspark``). proposal_offset: the one proposal offset the
+            layout uses, or None (any).
     Raises:
-        CheckpointError: a head type outside ``heads``, DFlash 2 convolutions, q/k norm off (all reported together,
-            with the layout that would fit), another proposal offset, or no recorded vocabulary size.
+        CheckpointError: a head type not of ``family``, DFlash 2 convolutions, q/k norm off (all reported
+            together, with the layout that would fit), another proposal offset, or no recorded vocabulary size.
     """
     d, head, tgt = config["drafter"], dict(config["head"]), config.get("target", {})
-    htype = head.get("type")
+    htype, heads = head.get("type"), get_family(family).head_types()
     problems = []
     if htype not in heads:
         problems.append(f"head type {htype!r} cannot be exported as {fmt} (it carries {list(heads)}); "
-                        f"choose --to {fmt_for_head(htype)}")
+                        f"{layout_for_head(htype)}")
     if d.get("conv_kernel_size"):  # DFlash 2 layers: only the zlab-dflash2 / speculators (dflash2) pairs carry them
         where = "" if htype == "selector" else " (with head type 'selector')"
         problems.append(f"the drafter has DFlash 2 grouped convolutions (conv_kernel_size {d['conv_kernel_size']}), "
@@ -538,12 +535,14 @@ def export_config(config: dict, fmt: str, *, heads: tuple[str, ...], proposal_of
     return out
 
 
-def publish_tensors(tensors: dict, heads: dict[str, str], fmt: str) -> dict:
-    """Tensors by dartree name -> by published name (:func:`published_name`), contiguous, values and dtypes kept.
+def publish_tensors(tensors: dict, head_type: str, fmt: str) -> dict:
+    """Tensors by dartree name -> by published name (:func:`published_name` with the published names of
+    ``head_type``, :func:`dartree.models.families.published_names`), contiguous, values and dtypes kept.
 
     Raises:
         CheckpointError: a head tensor the layout has no name for.
     """
+    heads = published_names(head_type)
     return {published_name(k, heads, fmt): v.contiguous() for k, v in tensors.items()}
 
 
@@ -634,7 +633,8 @@ def selector_spelling(tensors: dict, where) -> dict:
         CheckpointError: both spellings of one codebook are present (the message names both; keep one).
     """
     out = dict(tensors)
-    for name in _CODEBOOKS:
+    names = published_names("selector")
+    for name in (names["w1.weight"], names["w2.weight"]):  # the codebooks
         if name + ".weight" in out:
             if name in out:
                 raise CheckpointError(f"{where}: tensor {name!r} appears twice (also as {name + '.weight'!r}); keep one "
@@ -719,7 +719,7 @@ def check_dflash2_exportable(config: dict, fmt: str) -> None:
                         "selector (head type 'selector') and the other layouts have no convolutions")
     elif head.get("type") != "selector":
         problems.append(f"head type {head.get('type')!r} cannot be exported as {fmt} (DFlash 2 carries the candidate "
-                        f"selector, head type 'selector'); choose --to {fmt_for_head(head.get('type'))}")
+                        f"selector, head type 'selector'); {layout_for_head(head.get('type'))}")
     if not d.get("conv_kernel_size"):
         problems.append(f"the drafter has no DFlash 2 convolutions (drafter.conv_kernel_size 0) but every {fmt} layer "
                         "has them; train with drafter.conv_kernel_size >= 1 to export DFlash 2")

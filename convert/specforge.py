@@ -23,6 +23,7 @@ from __future__ import annotations
 from dartree.convert import formats as F
 from dartree.convert.registry import FormatPair
 from dartree.models.checkpoint import CheckpointError
+from dartree.models.families import published_type
 
 DOMINO_NAME, DSPARK_NAME = "specforge-domino", "specforge-dspark"
 DOMINO_LAYOUT = F.ConfigLayout(DOMINO_NAME, f"a Qwen3 config ({F.QWEN3}) with block_size and dflash_config."
@@ -31,10 +32,6 @@ DOMINO_LAYOUT = F.ConfigLayout(DOMINO_NAME, f"a Qwen3 config ({F.QWEN3}) with bl
 DSPARK_LAYOUT = F.ConfigLayout(DSPARK_NAME, f"a Qwen3 config ({F.QWEN3}) with block_size and dflash_config."
                                             "{mask_token_id, target_layer_ids, markov_rank, markov_head_type, "
                                             "enable_confidence_head, confidence_head_with_markov}")
-# dartree gru head tensor (without ``head.``) -> SpecForge Domino name
-GRU_NAMES = {"weight_ih": "prefix_gru.weight_ih_l0", "weight_hh": "prefix_gru.weight_hh_l0",
-             "fc1.weight": "embed_proj.0.weight", "fc2.weight": "embed_proj.2.weight"}
-DSPARK_TYPES = ("markov", "gated_markov", "rnn")
 
 
 def _projector(config: dict, names: set[str]) -> tuple[dict, object, bool, bool]:
@@ -88,7 +85,7 @@ def read_domino(config: dict, given: dict, where, target=None) -> tuple[dict, di
         CheckpointError: :func:`parse_domino`'s, or a missing, unexpected or mis-shaped tensor (named).
     """
     parsed = parse_domino(config, f"{where}/config.json", target=target)
-    return F.read_parsed(parsed, DOMINO_NAME, GRU_NAMES, given, where, target)
+    return F.read_parsed(parsed, DOMINO_NAME, given, where, target)
 
 
 def domino_config(config: dict) -> dict:
@@ -99,7 +96,7 @@ def domino_config(config: dict) -> dict:
         CheckpointError: another head type, q/k norm off, DFlash 2 convolutions
             (:func:`dartree.convert.formats.export_config`), or a GRU input width other than the hidden size.
     """
-    out = F.export_config(config, DOMINO_NAME, heads=("gru",), proposal_offset=None)
+    out = F.export_config(config, DOMINO_NAME, family="domino", proposal_offset=None)
     d, head = config["drafter"], dict(config["head"])
     if head.get("embed_dim", head["hidden_size"]) != d["hidden_size"]:
         raise CheckpointError(f"gru head embed_dim {head['embed_dim']} != hidden_size {d['hidden_size']}; "
@@ -121,7 +118,7 @@ def write_domino(config: dict, tensors: dict, target=None, where="the checkpoint
             refusals.
     """
     config = F.export_ready(config, DOMINO_NAME, target, where)
-    return domino_config(config), F.publish_tensors(tensors, GRU_NAMES, DOMINO_NAME)
+    return domino_config(config), F.publish_tensors(tensors, config["head"]["type"], DOMINO_NAME)
 
 
 # ------------------------------------------------------------------------------------------- specforge-dspark
@@ -167,7 +164,7 @@ def read_dspark(config: dict, given: dict, where, target=None) -> tuple[dict, di
         CheckpointError: :func:`parse_dspark`'s, or a missing, unexpected or mis-shaped tensor (named).
     """
     parsed = parse_dspark(config, f"{where}/config.json", target=target)
-    return F.read_parsed(parsed, DSPARK_NAME, F.DSPARK_NAMES, given, where, target)
+    return F.read_parsed(parsed, DSPARK_NAME, given, where, target)
 
 
 def dspark_config(config: dict) -> dict:
@@ -178,11 +175,11 @@ def dspark_config(config: dict) -> dict:
         CheckpointError: another head type, q/k norm off, DFlash 2 convolutions, or another proposal offset
             (:func:`dartree.convert.formats.export_config`).
     """
-    out = F.export_config(config, DSPARK_NAME, heads=DSPARK_TYPES, proposal_offset=0)
+    out = F.export_config(config, DSPARK_NAME, family="dspark", proposal_offset=0)
     d, head = config["drafter"], config["head"]
     out["architectures"] = ["DSparkDraftModel"]
     dc = out["dflash_config"]
-    dc.update(projector_type="dspark", markov_rank=head["rank"], markov_head_type=F.DSPARK_HEADS[head["type"]],
+    dc.update(projector_type="dspark", markov_rank=head["rank"], markov_head_type=published_type(head["type"]),
               enable_confidence_head=bool(head.get("confidence_head", False)),
               confidence_head_with_markov=bool(head.get("confidence_with_markov", True)))
     if d["num_kv_heads"] == d["num_heads"]:  # SpecForge DSpark refuses equal head counts unless told "mha"
@@ -199,7 +196,7 @@ def write_dspark(config: dict, tensors: dict, target=None, where="the checkpoint
             refusals.
     """
     config = F.export_ready(config, DSPARK_NAME, target, where)
-    return dspark_config(config), F.publish_tensors(tensors, F.DSPARK_NAMES, DSPARK_NAME)
+    return dspark_config(config), F.publish_tensors(tensors, config["head"]["type"], DSPARK_NAME)
 
 
 DOMINO = FormatPair(name=DOMINO_NAME, detect=detect_domino, read=read_domino, write=write_domino,

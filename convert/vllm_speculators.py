@@ -48,10 +48,10 @@ from dartree.convert import formats as F
 from dartree.convert.registry import FormatPair
 from dartree.base.fields import Range
 from dartree.models.checkpoint import CheckpointError, dartree_config, expected_tensors
+from dartree.models.families import FAMILIES, family_of_head, published_names, published_type
 from dartree.models.target import model_id
 
 NAME = "speculators"
-_TYPES = {"dflash": "DFlashSpeculator", "dflash2": "DFlash2DraftModel", "dspark": "DSparkSpeculator"}
 # Field defaults of speculators 0.9.0's config classes (DFlash[2]SpeculatorConfig / DSparkSpeculatorConfig); used only
 # when the package is not importable (tests pin them against the classes).
 DEFAULTS = {
@@ -90,18 +90,19 @@ def _validated(config: dict, where="config.json") -> dict:
     return out
 
 
-def _head_names(head_type: str) -> dict[str, str]:
-    """dartree head tensor name (without ``head.``) -> speculators name, for the DSpark heads and the DFlash 2
-    selector."""
-    if head_type == "identity":
-        return {}
-    return F.SELECTOR_NAMES if head_type == "selector" else F.DSPARK_NAMES
+def _types() -> dict[str, str]:
+    """The speculators types dartree reads and writes, ``speculators_model_type`` -> ``architectures`` entry: those
+    of the registered families (:attr:`dartree.models.families.Family.speculators_type`; ``dflash``, ``dflash2``,
+    ``dspark``)."""
+    return {f.speculators_type: f.speculators_architecture for f in FAMILIES.values() if f.speculators_type}
 
 
 def _published(name: str, head_type: str) -> str:
+    """The speculators name of dartree tensor ``name`` of a drafter with head type ``head_type`` (backbone names as
+    :func:`dartree.convert.formats.backbone_name`, head names as the family publishes them)."""
     if name.startswith("backbone."):
         return F.backbone_name(name)
-    return _head_names(head_type)[name[len("head."):]]
+    return published_names(head_type)[name[len("head."):]]
 
 
 def detect(config: dict, names: set[str]) -> str | None:
@@ -113,9 +114,9 @@ def detect(config: dict, names: set[str]) -> str | None:
     kind = config.get("speculators_model_type")
     if kind is None:
         return None
-    if kind not in _TYPES:
+    if kind not in _types():
         raise CheckpointError(f"detected a vLLM speculators checkpoint of type {kind!r}; dartree reads speculators "
-                              f"{', '.join(sorted(_TYPES))} only (DFlash-family block drafters)")
+                              f"{', '.join(sorted(_types()))} only (DFlash-family block drafters)")
     return f"speculators_model_type={kind!r}"
 
 
@@ -291,6 +292,7 @@ def _take_tensors(given: dict, want: dict, head_type: str, ids: torch.Tensor | N
 def write(config: dict, tensors: dict, target=None, where="the checkpoint") -> tuple[dict, dict]:
     """Writer: a dartree checkpoint -> (speculators config.json dict, tensors by speculators name).
 
+    The speculators type is the head's family's (:attr:`dartree.models.families.Family.speculators_type`):
     ``identity`` heads become ``dflash``, ``markov`` / ``gated_markov`` / ``rnn`` become ``dspark``, ``selector``
     (with DFlash 2 convolutions) becomes ``dflash2`` (its ``sliding_window_non_causal`` default, true, is written;
     the layers are full attention, so it acts on nothing);
@@ -309,15 +311,18 @@ def write(config: dict, tensors: dict, target=None, where="the checkpoint") -> t
     """
     d, head, ident = config["drafter"], config["head"], config.get("target", {})
     htype = head.get("type")
-    if htype not in ("identity", "markov", "gated_markov", "rnn", "selector"):
-        raise CheckpointError(f"head type {htype!r} cannot be exported as speculators (it carries dflash: identity, "
-                              "dspark: markov / gated_markov / rnn, dflash2: selector); choose --to specforge-domino")
+    fam = family_of_head(htype)
+    if fam is None or not fam.speculators_type:
+        carried = ", ".join(f"{f.speculators_type}: {' / '.join(f.head_types())}" for f in FAMILIES.values()
+                            if f.speculators_type)
+        raise CheckpointError(f"head type {htype!r} cannot be exported as speculators (it carries {carried}); "
+                              f"{F.layout_for_head(htype)}")
     if htype == "selector" or d.get("conv_kernel_size"):
         F.check_dflash2_exportable(config, "speculators dflash2")
     if not d.get("qk_norm", False):
         raise CheckpointError("the drafter has qk_norm=false but speculators drafters are Qwen3 layers with "
                               "q_norm/k_norm; only drafters trained with drafter.qk_norm=true export")
-    kind = {"identity": "dflash", "selector": "dflash2"}.get(htype, "dspark")
+    kind = fam.speculators_type
     vocab = int(ident.get("vocab_size") or head.get("vocab_size"))
     n_draft = int(d.get("draft_vocab_size") or 0) or vocab
     out = _validated_by_speculators(_write_config(config, kind, vocab, n_draft, target))
@@ -345,7 +350,7 @@ def _write_config(config: dict, kind: str, vocab: int, n_draft: int, target) -> 
     if ctx is not None:
         tl["max_position_embeddings"] = ctx
     out = {
-        "speculators_model_type": kind, "architectures": [_TYPES[kind]], "transformer_layer_config": tl,
+        "speculators_model_type": kind, "architectures": [_types()[kind]], "transformer_layer_config": tl,
         "draft_vocab_size": n_draft, "block_size": block,
         "aux_hidden_state_layer_ids": [int(i) + 1 for i in d["target_layer_ids"]],
         "mask_token_id": int(d["mask_token_id"]), "target_hidden_size": d["hidden_size"],
@@ -360,7 +365,7 @@ def _write_config(config: dict, kind: str, vocab: int, n_draft: int, target) -> 
         out.update(conv_kernel_size=int(d["conv_kernel_size"]), conv_group_size=int(d["conv_group_size"]),
                    selector_rank=int(head["rank"]), selector_top_k=int(head["top_k"]))
     if kind == "dspark":
-        out.update(markov_rank=int(head["rank"]), markov_head_type=F.DSPARK_HEADS[head["type"]],
+        out.update(markov_rank=int(head["rank"]), markov_head_type=published_type(head["type"]),
                    enable_confidence_head=bool(head.get("confidence_head", False)),
                    confidence_head_with_markov=bool(head.get("confidence_with_markov", True)))
     return out

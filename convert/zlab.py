@@ -37,6 +37,7 @@ from __future__ import annotations
 from dartree.convert import formats as F
 from dartree.convert.registry import FormatPair
 from dartree.models.checkpoint import CheckpointError, dartree_config, expected_tensors
+from dartree.models.families import published_names
 
 DFLASH_NAME, DFLASH2_NAME = "zlab-dflash", "zlab-dflash2"
 DFLASH_LAYOUT = F.ConfigLayout(DFLASH_NAME, f"a Qwen3 config ({F.QWEN3}) with block_size and "
@@ -44,7 +45,6 @@ DFLASH_LAYOUT = F.ConfigLayout(DFLASH_NAME, f"a Qwen3 config ({F.QWEN3}) with bl
 DFLASH2_LAYOUT = F.ConfigLayout(DFLASH2_NAME, f"a Qwen3 config ({F.QWEN3}) with block_size and dflash_config."
                                               "{mask_token_id, target_layer_ids, conv_kernel_size, conv_group_size, "
                                               "selector_rank, selector_top_k}")
-_HEADS: dict[str, str] = {}  # z-lab DFlash has no head tensors
 
 
 # ------------------------------------------------------------------------------------------------ zlab-dflash
@@ -82,7 +82,7 @@ def read_dflash(config: dict, given: dict, where, target=None) -> tuple[dict, di
         CheckpointError: :func:`parse_dflash`'s, or a missing, unexpected or mis-shaped tensor (named).
     """
     parsed = parse_dflash(config, f"{where}/config.json", target=target)
-    return F.read_parsed(parsed, DFLASH_NAME, _HEADS, given, where, target)
+    return F.read_parsed(parsed, DFLASH_NAME, given, where, target)
 
 
 def dflash_config(config: dict) -> dict:
@@ -92,7 +92,7 @@ def dflash_config(config: dict) -> dict:
     Raises:
         CheckpointError: the drafter cannot be expressed as z-lab DFlash (named, with what would fit).
     """
-    return F.export_config(config, DFLASH_NAME, heads=("identity",), proposal_offset=1)
+    return F.export_config(config, DFLASH_NAME, family="dflash", proposal_offset=1)
 
 
 def write_dflash(config: dict, tensors: dict, target=None, where="the checkpoint") -> tuple[dict, dict]:
@@ -110,7 +110,7 @@ def write_dflash(config: dict, tensors: dict, target=None, where="the checkpoint
         raise CheckpointError(f"{where} records no target layer count (config target.num_layers; a speculators source "
                               "has none) and z-lab's DFlashDraftModel needs num_target_layers to load: pass --target "
                               "with the target's folder")
-    return dflash_config(config), F.publish_tensors(tensors, _HEADS, DFLASH_NAME)
+    return dflash_config(config), F.publish_tensors(tensors, config["head"]["type"], DFLASH_NAME)
 
 
 # ----------------------------------------------------------------------------------------------- zlab-dflash2
@@ -154,8 +154,9 @@ def read_dflash2(config: dict, given: dict, where, target=None) -> tuple[dict, d
              "hidden_size": d, "num_layers": config.get("num_target_layers")}
     out = dartree_config(drafter, head, ident, {"source_format": DFLASH2_NAME, "source": str(where)})
     want = expected_tensors(out, cfg_path)
+    names = published_names(head["type"])
     tensors = F.take_tensors(F.selector_spelling(given, where), want,
-                             lambda n: F.published_name(n, F.SELECTOR_NAMES, DFLASH2_NAME), where)
+                             lambda n: F.published_name(n, names, DFLASH2_NAME), where)
     return out, tensors
 
 
@@ -196,7 +197,7 @@ def write_dflash2(config: dict, tensors: dict, target=None, where="the checkpoin
     out["architectures"] = ["DFlash2DraftModel"]
     out["dflash_config"].update(conv_kernel_size=int(d["conv_kernel_size"]), conv_group_size=int(d["conv_group_size"]),
                                 selector_rank=int(head["rank"]), selector_top_k=int(head["top_k"]))
-    return out, F.publish_tensors(tensors, F.SELECTOR_NAMES, DFLASH2_NAME)
+    return out, F.publish_tensors(tensors, head["type"], DFLASH2_NAME)
 
 
 DFLASH = FormatPair(name=DFLASH_NAME, detect=detect_dflash, read=read_dflash, write=write_dflash,

@@ -600,6 +600,51 @@ def test_exporter_refuses_what_the_layout_cannot_express(tmp_path, target):
     assert not any((tmp_path / n).exists() for n in ("z", "d"))
 
 
+def test_published_names_live_with_each_family_and_an_unknown_head_type_is_named():
+    """Each shipped head type's published names come from its family module and are the names the publishers use
+    (SpecForge ``dspark_heads.py`` / ``domino.py``, DeepSpec, z-lab ``DFlash2DraftModel``, vLLM speculators): tensor
+    names, DSpark's ``markov_head_type``, the speculators type and the ``--to`` layouts; an unknown head type is
+    refused naming the registered ones, and a family cannot name a published type for a head it does not train."""
+    from dartree.convert.formats import layout_for_head
+    from dartree.convert.vllm_speculators import write as speculators_write
+    from dartree.models.families import Family, family_of_head, published_names, published_type, register_family
+
+    dspark = {"w1.weight": "markov_head.markov_w1.weight", "w2.weight": "markov_head.markov_w2.weight",
+              "gate_proj.weight": "markov_head.gate_proj.weight", "gate_proj.bias": "markov_head.gate_proj.bias",
+              "joint_proj.weight": "markov_head.joint_proj.weight", "joint_proj.bias": "markov_head.joint_proj.bias",
+              "confidence.weight": "confidence_head.proj.weight", "confidence.bias": "confidence_head.proj.bias"}
+    for t, kind in (("markov", "vanilla"), ("gated_markov", "gated"), ("rnn", "rnn")):
+        assert published_names(t) == dspark and published_type(t) == kind
+        assert family_of_head(t).speculators_type == "dspark" and layout_for_head(t) == "choose --to specforge-dspark"
+    assert published_names("gru") == {"weight_ih": "prefix_gru.weight_ih_l0", "weight_hh": "prefix_gru.weight_hh_l0",
+                                      "fc1.weight": "embed_proj.0.weight", "fc2.weight": "embed_proj.2.weight"}
+    assert published_names("selector") == {"w1.weight": "candidate_selector.predecessor_codebook",
+                                           "w2.weight": "candidate_selector.successor_codebook",
+                                           "proj.weight": "candidate_selector.hidden_projection.weight"}
+    assert published_names("identity") == {}
+    assert {t: family_of_head(t).speculators_type for t in ("identity", "selector", "gru")} == {
+        "identity": "dflash", "selector": "dflash2", "gru": ""}
+    assert [layout_for_head(t) for t in ("identity", "gru", "selector")] == [
+        "choose --to zlab-dflash", "choose --to specforge-domino", "choose --to zlab-dflash2 or --to speculators"]
+    with pytest.raises(KeyError, match=r"head type 'nope' belongs to no registered drafter family.*registered head "
+                                       r"types: \[[^]]*'gru', 'identity', 'markov', 'rnn', 'selector'"):
+        published_names("nope")
+    with pytest.raises(KeyError, match=r"head type 'gru' \(family 'domino'\) has no published type name"):
+        published_type("gru")
+    gru = {"drafter": {"qk_norm": True}, "head": {"type": "gru"}, "target": {}}
+    with pytest.raises(CheckpointError, match=r"head type 'gru' cannot be exported as speculators \(it carries "
+                                              r"dflash: identity, dflash2: selector, dspark: markov / gated_markov / "
+                                              r"rnn\); choose --to specforge-domino"):
+        speculators_write(gru, {})
+
+    class Stray(Family):
+        name = "stray_published_types"
+        published_types = {"markov": "vanilla"}
+
+    with pytest.raises(ValueError, match=r"published_types names head types \['markov'\] it does not train"):
+        register_family(Stray())
+
+
 def test_config_json_that_is_not_an_object_is_named(tmp_path):
     (tmp_path / "src").mkdir()
     (tmp_path / "src" / "config.json").write_text("[1, 2]")

@@ -10,7 +10,12 @@ A *family* is one way of training and reading a DFlash drafter's correction head
   sections;
 - :meth:`Family.recipe_problems`: recipe combinations it cannot train (one line each);
 - :attr:`Family.recipe_fields`: ``head`` keys of its own that recipes may set (beside the shared ones of
-  :class:`dartree.training.recipe.HeadSection`), each with its default and allowed values.
+  :class:`dartree.training.recipe.HeadSection`), each with its default and allowed values;
+- its published names: :attr:`Family.published` (the names of its head tensors in the publishers' checkpoints),
+  :attr:`Family.published_types` (the publishers' names of its head types), :attr:`Family.speculators_type` /
+  :attr:`Family.speculators_architecture` (the vLLM speculators model that carries it) and :attr:`Family.export_to`
+  (the ``--to`` layouts that write it). The publishers' readers and writers in :mod:`dartree.convert` look them up
+  by head type (:func:`published_names`, :func:`published_type`), so they hold no table per family.
 
 The family's registered name is the recipe's ``loss.type``. Registering it registers its head classes under their
 ``type_name`` (the checkpoint config's ``head.type``), so checkpoints of its heads load through
@@ -25,6 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
+from dartree.models.families.plugins import load_entry_point_families
 from dartree.models.heads import HEADS, CorrectionHead, register_head
 
 
@@ -95,6 +101,18 @@ class Family:
             ``loss.kl_weight`` > 0 are refused elsewhere).
         recipe_fields: recipe ``head`` keys this family adds: name -> (default, rule), the rule a
             :mod:`dartree.base.fields` field rule (``Range``, ``Flag``, ``Choice``); every recipe then holds them.
+        published: its head tensors' names in the publishers' checkpoints: dartree name without ``head.`` (as
+            ``state_dict`` spells it, ``w1.weight``) -> published name (``markov_head.markov_w1.weight``), one table
+            for every head type of the family and every publisher that carries it (SpecForge, DeepSpec, z-lab, vLLM
+            speculators name a family's tensors alike); a head tensor missing here has no published counterpart, so
+            converting it is refused by name. Empty: the heads have no tensors (``identity``) or no publisher.
+        published_types: dartree head type -> the publishers' name for it, where their configs choose among the
+            family's heads (DSpark's ``markov_head_type``: ``markov`` -> ``vanilla``); empty otherwise.
+        speculators_type, speculators_architecture: the vLLM speculators ``speculators_model_type`` that carries the
+            family's heads and its ``architectures`` entry (``dspark``, ``DSparkSpeculator``); empty: speculators has
+            no form for them.
+        export_to: the ``--to`` layouts that write the family's heads, the first the family's own (``zlab-dflash``),
+            named when an export to another layout is refused; empty: no published layout carries them.
     """
 
     name: str = ""
@@ -102,6 +120,11 @@ class Family:
     confidence: bool = False
     distribution: bool = False
     recipe_fields: dict[str, tuple[Any, Any]] = {}
+    published: dict[str, str] = {}
+    published_types: dict[str, str] = {}
+    speculators_type: str = ""
+    speculators_architecture: str = ""
+    export_to: tuple[str, ...] = ()
 
     def head_kwargs(self, head: Mapping[str, Any], vocab_size: int, hidden_size: int) -> dict:
         """Constructor arguments of the recipe's head (``head.type``) for a target of ``vocab_size`` tokens and
@@ -142,13 +165,18 @@ def register_family(family: Family) -> Family:
     (:data:`dartree.models.heads.HEADS`; a class registered there already is kept).
 
     Raises:
-        ValueError: the family name is taken, or one of its head names belongs to another class.
+        ValueError: the family name is taken, one of its head names belongs to another class, or its
+            ``published_types`` names a head type it does not train.
     """
     if not family.name:
         raise ValueError(f"{type(family).__name__} has no name: set the class attribute name (the recipe's loss.type)")
     if family.name in FAMILIES:
         raise ValueError(f"drafter family {family.name!r} is already registered")
     # (a family whose head names or recipe fields clash is refused below, before anything is registered)
+    strangers = sorted(set(family.published_types) - set(family.head_types()))
+    if strangers:
+        raise ValueError(f"family {family.name!r}: published_types names head types {strangers} it does not train "
+                         f"(its heads: {family.head_types()})")
     for cls in family.heads:
         known = HEADS.get(cls.type_name)
         if known is not None and known is not cls:
@@ -191,3 +219,48 @@ def family_of_head(type_name: str) -> Family | None:
         if type_name in fam.head_types():
             return fam
     return None
+
+
+def _published_family(type_name: str, what: str) -> Family:
+    """The registered family of head type ``type_name`` for a published-name lookup (``what``, for the message);
+    on a miss the installed packages' ``dartree.families`` entry points are loaded first
+    (:func:`dartree.models.families.plugins.load_entry_point_families`), as a head lookup does.
+
+    Raises:
+        KeyError: no registered family trains it; the message names it and lists the registered head types.
+    """
+    fam = family_of_head(type_name)
+    if fam is None:
+        load_entry_point_families()
+        fam = family_of_head(type_name)
+    if fam is None:
+        known = sorted(t for f in FAMILIES.values() for t in f.head_types())
+        raise KeyError(f"head type {type_name!r} belongs to no registered drafter family, so it has no {what}; "
+                       f"registered head types: {known} (install the package whose dartree.families entry point "
+                       "imports its family, or import the family's module first)")
+    return fam
+
+
+def published_names(type_name: str) -> dict[str, str]:
+    """The published names of head type ``type_name``'s tensors (its family's :attr:`Family.published`): dartree
+    name without ``head.`` -> published name, e.g. ``markov`` -> ``{"w1.weight": "markov_head.markov_w1.weight",
+    ...}``, ``identity`` -> ``{}``. A copy.
+
+    Raises:
+        KeyError: no registered family trains ``type_name`` (the message lists the registered head types).
+    """
+    return dict(_published_family(type_name, "published tensor names").published)
+
+
+def published_type(type_name: str) -> str:
+    """The publishers' config name of head type ``type_name`` (its family's :attr:`Family.published_types`), e.g.
+    ``gated_markov`` -> ``gated`` (DSpark's ``markov_head_type``).
+
+    Raises:
+        KeyError: no registered family trains ``type_name``, or its family gives it no published name (both named).
+    """
+    fam = _published_family(type_name, "published type name")
+    if type_name not in fam.published_types:
+        raise KeyError(f"head type {type_name!r} (family {fam.name!r}) has no published type name; the family "
+                       f"names {sorted(fam.published_types) or 'none'}")
+    return fam.published_types[type_name]

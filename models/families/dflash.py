@@ -15,6 +15,9 @@ class DFlashFamily(Family):
 
     name = "dflash"
     heads = (IdentityHead,)
+    # no head tensors (published = {}): z-lab/dflash DFlashDraftModel, SpecForge's DFlash, speculators dflash
+    speculators_type, speculators_architecture = "dflash", "DFlashSpeculator"
+    export_to = ("zlab-dflash",)
 
     def head_kwargs(self, head: Mapping[str, Any], vocab_size: int, hidden_size: int) -> dict:
         """``{"vocab_size": V}`` (the identity head has no parameters)."""

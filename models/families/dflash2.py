@@ -93,6 +93,13 @@ class DFlash2Family(Family):
 
     name = "dflash2"
     heads = (SelectorHead,)
+    # z-lab/dflash dflash/model.py (DFlash2DraftModel's CandidateSelector) and speculators dflash2: the codebooks are
+    # published without .weight (z-lab's from_pretrained maps that spelling; speculators stores plain Parameters)
+    published = {"w1.weight": "candidate_selector.predecessor_codebook",
+                 "w2.weight": "candidate_selector.successor_codebook",
+                 "proj.weight": "candidate_selector.hidden_projection.weight"}
+    speculators_type, speculators_architecture = "dflash2", "DFlash2DraftModel"
+    export_to = ("zlab-dflash2", "speculators")
 
     def head_kwargs(self, head: Mapping[str, Any], vocab_size: int, hidden_size: int) -> dict:
         """``rank`` (``head.rank``), ``top_k`` (``head.top_k``, default 16), ``hidden_size`` D, ``vocab_size`` V."""

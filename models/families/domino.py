@@ -158,6 +158,11 @@ class DominoFamily(Family):
 
     name = "domino"
     heads = (GRUHead,)
+    # SpecForge specforge/modeling/draft/domino.py: the GRU's prefix_gru (nn.GRU without bias) and the embed_proj
+    # Sequential (0: fc1, 2: fc2); speculators has no Domino model
+    published = {"weight_ih": "prefix_gru.weight_ih_l0", "weight_hh": "prefix_gru.weight_hh_l0",
+                 "fc1.weight": "embed_proj.0.weight", "fc2.weight": "embed_proj.2.weight"}
+    export_to = ("specforge-domino",)
 
     def head_kwargs(self, head: Mapping[str, Any], vocab_size: int, hidden_size: int) -> dict:
         """``emb_dim`` E (default ``head.rank``), ``gru_hidden_dim`` (default 4 E), ``prefix_len`` (default 1,

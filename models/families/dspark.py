@@ -244,6 +244,16 @@ class DSparkFamily(Family):
     heads = (MarkovHead, GatedMarkovHead, RNNHead)
     confidence = True
     distribution = True
+    # the publishers' names (SpecForge specforge/modeling/draft/dspark_heads.py; DeepSpec
+    # deepspec/modeling/dspark/qwen3/modeling.py and speculators dspark name them alike): the Markov head under
+    # markov_head (gate_proj: gated, joint_proj: rnn), the confidence head under confidence_head
+    published = {"w1.weight": "markov_head.markov_w1.weight", "w2.weight": "markov_head.markov_w2.weight",
+                 "gate_proj.weight": "markov_head.gate_proj.weight", "gate_proj.bias": "markov_head.gate_proj.bias",
+                 "joint_proj.weight": "markov_head.joint_proj.weight", "joint_proj.bias": "markov_head.joint_proj.bias",
+                 "confidence.weight": "confidence_head.proj.weight", "confidence.bias": "confidence_head.proj.bias"}
+    published_types = {"markov": "vanilla", "gated_markov": "gated", "rnn": "rnn"}  # config markov_head_type
+    speculators_type, speculators_architecture = "dspark", "DSparkSpeculator"
+    export_to = ("specforge-dspark",)
 
     def head_kwargs(self, head: Mapping[str, Any], vocab_size: int, hidden_size: int) -> dict:
         """``vocab_size``, ``rank`` (``head.rank``); ``hidden_size`` for the gated and RNN heads and with a confidence
