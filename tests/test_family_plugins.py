@@ -78,8 +78,11 @@ def test_a_family_of_ones_own_trains_from_the_cli_and_evaluates_through_its_entr
         from dartree.models.families import register_family
         register_family(ToyFamily())
     """))
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "DARTREE_CACHE": str(tmp_path / "cache"),
-           "PYTHONPATH": os.pathsep.join([str(TESTS), str(plug), str(site)])}
+    # fresh processes: no rendezvous variables of a training run earlier in this test session
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "MASTER_PORT", "MASTER_ADDR",
+                                                              "LOCAL_RANK")}
+    env.update(HF_HUB_OFFLINE="1", DARTREE_CACHE=str(tmp_path / "cache"),
+               PYTHONPATH=os.pathsep.join([str(TESTS), str(plug), str(site)]))
 
     def cli(*args):
         return subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
