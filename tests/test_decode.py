@@ -199,7 +199,7 @@ def test_tau_is_one_when_always_wrong_and_max_when_always_right(target, drafter,
 
 
 def test_layer_mismatch_and_unknown_builder_are_clear(target, drafter):
-    with pytest.raises(KeyError, match="chain"):
+    with pytest.raises(ValueError, match=r"^unknown tree builder 'nope'; available: \['chain', "):
         speculative_generate(target, drafter, IdentityHead(), [3, 4], builder="nope", max_new_tokens=4)
     other = tiny_target(layer_ids=[0])
     with pytest.raises(ValueError, match="set_layer_ids"):
