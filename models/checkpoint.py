@@ -155,9 +155,15 @@ def build_from_config(config: dict, where) -> tuple[DFlashDrafter, CorrectionHea
     try:
         drafter = DFlashDrafter(DrafterConfig(**config["drafter"]))
         hcfg = dict(config["head"])
-        head = build_head(hcfg.pop("type"), **hcfg)
+        htype = hcfg.pop("type")
     except KeyError as exc:
         raise CheckpointError(f"{where}: missing or unknown entry {exc}") from None
+    except (TypeError, ValueError) as exc:
+        raise CheckpointError(f"{where}: invalid drafter/head config: {exc}") from None
+    try:
+        head = build_head(htype, **hcfg)
+    except KeyError as exc:  # an unregistered head type: build_head's message names the registered ones
+        raise CheckpointError(f"{where}: {exc.args[0] if exc.args else exc}") from None
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"{where}: invalid drafter/head config: {exc}") from None
     return drafter, head

@@ -212,7 +212,7 @@ def build_head(type_name: str, **params) -> CorrectionHead:
     if type_name not in HEADS:
         raise KeyError(f"unknown head type {type_name!r}; available: {sorted(HEADS)} (a head of another drafter "
                        "family registers when that family's module is imported: install its package, whose "
-                       "dartree.families entry point imports it, or import the module first)")
+                       "dartree.families entry point imports it, or, from Python, import the module first)")
     return HEADS[type_name](**params)
 
 

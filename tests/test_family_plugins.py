@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from dartree.models.families import FAMILIES
+from dartree.models.checkpoint import CheckpointError, build_from_config
+from dartree.models.families import FAMILIES, Family, register_family
 from dartree.models.families.plugins import import_families, load_entry_point_families
+from dartree.models.heads import HEADS, CorrectionHead
+from dartree.base.fields import Range
 from dartree.training.recipe import RecipeError, load_recipe
 
 REPO = Path(__file__).resolve().parents[1]
@@ -66,6 +69,73 @@ def test_a_recipe_names_family_modules_and_a_bad_one_is_refused_in_one_line(tmp_
     with pytest.raises(RecipeError, match=r"cannot import 'mod_b'.*\(command line\)$"):
         load_recipe([f"recipe={tmp_path / 'r.yaml'}", "families=[mod_b]"])
     assert list(load_recipe(["recipe=tiny_dflash"]).families) == [] and "toy" not in FAMILIES
+
+
+@pytest.fixture
+def registry():
+    """The family and head registries restored after the test, whatever it registered."""
+    families, heads = dict(FAMILIES), dict(HEADS)
+    yield
+    FAMILIES.clear(), FAMILIES.update(families), HEADS.clear(), HEADS.update(heads)
+
+
+def _family(name: str, head_name: str, fields: dict) -> Family:
+    """A family ``name`` training one head class ``head_name`` (never built here) with recipe ``fields``."""
+    head = type(f"Head_{head_name}", (CorrectionHead,), {"type_name": head_name})
+    return type(f"Family_{name}", (Family,), {"name": name, "heads": (head,), "recipe_fields": fields})()
+
+
+def test_a_refused_family_registers_nothing_and_names_what_it_clashes_with(registry):
+    register_family(_family("fam_a", "head_a", {"a_scale": (1.0, Range(0, integer=False))}))
+    with pytest.raises(ValueError, match=r"^family 'fam_b': recipe field head.a_scale is already declared with "
+                                         r"default 1.0; use that default or another name$"):
+        register_family(_family("fam_b", "head_b", {"a_scale": (2.0, Range(0, integer=False))}))
+    assert "fam_b" not in FAMILIES and "head_b" not in HEADS  # its head was not registered either
+    with pytest.raises(ValueError, match=r"^drafter family 'dspark' is already registered \(by "
+                                         r"dartree.models.families.dspark.DSparkFamily\); give Family_dspark another "
+                                         r"name$"):
+        register_family(_family("dspark", "head_c", {}))
+    assert "head_c" not in HEADS
+
+
+def test_a_family_field_that_every_recipe_has_is_refused_by_the_recipe(registry):
+    register_family(_family("fam_r", "head_r", {"rank": (3, Range(1))}))
+    with pytest.raises(RecipeError, match=r"^drafter family 'fam_r' \(test_family_plugins\) declares recipe field "
+                                          r"head.rank, which every recipe already has \(shared keys: .*\); give its "
+                                          r"field a name of its own, e.g. fam_r_rank$"):
+        load_recipe(["recipe=tiny_dspark"])
+
+
+def test_a_family_module_that_fails_to_import_is_one_line_naming_why(tmp_path, monkeypatch, registry):
+    (tmp_path / "fam_raises.py").write_text("raise RuntimeError('this family needs a GPU library')\n")
+    (tmp_path / "fam_needs.py").write_text("import no_such_dependency_xyz\n")
+    (tmp_path / "fam_syntax.py").write_text("def broken(:\n")
+    (tmp_path / "fam_twice.py").write_text(
+        "from dartree.models.families import Family, register_family\n"
+        "class Again(Family):\n    name = 'dflash'\n"
+        "register_family(Again())\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"^families: importing 'fam_raises' failed \(RuntimeError: this family "
+                                         r"needs a GPU library\)$"):
+        import_families(["fam_raises"])
+    with pytest.raises(ValueError, match=r"^families: module 'fam_needs' imports 'no_such_dependency_xyz', which is "
+                                         r"not installed; install it$"):
+        import_families(["fam_needs"])
+    with pytest.raises(ValueError, match=r"^families: importing 'fam_syntax' failed \(SyntaxError: "):
+        import_families(["fam_syntax"])
+    with pytest.raises(RecipeError, match=r"^families: importing 'fam_twice' failed \(ValueError: drafter family "
+                                          r"'dflash' is already registered \(by dartree.models.families.dflash."
+                                          r"DFlashFamily\); give Again another name\) \(command line\)$"):
+        load_recipe(["recipe=tiny_dflash", "families=[fam_twice]"])
+
+
+def test_a_checkpoint_of_an_unregistered_head_is_refused_in_one_line():
+    config = json.loads((REPO / "checkpoints" / "dspark_b16" / "config.json").read_text())
+    config["head"] = {"type": "toy_tanh", "vocab_size": 49152, "rank": 8}
+    with pytest.raises(CheckpointError, match=r"^ckpt/config.json: unknown head type 'toy_tanh'; available: "
+                                              r"\['gated_markov', .*install its package, whose dartree.families "
+                                              r"entry point imports it, or, from Python, import the module first\)$"):
+        build_from_config(config, "ckpt/config.json")
 
 
 @pytest.mark.slow  # trains and evaluates end to end, three programs in subprocesses

@@ -15,7 +15,7 @@ from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from dartree.base.dtypes import native_bf16
-from dartree.models.families import FAMILIES, recipe_fields
+from dartree.models.families import FAMILIES
 from dartree.models.families.plugins import import_families, load_entry_point_families
 from dartree.models.heads import HEADS
 from dartree.training.checks import RecipeError, check_recipe  # noqa: F401  (RecipeError: this module's error)
@@ -213,10 +213,7 @@ def load_recipe(args: list[str]) -> DictConfig:
     _import_families(cli, from_file, path)
     schema = OmegaConf.structured(Recipe)
     OmegaConf.set_struct(schema, True)
-    with open_dict(schema.head):  # head keys of the registered families beyond HeadSection's, at their defaults
-        for key, (default, _) in recipe_fields().items():
-            if key not in schema.head:
-                schema.head[key] = default
+    _add_family_fields(schema)
     OmegaConf.set_struct(schema.data.chat_template_kwargs, False)  # template variables: any names
     cli.recipe = path.stem
     for source, label in ((from_file, str(path)), (cli, "command line")):
@@ -243,6 +240,25 @@ def load_recipe(args: list[str]) -> DictConfig:
         if os.environ.get("RANK", "0") == "0":
             print(line, flush=True)
     return schema
+
+
+def _add_family_fields(schema: DictConfig) -> None:
+    """Add the ``head`` keys the registered families declare (:attr:`~dartree.models.families.Family.recipe_fields`)
+    to the recipe schema, at their defaults.
+
+    Raises:
+        RecipeError: a family declares a key every recipe's head section already has (:class:`HeadSection`), whose
+            meaning and default it would silently share; the family and the fix named.
+    """
+    shared = set(schema.head)
+    with open_dict(schema.head):
+        for fam in FAMILIES.values():
+            for key, (default, _) in fam.recipe_fields.items():
+                if key in shared:
+                    raise RecipeError(f"drafter family {fam.name!r} ({type(fam).__module__}) declares recipe field "
+                                      f"head.{key}, which every recipe already has (shared keys: {sorted(shared)}); "
+                                      f"give its field a name of its own, e.g. {fam.name}_{key}")
+                schema.head[key] = default
 
 
 def _import_families(cli: DictConfig, from_file, path: Path) -> None:

@@ -165,14 +165,23 @@ def register_family(family: Family) -> Family:
     (:data:`dartree.models.heads.HEADS`; a class registered there already is kept).
 
     Raises:
-        ValueError: the family name is taken, one of its head names belongs to another class, or its
-            ``published_types`` names a head type it does not train.
+        ValueError: the family name is taken (the registered family's class named), one of its head names belongs
+            to another class, a recipe field is declared by another family with another default, or its
+            ``published_types`` names a head type it does not train. Nothing is registered then.
     """
     if not family.name:
         raise ValueError(f"{type(family).__name__} has no name: set the class attribute name (the recipe's loss.type)")
     if family.name in FAMILIES:
-        raise ValueError(f"drafter family {family.name!r} is already registered")
-    # (a family whose head names or recipe fields clash is refused below, before anything is registered)
+        have = type(FAMILIES[family.name])
+        raise ValueError(f"drafter family {family.name!r} is already registered (by {have.__module__}."
+                         f"{have.__qualname__}); give {type(family).__name__} another name")
+    # a family whose head names, recipe fields or published types clash is refused here, before anything is
+    # registered
+    declared = recipe_fields()
+    for key, (default, _) in family.recipe_fields.items():
+        if key in declared and declared[key][0] != default:
+            raise ValueError(f"family {family.name!r}: recipe field head.{key} is already declared with default "
+                             f"{declared[key][0]!r}; use that default or another name")
     strangers = sorted(set(family.published_types) - set(family.head_types()))
     if strangers:
         raise ValueError(f"family {family.name!r}: published_types names head types {strangers} it does not train "
@@ -185,11 +194,6 @@ def register_family(family: Family) -> Family:
     for cls in family.heads:
         if cls.type_name not in HEADS:
             register_head(cls)
-    known = recipe_fields()
-    for key, (default, _) in family.recipe_fields.items():
-        if key in known and known[key][0] != default:
-            raise ValueError(f"family {family.name!r}: recipe field head.{key} is already declared with default "
-                             f"{known[key][0]!r}; use that default or another name")
     FAMILIES[family.name] = family
     return family
 

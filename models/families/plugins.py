@@ -67,8 +67,10 @@ def import_families(modules, where: str = "families") -> list[str]:
     Returns:
         The module names, in order.
     Raises:
-        ValueError: a name that is not a non-empty string, or a module that cannot be imported (the import error
-            and the fix named: put its folder on ``PYTHONPATH`` or install its package).
+        ValueError: a name that is not a non-empty string; a module that is not found (put its folder on
+            ``PYTHONPATH`` or install its package); a module found whose import fails: a module it imports is
+            missing (install it), or any other error it raises, a family registered twice included (the error
+            named). One line each.
     """
     names = []
     for name in modules:
@@ -77,8 +79,14 @@ def import_families(modules, where: str = "families") -> list[str]:
                              f"{where}=[my_package.my_family]")
         try:
             importlib.import_module(name)
-        except ImportError as exc:
+        except ModuleNotFoundError as exc:
+            if exc.name is not None and not (name == exc.name or name.startswith(exc.name + ".")):
+                raise ValueError(f"{where}: module {name!r} imports {exc.name!r}, which is not installed; install "
+                                 "it") from None
             raise ValueError(f"{where}: cannot import {name!r} ({type(exc).__name__}: {exc}); put its folder on "
                              "PYTHONPATH or install its package") from None
+        except Exception as exc:  # a syntax error, a failed registration, anything the module raises: one line
+            raise ValueError(f"{where}: importing {name!r} failed ({type(exc).__name__}: "
+                             f"{str(exc).strip().splitlines()[0] if str(exc).strip() else 'no message'})") from None
         names.append(name)
     return names

@@ -5,6 +5,10 @@ sequence and the block attention mask (DFlash, Chen et al. 2025, Sec. 3) under t
 0.9 L1 to the target distribution, decay-weighted; DSpark Sec. 3.3) -> write ``<output_dir>/checkpoint``, a dartree
 checkpoint that ``python decode/eval.py --checkpoint`` loads as it is (:mod:`dartree.training.build`).
 
+Recipes: ``recipes/*.yaml`` (``recipe=NAME``) or any YAML file (``recipe=path/to/file.yaml``); a misspelt key is
+refused with the valid keys at its level (docs/training.md). ``families=[MODULE ...]`` imports drafter families of
+your own before the recipe is checked (docs/families.md).
+
 The parts live in modules other tools import: :mod:`dartree.training.build` (target, models, data, checkpoint),
 :mod:`dartree.training.step` (one sequence's loss, held-out evaluation), :mod:`dartree.training.trainer` (the loop, and
 :func:`~dartree.training.trainer.train_recipe`, the run this command and the campaign's training stage start).
