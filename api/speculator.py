@@ -12,6 +12,7 @@ each target forward committed (the acceptance length tau) and how fast it went.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -20,11 +21,13 @@ from typing import Sequence
 
 import torch
 
+from dartree.base.dtypes import DTYPES
+from dartree.base.fields import is_int, is_real
 from dartree.decode.assembly import CALIBRATION_PROMPT, Assembly, assemble
 from dartree.decode.budget import calibrate
-from dartree.decode.generate import (POLICY_PROMPT, DecodeStats, autoregressive_generate, seed_policy,
-                                     speculative_generate, warm_paths)
-from dartree.decode.inputs import check_speculative_args
+from dartree.decode.generate import (POLICY_PROMPT, DecodeStats, autoregressive_generate, check_speculative,
+                                     seed_policy, speculative_generate, warm_paths)
+from dartree.decode.inputs import check_lookup, check_speculative_args, token_ids
 from dartree.decode.trees import BUILDER_ALIASES, BUILDERS, builder_name
 from dartree.models.chat import chat_prompt_ids, messages_prompt_ids, text_prompt_ids
 from dartree.models.generation import sampling_problem, sampling_settings, stop_ids
@@ -32,6 +35,23 @@ from dartree.models.target import DEFAULT_TARGET, Target
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DRAFTER = REPO / "checkpoints" / "dspark_b16"  # the packaged DSpark drafter for the default target
+PROMPT_FORMS = ("text (a str), chat messages (a list of {'role': ..., 'content': ...} dicts) or token ids (a list "
+                "of ints)")
+
+
+def _check_decode_args(max_new_tokens, temperature, seed) -> None:
+    """The checks of :meth:`SpeculativeDecoder.generate` / ``generate_ar`` that need nothing loaded, run before any
+    other work (a set-up or warm-up included). Raises: TypeError / ValueError naming the argument and value."""
+    if not is_int(max_new_tokens):
+        raise TypeError(f"max_new_tokens={max_new_tokens!r} must be an integer >= 0 (tokens to generate)")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0 (tokens to generate)")
+    if not is_real(temperature):
+        raise TypeError(f"temperature={temperature!r} must be a number >= 0: 0 for greedy, e.g. 0.7 to sample")
+    if not math.isfinite(float(temperature)) or temperature < 0:
+        raise ValueError(f"temperature={temperature!r} must be a finite number >= 0: 0 for greedy, e.g. 0.7 to sample")
+    if not is_int(seed):
+        raise TypeError(f"seed={seed!r} must be an integer (it seeds sampling at temperature > 0)")
 
 
 @dataclass
@@ -114,11 +134,17 @@ class SpeculativeDecoder:
             chat: render text through the tokenizer's chat template with the generation prompt added (default);
                 False feeds the raw text (a base model without a template).
         Raises:
-            ValueError: text or messages with no tokenizer, messages with ``chat=False``, or a chat template
-                that is missing or cannot take the ``chat_template_kwargs`` given to :func:`load`.
+            TypeError: a prompt of none of these forms (named; token ids as :func:`~dartree.decode.inputs.token_ids`
+                takes them: a list, or a [T] / [1, T] integer tensor or array).
+            ValueError: an empty prompt, a message without ``"role"`` and ``"content"``, text or messages with no
+                tokenizer, messages with ``chat=False``, or a chat template that is missing or cannot take the
+                ``chat_template_kwargs`` given to :func:`load`.
         """
-        if not isinstance(prompt, str) and all(isinstance(t, int) for t in prompt):
-            return [int(t) for t in prompt]
+        if not isinstance(prompt, str):
+            messages = self._messages_or_ids(prompt)
+            if not isinstance(messages[0], dict):
+                return messages
+            prompt = messages
         tok = self.target.tokenizer
         if tok is None:
             raise ValueError("the target has no tokenizer; pass the prompt as token ids")
@@ -129,6 +155,42 @@ class SpeculativeDecoder:
         if isinstance(prompt, str):
             return chat_prompt_ids(tok, prompt, self.chat_template_kwargs)
         return messages_prompt_ids(tok, list(prompt), self.chat_template_kwargs)
+
+    @staticmethod
+    def _messages_or_ids(prompt) -> list:
+        """A prompt that is not text, as a list: token ids as ints, or chat messages each with "role" and "content"
+        (the Raises of :meth:`prompt_ids`)."""
+        if hasattr(prompt, "shape") and hasattr(prompt, "dtype"):  # a tensor or array of ids
+            return token_ids(prompt, "prompt")
+        if isinstance(prompt, (bytes, dict)) or not isinstance(prompt, Sequence):
+            raise TypeError(f"prompt={prompt!r:.60} ({type(prompt).__name__}) is not a prompt; give {PROMPT_FORMS}")
+        items = list(prompt)
+        if not items:
+            raise ValueError(f"prompt is an empty {type(prompt).__name__}; give {PROMPT_FORMS}")
+        if isinstance(items[0], (list, tuple)):  # a batch of one, as [[ids]] (more rows are refused, named)
+            return token_ids(items, "prompt")
+        ids = is_int(items[0])  # the first item says which form was meant: token ids or chat messages
+        for i, m in enumerate(items):
+            if not (is_int(m) if ids else isinstance(m, dict)):
+                what = ("not a token id, as prompt[0] is" if ids else "not a chat message, as prompt[0] is") if i \
+                    else "neither a token id nor a chat message"
+                raise TypeError(f"prompt[{i}]={m!r:.60} ({type(m).__name__}) is {what}; give {PROMPT_FORMS}")
+            if not ids and ("role" not in m or "content" not in m):
+                raise ValueError(f"prompt[{i}]={m!r:.60} is not a chat message: chat messages need \"role\" and "
+                                 "\"content\" keys, e.g. {'role': 'user', 'content': 'Hello'}")
+        return [int(t) for t in items] if ids else items
+
+    def _check_setting(self, tree, budget, lookup, builder_params: dict) -> None:
+        """The checks of a decode setting (tree, budget, lookup, builder parameters), before any work: an unknown tree
+        named with the builders and their aliases (:func:`~dartree.decode.trees.builder_name`). Raises: TypeError /
+        ValueError naming the argument and value."""
+        if not isinstance(tree, str):
+            raise TypeError(f"tree={tree!r:.60} ({type(tree).__name__}) is not a builder name; give one of "
+                            f"{sorted(BUILDERS)}")
+        builder_name(tree)
+        check_lookup(lookup)
+        check_speculative_args(self.target, self.draft.drafter, self.draft.head, builder=tree, budget=budget,
+                               builder_params=builder_params or None, builders=(*BUILDERS, *BUILDER_ALIASES))
 
     def _check_sampling(self, temperature: float, ignore_generation_config: bool) -> None:
         why = sampling_problem(sampling_settings(self.target), temperature, ignore_generation_config,
@@ -167,14 +229,21 @@ class SpeculativeDecoder:
             :class:`Generation`. A setting (tree, budget kind, lookup, builder parameters) used for the first time
             is prepared by :meth:`warm_up` before the timing starts; its time is ``setup_s``, not in ``seconds``.
         Raises:
-            ValueError / TypeError: a bad argument (an unknown tree builder included), named (the checks of
-                :func:`~dartree.decode.generate.speculative_generate`), or sampling settings as above.
+            TypeError: an argument of the wrong type, or a prompt of none of the forms above, named.
+            ValueError: a bad value (an unknown tree builder, listed with the builders and aliases; a negative
+                ``max_new_tokens`` or ``lookup``; a chat message without "role" and "content"), named (the checks of
+                :func:`~dartree.decode.generate.speculative_generate` and :meth:`prompt_ids`), or sampling settings
+                as above; all before any set-up.
         """
+        _check_decode_args(max_new_tokens, temperature, seed)
+        self._check_setting(tree, budget, lookup, builder_params)
         self._check_sampling(temperature, ignore_generation_config)
         ids = self.prompt_ids(prompt, chat=chat)
         budget = ("auto" if temperature == 0 else None) if budget is None else budget
-        check_speculative_args(self.target, self.draft.drafter, self.draft.head, builder=tree, budget=budget,
-                               builder_params=builder_params or None, builders=(*BUILDERS, *BUILDER_ALIASES))
+        check_speculative(self.target, self.draft.drafter, self.draft.head, ids, builder=tree,
+                          max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=self.stop_ids, budget=budget,
+                          generator=None, builder_params=builder_params or None, acceptance="match", lookup=lookup,
+                          lookup_ngram=3, lockstep=None)
         setup = self.warm_up(tree=tree, budget=budget, lookup=lookup, **builder_params)
         gen = torch.Generator(device=self.target.device.type).manual_seed(seed) if temperature > 0 else None
         policy = self.cost_models.get(self._key(tree, lookup, builder_params)) if budget == "auto" else None
@@ -207,8 +276,10 @@ class SpeculativeDecoder:
         Returns:
             Seconds spent (0.0 when the setting was prepared already).
         Raises:
-            ValueError / TypeError: an unknown builder or a bad parameter (as :meth:`generate`).
+            TypeError / ValueError: an unknown builder (listed with the aliases) or a bad budget, lookup or builder
+                parameter, named (as :meth:`generate`), before any work.
         """
+        self._check_setting(tree, budget, lookup, builder_params)
         key = self._key(tree, lookup, builder_params)
         if (*key, budget) in self._warmed:
             return 0.0
@@ -230,7 +301,9 @@ class SpeculativeDecoder:
                     temperature: float = 0.0, seed: int = 0, chat: bool = True,
                     ignore_generation_config: bool = False) -> Generation:
         """The target alone, one token per forward (:func:`~dartree.decode.generate.autoregressive_generate`): the
-        baseline :meth:`generate` equals at temperature 0 and is timed against. Arguments as :meth:`generate`."""
+        baseline :meth:`generate` equals at temperature 0 and is timed against. Arguments and errors as
+        :meth:`generate` (TypeError / ValueError naming a bad argument, before any work)."""
+        _check_decode_args(max_new_tokens, temperature, seed)
         self._check_sampling(temperature, ignore_generation_config)
         ids = self.prompt_ids(prompt, chat=chat)
         gen = torch.Generator(device=self.target.device.type).manual_seed(seed) if temperature > 0 else None
@@ -277,12 +350,15 @@ def load(drafter: str | os.PathLike = DEFAULT_DRAFTER, target: str | os.PathLike
     Returns:
         :class:`SpeculativeDecoder`.
     Raises:
-        ValueError: an unknown dtype, linear backend or invariant choice, ``invariant="on"`` where the mode has no
-            path here (the reason; :class:`~dartree.decode.assembly.ModeUnavailable`), or a target that cannot be
-            loaded (its reason; :class:`~dartree.decode.assembly.TargetLoadError`).
+        TypeError: ``threads`` not an integer, or ``dtype`` not a name (named).
+        ValueError: ``threads`` < 1, an unknown dtype (named with ``auto`` and the dtypes), linear backend or
+            invariant choice, ``invariant="on"`` where the mode has no path here (the reason;
+            :class:`~dartree.decode.assembly.ModeUnavailable`), or a target that cannot be loaded (its reason;
+            :class:`~dartree.decode.assembly.TargetLoadError`).
         dartree.models.checkpoint.CheckpointError: the drafter folder is not a dartree checkpoint or does not
             fit the target (named).
     """
+    _check_load_args(threads, dtype)
     if threads is not None:
         torch.set_num_threads(int(threads))
     kwargs = dict(chat_template_kwargs or {})
@@ -299,3 +375,16 @@ def load(drafter: str | os.PathLike = DEFAULT_DRAFTER, target: str | os.PathLike
         ids = decoder.prompt_ids(POLICY_PROMPT) if models.target.tokenizer is not None else list(range(2, 34))
         decoder.generate_ar(ids, max_new_tokens=8)
     return decoder
+
+
+def _check_load_args(threads, dtype) -> None:
+    """The checks of :func:`load` that need nothing loaded. Raises: TypeError / ValueError naming the argument."""
+    if threads is not None and not is_int(threads):
+        raise TypeError(f"threads={threads!r} must be a positive integer (torch CPU threads) or None (torch's setting)")
+    if threads is not None and threads < 1:
+        raise ValueError(f"threads={threads} must be >= 1 (torch CPU threads) or None (torch's setting)")
+    names = ", ".join(["auto", *sorted(DTYPES)])
+    if not isinstance(dtype, str):
+        raise TypeError(f"dtype={dtype!r} ({type(dtype).__name__}) is not a dtype name; use dtype= one of {names}")
+    if dtype != "auto" and dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r} in load(dtype={dtype!r}); use dtype= one of {names}")

@@ -21,14 +21,15 @@ from typing import Callable, Sequence
 
 import torch
 
-from dartree.decode.inputs import check_generate_args, check_speculative_args
+from dartree.decode.inputs import check_generate_args, check_lookup, check_speculative_args
 from dartree.decode.sampling import check_acceptance
 from dartree.decode.budget import CostModel, calibrate, prune_to
 from dartree.decode.draft import draft_block
 from dartree.decode.lookup import LookupStats, graft_chain, lookup_match
 from dartree.decode.rounds import (AutoBudget, DraftFeed, FixedBudget, GreedyMatch, Lockstep, LookupGraft,
                                    RejectionSampling)
-from dartree.decode.trees import BUILDER_ALIASES, BUILDERS, Tree, builder_beta, builder_name, get_builder
+from dartree.decode.trees import (BUILDER_ALIASES, BUILDERS, Tree, builder_beta, builder_name, get_builder,
+                                  head_k)
 from dartree.decode.verify import compile_tree, target_tokens, verify
 from dartree.models.drafter import DFlashDrafter, DraftCache
 from dartree.models.heads import CorrectionHead
@@ -278,18 +279,19 @@ def speculative_generate(
         Tokens equal to :func:`autoregressive_generate`'s at T = 0 (and distributed as the target's samples
         at T > 0), plus stats.
     Raises (all before the prefill; :mod:`dartree.decode.inputs`):
-        TypeError: an argument of the wrong type (named), e.g. a loaded ``DraftModel`` as the drafter, or an
-            unknown builder parameter.
+        TypeError: an argument of the wrong type (named), e.g. a loaded ``DraftModel`` as the drafter, a
+            non-integer ``lookup``, or an unknown builder parameter.
         ValueError: empty or batched prompt ([N > 1, T]: one request at a time), an id outside the vocabulary,
-            negative max_new_tokens / budget, negative or non-finite temperature, an out-of-range builder parameter,
-            a drafter / head that does not fit the target, or target capture layers that differ from the drafter's;
+            negative max_new_tokens / budget / lookup, lookup_ngram < 1, negative or non-finite temperature, an
+            out-of-range builder parameter, a drafter / head that does not fit the target, or target capture layers
+            that differ from the drafter's;
             an unknown ``acceptance``, or ``"rejection"`` with a builder other than ``chain`` or with T = 0; a
             target whose rope scaling changes with the sequence length (dynamic NTK, LongRoPE) when the decode can
             reach its switch length, or one with sliding-window cache layers
             (:func:`~dartree.models.target.check_speculative_target`).
         ValueError: unknown builder (lists the available ones).
     """
-    prompt_ids, stop_ids, builder, rejection, pair = _check_speculative(
+    prompt_ids, stop_ids, builder, rejection, pair = check_speculative(
         target, drafter, head, prompt_ids, builder=builder, max_new_tokens=max_new_tokens, temperature=temperature,
         stop_ids=stop_ids, budget=budget, generator=generator, builder_params=builder_params, acceptance=acceptance,
         lookup=lookup, lookup_ngram=lookup_ngram, lockstep=lockstep)
@@ -310,18 +312,22 @@ def speculative_generate(
                    record_trees=record_trees)
 
 
-def _check_speculative(target, drafter, head, prompt_ids, *, builder, max_new_tokens, temperature, stop_ids, budget,
-                       generator, builder_params, acceptance, lookup, lookup_ngram, lockstep):
-    """Every check of :func:`speculative_generate`, before the prefill (its Raises). Returns (prompt ids, stop ids,
-    the registered builder name, whether the acceptance rule is rejection sampling, the :class:`Lockstep` or None)."""
+def check_speculative(target, drafter, head, prompt_ids, *, builder, max_new_tokens, temperature, stop_ids, budget,
+                      generator, builder_params, acceptance, lookup, lookup_ngram, lockstep):
+    """Every check of :func:`speculative_generate`, before the prefill (arguments as it takes them), so that a caller
+    with work to do first (the API's warm-up) can refuse bad arguments before it. Returns (prompt ids, stop ids,
+    the registered builder name, whether the acceptance rule is rejection sampling, the :class:`Lockstep` or None).
+
+    Raises:
+        TypeError / ValueError: as :func:`speculative_generate` (its Raises), one line naming the argument.
+    """
     prompt_ids, stop_ids = _check_args(target, prompt_ids, max_new_tokens, temperature, stop_ids, generator)
     check_speculative_args(target, drafter, head, builder=builder, budget=budget, builder_params=builder_params,
                            builders=(*BUILDERS, *BUILDER_ALIASES))
     builder = builder_name(builder)
     rejection = check_acceptance(acceptance, builder, temperature) == "rejection"
     pair = None if lockstep is None else Lockstep(lockstep, clock=time.perf_counter)
-    if not isinstance(lookup, int) or lookup < 0 or not isinstance(lookup_ngram, int) or lookup_ngram < 1:
-        raise ValueError(f"lookup must be an int >= 0 and lookup_ngram an int >= 1 (got {lookup!r}, {lookup_ngram!r})")
+    check_lookup(lookup, lookup_ngram)
     if lookup and rejection:
         raise ValueError("lookup > 0 needs acceptance='match': rejection sampling verifies a sampled chain, and a "
                          "grafted lookup branch would make it a tree; use lookup=0 with acceptance='rejection'")
@@ -393,11 +399,44 @@ def _one_off_policy(target, drafter, head, prompt_ids, setting: dict, stop_ids, 
     return cm
 
 
-def _run_nodes(run: tuple, proposals: int, max_budget: int) -> tuple[int, int]:
-    """(nodes the builder drafts, largest verify size T, root included) of one (builder, budget, lookup) setting."""
-    _, budget, lookup = run
+def max_tree_nodes(builder: str, budget: int, proposals: int, builder_params: dict | None = None,
+                   head: CorrectionHead | None = None) -> int:
+    """The most nodes the builder called ``builder`` can return with ``budget`` for a drafter of ``proposals`` (P)
+    proposals per block: ``budget`` capped by the largest tree the builder makes whatever the budget. ``chain``: P;
+    ``pruned``: P * width W; ``pctree``: P * children; ``fixed`` and ``heap-sequential``: K + K^2 + ... + K^P
+    (K = ``k``, capped by the head's candidates); ``ddtree`` and builders registered elsewhere: ``budget``. A
+    grafted lookup chain adds up to ``lookup`` nodes on top (not counted here). The sizes :func:`warm_paths`
+    warms, so that a budget far above what the drafter can fill costs no warm-up for sizes that never occur.
+
+    Raises:
+        ValueError: an unknown builder (:func:`~dartree.decode.trees.builder_name`).
+    """
+    name, budget = builder_name(builder), int(budget)
+    declared = {q.name: q.default for q in getattr(get_builder(name), "params", ())}
+    value = {**declared, **(builder_params or {})}.get
+    if name == "chain":
+        return min(budget, proposals)
+    if name in ("pruned", "pctree"):
+        return min(budget, proposals * int(value("width" if name == "pruned" else "children")))
+    if name in ("fixed", "heap-sequential"):
+        k = int(value("k")) if head is None else head_k(int(value("k")), head)
+        total, layer = 0, 1
+        for _ in range(proposals):  # the full K-ary tree of depth P, counted until it passes the budget
+            layer *= k
+            total += layer
+            if total >= budget:
+                return budget
+        return total
+    return budget
+
+
+def _run_nodes(run: tuple, proposals: int, max_budget: int, builder_params: dict | None = None,
+               head: CorrectionHead | None = None) -> tuple[int, int]:
+    """(nodes the builder drafts, largest verify size T, root included) of one (builder, budget, lookup) setting:
+    T = :func:`max_tree_nodes` + lookup + 1."""
+    builder, budget, lookup = run
     nodes = max_budget if budget == "auto" else (proposals if budget is None else int(budget))
-    return nodes, nodes + int(lookup) + 1
+    return nodes, max_tree_nodes(builder, nodes, proposals, builder_params, head) + int(lookup) + 1
 
 
 @torch.inference_mode()
@@ -411,7 +450,8 @@ def warm_paths(target: Target, drafter: DFlashDrafter, head: CorrectionHead, con
     Covered: the drafter forward with 1 .. 2(P + 1) new context rows (a round appends accepted + 1 rows, more after
     rounds without a draft); each builder at the node count it drafts (``budget="auto"``: the cost model's
     ``max_budget``), its top-b selection (:func:`~dartree.decode.budget.prune_to`) at every b, a grafted lookup chain;
-    tree compile and verify (forward, walk, KV compaction) at every verify size T = 1 .. nodes + lookup + 1; then one
+    tree compile and verify (forward, walk, KV compaction) at every verify size T = 1 .. N + lookup + 1, N the largest
+    tree the builder can make with that node count (:func:`max_tree_nodes`: a chain's P whatever the budget); then one
     short decode per setting (a ``budget="auto"`` one on a scratch :class:`~dartree.decode.budget.CostModel` that
     drafts every round), which runs the loop's own code. The rejection sampler (``acceptance="rejection"``) is not
     covered.
@@ -449,7 +489,7 @@ def warm_paths(target: Target, drafter: DFlashDrafter, head: CorrectionHead, con
     sizes: set[int] = {1}
     for run in runs:
         builder, _, lookup = run
-        nodes, top = _run_nodes(run, p, bmax)
+        nodes, top = _run_nodes(run, p, bmax, params, head)
         sizes.update(range(1, top + 1))
         name = builder_name(builder)
         beta = builder_beta(name, params)

@@ -180,6 +180,24 @@ def check_prompt_set(target, prompt_ids: list[list[int]], labels: list[str], max
         check_speculative_target(target, max(map(len, prompt_ids)) + max_new_tokens + depth)
 
 
+def check_lookup(lookup, lookup_ngram=3) -> None:
+    """Check the prompt-lookup arguments of ``speculative_generate`` (and the API's ``generate``).
+
+    Args:
+        lookup: an integer >= 0, the tokens of the prompt-lookup chain grafted per round (0: off).
+        lookup_ngram: an integer >= 1, the longest n-gram the lookup matches.
+    Raises:
+        TypeError: a value that is not an integer (``bool`` included), named.
+        ValueError: ``lookup`` < 0 or ``lookup_ngram`` < 1, named.
+    """
+    for name, value, low, what in (("lookup", lookup, 0, "the prompt-lookup chain's tokens per round, 0: off"),
+                                   ("lookup_ngram", lookup_ngram, 1, "the longest n-gram the lookup matches")):
+        if not is_int(value):
+            raise TypeError(f"{name} must be an int >= {low}, got {value!r} ({describe(value)}): {what}")
+        if value < low:
+            raise ValueError(f"{name} must be an int >= {low}, got {value!r}: {what}")
+
+
 def check_speculative_args(target, drafter, head, *, builder, budget, builder_params, builders=()) -> None:
     """Check the arguments only ``speculative_generate`` takes, before the prefill.
 

@@ -89,6 +89,66 @@ def test_sampling_is_seeded_and_bad_arguments_are_named(spec):
         dartree.lod  # noqa: B018
 
 
+def test_bad_arguments_are_one_named_line_before_any_set_up(spec, monkeypatch):
+    # every argument is checked before the warm-up (which takes seconds for a new setting), named with its value
+    def no_set_up(**kwargs):
+        raise AssertionError("the warm-up ran before the arguments were checked")
+
+    monkeypatch.setattr(spec, "warm_up", no_set_up)
+    aliases = r" \(aliases: dartree-fixed = fixed, dartree-pruned = pruned\)$"
+    for kwargs, exc, pattern in [
+        (dict(temperature="hot"), TypeError, r"^temperature='hot' must be a number >= 0"),
+        (dict(lookup="yes"), TypeError, r"^lookup must be an int >= 0, got 'yes'"),
+        (dict(lookup=-1), ValueError, r"^lookup must be an int >= 0, got -1"),
+        (dict(max_new_tokens=-1), ValueError, r"^max_new_tokens=-1 must be >= 0"),
+        (dict(max_new_tokens=-1, tree="chain", budget=5, lookup=2), ValueError, r"^max_new_tokens=-1"),
+        (dict(tree="chian"), ValueError, r"^unknown tree builder 'chian'; available: \['chain', .*\]" + aliases),
+        (dict(budget=-2), ValueError, r"^budget=-2 must be >= 0"),
+        (dict(prompt=[{"x": 1}]), ValueError,
+         r'^prompt\[0\]=\{\'x\': 1\} is not a chat message: .*"role" and "content"'),
+        (dict(prompt=123), TypeError, r"^prompt=123 \(int\) is not a prompt; give text \(a str\), chat messages"),
+        (dict(prompt=[5, "a"]), TypeError, r"^prompt\[1\]='a' \(str\) is not a token id"),
+    ]:
+        kwargs = {"prompt": "x", "max_new_tokens": 4, **kwargs}
+        with pytest.raises(exc, match=pattern) as err:
+            spec.generate(kwargs.pop("prompt"), **kwargs)
+        assert "\n" not in str(err.value), kwargs
+    with pytest.raises(ValueError, match=r"^max_new_tokens=-1 must be >= 0") as err:
+        spec.generate_ar("x", max_new_tokens=-1)
+    with pytest.raises(TypeError, match=r"^temperature='hot'"):
+        spec.generate_ar("x", max_new_tokens=4, temperature="hot")
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"^unknown tree builder 'chian'; available: \['chain', .*\]" + aliases):
+        spec.warm_up(tree="chian")
+    with pytest.raises(TypeError, match=r"^lookup must be an int >= 0, got 'yes'"):
+        spec.warm_up(lookup="yes")
+    # load checks its own arguments before loading anything
+    with pytest.raises(ValueError, match=r"^threads=0 must be >= 1"):
+        dartree.load(threads=0)
+    with pytest.raises(ValueError, match=r"^unknown dtype 'fp16' in load\(dtype='fp16'\); use dtype= one of auto, "
+                                         r"bfloat16, float16, float32$"):
+        dartree.load(dtype="fp16")
+
+
+def test_a_budget_above_what_a_chain_can_hold_warms_only_the_sizes_it_can_take(spec, monkeypatch):
+    # a chain holds at most P nodes: budget=40 warms verify sizes 1 .. P + 1 as budget=P does (it warmed 1 .. 41, and
+    # a budget of 10**6 hung), through the warm-up eval uses too (warm_paths); the output is unchanged
+    import dartree.speculator as api
+
+    seen = []
+
+    def spy(*args, **kwargs):
+        seen.append(real(*args, **kwargs)["verify_sizes"])
+        return {"verify_sizes": seen[-1]}
+
+    real = api.warm_paths
+    monkeypatch.setattr(api, "warm_paths", spy)
+    prompt = "Name a prime number."
+    out = spec.generate(prompt, tree="chain", budget=40, max_new_tokens=8)
+    assert seen == [list(range(1, spec.draft.drafter.cfg.num_proposals + 2))] and out.setup_s > 0
+    assert out.tokens == spec.generate_ar(prompt, max_new_tokens=8).tokens
+
+
 def test_generation_config_sampling_is_refused_by_name(spec, monkeypatch):
     monkeypatch.setattr(spec.target.model.generation_config, "top_k", 20, raising=False)
     with pytest.raises(ValueError, match="top_k=20.*ignore_generation_config=True"):

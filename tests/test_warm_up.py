@@ -13,6 +13,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import make_drafter, make_head
+
+from dartree.decode.generate import max_tree_nodes, warm_paths
 
 TESTS = Path(__file__).resolve().parent
 RUNS = [["pruned", 6, 0], ["chain", None, 0], ["pruned", "auto", 4]]  # (builder, budget, lookup)
@@ -77,3 +80,19 @@ def test_a_methods_first_drafted_round_costs_what_its_later_ones_cost(tmp_path):
         assert len(rounds) >= 10, name
         first, median = _gap(rounds)
         assert first <= 3 * median + 0.005, (name, first, median)
+
+
+def test_warm_paths_warms_the_sizes_a_builder_can_make_not_every_size_up_to_the_budget(target):
+    # a chain holds at most P nodes whatever the budget: budget=50 warms verify sizes 1 .. P + 1 (+ lookup), as P does
+    # (it warmed 1 .. 51 before, and a budget of 10**6 hung); the tree's largest size per builder is max_tree_nodes
+    drafter, head = make_drafter(), make_head("markov")
+    p = drafter.cfg.num_proposals
+    ids = list(range(2, 26))
+    assert warm_paths(target, drafter, head, ids, [("chain", 50, 0)])["verify_sizes"] == list(range(1, p + 2))
+    assert warm_paths(target, drafter, head, ids, [("chain", 50, 3)])["verify_sizes"] == list(range(1, p + 5))
+    assert max_tree_nodes("chain", 10**6, p) == p and max_tree_nodes("chain", 3, p) == 3
+    assert max_tree_nodes("dartree-pruned", 10**6, p) == 12 * p  # width W = 12 per depth, P depths
+    assert max_tree_nodes("pruned", 10**6, p, {"width": 2}) == 2 * p and max_tree_nodes("pruned", 5, p) == 5
+    assert max_tree_nodes("pctree", 10**6, p, {"children": 3}) == 3 * p
+    assert max_tree_nodes("fixed", 10**6, 3, {"k": 2}) == 2 + 4 + 8  # the full K-ary tree of depth P
+    assert max_tree_nodes("heap-sequential", 10**6, p) == 10**6 and max_tree_nodes("ddtree", 77, p) == 77
