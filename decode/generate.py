@@ -28,8 +28,7 @@ from dartree.decode.draft import draft_block
 from dartree.decode.lookup import LookupStats, graft_chain, lookup_match
 from dartree.decode.rounds import (AutoBudget, DraftFeed, FixedBudget, GreedyMatch, Lockstep, LookupGraft,
                                    RejectionSampling)
-from dartree.decode.trees import (BUILDER_ALIASES, BUILDERS, Tree, builder_beta, builder_name, get_builder,
-                                  head_k)
+from dartree.decode.trees import BUILDER_ALIASES, BUILDERS, Tree, builder_beta, builder_name, get_builder
 from dartree.decode.verify import compile_tree, target_tokens, verify
 from dartree.models.drafter import DFlashDrafter, DraftCache
 from dartree.models.heads import CorrectionHead
@@ -402,32 +401,15 @@ def _one_off_policy(target, drafter, head, prompt_ids, setting: dict, stop_ids, 
 def max_tree_nodes(builder: str, budget: int, proposals: int, builder_params: dict | None = None,
                    head: CorrectionHead | None = None) -> int:
     """The most nodes the builder called ``builder`` can return with ``budget`` for a drafter of ``proposals`` (P)
-    proposals per block: ``budget`` capped by the largest tree the builder makes whatever the budget. ``chain``: P;
-    ``pruned``: P * width W; ``pctree``: P * children; ``fixed`` and ``heap-sequential``: K + K^2 + ... + K^P
-    (K = ``k``, capped by the head's candidates); ``ddtree`` and builders registered elsewhere: ``budget``. A
-    grafted lookup chain adds up to ``lookup`` nodes on top (not counted here). The sizes :func:`warm_paths`
-    warms, so that a budget far above what the drafter can fill costs no warm-up for sizes that never occur.
+    proposals per block: ``budget`` capped by the largest tree the builder declares it makes whatever the budget
+    (:meth:`~dartree.decode.trees.TreeBuilder.max_nodes`: a chain's P, DARTree-pruned's P * width, ...). A grafted
+    lookup chain adds up to ``lookup`` nodes on top (not counted here). The sizes :func:`warm_paths` warms, so that
+    a budget far above what the drafter can fill costs no warm-up for sizes that never occur.
 
     Raises:
         ValueError: an unknown builder (:func:`~dartree.decode.trees.builder_name`).
     """
-    name, budget = builder_name(builder), int(budget)
-    declared = {q.name: q.default for q in getattr(get_builder(name), "params", ())}
-    value = {**declared, **(builder_params or {})}.get
-    if name == "chain":
-        return min(budget, proposals)
-    if name in ("pruned", "pctree"):
-        return min(budget, proposals * int(value("width" if name == "pruned" else "children")))
-    if name in ("fixed", "heap-sequential"):
-        k = int(value("k")) if head is None else head_k(int(value("k")), head)
-        total, layer = 0, 1
-        for _ in range(proposals):  # the full K-ary tree of depth P, counted until it passes the budget
-            layer *= k
-            total += layer
-            if total >= budget:
-                return budget
-        return total
-    return budget
+    return get_builder(builder).max_nodes(budget, proposals, builder_params, head)
 
 
 def _run_nodes(run: tuple, proposals: int, max_budget: int, builder_params: dict | None = None,

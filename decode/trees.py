@@ -152,6 +152,12 @@ def _check_k(k: int) -> None:
         raise ValueError(f"candidate count K must be >= 1, got {k}")
 
 
+def _kary_nodes(k: int, depth: int) -> int:
+    """K + K^2 + ... + K^depth: the nodes of a full K-ary tree of that depth (root excluded), the most any tree of
+    K candidates per position has."""
+    return sum(k ** d for d in range(1, depth + 1))
+
+
 def head_k(k: int, head: CorrectionHead) -> int:
     """The candidate count K a builder uses with ``head``: ``k``, capped at ``head.max_candidates`` for a head whose
     distribution is defined over the top-k of U only (DFlash 2's selector: ``selector_top_k``)."""
@@ -240,15 +246,30 @@ class TreeBuilder:
         params: the :class:`BuilderParam` objects it takes.
         ranks_by_beta: True when its top-B keeps the best nodes by ``score + beta * depth`` (DARTree-pruned,
             heap-sequential); the ``budget="auto"`` policy then cuts its trees by the same rank.
+        size: ``(P, params) -> int``, the most nodes its tree can have for P proposals whatever the budget (params:
+            its parameters, declared defaults filled in, ``k`` capped by the head's candidates); None: the budget.
     """
 
     name: str
     build: Callable[..., Tree]
     params: tuple = ()
     ranks_by_beta: bool = False
+    size: Callable[[int, dict], int] | None = None
 
     def __call__(self, *args, **kwargs) -> Tree:
         return self.build(*args, **kwargs)
+
+    def max_nodes(self, budget: int, proposals: int, builder_params: dict | None = None,
+                  head: CorrectionHead | None = None) -> int:
+        """The most nodes it returns with ``budget`` for a drafter of ``proposals`` (P) proposals: ``budget``
+        capped by :attr:`size` (a chain: P whatever the budget). ``builder_params`` as the builder takes them
+        (declared defaults where absent); ``head`` caps ``k`` at its candidates (:func:`head_k`)."""
+        if self.size is None:
+            return int(budget)
+        values = {p.name: p.default for p in self.params} | dict(builder_params or {})
+        if head is not None and "k" in values:
+            values["k"] = head_k(int(values["k"]), head)
+        return min(int(budget), int(self.size(int(proposals), values)))
 
     def beta(self, builder_params: dict | None) -> float:
         """The depth bonus its ranking uses with ``builder_params`` (the declared default when absent), 0.0 for a
@@ -266,9 +287,12 @@ BUILDERS: dict[str, TreeBuilder] = {}
 BUILDER_ALIASES: dict[str, str] = {"dartree-pruned": "pruned", "dartree-fixed": "fixed"}
 
 
-def register_builder(name: str, *, params: tuple = (), ranks_by_beta: bool = False):
+def register_builder(name: str, *, params: tuple = (), ranks_by_beta: bool = False,
+                     size: Callable[[int, dict], int] | None = None):
     """Decorator registering a builder function in :data:`BUILDERS` under its one name, with the parameters it
-    declares (:class:`BuilderParam`); the decorated function is returned unchanged.
+    declares (:class:`BuilderParam`), whether it ranks by beta and the most nodes its tree can have
+    (:attr:`TreeBuilder.size`; the warm-up prepares verify sizes up to it); the decorated function is returned
+    unchanged.
 
     Raises:
         ValueError: the name is taken (by a builder or an alias of :data:`BUILDER_ALIASES`), a parameter name is
@@ -286,7 +310,7 @@ def register_builder(name: str, *, params: tuple = (), ranks_by_beta: bool = Fal
                                  f"({p} vs {known[p.name]}); reuse their BuilderParam or pick another name")
         if ranks_by_beta and "beta" not in {p.name for p in params}:
             raise ValueError(f"tree builder {name!r} ranks by beta but declares no 'beta' parameter")
-        BUILDERS[name] = TreeBuilder(name, fn, tuple(params), ranks_by_beta)
+        BUILDERS[name] = TreeBuilder(name, fn, tuple(params), ranks_by_beta, size)
         return fn
 
     return wrap
@@ -443,7 +467,7 @@ def expand_frontier(head: CorrectionHead, hidden: torch.Tensor, state, cand: tor
     return pick // kk, pick % kk, path
 
 
-@register_builder("chain", params=(PARAM_K, PARAM_BACKEND))
+@register_builder("chain", params=(PARAM_K, PARAM_BACKEND), size=lambda p, v: p)
 @torch.no_grad()
 def build_chain(block: DraftBlock, head: CorrectionHead, root_id: int, budget: int, *, k: int = 64,
                 backend: str = "auto", **extra) -> Tree:
@@ -769,7 +793,8 @@ def select_top_b_keep(tree: Tree, budget: int, beta: float) -> tuple[Tree, torch
     return Tree(tree.tokens[keep], parents, tree.depth[keep], tree.score[keep]), keep
 
 
-@register_builder("pruned", params=(PARAM_K, PARAM_WIDTH, PARAM_BETA, PARAM_BACKEND), ranks_by_beta=True)
+@register_builder("pruned", params=(PARAM_K, PARAM_WIDTH, PARAM_BETA, PARAM_BACKEND), ranks_by_beta=True,
+                  size=lambda p, v: p * int(v["width"]))  # at most W nodes per depth
 def build_dartree_pruned(
     block: DraftBlock,
     head: CorrectionHead,
@@ -802,7 +827,7 @@ def build_dartree_pruned(
     return select_top_b(sup, int(budget), float(beta))
 
 
-@register_builder("fixed", params=(PARAM_K, PARAM_BACKEND))
+@register_builder("fixed", params=(PARAM_K, PARAM_BACKEND), size=lambda p, v: _kary_nodes(int(v["k"]), p))
 def build_dartree_fixed(
     block: DraftBlock, head: CorrectionHead, root_id: int, budget: int, *, k: int = 64, backend: str = "auto",
     **extra,
@@ -831,7 +856,8 @@ def build_dartree_fixed(
     return build_supertree(block, head, root_id, k=k, quota=quota, backend=backend)
 
 
-@register_builder("pctree", params=(PARAM_K, PARAM_CHILDREN, PARAM_BACKEND))
+@register_builder("pctree", params=(PARAM_K, PARAM_CHILDREN, PARAM_BACKEND),
+                  size=lambda p, v: p * int(v["children"]))  # ``children`` nodes kept per depth
 def build_pctree(
     block: DraftBlock, head: CorrectionHead, root_id: int, budget: int, *, k: int = 64, children: int = 4,
     backend: str = "auto", **extra,
@@ -870,7 +896,8 @@ def build_pctree(
     return build_supertree(block, head, root_id, k=k, quota=quota, backend=backend)
 
 
-@register_builder("heap-sequential", params=(PARAM_K, PARAM_BETA, PARAM_BACKEND), ranks_by_beta=True)
+@register_builder("heap-sequential", params=(PARAM_K, PARAM_BETA, PARAM_BACKEND), ranks_by_beta=True,
+                  size=lambda p, v: _kary_nodes(int(v["k"]), p))
 @torch.no_grad()
 def build_heap_sequential(
     block: DraftBlock, head: CorrectionHead, root_id: int, budget: int, *, k: int = 64, beta: float = -0.2,
