@@ -28,7 +28,7 @@ from dartree.decode.budget import calibrate
 from dartree.decode.generate import (POLICY_PROMPT, DecodeStats, autoregressive_generate, check_speculative,
                                      seed_policy, speculative_generate, warm_paths)
 from dartree.decode.inputs import check_lookup, check_speculative_args, token_ids
-from dartree.decode.trees import BUILDER_ALIASES, BUILDERS, builder_name
+from dartree.decode.trees import BUILDERS, builder_name
 from dartree.models.chat import chat_prompt_ids, messages_prompt_ids, text_prompt_ids
 from dartree.models.generation import sampling_problem, sampling_settings, stop_ids
 from dartree.models.target import DEFAULT_TARGET, Target
@@ -187,10 +187,9 @@ class SpeculativeDecoder:
         if not isinstance(tree, str):
             raise TypeError(f"tree={tree!r:.60} ({type(tree).__name__}) is not a builder name; give one of "
                             f"{sorted(BUILDERS)}")
-        builder_name(tree)
         check_lookup(lookup)
         check_speculative_args(self.target, self.draft.drafter, self.draft.head, builder=tree, budget=budget,
-                               builder_params=builder_params or None, builders=(*BUILDERS, *BUILDER_ALIASES))
+                               builder_params=builder_params or None)
 
     def _check_sampling(self, temperature: float, ignore_generation_config: bool) -> None:
         why = sampling_problem(sampling_settings(self.target), temperature, ignore_generation_config,

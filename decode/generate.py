@@ -28,7 +28,7 @@ from dartree.decode.draft import draft_block
 from dartree.decode.lookup import LookupStats, graft_chain, lookup_match
 from dartree.decode.rounds import (AutoBudget, DraftFeed, FixedBudget, GreedyMatch, Lockstep, LookupGraft,
                                    RejectionSampling)
-from dartree.decode.trees import BUILDER_ALIASES, BUILDERS, Tree, builder_beta, builder_name, get_builder
+from dartree.decode.trees import Tree, builder_beta, builder_name, get_builder
 from dartree.decode.verify import compile_tree, target_tokens, verify
 from dartree.models.drafter import DFlashDrafter, DraftCache
 from dartree.models.heads import CorrectionHead
@@ -321,8 +321,7 @@ def check_speculative(target, drafter, head, prompt_ids, *, builder, max_new_tok
         TypeError / ValueError: as :func:`speculative_generate` (its Raises), one line naming the argument.
     """
     prompt_ids, stop_ids = _check_args(target, prompt_ids, max_new_tokens, temperature, stop_ids, generator)
-    check_speculative_args(target, drafter, head, builder=builder, budget=budget, builder_params=builder_params,
-                           builders=(*BUILDERS, *BUILDER_ALIASES))
+    check_speculative_args(target, drafter, head, builder=builder, budget=budget, builder_params=builder_params)
     builder = builder_name(builder)
     rejection = check_acceptance(acceptance, builder, temperature) == "rejection"
     pair = None if lockstep is None else Lockstep(lockstep, clock=time.perf_counter)

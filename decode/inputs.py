@@ -16,7 +16,7 @@ from typing import Any, Sequence
 import torch
 
 from dartree.base.fields import describe, is_int, is_real
-from dartree.decode.trees import check_builder_params
+from dartree.decode.trees import BUILDERS, builder_name, check_builder_params
 from dartree.models.drafter import DFlashDrafter
 from dartree.models.generation import context_length
 from dartree.models.heads import CorrectionHead
@@ -198,21 +198,23 @@ def check_lookup(lookup, lookup_ngram=3) -> None:
             raise ValueError(f"{name} must be an int >= {low}, got {value!r}: {what}")
 
 
-def check_speculative_args(target, drafter, head, *, builder, budget, builder_params, builders=()) -> None:
+def check_speculative_args(target, drafter, head, *, builder, budget, builder_params) -> None:
     """Check the arguments only ``speculative_generate`` takes, before the prefill.
 
     Args:
         drafter: a :class:`~dartree.models.drafter.DFlashDrafter` fitting ``target``.
         head: a :class:`~dartree.models.heads.CorrectionHead` fitting both.
-        builder: a registered tree-builder name, one of ``builders`` (the registry's names).
+        builder: a registered tree-builder name or alias (:data:`dartree.decode.trees.BUILDERS`, ``BUILDER_ALIASES``).
         budget: None, ``"auto"`` (the cost-model budget) or an integer >= 0.
         builder_params: None or a dict of the parameters the registered builders declare (``k``, ``width``,
             ``beta``, ``children``, ``backend``; :func:`dartree.decode.trees.check_builder_params`) with valid values.
     Raises:
         TypeError: a wrong type (for instance a loaded ``DraftModel`` passed as the drafter), or an unknown
             builder parameter.
-        ValueError: an unknown builder name (lists the registered ones), drafter / head / target mismatch (:func:`dartree.models.validate.check_pairing`), target
-            capture layers that differ from the drafter's, a negative budget or an out-of-range parameter.
+        ValueError: an unknown builder name (the registered ones and their aliases listed:
+            :func:`dartree.decode.trees.builder_name`), drafter / head / target mismatch
+            (:func:`dartree.models.validate.check_pairing`), target capture layers that differ from the drafter's, a
+            negative budget or an out-of-range parameter.
     """
     if not isinstance(drafter, DFlashDrafter):
         hint = "; a loaded checkpoint is passed as dm.drafter, dm.head" if hasattr(drafter, "drafter") else ""
@@ -227,9 +229,8 @@ def check_speculative_args(target, drafter, head, *, builder, budget, builder_pa
             "call target.set_layer_ids(drafter.cfg.target_layer_ids)"
         )
     if not isinstance(builder, str):
-        raise TypeError(f"builder is {describe(builder)}; give a builder name, one of {sorted(builders)}")
-    if builder not in builders:
-        raise ValueError(f"unknown tree builder {builder!r}; available: {sorted(builders)}")
+        raise TypeError(f"builder is {describe(builder)}; give a builder name, one of {sorted(BUILDERS)}")
+    builder_name(builder)  # an unknown name: ValueError listing the builders and their aliases
     if budget is not None and budget != "auto":
         if not is_int(budget):
             raise TypeError(f"budget={budget!r} must be an integer >= 0 (tree nodes per round), 'auto' or None")

@@ -26,11 +26,14 @@ from importlib.metadata import entry_points
 
 ENTRY_POINT_GROUP = "dartree.families"  # the entry-point group a package declares its family modules in
 _LOADED: set[str] = set()  # entry-point values imported already (module or module:attribute)
+_SCANNED: set[str] = set()  # groups whose entry points were read in this process
 
 
 def load_entry_point_families(group: str = ENTRY_POINT_GROUP) -> list[str]:
     """Import every family module that installed packages declare in the entry-point group ``group`` (each import
-    registers its family). Values imported before are skipped, so calling it again costs one metadata scan.
+    registers its family). The installed packages' metadata is read once per group and process (a scan takes a few
+    milliseconds, and every head lookup calls this), so a package installed while the process runs is seen by the
+    next process.
 
     Args:
         group: the entry-point group (:data:`ENTRY_POINT_GROUP`).
@@ -41,6 +44,9 @@ def load_entry_point_families(group: str = ENTRY_POINT_GROUP) -> list[str]:
             families stay usable and a checkpoint or recipe that needs the broken one is refused where its head
             type is looked up.
     """
+    if group in _SCANNED:
+        return []
+    _SCANNED.add(group)
     loaded = []
     for ep in entry_points(group=group):
         if ep.value in _LOADED:
