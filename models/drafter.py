@@ -466,14 +466,15 @@ class DFlashDrafter(nn.Module):
         return self.norm(h)
 
     def init_from_target_layers(self, target_model, layer_ids: Sequence[int]) -> None:
-        """Copy decoder layers of a Llama/Qwen-style HF target into this drafter's layers (an initialisation
-        option; the measured default copies the target's top layers).
+        """Copy decoder layers of a Llama/Qwen-style HF target into this drafter's first ``len(layer_ids)`` layers
+        (drafter layer i <- target layer ``layer_ids[i]``; later drafter layers keep their random weights).
 
         Raises:
-            ValueError: counts or shapes differ.
+            ValueError: no ids, more ids than drafter layers, or a shape that differs.
         """
-        if len(layer_ids) != len(self.layers):
-            raise ValueError(f"init_from_target_layers: {len(layer_ids)} ids for {len(self.layers)} drafter layers")
+        if not 1 <= len(layer_ids) <= len(self.layers):
+            raise ValueError(f"init_from_target_layers: {len(layer_ids)} ids for {len(self.layers)} drafter layers "
+                             f"(give 1 to {len(self.layers)})")
         for mine, idx in zip(self.layers, layer_ids):
             src = target_model.model.layers[idx]
             pairs = {
@@ -490,3 +491,56 @@ class DFlashDrafter(nn.Module):
                     raise ValueError(f"init_from_target_layers: {name} shape {tuple(mod.weight.shape)} != {tuple(dst.shape)}")
                 with torch.no_grad():
                     dst.copy_(mod.weight.to(dst.dtype))
+
+    def warm_start(self, target_model, variant: str, copy_layers: int = 0) -> dict:
+        """Initialise this drafter from the target's own weights (``drafter.init_from_target``).
+
+        - ``"layers"``: drafter layers 0..k-1 copy the target's top k decoder layers n-k .. n-1 (k =
+          ``copy_layers``, 0: every drafter layer); everything else stays random.
+        - ``"specforge"``: the same copies, and the rest of the path into them set as SpecForge's DSpark warm start
+          does (``scripts/init_dspark_v4_from_target.py`` and ``examples/configs/kan-ablations`` in the SpecForge
+          repository): ``fc`` is the identity on the captured feature that feeds the first copied layer (target
+          layer n-k-1 when it is one of ``target_layer_ids``, else the last captured layer) and zero elsewhere, the
+          context norm ``hidden_norm`` is the first copied layer's ``input_layernorm`` (so the first layer's context
+          K/V are the target's own at layer n-k), and the final ``norm`` is the target's final norm.
+
+        The correction heads start as "no correction" on their own (their output rows are zero at construction).
+        In a DFlash backbone the block enters as raw token embeddings and the features only as context K/V, so a
+        warm start does not predict at step 0; it can only start training from a better point.
+
+        Args:
+            target_model: a Llama/Qwen-style HF causal LM (``.model.layers``, ``.model.norm``).
+            variant: ``"layers"`` or ``"specforge"``.
+            copy_layers: k, the number of copied layers (0: all drafter layers).
+        Returns:
+            {"copied": [target layer ids], "identity_feature": the target layer id fed through ``fc`` (specforge;
+            else None)}.
+        Raises:
+            ValueError: an unknown variant, k outside [0, drafter layers] or above the target's layers, or shapes
+                that differ (named).
+        """
+        if variant not in ("layers", "specforge"):
+            raise ValueError(f"warm_start: variant {variant!r} is not one of 'layers', 'specforge'")
+        n_t, n_d = len(target_model.model.layers), len(self.layers)
+        k = int(copy_layers) or n_d
+        if not 1 <= k <= min(n_d, n_t):
+            raise ValueError(f"warm_start: copy_layers={copy_layers} must be in [0, {min(n_d, n_t)}] (0: every "
+                             f"drafter layer; the drafter has {n_d}, the target {n_t})")
+        first = n_t - k
+        self.init_from_target_layers(target_model, list(range(first, n_t)))
+        if variant == "layers":
+            return {"copied": list(range(first, n_t)), "identity_feature": None}
+        ids, d = list(self.cfg.target_layer_ids), self.cfg.hidden_size
+        src = first - 1 if (first - 1) in ids else ids[-1]
+        j = ids.index(src)
+        norm_in = target_model.model.layers[first].input_layernorm.weight
+        norm_out = target_model.model.norm.weight
+        if tuple(norm_in.shape) != (d,) or tuple(norm_out.shape) != (d,):
+            raise ValueError(f"warm_start: the target's norms {tuple(norm_in.shape)}, {tuple(norm_out.shape)} do "
+                             f"not fit the drafter's hidden size {d}")
+        with torch.no_grad():
+            self.fc.weight.zero_()
+            self.fc.weight[:, j * d:(j + 1) * d] = torch.eye(d, dtype=self.fc.weight.dtype)
+            self.hidden_norm.weight.copy_(norm_in.to(self.hidden_norm.weight.dtype))
+            self.norm.weight.copy_(norm_out.to(self.norm.weight.dtype))
+        return {"copied": list(range(first, n_t)), "identity_feature": src}

@@ -65,6 +65,35 @@ def test_kl_to_the_target_by_hand():
     assert float(out.loss) == pytest.approx(0.3 * LN(2.5) / (1 + math.exp(-1 / 3)), abs=1e-6)
 
 
+def test_lk_loss_by_hand_fixed_and_adaptive_lambda():
+    # p_d = (0.5, 0.3, 0.2), p_t = (0.2, 0.3, 0.5): TV 0.3 (alpha = 0.7), KL(p_t || p_d) = 0.3 ln 2.5
+    pd, pt = _one([0.5, 0.3, 0.2]), _one([0.2, 0.3, 0.5])
+    labels, valid = torch.tensor([[2]]), torch.ones(1, 1, dtype=torch.bool)
+    kl, tv = 0.3 * LN(2.5), 0.3
+
+    def lk(**kw):
+        return float(dspark_loss(pd, labels, valid, pt, gamma=7.0, ce_weight=0.0, l1_weight=0.0, **kw).loss)
+
+    assert lk(lk_weight=1.0, lk_lambda=0.25) == pytest.approx(0.25 * kl + 0.75 * tv, abs=1e-6)
+    lam = math.exp(-3.0 * 0.7)  # adaptive: exp(-eta alpha), the paper's eta 3
+    assert lk(lk_weight=1.0) == pytest.approx(lam * kl + (1 - lam) * tv, abs=1e-6)
+    assert lk(lk_weight=2.0, lk_eta=1.0) == pytest.approx(2 * (math.exp(-0.7) * kl + (1 - math.exp(-0.7)) * tv),
+                                                          abs=1e-6)
+    # lambda 1 is the KL term, lambda 0 the TV term
+    assert lk(lk_weight=1.0, lk_lambda=1.0) == pytest.approx(lk(kl_weight=1.0), abs=1e-7)
+    assert lk(lk_weight=1.0, lk_lambda=0.0) == pytest.approx(lk(tv_weight=1.0), abs=1e-7)
+    # a perfect draft: alpha 1, KL 0, TV 0
+    assert float(dspark_loss(pt, labels, valid, pt, gamma=7.0, ce_weight=0.0, l1_weight=0.0, lk_weight=1.0).loss) \
+        == pytest.approx(0.0, abs=1e-6)
+    # the adaptive lambda carries no gradient: d/dx of lam*KL + (1-lam)*TV with lam held fixed
+    x = pd.clone().requires_grad_()
+    dspark_loss(x, labels, valid, pt, gamma=7.0, ce_weight=0.0, l1_weight=0.0, lk_weight=1.0).loss.backward()
+    y = pd.clone().requires_grad_()
+    dspark_loss(y, labels, valid, pt, gamma=7.0, ce_weight=0.0, l1_weight=0.0, lk_weight=1.0,
+                lk_lambda=lam).loss.backward()
+    torch.testing.assert_close(x.grad, y.grad)
+
+
 def test_kl_and_tv_on_a_draft_vocabulary_by_hand():
     # target over 4 tokens (0.1, 0.2, 0.3, 0.4); the draft vocabulary is tokens {0, 2, 3}; the drafter uniform on it.
     # KL is to p_t renormalised over {0, 2, 3}: (0.125, 0.375, 0.5); TV adds p_t's 0.2 outside it.
@@ -118,6 +147,9 @@ def _case(draft_vocab: bool, seed: int = 0):
     (dict(ce_weight=0.1, l1_weight=0.0, tv_weight=0.9), True),  # CE + TV (+ the confidence BCE)
     (dict(ce_weight=0.1, l1_weight=0.0, kl_weight=0.9), False),  # CE + KL, no L1 computed at all
     (dict(ce_weight=0.1, l1_weight=0.2, tv_weight=0.3, kl_weight=0.7), True),  # every term at once
+    (dict(ce_weight=0.1, l1_weight=0.0, lk_weight=0.9), False),  # CE + adaptive LK
+    (dict(ce_weight=0.1, l1_weight=0.2, lk_weight=0.9, lk_lambda=0.3), True),  # CE + L1 + fixed-lambda LK + BCE
+    (dict(ce_weight=0.0, l1_weight=0.0, kl_weight=0.2, lk_weight=1.0, lk_eta=5.0), False),  # KL + adaptive LK
 ])
 @pytest.mark.parametrize("chunk", [3, None])
 def test_fused_tv_and_kl_equal_the_materialised_loss_and_gradients(draft_vocab, weights, with_conf, chunk):
@@ -152,8 +184,16 @@ def test_tv_and_kl_need_a_target_and_the_dspark_loss():
         fused_block_loss(h, w_out, labels, valid, gamma=7.0, kl_weight=0.5)
     with pytest.raises(ValueError, match="target"):
         dspark_loss(h @ w_out.T, labels, valid, None, gamma=7.0, ce_weight=0.1, l1_weight=0.0, tv_weight=0.9)
-    with pytest.raises(RecipeError, match="^loss.tv_weight=0.5 / loss.kl_weight=0.0 apply to loss.type=dspark"):
+    with pytest.raises(RecipeError, match="^loss.tv_weight=0.5 / loss.kl_weight=0.0 / loss.lk_weight=0.0 apply to "
+                                          "loss.type=dspark"):
         load_recipe(["recipe=tiny_domino", "loss.tv_weight=0.5"])
+    with pytest.raises(RecipeError, match="loss.lk_weight=0.9 apply to loss.type=dspark only"):
+        load_recipe(["recipe=tiny_domino", "loss.lk_weight=0.9"])
+    with pytest.raises(RecipeError, match="^loss.lk_lambda=1.5"):
+        load_recipe(["recipe=tiny_dspark", "loss.lk_weight=0.9", "loss.lk_lambda=1.5"])
+    with pytest.raises(ValueError, match="lk_weight need target_hidden"):
+        fused_block_loss(h, w_out, labels, valid, gamma=7.0, lk_weight=0.5)
+    assert load_recipe(["recipe=tiny_dspark", "loss.ce_weight=0", "loss.l1_weight=0", "loss.lk_weight=1"]).loss.lk_weight
     with pytest.raises(RecipeError, match="^loss.ce_weight=0 and loss.l1_weight=0"):
         load_recipe(["recipe=tiny_dspark", "loss.ce_weight=0", "loss.l1_weight=0"])
     assert load_recipe(["recipe=tiny_dspark", "loss.ce_weight=0", "loss.l1_weight=0", "loss.kl_weight=1"]).loss.kl_weight

@@ -218,13 +218,29 @@ def build_models(cfg: DictConfig, target: Target):
     )
     try:
         drafter = DFlashDrafter(dcfg)
-        if d.init_from_target:
-            drafter.init_from_target_layers(target.model, list(range(n_t - d.num_layers, n_t)))
+        variant = warm_start_variant(d.init_from_target)
+        if variant:
+            drafter.warm_start(target.model, variant, int(d.get("init_copy_layers", 0) or 0))
         head = get_family(cfg.loss.type).build_head(cfg.head, target.vocab_size, target.hidden_size)
+        if variant == "specforge":  # every head starts as "no correction", SpecForge's confidence head at zero
+            if hasattr(head, "start_uncorrected"):  # heads whose output rows start random (DFlash 2's selector)
+                head.start_uncorrected()
+            if hasattr(head, "confidence"):
+                with torch.no_grad():
+                    head.confidence.weight.zero_()
+                    head.confidence.bias.zero_()
         head.bind_embeddings(target.embed_tokens.weight)  # the gru head reads the target's token embeddings
     except (ValueError, KeyError) as exc:
         raise RecipeError(f"cannot build the drafter from the recipe: {exc}") from None
     return drafter, head
+
+
+def warm_start_variant(value) -> str | None:
+    """``drafter.init_from_target`` as a :meth:`~dartree.models.drafter.DFlashDrafter.warm_start` variant: None
+    (false: random init), ``"layers"`` (true or "layers") or ``"specforge"``."""
+    if value is True or value == "layers":
+        return "layers"
+    return "specforge" if value == "specforge" else None
 
 
 def rope_theta(tcfg) -> float:

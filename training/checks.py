@@ -39,7 +39,10 @@ RECIPE_FIELDS = {
     "drafter.target_layer_ids": IdList(0, allow_empty=True,
                                        note="empty: the DFlash rule picks num_target_features ids"),
     "drafter.num_target_features": Range(1),
-    "drafter.init_from_target": Flag(),
+    "drafter.init_from_target": Choice((False, True, "layers", "specforge"),
+                                       note="true = layers: copy the target's top layers; specforge: also the "
+                                            "identity projection and the target's norms"),
+    "drafter.init_copy_layers": Range(0, note="0: every drafter layer"),
     "drafter.qk_norm": Flag(),
     "drafter.block_size": Range(2, note="the anchor plus at least one proposal"),
     "drafter.proposal_offset": Range(0, 1, note="0: DSpark/Domino, P = L; 1: z-lab DFlash, P = L - 1"),
@@ -61,6 +64,9 @@ RECIPE_FIELDS = {
     "loss.l1_weight": Range(0, integer=False, note="dspark: L1 distance sum|p_d - p_t|"),
     "loss.tv_weight": Range(0, integer=False, note="dspark: total variation 0.5 sum|p_d - p_t|"),
     "loss.kl_weight": Range(0, integer=False, note="dspark: KL(p_t || p_d)"),
+    "loss.lk_weight": Range(0, integer=False, note="dspark: the LK loss lambda KL + (1 - lambda) TV"),
+    "loss.lk_lambda": Range(0, 1, integer=False, optional=True, note="null: adaptive, exp(-lk_eta (1 - TV))"),
+    "loss.lk_eta": Range(0, integer=False, note="the adaptive LK lambda's rate"),
     "loss.conf_weight": Range(0, integer=False),
     "loss.lambda_base_start": Range(0, 1, integer=False),
     "loss.lambda_decay_ratio": Range(0, integer=False, lo_open=True,
@@ -87,6 +93,7 @@ RECIPE_FIELDS = {
     "train.num_anchors": Range(1),
     "train.lr": Range(0, integer=False, note="0 keeps the weights as initialised"),
     "train.warmup_ratio": Range(0, 1, integer=False),
+    "train.lr_schedule": Choice(("cosine", "constant"), note="constant: the warm-up, then the base rate throughout"),
     "train.weight_decay": Range(0, integer=False),
     "train.grad_clip": Range(0, integer=False, note="0: no clipping"),
     "train.bf16": Flag(auto=True, note="auto: bf16 autocast where the training device has native bf16 arithmetic, "
@@ -127,10 +134,15 @@ def recipe_problems(cfg: DictConfig) -> list[str]:
     if family is None:
         return [f"loss.type={lo.type!r} is unknown; use one of {sorted(FAMILIES)}"]
     out += family.recipe_problems(cfg)  # the family's own combinations (dartree.models.families)
-    if not family.distribution and (lo.get("tv_weight", 0) or lo.get("kl_weight", 0)):
+    if not family.distribution and (lo.get("tv_weight", 0) or lo.get("kl_weight", 0) or lo.get("lk_weight", 0)):
         names = "/".join(sorted(n for n, f in FAMILIES.items() if f.distribution))
-        out.append(f"loss.tv_weight={lo.get('tv_weight', 0)} / loss.kl_weight={lo.get('kl_weight', 0)} apply to "
-                   f"loss.type={names} only (this recipe is {lo.type}): set them to 0, or use loss.type={names}")
+        out.append(f"loss.tv_weight={lo.get('tv_weight', 0)} / loss.kl_weight={lo.get('kl_weight', 0)} / "
+                   f"loss.lk_weight={lo.get('lk_weight', 0)} apply to loss.type={names} only (this recipe is "
+                   f"{lo.type}): set them to 0, or use loss.type={names}")
+    dr = cfg.drafter
+    if int(dr.get("init_copy_layers", 0) or 0) > dr.num_layers:
+        out.append(f"drafter.init_copy_layers={dr.init_copy_layers} exceeds drafter.num_layers={dr.num_layers}: copy "
+                   "at most every drafter layer (0: all of them)")
     if da.get("feature_store_gb", 0) and da.source != "campaign":
         out.append(f"data.feature_store_gb={da.feature_store_gb} stores online features, which only data.source=campaign "
                    f"computes (this recipe reads {da.source!r} data from its feature file): set it to 0")
@@ -221,7 +233,8 @@ def check_against_target(cfg: DictConfig, target) -> list[int]:
         raise RecipeError(f"drafter.draft_vocab_size={d.draft_vocab_size} exceeds the target's vocabulary: must be in "
                           f"[0, {v}] (0: the full vocabulary)")
     if d.init_from_target and not cfg.init_from:
-        if d.num_layers > n:
+        copies = int(d.get("init_copy_layers", 0) or 0) or d.num_layers
+        if copies > n:
             raise RecipeError(f"drafter.num_layers={d.num_layers} with drafter.init_from_target=true copies more "
                               f"layers than target {target.name!r} has ({n}): must be <= {n}, or set "
                               "drafter.init_from_target=false")

@@ -18,7 +18,10 @@ the step's weight sum over all processes, :func:`weight_sum`, as SpecForge pools
   decay weights: ``tv_weight`` times the total variation TV = 0.5 sum_v |p_t - p_d| (the same term at half the
   scale), and ``kl_weight`` times KL(p_t || p_d) (forward KL to the target's distribution: DistillSpec's distillation
   objective, arXiv 2310.08461; EAGLE's soft-label classification loss, arXiv 2401.15077, is it plus the target's
-  entropy).
+  entropy). ``lk_weight`` adds the LK loss (LK losses, arXiv 2602.23881, Eq. for LK^lambda): lambda KL(p_t || p_d)
++ (1 - lambda) TV(p_t, p_d) per prediction, with lambda fixed (``lk_lambda``) or adaptive, lambda = exp(-eta
+sg[alpha]) where alpha = 1 - TV is the prediction's acceptance probability (``lk_lambda=None``, ``lk_eta``): KL
+while the draft is poor, TV (the acceptance rate itself) once it is good.
 
 On a draft vocabulary (the drafter scores V' < V tokens) the L1 / TV add the target's mass outside V' (the drafter
 puts none there), from the target's full-vocabulary log-sum-exp; the KL is to the target's distribution
@@ -187,6 +190,9 @@ def dspark_loss(
     denom: float | None = None,
     tv_weight: float = 0.0,
     kl_weight: float = 0.0,
+    lk_weight: float = 0.0,
+    lk_lambda: float | None = None,
+    lk_eta: float = 3.0,
 ) -> LossOut:
     """DSpark training loss (DSpark paper section 3.3; DeepSpec ``config/dspark``); with ``ce_weight=1,
     l1_weight=0`` and no confidence it is the DFlash loss. The materialised reference of :func:`fused_block_loss`.
@@ -208,11 +214,15 @@ def dspark_loss(
         tv_weight: weight of the total variation 0.5 * L1 (the same distance as ``l1_weight`` at half the scale).
         kl_weight: weight of KL(p_t || p_d) = sum_v p_t (log p_t - log p_d), p_t renormalised over the V columns of
             ``logits`` when ``target_probs`` gives a draft vocabulary's share (module docstring).
+        lk_weight: weight of the LK loss lambda KL + (1 - lambda) TV per prediction (arXiv 2602.23881).
+        lk_lambda: its fixed lambda in [0, 1]; None: adaptive, lambda = exp(-lk_eta * alpha), alpha = 1 - TV
+            (detached; the paper's default eta is 3).
     Returns:
         LossOut; ``loss`` = sum_k w_k (ce_weight*CE + (l1_weight + tv_weight/2)*L1 + kl_weight*KL +
-        conf_weight*BCE) / sum_k w_k over valid predictions (or / ``denom``).
+        lk_weight*LK + conf_weight*BCE) / sum_k w_k over valid predictions (or / ``denom``).
     Raises:
-        ValueError: conf_logits without target_logits; tv_weight or kl_weight without a target distribution.
+        ValueError: conf_logits without target_logits; tv_weight, kl_weight or lk_weight without a target
+            distribution.
     """
     a, p, v = logits.shape
     logp = logits.float().reshape(-1, v).log_softmax(-1)  # one normalisation serves the CE and p_d
@@ -225,48 +235,76 @@ def dspark_loss(
     has_target = target_logits is not None or target_probs is not None
     if conf_logits is not None and not has_target:
         raise ValueError("the confidence BCE needs target_logits (its label is 1 - TV distance to p_t)")
-    if (tv_weight or kl_weight) and not has_target:
-        raise ValueError("tv_weight / kl_weight need the target distribution: give target_logits or target_probs")
-    kl_term = _kl_term(logp, w, wsum, target_logits, target_probs) if has_target and kl_weight else zero
+    if (tv_weight or kl_weight or lk_weight) and not has_target:
+        raise ValueError("tv_weight / kl_weight / lk_weight need the target distribution: give target_logits or "
+                         "target_probs")
+    kl_term = _kl_term(logp, w, wsum, target_logits, target_probs) if has_target and (kl_weight or lk_weight) else zero
     l1_coef = l1_weight + 0.5 * tv_weight
     l1_term = bce_term = zero
-    if has_target and (l1_coef or conf_logits is not None):
+    if has_target and (l1_coef or conf_logits is not None or lk_weight):
         l1_term, bce_term = _l1_and_bce_terms(logp, w, wsum, target_logits, target_probs, conf_logits)
     loss = ce_weight * ce_term + l1_coef * l1_term + kl_weight * kl_term + conf_weight * bce_term
+    if has_target and lk_weight:
+        kl = _kl_per_prediction(logp, target_logits, target_probs).view(a, p)
+        l1 = _l1_per_prediction(logp, target_logits, target_probs).view(a, p)
+        lam = lk_lambdas(l1, lk_lambda, lk_eta)
+        loss = loss + lk_weight * (w * (lam * kl + (1 - lam) * 0.5 * l1)).sum() / wsum
     acc, cnt, hit = _accuracy(logits, labels, valid)
     return LossOut(loss, ce_term.detach(), l1_term.detach(), acc, cnt, bce=bce_term.detach(), hit=hit,
                    kl=kl_term.detach())
 
 
-def _kl_term(logp: torch.Tensor, w: torch.Tensor, wsum, target_logits, target_probs) -> torch.Tensor:
-    """:func:`dspark_loss`'s KL(p_t || p_d) term: logp [A*P, V'] the drafter's log-probabilities, w [A, P] the decay
-    weights over their normaliser ``wsum``; p_t from ``target_logits`` [A, P, V'] or, on a draft vocabulary,
-    ``target_probs[0]`` renormalised over the V' columns. Returns the weighted mean (a 0-d fp32 tensor, nats)."""
-    a, p = w.shape
+def lk_lambdas(l1: torch.Tensor, lk_lambda: float | None, eta: float) -> torch.Tensor:
+    """The LK loss's lambda per prediction (LK losses, arXiv 2602.23881): ``lk_lambda`` everywhere when fixed, else
+    exp(-eta * alpha) with alpha = 1 - l1 / 2 the prediction's acceptance probability (no gradient).
+
+    Args:
+        l1: [...] fp32 L1 distances sum_v |p_d - p_t| (twice the total variation).
+        lk_lambda: a fixed lambda in [0, 1], or None (adaptive).
+        eta: the adaptive rate (the paper's default 3).
+    Returns:
+        [...] fp32 lambdas in [0, 1], detached.
+    """
+    if lk_lambda is not None:
+        return torch.full_like(l1, float(lk_lambda)).detach()
+    alpha = (1 - 0.5 * l1.detach().float()).clamp(0, 1)
+    return torch.exp(-float(eta) * alpha)
+
+
+def _kl_per_prediction(logp: torch.Tensor, target_logits, target_probs) -> torch.Tensor:
+    """KL(p_t || p_d) per prediction [A*P] fp32: logp [A*P, V'] the drafter's log-probabilities; p_t from
+    ``target_logits`` [A, P, V'] or, on a draft vocabulary, ``target_probs[0]`` renormalised over the V' columns."""
     v = logp.shape[-1]
     if target_probs is not None:  # p_t on the draft columns, renormalised over them
         pt_k = target_probs[0].float().reshape(-1, v)
         pt_k = pt_k / pt_k.sum(-1, keepdim=True).clamp_min(1e-30)
-        kl = torch.xlogy(pt_k, pt_k).sum(-1) - (pt_k * logp).sum(-1)
-    else:
-        lt = target_logits.float().reshape(-1, v).log_softmax(-1)
-        kl = (lt.exp() * (lt - logp)).sum(-1)
-    return (w * kl.view(a, p)).sum() / wsum
+        return torch.xlogy(pt_k, pt_k).sum(-1) - (pt_k * logp).sum(-1)
+    lt = target_logits.float().reshape(-1, v).log_softmax(-1)
+    return (lt.exp() * (lt - logp)).sum(-1)
+
+
+def _l1_per_prediction(logp: torch.Tensor, target_logits, target_probs) -> torch.Tensor:
+    """The L1 distance sum_v |p_d - p_t| per prediction [A*P] fp32 (plus p_t's mass outside a draft vocabulary,
+    ``target_probs[1]``); logp [A*P, V']."""
+    v = logp.shape[-1]
+    pd = logp.exp()
+    if target_probs is not None:
+        pt_sub, outside = target_probs
+        return (pd - pt_sub.float().reshape(-1, v)).abs().sum(-1) + outside.float().reshape(-1)
+    return (pd - target_logits.float().reshape(-1, v).softmax(-1)).abs().sum(-1)
+
+
+def _kl_term(logp: torch.Tensor, w: torch.Tensor, wsum, target_logits, target_probs) -> torch.Tensor:
+    """:func:`dspark_loss`'s KL(p_t || p_d) term (:func:`_kl_per_prediction`) weighted by w [A, P] over its
+    normaliser ``wsum``. Returns the weighted mean (a 0-d fp32 tensor, nats)."""
+    return (w * _kl_per_prediction(logp, target_logits, target_probs).view(w.shape)).sum() / wsum
 
 
 def _l1_and_bce_terms(logp: torch.Tensor, w: torch.Tensor, wsum, target_logits, target_probs, conf_logits):
     """:func:`dspark_loss`'s L1 distance sum_v |p_d - p_t| (plus p_t's mass outside a draft vocabulary,
     ``target_probs[1]``) and confidence BCE towards 1 - L1 / 2 (zero without ``conf_logits`` [A, P]), each weighted
     by w [A, P] over ``wsum``; logp [A*P, V']. Returns (L1 term, BCE term), 0-d fp32 tensors."""
-    a, p = w.shape
-    v = logp.shape[-1]
-    pd = logp.exp()
-    if target_probs is not None:
-        pt_sub, outside = target_probs
-        l1 = (pd - pt_sub.float().reshape(-1, v)).abs().sum(-1).view(a, p) + outside.float()
-    else:
-        pt = target_logits.float().reshape(-1, v).softmax(-1)
-        l1 = (pd - pt).abs().sum(-1).view(a, p)
+    l1 = _l1_per_prediction(logp, target_logits, target_probs).view(w.shape)
     l1_term = (w * l1).sum() / wsum
     bce_term = torch.zeros((), dtype=torch.float32, device=logp.device)
     if conf_logits is not None:
@@ -290,7 +328,7 @@ class _FusedBlockLoss(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, a, w_head, w_out, t_h, t_lse, labels, c_ce, c_base, c_l1, c_kl, chunk, want_grad, with_base,
-                with_l1, with_kl):
+                with_l1, with_kl, c_lk=None, lk_lambda=None, lk_eta=3.0):
         n, d = h.shape
         dt, dev = w_out.dtype, h.device
         f32 = torch.float32
@@ -343,6 +381,10 @@ class _FusedBlockLoss(torch.autograd.Function):
                         outside = (1 - q.sum(-1)).clamp(min=0)
                     diff = q.neg_().add_(p)  # p - p_t
                     l1[e] = diff.abs().sum(-1) + outside
+                    if c_lk is not None:  # LK: lambda KL + (1 - lambda) TV, lambda from this chunk's TV when adaptive
+                        lam = lk_lambdas(l1[e], lk_lambda, lk_eta)
+                        c_l1[e] += 0.5 * c_lk[e] * (1 - lam)
+                        c_kl[e] += c_lk[e] * lam
                 if not want_grad:  # evaluation: the pieces only
                     if with_base:
                         base_nll[e] = -base.float().log_softmax(-1)[rows, yc] * ok
@@ -366,7 +408,7 @@ class _FusedBlockLoss(torch.autograd.Function):
         dh, da, dw = ctx.dtypes
         out_a = None if grad_a is None else (grad_a * g_loss).to(da)
         out_w = None if grad_w is None else (grad_w * g_loss).to(dw)
-        return (grad_h * g_loss).to(dh), out_a, out_w, *([None] * 13)
+        return (grad_h * g_loss).to(dh), out_a, out_w, *([None] * 16)
 
 
 def _chunk_grad(e: slice, rows: torch.Tensor, yc: torch.Tensor, ok: torch.Tensor, p: torch.Tensor,
@@ -433,6 +475,9 @@ def fused_block_loss(
     rows: torch.Tensor | None = None,
     tv_weight: float = 0.0,
     kl_weight: float = 0.0,
+    lk_weight: float = 0.0,
+    lk_lambda: float | None = None,
+    lk_eta: float = 3.0,
 ) -> LossOut:
     """The dflash / dspark / domino losses without materialising the [A, P, V'] logits (Liger-style fused
     linear cross-entropy, extended to DSpark's L1, the total variation, the KL to the target and Domino's base CE).
@@ -465,6 +510,8 @@ def fused_block_loss(
             target_lse, as the L1).
         kl_weight: weight of KL(p~_t || p_d), p~_t the target's softmax over the V' columns (needs target_hidden,
             not target_lse). With tv_weight = l1_weight = 0 and no confidence logits the L1 is not computed.
+        lk_weight, lk_lambda, lk_eta: the LK loss as :func:`dspark_loss` (needs target_hidden; lambda per prediction
+            from its own TV when adaptive).
     Returns:
         LossOut as :func:`dspark_loss` (``lam`` None) or :func:`domino_loss`.
     Raises:
@@ -472,23 +519,29 @@ def fused_block_loss(
             logits; chunk < 1.
     """
     chunk = _fused_chunk(chunk, w_out, target_hidden, lam, conf_logits)
-    if (tv_weight or kl_weight) and target_hidden is None:
-        raise ValueError("tv_weight / kl_weight need target_hidden (the target's distribution at each prediction)")
+    if (tv_weight or kl_weight or lk_weight) and target_hidden is None:
+        raise ValueError("tv_weight / kl_weight / lk_weight need target_hidden (the target's distribution at each "
+                         "prediction)")
     w, w_ce = decay_weights(valid, gamma), decay_weights(valid & (labels >= 0), gamma)
     rows = valid.reshape(-1).nonzero()[:, 0] if rows is None else rows  # only valid predictions are computed
     l1_coef = l1_weight + 0.5 * tv_weight
     # the L1 is computed for its own weight, the confidence label, or (as before the KL) whenever a target is given
-    with_l1 = target_hidden is not None and bool(l1_coef or conf_logits is not None or not kl_weight)
-    with_kl = target_hidden is not None and bool(kl_weight)
+    lk = target_hidden is not None and bool(lk_weight) and lam is None
+    with_l1 = target_hidden is not None and bool(l1_coef or conf_logits is not None or not kl_weight or lk)
+    with_kl = target_hidden is not None and bool(kl_weight or lk)
     c_ce, c_base, c_l1, c_kl = _fused_coefficients(rows, w, w_ce, lam=lam, ce_weight=ce_weight, l1_weight=l1_coef,
                                                    kl_weight=kl_weight, with_l1=with_l1, with_kl=with_kl,
                                                    denom=denom, device=hidden.device)
+    c_lk = None
+    if lk:  # the chunks add the LK share to the L1 and KL coefficients (own tensors: written in place)
+        c_l1, c_kl = c_l1.clone(), c_kl.clone()
+        c_lk = (lk_weight * w / _den(w, denom)).reshape(-1)[rows].float()
     h, a, wh, t_h, t_lse, lab = _fused_rows(rows, hidden, labels, factors, target_hidden, target_lse)
     # Domino's base CE is computed where its weight can be non-zero (known on the host: no device sync)
     with_base = lam is not None and lam != 0
     loss, nll_r, base_r, l1_r, kl_r, hit_r = _FusedBlockLoss.apply(
         h, a, wh, w_out, t_h, t_lse, lab, c_ce.float(), c_base.float(), c_l1.float(), c_kl.float(), int(chunk),
-        torch.is_grad_enabled(), with_base, with_l1, with_kl)
+        torch.is_grad_enabled(), with_base, with_l1, with_kl, c_lk, lk_lambda, float(lk_eta))
     grid = (rows, labels.shape, hidden.device)
     return _fused_out(loss, grid, nll_r, base_r, l1_r, hit_r, valid, w, w_ce, denom, lam=lam,
                       with_l1=with_l1, conf_logits=conf_logits, conf_weight=conf_weight,

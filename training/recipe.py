@@ -38,7 +38,10 @@ class DrafterSection:
     intermediate_size: Optional[int] = None  # default: the target's
     target_layer_ids: list = field(default_factory=list)  # default: DFlash rule for 5 ids
     num_target_features: int = 5  # ids chosen by the DFlash rule when target_layer_ids is empty
-    init_from_target: bool = True  # copy the target's top decoder layers
+    # warm start from the target: false | layers (true) | specforge (the layers, the identity projection on the
+    # feature that feeds them, the target's norms; DFlashDrafter.warm_start)
+    init_from_target: Any = True
+    init_copy_layers: int = 0  # with init_from_target: copy this many of the target's top layers (0: every drafter layer)
     qk_norm: bool = False
     block_size: int = 16
     proposal_offset: int = 0  # 0: DSpark/Domino convention (P = L)
@@ -71,6 +74,11 @@ class LossSection:
     l1_weight: float = 0.9  # dspark: L1 distance sum|p_d - p_t| to the target distribution (DeepSpec's "TVD" term)
     tv_weight: float = 0.0  # dspark: total variation 0.5 sum|p_d - p_t| (tv_weight w = l1_weight w/2)
     kl_weight: float = 0.0  # dspark: KL(p_t || p_d), p_t renormalised over a draft vocabulary
+    # dspark: the LK loss lambda KL + (1 - lambda) TV (LK losses, arXiv 2602.23881), weight lk_weight; lk_lambda a
+    # fixed lambda in [0, 1], or null: adaptive, lambda = exp(-lk_eta * (1 - TV)) per prediction (the paper's eta 3)
+    lk_weight: float = 0.0
+    lk_lambda: Optional[float] = None
+    lk_eta: float = 3.0
     conf_weight: float = 1.0  # dspark with head.confidence_head: BCE of the confidence head
     lambda_base_start: float = 1.0  # domino: lambda at step 0
     lambda_decay_ratio: float = 1.0  # domino: lambda reaches 0 after int(ratio * planned steps) steps (SpecForge: 0.5)
@@ -119,6 +127,7 @@ class TrainSection:
     num_anchors: int = 32
     lr: float = 6e-4
     warmup_ratio: float = 0.04
+    lr_schedule: str = "cosine"  # cosine (to 5% at the end) | constant (after the warm-up; SpecForge's DSpark notes)
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     bf16: Any = "auto"  # autocast the drafter to bf16 (true / false / auto: see resolve_auto_dtypes)

@@ -255,14 +255,15 @@ def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, settin
         lam = obj.lam()
     conf_head = bool(getattr(head, "confidence_head", False))
     # the target's distribution: for the L1 / TV / KL terms and the confidence label (objectives without a base CE)
-    with_target = lam is None and bool(obj.l1_coef or obj.kl_weight or conf_head)
+    with_target = lam is None and bool(obj.l1_coef or obj.kl_weight or obj.lk_weight or conf_head)
     hidden, factors, conf = _draft_forward(drafter, head, target.device, b, settings,
                                            with_conf=lam is None and obj.corrected and conf_head)
     s = b.final.shape[0]
     t_hidden = b.final[(b.lp - 1).clamp(max=s - 1)] if with_target else None
     # the full-vocabulary lse: for p_t's mass outside a draft vocabulary (the L1 / TV / confidence label; the fused
     # KL needs only the draft columns)
-    with_lse = with_target and b.vocab is not None and bool(obj.l1_coef or conf_head or not settings.fused_loss)
+    with_lse = with_target and b.vocab is not None and bool(obj.l1_coef or obj.lk_weight or conf_head
+                                                            or not settings.fused_loss)
     t_lse = data.lse_of(i).to(target.device, non_blocking=True)[(b.lp - 1).clamp(max=s - 1)] if with_lse else None
     if settings.fused_loss:
         return _fused_loss(b, obj, hidden, factors, conf, t_hidden, t_lse, lam, denom)
@@ -301,7 +302,8 @@ def _fused_loss(b: StepBlocks, obj: Objective, hidden, factors, conf, t_hidden, 
                             target_hidden=t_hidden, target_lse=t_lse, ce_weight=obj.ce_weight,
                             l1_weight=obj.l1_weight, conf_logits=conf,
                             conf_weight=obj.conf_weight if conf is not None else 0.0, denom=denom, rows=b.rows,
-                            tv_weight=obj.tv_weight, kl_weight=obj.kl_weight)
+                            tv_weight=obj.tv_weight, kl_weight=obj.kl_weight, lk_weight=obj.lk_weight,
+                            lk_lambda=obj.lk_lambda, lk_eta=obj.lk_eta)
 
 
 def _reference_loss(b: StepBlocks, obj: Objective, hidden, factors, conf, t_hidden, t_lse, lam, denom, *, bf16):
@@ -328,7 +330,8 @@ def _reference_loss(b: StepBlocks, obj: Objective, hidden, factors, conf, t_hidd
     return dspark_loss(logits, labels, valid, t_logits, gamma=obj.gamma, ce_weight=obj.ce_weight,
                        l1_weight=obj.l1_weight, conf_logits=conf,
                        conf_weight=obj.conf_weight if conf is not None else 0.0, target_probs=t_probs, denom=denom,
-                       tv_weight=obj.tv_weight, kl_weight=obj.kl_weight)
+                       tv_weight=obj.tv_weight, kl_weight=obj.kl_weight, lk_weight=obj.lk_weight,
+                       lk_lambda=obj.lk_lambda, lk_eta=obj.lk_eta)
 
 
 @torch.no_grad()

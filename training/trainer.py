@@ -135,11 +135,14 @@ class WarmupCosine:
     ``offset`` (``train.schedule_from_init``): the run's step 0 is the lineage's step ``offset`` (``warm`` and
     ``total`` count lineage steps), so a run continued from an earlier run's weights does not warm up again; under
     the cap the time-driven decay runs from the lineage's progress at ``offset`` to the floor over this run's cap.
-    With ``offset`` 0 it is the single-run schedule.
+    With ``offset`` 0 it is the single-run schedule. ``constant`` (``train.lr_schedule=constant``) keeps the factor
+    at 1 after the warm-up: SpecForge's DSpark recipe notes (``docs/dspark_draft_backbone_recipe.md`` in its
+    repository) found a constant learning rate better than cosine.
     """
 
-    def __init__(self, warm: int, total: int, cap_s: float, offset: int = 0):
+    def __init__(self, warm: int, total: int, cap_s: float, offset: int = 0, constant: bool = False):
         self.warm, self.total, self.cap_s, self.offset = warm, total, cap_s, int(offset)
+        self.constant = bool(constant)
         self.t0 = time.time()
 
     def start(self) -> None:
@@ -154,6 +157,8 @@ class WarmupCosine:
         step = step + getattr(self, "offset", 0)  # a scheduler state saved before the offset existed has none
         if step < self.warm:
             return (step + 1) / self.warm
+        if getattr(self, "constant", False):
+            return 1.0
         prog = (step - self.warm) / max(1, self.total - self.warm)
         if self.cap_s:
             p0 = self.progress(getattr(self, "offset", 0))
@@ -292,7 +297,9 @@ class Trainer:
         self.total = cfg.train.max_steps or max(1, math.ceil(cfg.train.epochs * self.steps_per_epoch))
         self.cap_s = cfg.train.max_minutes * 60
         self.step0, offset, horizon = self._schedule_span()
-        self.lr = WarmupCosine(max(1, int(cfg.train.warmup_ratio * horizon)), horizon, self.cap_s, offset=offset)
+        self.horizon = horizon  # the schedule's length in lineage steps (Domino's lambda follows it too)
+        self.lr = WarmupCosine(max(1, int(cfg.train.warmup_ratio * horizon)), horizon, self.cap_s, offset=offset,
+                               constant=cfg.train.get("lr_schedule", "cosine") == "constant")
         self.sched = torch.optim.lr_scheduler.LambdaLR(opt, self.lr)
         self.stage = int(cfg.deepspeed.zero_stage)
         if self.engine_name == "torch":
@@ -416,7 +423,10 @@ class Trainer:
         (``loss``, ``ce``, ``l1``, ``bce``, averaged over all processes) and the curriculum weight ``lam`` of an
         objective with one (Domino's; 0.0 otherwise)."""
         st = self.state
-        lam = self.objective.lam(st.step, self.total) if self.objective.curriculum is not None else 0.0
+        # a curriculum (Domino's lambda) follows the lineage's schedule: with train.schedule_from_init the run's step
+        # 0 is the lineage's step offset, and the span is the lineage's (offset 0, span = this run's steps otherwise)
+        lineage_step = st.step + getattr(self.lr, "offset", 0)
+        lam = (self.objective.lam(lineage_step, self.horizon) if self.objective.curriculum is not None else 0.0)
         lr = float(self.sched.get_last_lr()[0])  # the rate this step's optimiser update uses
         batch = self.next_batch()
         st.seen.update(batch)

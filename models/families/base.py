@@ -43,9 +43,11 @@ class Objective:
     - CE of the final logits x = U + A · W^T (``corrected``) or of the base logits U alone (not ``corrected``);
     - with ``base_weight`` w (not None): ``(1 - w) CE(x) + w CE(U)`` (Domino, arXiv 2605.29707; DFlash 2's unary +
       selector CE at w = 0.5), where ``curriculum`` (step, total steps) -> w gives w per optimiser step;
-    - else ``ce_weight CE + (l1_weight + tv_weight / 2) L1 + kl_weight KL(p_t || p_d) + conf_weight BCE``
-      (DSpark, arXiv 2607.05147, Sec. 3.3), the L1 distance sum_v |p_d - p_t|, the KL to the target's
-      distribution p_t, and the confidence BCE when the head carries a confidence head (``confidence``).
+    - else ``ce_weight CE + (l1_weight + tv_weight / 2) L1 + kl_weight KL(p_t || p_d) + lk_weight LK +
+      conf_weight BCE`` (DSpark, arXiv 2607.05147, Sec. 3.3), the L1 distance sum_v |p_d - p_t|, the KL to the
+      target's distribution p_t, the LK loss lambda KL + (1 - lambda) TV (arXiv 2602.23881; lambda ``lk_lambda``,
+      or exp(-``lk_eta`` (1 - TV)) when None), and the confidence BCE when the head carries a confidence head
+      (``confidence``).
 
     Attributes:
         gamma: decay length of the position weights (None: weight 1).
@@ -65,6 +67,9 @@ class Objective:
     tv_weight: float = 0.0
     kl_weight: float = 0.0
     conf_weight: float = 0.0
+    lk_weight: float = 0.0
+    lk_lambda: float | None = None
+    lk_eta: float = 3.0
     confidence: bool = False
     base_weight: float | None = None
     curriculum: Callable[[int, int], float] | None = None
@@ -77,8 +82,9 @@ class Objective:
 
     def distribution_weights(self) -> tuple[float, float, float]:
         """(L1 coefficient, KL weight, 1.0 / 0.0 for a trained confidence head): the terms that read the target's
-        distribution p_t; all 0 for a family that compares with the labels only."""
-        return self.l1_coef, self.kl_weight, float(self.confidence)
+        distribution p_t; all 0 for a family that compares with the labels only. The LK loss counts in both the L1
+        (its TV, over the full vocabulary) and the KL."""
+        return self.l1_coef + self.lk_weight, self.kl_weight + self.lk_weight, float(self.confidence)
 
     def lam(self, step: int | None = None, total: int | None = None) -> float | None:
         """The base-CE weight w at optimiser ``step`` of ``total`` (the curriculum's value; 0.0 without a step, as

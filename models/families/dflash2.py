@@ -63,6 +63,13 @@ class SelectorHead(CorrectionHead):
         return {"vocab_size": self.vocab_size, "rank": self.rank, "hidden_size": self.hidden_size,
                 "top_k": self.top_k}
 
+    def start_uncorrected(self) -> None:
+        """Zero the successor codebook ``w2`` so that g(C, H, r) = U[C] until training moves it (a warm start's
+        "no correction" head, as SpecForge starts its Markov heads with a zero ``w2``); the codebook ``w1`` and the
+        projection keep their initialisation, so the first step's gradient reaches ``w2``."""
+        with torch.no_grad():
+            self.w2.weight.zero_()
+
     def init_state(self, anchor_ids):
         return self.w1(anchor_ids).float()
 

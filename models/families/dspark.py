@@ -1,6 +1,7 @@
 """DSpark (arXiv 2607.05147): Markov correction heads ``markov``, ``gated_markov`` and ``rnn``, optionally with
 DSpark's confidence head, trained by ``ce_weight CE + l1_weight L1(p_d, p_t) + conf_weight BCE`` (Sec. 3.3; DeepSpec
-``config/dspark``), plus the total variation and KL(p_t || p_d) terms (``loss.tv_weight``, ``loss.kl_weight``).
+``config/dspark``), plus the total variation and KL(p_t || p_d) terms (``loss.tv_weight``, ``loss.kl_weight``) and
+the LK loss (LK losses, arXiv 2602.23881: ``loss.lk_weight``, ``loss.lk_lambda``, ``loss.lk_eta``).
 Recipe ``loss.type=dspark``.
 
 The heads' concat and split orders follow the public code (SpecForge ``specforge/modeling/draft/dspark_heads.py``,
@@ -270,17 +271,21 @@ class DSparkFamily(Family):
         """The DSpark weights of the recipe (``loss.tv_weight`` / ``loss.kl_weight`` read 0 in recipes written
         before them); the confidence BCE where ``head.confidence_head``."""
         kl = float(loss.get("kl_weight", 0.0) or 0.0)
+        lk = float(loss.get("lk_weight", 0.0) or 0.0)
+        lk_lambda = loss.get("lk_lambda", None)
         return Objective(gamma=loss["gamma"], ce_weight=loss["ce_weight"], l1_weight=loss["l1_weight"],
                          tv_weight=float(loss.get("tv_weight", 0.0) or 0.0), kl_weight=kl,
                          conf_weight=loss["conf_weight"], confidence=bool(head.get("confidence_head", False)),
-                         logged=("l1", "kl") if kl else ("l1",))
+                         lk_weight=lk, lk_lambda=None if lk_lambda is None else float(lk_lambda),
+                         lk_eta=float(loss.get("lk_eta", 3.0)), logged=("l1", "kl") if kl or lk else ("l1",))
 
     def recipe_problems(self, cfg) -> list[str]:
         """A loss that weights nothing: every one of ``loss.ce_weight``, ``l1_weight``, ``tv_weight``, ``kl_weight``
         is 0."""
         lo = cfg.loss
-        if lo.ce_weight == 0 and lo.l1_weight == 0 and not lo.get("tv_weight", 0) and not lo.get("kl_weight", 0):
-            return ["loss.ce_weight=0 and loss.l1_weight=0 (and loss.tv_weight, loss.kl_weight 0): the DSpark loss "
+        if (lo.ce_weight == 0 and lo.l1_weight == 0 and not lo.get("tv_weight", 0) and not lo.get("kl_weight", 0)
+                and not lo.get("lk_weight", 0)):
+            return ["loss.ce_weight=0 and loss.l1_weight=0 (and loss.tv_weight, kl_weight, lk_weight 0): the DSpark loss "
                     "would not train the drafter or its Markov head; give one of them a positive weight"]
         return []
 
