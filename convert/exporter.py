@@ -6,6 +6,8 @@ docstring says which head type goes to which layout.
 from __future__ import annotations
 
 import json
+import re
+import warnings
 from pathlib import Path
 
 from dartree.convert.formats import with_target_context
@@ -33,6 +35,22 @@ def _ensure_exportable_destination(dest: Path) -> None:
                               "choose a new --out folder")
 
 
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")  # org/model, as dartree.models.target.model_id reads one
+
+
+def verifier_warning(name: str) -> str | None:
+    """Why a speculators export whose ``verifier.name_or_path`` is ``name`` cannot be served on another machine (vLLM
+    loads the verifier's embedding, lm_head and norm from that name), with the fix; None for a hub id (``org/model``
+    that names no folder here)."""
+    if _HUB_ID.match(name) and not Path(name).expanduser().exists():
+        return None
+    what = ("no verifier" if not name.strip() else
+            f"the verifier as {name!r}, " + ("a local path" if Path(name).expanduser().exists() or "/" in name
+                                            or "\\" in name else "not a hub id (org/model)"))
+    return (f"the export records {what} (speculators_config.verifier.name_or_path), which another machine cannot "
+            "load the verifier from; pass --verifier ORG/MODEL, the target's hub id")
+
+
 def export(src: str | Path, out: str | Path, *, to: str, target=None, verifier: str | None = None) -> Path:
     """Write the dartree checkpoint ``src`` in the published layout ``to`` at ``out`` (atomically); returns ``out``.
 
@@ -43,6 +61,9 @@ def export(src: str | Path, out: str | Path, *, to: str, target=None, verifier: 
         verifier: the target's model id to record (``_name_or_path``; speculators' ``verifier.name_or_path``) in
             place of the one derived from the target (:func:`dartree.models.target.model_id`), e.g. the hub id of a
             local folder that records none.
+    Warns:
+        UserWarning: a speculators export without ``verifier`` whose derived verifier is a local folder or no hub
+            id (:func:`verifier_warning`; servers elsewhere load the verifier from it).
     Raises:
         CheckpointError: ``src`` is not a valid dartree checkpoint (strict load), ``to`` is unknown, the drafter
             does not fit ``target`` (both values named), or the drafter / head cannot be expressed in ``to`` (the
@@ -63,6 +84,10 @@ def export(src: str | Path, out: str | Path, *, to: str, target=None, verifier: 
             published["speculators_config"]["verifier"]["name_or_path"] = verifier
         else:
             published["_name_or_path"] = verifier
+    elif "speculators_config" in published:
+        problem = verifier_warning(published["speculators_config"]["verifier"].get("name_or_path") or "")
+        if problem:
+            warnings.warn(problem, UserWarning, stacklevel=2)
     write_folder_atomically(out, {"config.json": json.dumps(published, indent=2).encode(),
                                   "model.safetensors": {"tensors": mapped, "metadata": {"format": "pt"}}})
     return out

@@ -296,7 +296,9 @@ def write(config: dict, tensors: dict, target=None, where="the checkpoint") -> t
     ``identity`` heads become ``dflash``, ``markov`` / ``gated_markov`` / ``rnn`` become ``dspark``, ``selector``
     (with DFlash 2 convolutions) becomes ``dflash2`` (its ``sliding_window_non_causal`` default, true, is written;
     the layers are full attention, so it acts on nothing);
-    ``sample_from_anchor`` = (proposal_offset == 0); the verifier is ``target`` when given, else the recorded target
+    ``sample_from_anchor`` = (proposal_offset == 0); ``rope_theta`` is written both at the top level of
+    ``transformer_layer_config`` (where transformers 4 reads it) and under its ``rope_parameters`` (transformers 5);
+    the verifier is ``target`` when given, else the recorded target
     name, written as a model id another machine resolves (:func:`dartree.models.target.model_id`: the hub id of the
     packaged default target, not this machine's cache folder), so speculators' ``from_pretrained`` and vLLM reload the
     embedding, heads and norm from it there.
@@ -326,6 +328,9 @@ def write(config: dict, tensors: dict, target=None, where="the checkpoint") -> t
     vocab = int(ident.get("vocab_size") or head.get("vocab_size"))
     n_draft = int(d.get("draft_vocab_size") or 0) or vocab
     out = _validated_by_speculators(_write_config(config, kind, vocab, n_draft, target))
+    # speculators' classes keep rope_theta only under rope_parameters (transformers 5); readers pinned to
+    # transformers 4 (Qwen3Config(rope_theta=...)) read it at the top level, so it is written in both places
+    out["transformer_layer_config"]["rope_theta"] = float(d["rope_theta"])
     return out, _write_tensors(tensors, htype, n_draft, vocab, target)
 
 
@@ -343,7 +348,8 @@ def _write_config(config: dict, kind: str, vocab: int, n_draft: int, target) -> 
     tl = {"model_type": "qwen3", "vocab_size": vocab, "hidden_size": d["hidden_size"],
           "intermediate_size": d["intermediate_size"], "num_hidden_layers": d["num_layers"],
           "num_attention_heads": d["num_heads"], "num_key_value_heads": d["num_kv_heads"], "head_dim": d["head_dim"],
-          "rms_norm_eps": d["rms_norm_eps"], "rope_theta": d["rope_theta"], "attention_bias": False,
+          "rms_norm_eps": d["rms_norm_eps"], "rope_theta": d["rope_theta"],
+          "rope_parameters": {"rope_type": "default", "rope_theta": d["rope_theta"]}, "attention_bias": False,
           "hidden_act": "silu", "tie_word_embeddings": False, "use_sliding_window": False,
           "layer_types": ["full_attention"] * d["num_layers"]}
     ctx = F.context_length(config)

@@ -798,3 +798,73 @@ def test_exports_name_the_target_by_a_model_id_another_machine_resolves(tmp_path
     assert model_id(str(local)) == "org/base-model"  # a local folder that records its hub id
     (local / "config.json").write_text("{}")
     assert model_id(str(local)) == str(local)  # one that records none: the folder, as the user gave it
+
+
+def test_a_speculators_export_that_can_only_name_a_local_folder_as_the_verifier_warns(tmp_path, capsys):
+    """vLLM loads a speculators drafter's verifier (embedding, lm_head, norm) from verifier.name_or_path, so an
+    export that can only record a local folder there (one whose config.json records no hub id) or a name that is no
+    hub id says so, once, naming --verifier; the library warns, the command prints one ``warning:`` line. The name is
+    still written (the export stays usable on this machine); --verifier or a folder that records its hub id is
+    silent."""
+    import warnings
+
+    from dartree.convert.exporter import verifier_warning
+    from dartree.convert.tools.from_dartree import main as export_main
+    from dartree.models.heads import IdentityHead
+
+    dt = _trained_here(tmp_path, tiny_target(), IdentityHead(), 1)
+    local = tmp_path / "my-target"
+    local.mkdir()
+    (local / "config.json").write_text("{}")
+    cfg = json.loads((dt / "config.json").read_text())
+    cfg["target"]["name"] = str(local)  # as a drafter trained on a local target folder records it
+    (dt / "config.json").write_text(json.dumps(cfg))
+
+    def recorded(folder):
+        return json.loads((folder / "config.json").read_text())["speculators_config"]["verifier"]["name_or_path"]
+
+    with pytest.warns(UserWarning) as caught:
+        out = export(dt, tmp_path / "a", to="speculators")
+    said = [str(w.message) for w in caught if "verifier" in str(w.message)]
+    assert said == [f"the export records the verifier as '{local}', a local path "
+                    "(speculators_config.verifier.name_or_path), which another machine cannot load the verifier from; "
+                    "pass --verifier ORG/MODEL, the target's hub id"]
+    assert recorded(out) == str(local)
+    assert export_main([str(dt), "--to", "speculators", "--out", str(tmp_path / "b")]) == 0
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"warning: {said[0]}"]
+    with warnings.catch_warnings(record=True) as quiet:
+        warnings.simplefilter("always")
+        assert recorded(export(dt, tmp_path / "c", to="speculators", verifier="me/my-model")) == "me/my-model"
+        (local / "config.json").write_text(json.dumps({"_name_or_path": "org/base-model"}))
+        assert recorded(export(dt, tmp_path / "d", to="speculators")) == "org/base-model"
+    assert [str(w.message) for w in quiet if "verifier" in str(w.message)] == []
+    assert verifier_warning("Qwen/Qwen3-0.6B") is None
+    assert "as 'tiny-qwen3-seed0', not a hub id (org/model)" in verifier_warning("tiny-qwen3-seed0")
+    assert verifier_warning("").startswith("the export records no verifier (")
+
+
+def test_speculators_export_writes_rope_theta_where_transformers_4_and_5_read_it(tmp_path):
+    """speculators' config classes keep rope_theta only under transformer_layer_config.rope_parameters (the
+    transformers 5 layout); a reader pinned to transformers 4 (Qwen3Config(rope_theta=...)) reads the top level and
+    would take its default, so the export writes both, equal to the drafter's; either layout alone converts back to
+    the same drafter."""
+    from dartree.models.heads import IdentityHead
+
+    dt = _trained_here(tmp_path, tiny_target(), IdentityHead(), 1)
+    cfg = json.loads((dt / "config.json").read_text())
+    cfg["drafter"]["rope_theta"] = 5000.0  # not transformers' default, so a default cannot pass for it
+    (dt / "config.json").write_text(json.dumps(cfg))
+    out = export(dt, tmp_path / "pub", to="speculators", verifier="org/model")
+    pub = json.loads((out / "config.json").read_text())
+    tl = pub["transformer_layer_config"]
+    assert tl["rope_theta"] == 5000.0
+    assert tl["rope_parameters"] == {"rope_type": "default", "rope_theta": 5000.0}
+    for drop in ("rope_parameters", "rope_theta"):  # a transformers 4 reader, a transformers 5 reader
+        only = {**pub, "transformer_layer_config": {k: v for k, v in tl.items() if k != drop}}
+        src = tmp_path / f"only_{drop}"
+        src.mkdir()
+        (src / "config.json").write_text(json.dumps(only))
+        (src / "model.safetensors").write_bytes((out / "model.safetensors").read_bytes())
+        back = json.loads((convert(src, tmp_path / f"back_{drop}") / "config.json").read_text())
+        assert back["drafter"]["rope_theta"] == 5000.0

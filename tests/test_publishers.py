@@ -548,14 +548,21 @@ def _spec_outputs(m, hf, seq, p):
 
 def _export_back_to_speculators(tmp_path, target):
     """Export ``tmp_path/dt`` to speculators and check it holds exactly the tensors speculators saved in
-    ``tmp_path/spec`` (same keys, equal values); returns (export folder, its config.json dict)."""
+    ``tmp_path/spec`` (same keys, equal values), says that the verifier it records is this machine's folder, and
+    writes rope_theta where transformers 4 reads it as well as where speculators' classes put it (transformers 5);
+    returns (export folder, its config.json dict)."""
     from safetensors.torch import load_file
 
-    back = export(tmp_path / "dt", tmp_path / "back", to="speculators", target=target)
+    with pytest.warns(UserWarning, match=r"records the verifier as '.*', a local path .*pass --verifier ORG/MODEL"):
+        back = export(tmp_path / "dt", tmp_path / "back", to="speculators", target=target)
     orig, got = load_file(str(tmp_path / "spec/model.safetensors")), load_file(str(back / "model.safetensors"))
     assert sorted(got) == sorted(orig)  # exactly the keys speculators itself saves
     assert all(torch.equal(got[k].float(), orig[k].float()) for k in orig)
-    return back, json.loads((back / "config.json").read_text())
+    cfg = json.loads((back / "config.json").read_text())
+    tl, spec_tl = cfg["transformer_layer_config"], json.loads((tmp_path / "spec/config.json").read_text())[
+        "transformer_layer_config"]
+    assert tl["rope_theta"] == tl["rope_parameters"]["rope_theta"] == spec_tl["rope_parameters"]["rope_theta"] == 10000.0
+    return back, cfg
 
 
 @pytest.mark.parametrize("kind,extra,n_draft", _SPEC, ids=[f"{k}-{'-'.join(f'{a}={b}' for a, b in e.items())}-vocab{n or V}"

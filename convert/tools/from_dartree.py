@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import warnings
 
 from dartree.base.cli import fail
 from dartree.convert.exporter import export
@@ -29,7 +30,9 @@ from dartree.models import target as target_lib
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point (``dartree-export``); exit status 2 with a one-line error on a bad checkpoint."""
+    """Console entry point (``dartree-export``); exit status 2 with a one-line error on a bad checkpoint. The
+    export's warnings (a speculators verifier recorded as a local folder, a context length the checkpoint does not
+    record) are printed as ``warning: ...`` lines on stderr."""
     ap = argparse.ArgumentParser(prog="dartree-export", description=__doc__.split("\n")[0])
     ap.add_argument("src", help="dartree checkpoint folder")
     ap.add_argument("--to", required=True, choices=sorted(EXPORT_FORMATS), help="published layout to write")
@@ -38,13 +41,18 @@ def main(argv: list[str] | None = None) -> int:
                                      "it as the verifier and need it for a reduced draft vocabulary")
     ap.add_argument("--verifier", metavar="MODEL_ID",
                     help="the target's model id to record (default: the hub id of the packaged target, or the one a "
-                         "local folder's config.json records, else the folder): what a server loads the verifier from")
+                         "local folder's config.json records, else the folder, with a warning): what a server loads the "
+                         "verifier from")
     args = ap.parse_args(argv)
     try:
         target = None
         if args.target:
             target = target_lib.load_target(args.target)
-        export(args.src, args.out, to=args.to, target=target, verifier=args.verifier)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", UserWarning)
+            export(args.src, args.out, to=args.to, target=target, verifier=args.verifier)
+        for w in caught:  # one line each (the export's own cautions: a verifier another machine cannot load, ...)
+            print(f"warning: {w.message}", file=sys.stderr)
     except CheckpointError as exc:
         return fail(str(exc))
     except OSError as exc:
