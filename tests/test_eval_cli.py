@@ -82,6 +82,14 @@ def test_eval_cli_writes_report(tiny_folder, tmp_path):
     # the loud tau warning appears exactly when tau is about 1
     for m in ("chain", "chain@auto", "pruned@B4", "pruned@B6", "pruned@auto"):
         assert (f"WARNING: {m} " in r.stdout) == (rep["methods"][m]["tau"] < 1.05), m
+    # unpaired, a round is priced against the AR baseline's time per token (mean of its 2 runs per prompt)
+    ar_ms = 1000 * sum(r["decode_s"] for r in rep["per_prompt"]["ar"]) / sum(
+        r["new_tokens"] - 1 for r in rep["per_prompt"]["ar"])
+    for m in ("chain", "chain@auto", "pruned@B4", "pruned@B6", "pruned@auto"):
+        be = rep["methods"][m]["break_even"]
+        assert be["ar_basis"] == "baseline" and be["ar_ms_per_token"] == pytest.approx(ar_ms)
+        assert f"- {m}: {be['explanation']}" in md and be["explanation"].endswith(
+            f"(measured: {rep['methods'][m]['speedup']:.2f}x AR).")
 
 
 def test_report_warnings_flag_tau_about_one_and_mismatches():
@@ -250,7 +258,23 @@ def test_eval_cli_paired_rows_time_each_method_against_its_own_lockstep_ar(tiny_
         assert lo <= rep["methods"][m]["paired_speedup"] * 1.0001 and hi >= rep["methods"][m]["paired_speedup"] * 0.9999
     assert "paired_speedup" not in rep["methods"]["ar"]
     md = (out / "report.md").read_text()
-    assert "| method | tau | tokens/s | speedup | paired x AR |" in md and "paired x AR: each method" in md
+    assert "| method | tau | needs tau | tokens/s | speedup | paired x AR |" in md and "paired x AR: each method" in md
+    # what a round costs here: its stages' mean ms over the lockstep AR's ms per token, beside the tau reached
+    assert "## what a round costs here, and the tau that pays for it" in md
+    for m in ("chain", "pruned"):
+        agg, rows = rep["methods"][m], rep["per_prompt"][m]
+        be = agg["break_even"]
+        ar_ms = 1000 * sum(r["paired_ar_decode_s"] for r in rows) / sum(r["paired_ar_new_tokens"] - 1 for r in rows)
+        assert be["ar_basis"] == "paired" and be["ar_ms_per_token"] == pytest.approx(ar_ms)
+        round_ms = 1000 * sum(sum(r["stage_s"].values()) for r in rows) / agg["rounds"]
+        assert be["break_even_tau"] == pytest.approx(round_ms / ar_ms) and be["tau"] == pytest.approx(agg["tau"])
+        assert be["pays"] is (agg["tau"] > be["break_even_tau"])
+        assert f"| {m} | {agg['tau']:.3f} | {be['break_even_tau']:.2f} |" in md
+        assert f"- {m}: {be['explanation']}" in md and be["explanation"].startswith("a verify of ")
+        said = be["explanation"]
+        assert f"so it needs tau >= {be['break_even_tau']:.2f} to beat AR; it reached {agg['tau']:.2f}, " in said
+        assert said.endswith(f"(measured: {agg['paired_speedup']:.2f}x AR paired).")
+        assert f"{m}: a verify of" in r.stdout  # the printed explanation
 
 
 @pytest.mark.slow

@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 from dartree.base.cli import fail
 from dartree.base.files import write_file_atomically
 from dartree.base.fields import folder_problem
+from dartree.decode.harness.break_even import break_even_fields, break_even_lines, break_even_markdown, needs_tau_cell
 
 FIGURES_MARKER = "<!-- dartree-report figures: everything below is redrawn by dartree-report -->"
 
@@ -230,15 +231,15 @@ def _report_tables(report: dict) -> list[tuple[str, list[str], list[list[str]], 
     paired_cols = _paired_cols(report)
     out = []
     for scope, data in [("all", report["methods"])] + list(report["datasets"].items()):
-        cols = ["method", "tau", "tokens/s", "speedup", *(["paired x AR"] if paired_cols else []), "lossless",
-                "nodes", "draft ms", "tree ms", "verify ms"]
+        cols = ["method", "tau", "needs tau", "tokens/s", "speedup", *(["paired x AR"] if paired_cols else []),
+                "lossless", "nodes", "draft ms", "tree ms", "verify ms"]
         cells = []
         for m, r in data.items():
             loss = "baseline" if m == "ar" else lossless_cell(r, r.get("peer", False))
             paired_cell = ([f"{r['paired_speedup']:.3f}x" if "paired_speedup" in r else ""] if paired_cols else [])
-            cells.append([m, f"{r['tau']:.3f}", f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.3f}x", *paired_cell,
-                          loss, f"{r.get('mean_tree_nodes', 1.0):.1f}", f"{r.get('draft_ms_per_round', 0):.1f}",
-                          f"{r.get('tree_build_ms_per_round', 0):.1f}", f"{r.get('verify_ms_per_round', 0):.1f}"])
+            cells.append([m, f"{r['tau']:.3f}", needs_tau_cell(r), f"{r['tokens_per_s']:.1f}", f"{r['speedup']:.3f}x",
+                          *paired_cell, loss, f"{r.get('mean_tree_nodes', 1.0):.1f}",
+                          *(f"{r.get(f'{st}_ms_per_round', 0):.1f}" for st in ("draft", "tree_build", "verify"))])
         notes = []
         spread = data["ar"].get("repeat_spread")
         if spread is not None:
@@ -277,8 +278,8 @@ def _budget_lines(report: dict) -> list[str]:
 
 
 def report_markdown(report: dict) -> str:
-    """report.md for an eval report (:func:`build_report`): the settings, one table per scope
-    with its notes, the skipped peers and the cost model's budget choices."""
+    """report.md for an eval report (:func:`build_report`): the settings, one table per scope with its notes, the
+    skipped peers, the cost model's budget choices and what a round costs here (:mod:`.break_even`)."""
     md = _report_header(report)
     for scope, cols, cells, notes in _report_tables(report):
         md += [f"## {scope}", "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
@@ -292,12 +293,12 @@ def report_markdown(report: dict) -> str:
         md += ["## budgets chosen by the cost model (--budget auto; rounds per budget, 0 = plain AR step), against "
                "a fixed budget of the same builder", ""]
         md += [f"- {line}" for line in lines] + [""]
-    return "\n".join(md) + "\n"
+    return "\n".join(md + break_even_markdown(report)) + "\n"
 
 
 def report_console(report: dict) -> list:
-    """What the end of a run prints for ``report``, in order: per scope a rich table and its notes, then the
-    cost model's budget choices."""
+    """What the end of a run prints for ``report``, in order: per scope a rich table and its notes, the cost
+    model's budget choices, then per method what a round costs here and the tau that pays for it."""
     from rich.table import Table
 
     out: list = []
@@ -308,7 +309,7 @@ def report_console(report: dict) -> list:
         for c in cells:
             table.add_row(*c)
         out += [table, *notes]
-    return out + [f"budgets chosen, {line}" for line in _budget_lines(report)]
+    return out + [f"budgets chosen, {line}" for line in _budget_lines(report)] + break_even_lines(report)
 
 
 def load_report(path: str | Path) -> dict:
@@ -498,7 +499,8 @@ if __name__ == "__main__":
 
 
 def aggregate(rows: list[dict], ar_rows: list[dict]) -> dict:
-    """Aggregate per-prompt rows of one method (and the matching AR rows) into tau / speed figures."""
+    """Aggregate per-prompt rows of one method (and the matching AR rows) into tau / speed figures, with the
+    break-even tau of a speculative method (``break_even``, :func:`.break_even.break_even_fields`)."""
     committed = sum(sum(r["accept_lengths"]) for r in rows)
     rounds = sum(len(r["accept_lengths"]) for r in rows)
     dec_tok = sum(max(r["new_tokens"] - 1, 0) for r in rows)
@@ -550,7 +552,7 @@ def aggregate(rows: list[dict], ar_rows: list[dict]) -> dict:
     out["lossless"] = (len(mism) == 0) if rows and rows[0].get("mismatch") is not None else None
     if rows and rows[0].get("mismatch") is not None:  # a split only counts as a loss where the arithmetic is exact
         out["exact"] = all(r.get("exact", True) for r in rows)
-    return out
+    return {**out, **break_even_fields(rows, ar_rows, out)}  # what tau pays here, from these figures
 
 
 def split_label(row: dict) -> str:
