@@ -102,11 +102,30 @@ TINY_TRAIN = ["drafter.qk_norm=true", "drafter.draft_vocab_size=0", "train.save_
               "target.dtype=float32"]
 
 
+def _device_python(root: Path) -> Path:
+    """An interpreter as the GPU machine has one: this Python and this environment's packages (torch, transformers,
+    ...) but no dartree. A new virtual environment at ``root`` whose site-packages links every entry of this one's
+    except dartree's own (its distribution record and the editable install's path file and finder), so only what
+    burst.sh lays out can supply dartree, there and in every process it starts. Returns its ``python``."""
+    import sysconfig
+    import venv
+
+    venv.EnvBuilder(with_pip=False, symlinks=True).create(root)
+    py = root / "bin" / "python"
+    site = Path(subprocess.run([py, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.startswith(("__editable__", "dartree")) and entry.name != "__pycache__":
+            (site / entry.name).symlink_to(entry)
+    return py
+
+
 @pytest.mark.slow
 def test_the_dry_run_is_the_burst_on_a_cpu(tmp_path):
     """The burst end to end on the CPU with a tiny random Llama (SmolLM2's tokenizer): the payload (plan, prompts,
     target compressed and split in two, size checks), call 1 (part 1 checked), call 2 (target joined, checked and
-    placed, dartree importable without installing), the data stage from the plan with the GPU schedule, three
+    placed, dartree laid out from pyproject's package map and imported from there alone, by an interpreter with no
+    dartree installed, like the GPU machine's), the data stage from the plan with the GPU schedule, three
     recipes from scratch side by side, evaluation against AR, the result files split into sets of at most 8, a
     second set fetched, and apply: the shards, manifest, checkpoints and runs land in the campaign."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHON": sys.executable,
@@ -132,7 +151,10 @@ def test_the_dry_run_is_the_burst_on_a_cpu(tmp_path):
     whole, hidden = git_view(), git_view(1.0)  # hidden_mib=1 counts the view as hide-large-files hide 1 leaves it
     assert any(p.startswith("checkpoints/") and n >= 1 << 20 for n, p in whole)
     assert not any(n >= 1 << 20 for n, p in hidden) and pay["uploads"][0]["git_view_bytes"] == sum(n for n, _ in hidden)
-    r = subprocess.run(["bash", "training/tools/burst.sh", "receive"], cwd=REPO, env=env, capture_output=True, text=True)
+    device_env = {**env, "PYTHON": str(_device_python(tmp_path / "device-python"))}  # no dartree installed
+    device_env.pop("PYTHONPATH", None)
+    r = subprocess.run(["bash", "training/tools/burst.sh", "receive"], cwd=REPO, env=device_env, capture_output=True,
+                       text=True)
     assert r.returncode == 0 and "part 1" in r.stdout, r.stderr
     out = tmp_path / "out"
     run = ["bash", "training/tools/burst.sh", "run", "device=cpu", f"campaign={camp}", f"runs_dir={tmp_path / 'x'}",
@@ -140,8 +162,22 @@ def test_the_dry_run_is_the_burst_on_a_cpu(tmp_path):
            "threads=1]", "train_overrides=" + json.dumps(TINY_TRAIN + [f"target.path={tiny}"]),
            "eval_tokens=8", "eval_seconds=40", "pack_seconds=20", "overhead_minutes=0.5", "piece_mib=0.5",
            "set_mib=1.2", "data_share=0.2"]
-    r = subprocess.run(run, cwd=REPO, env={**env, "OUT": str(out)}, capture_output=True, text=True, timeout=400)
+    r = subprocess.run(run, cwd=REPO, env={**device_env, "OUT": str(out)}, capture_output=True, text=True,
+                       timeout=400)
     assert r.returncode == 0, r.stderr[-4000:] + r.stdout[-2000:]
+    # dartree came from the laid-out tree alone: every package of pyproject's map, and no installed copy is visible
+    from dartree.training.tools.burst_layout import package_dirs
+
+    src = tmp_path / "keep" / "src"
+    assert f"burst: dartree imports from {src / 'dartree'} ({len(package_dirs())} packages)" in r.stdout
+    probe = ("import importlib.metadata as md, json, sys, dartree.base\n"
+             "try:\n    md.distribution('dartree'); dist = True\nexcept md.PackageNotFoundError:\n    dist = False\n"
+             "print(json.dumps([dartree.base.__file__, dist, [repr(f) for f in sys.meta_path]]))")
+    seen = subprocess.run([device_env["PYTHON"], "-c", probe], env={**device_env, "PYTHONPATH": str(src)},
+                          cwd=tmp_path, capture_output=True, text=True, check=True)  # not the tree's egg-info
+    base_file, dist, finders = json.loads(seen.stdout)
+    assert base_file == str(src / "dartree" / "base" / "__init__.py") and not dist
+    assert not any("editable" in f.lower() for f in finders), finders
     rep = json.loads((out / "report.json").read_text())
     assert rep["deadline_met"] and rep["wall_seconds"] <= 4 * 60
     assert rep["data"]["new_shards"] == 2 and rep["data"]["holdout_added"] and rep["data"]["response_tokens"] > 0
@@ -161,7 +197,8 @@ def test_the_dry_run_is_the_burst_on_a_cpu(tmp_path):
     fetched = []
     for k in range(2, rep["sets"] + 1):
         o = tmp_path / f"out{k}"
-        r = subprocess.run(["bash", "training/tools/burst.sh", "fetch", str(k)], cwd=REPO, env={**env, "OUT": str(o)},
+        r = subprocess.run(["bash", "training/tools/burst.sh", "fetch", str(k)], cwd=REPO,
+                           env={**device_env, "OUT": str(o)},
                            capture_output=True, text=True)
         assert r.returncode == 0, r.stderr
         fetched.append(str(o))

@@ -9,7 +9,6 @@
 set -u
 t0=$(date +%s.%N)
 cd "$(dirname "$0")/../.." || exit 2
-repo=$(pwd)
 py=${PYTHON:-python3}
 keep=${BURST_KEEP:-.burst/keep}
 dir=${BURST_DIR:-.burst}
@@ -52,6 +51,14 @@ case "${1:-}" in
     check_part "$up1/target.part1" "$(field "$pay" "p['target']['parts'][0]['sha256']")" || exit 1
     check_part "$up2/target.part2" "$(field "$pay" "p['target']['parts'][1]['sha256']")" || exit 1
     install_wheels || exit 1
+    # dartree without installing it: every package of pyproject.toml's package map, as links into the tree; then
+    # each package imported as the device stage will import it (from there, nothing else supplying one)
+    rm -rf "$keep/src" && "$py" training/tools/burst_layout.py "$keep/src" || exit
+    export PYTHONPATH="$keep/src:$keep/site:$keep/pkgs${PYTHONPATH:+:$PYTHONPATH}"
+    export DARTREE_CACHE="$keep/cache" DARTREE_COMMIT=$(field "$pay" "p['dartree']")
+    export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline PYTHONUNBUFFERED=1
+    export TORCH_EXTENSIONS_DIR="$keep/torch_extensions"
+    "$py" training/tools/burst_layout.py "$keep/src" --check || exit
     kind=$(field "$pay" "p['target']['kind']"); name=$(field "$pay" "p['target']['name']")
     joined=$(field "$pay" "p['target']['joined_sha256']")
     got=$(cat "$up1/target.part1" "$up2/target.part2" | tee "$keep/target.xz" | sha256sum | cut -d' ' -f1)
@@ -68,14 +75,6 @@ case "${1:-}" in
       export BURST_TARGET=$dest
     fi
     rm -f "$keep/target.xz"
-    # dartree without installing it: its package folders under one name (pyproject's package-dir, as links)
-    rm -rf "$keep/src" && mkdir -p "$keep/src/dartree"
-    for f in api/*.py; do ln -s "$repo/$f" "$keep/src/dartree/$(basename "$f")"; done
-    for d in kernels models decode training convert; do ln -s "$repo/$d" "$keep/src/dartree/$d"; done
-    export PYTHONPATH="$keep/src:$keep/site:$keep/pkgs${PYTHONPATH:+:$PYTHONPATH}"
-    export DARTREE_CACHE="$keep/cache" DARTREE_COMMIT=$(field "$pay" "p['dartree']")
-    export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=offline PYTHONUNBUFFERED=1
-    export TORCH_EXTENSIONS_DIR="$keep/torch_extensions"
     mkdir -p "$OUT"
     exec "$py" training/tools/burst.py stage=device started="$t0" minutes="${BURST_MINUTES:-9}" out="$OUT" \
       dir="$dir" keep="$keep" "$@"
