@@ -18,6 +18,7 @@ the same tree.
 
 from __future__ import annotations
 
+import inspect
 import math
 from dataclasses import dataclass
 from typing import Callable
@@ -296,8 +297,9 @@ def register_builder(name: str, *, params: tuple = (), ranks_by_beta: bool = Fal
 
     Raises:
         ValueError: the name is taken (by a builder or an alias of :data:`BUILDER_ALIASES`), a parameter name is
-            declared by another builder with another meaning (kind, default, range or help), or ``ranks_by_beta``
-            without a ``beta`` parameter.
+            declared by another builder with another meaning (kind, default, range or help), ``ranks_by_beta``
+            without a ``beta`` parameter, or the function cannot be called as every builder is
+            (:func:`builder_signature_problem`: the builder, the function and the parameter named).
     """
 
     def wrap(fn: Callable[..., Tree]) -> Callable[..., Tree]:
@@ -310,10 +312,46 @@ def register_builder(name: str, *, params: tuple = (), ranks_by_beta: bool = Fal
                                  f"({p} vs {known[p.name]}); reuse their BuilderParam or pick another name")
         if ranks_by_beta and "beta" not in {p.name for p in params}:
             raise ValueError(f"tree builder {name!r} ranks by beta but declares no 'beta' parameter")
+        problem = builder_signature_problem(name, fn, tuple(params))
+        if problem:
+            raise ValueError(problem)
         BUILDERS[name] = TreeBuilder(name, fn, tuple(params), ranks_by_beta, size)
         return fn
 
     return wrap
+
+
+def builder_signature_problem(name: str, fn: Callable, params: tuple) -> str:
+    """What stops ``fn`` being called as every builder is, ``fn(block, head, root_id, budget, **params)`` with the
+    parameters all builders declare (docs/trees.md), as one line naming the builder, the function and the parameter;
+    "" when nothing does (or its signature cannot be read). Refused: fewer than the four positional arguments; a
+    further argument without a default; no ``**extra`` (the parameters other builders declare arrive too); one of
+    its declared ``params`` it takes positionally only, or with a default other than the declared one."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return ""
+    kinds = inspect.Parameter
+    args = list(sig.parameters.values())
+    who = f"tree builder {name!r} ({getattr(fn, '__qualname__', type(fn).__name__)})"
+    positional = [a for a in args if a.kind in (kinds.POSITIONAL_ONLY, kinds.POSITIONAL_OR_KEYWORD)]
+    if len(positional) < 4 and not any(a.kind is kinds.VAR_POSITIONAL for a in args):
+        return (f"{who} takes {len(positional)} positional argument(s); a builder is called as build(block, head, "
+                "root_id, budget, **params)")
+    for a in positional[4:] + [a for a in args if a.kind is kinds.KEYWORD_ONLY]:
+        if a.default is a.empty:
+            return f"{who} requires argument {a.name!r}, which no call passes; give it a default (the declared one)"
+    if not any(a.kind is kinds.VAR_KEYWORD for a in args):
+        return (f"{who} takes no **extra: every builder is called with the parameters all builders declare "
+                f"({sorted(set(declared_params()) | {p.name for p in params})}); add **extra and ignore the others")
+    for p in params:
+        a = sig.parameters.get(p.name)
+        if a is not None and a.kind is kinds.POSITIONAL_ONLY:
+            return f"{who} takes its declared parameter {p.name!r} positionally only; it is passed by keyword"
+        if a is not None and a.default is not a.empty and a.default != p.default:
+            return (f"{who}: its argument {p.name}={a.default!r} differs from the declared default {p.default!r}; "
+                    "make them equal (a call without that parameter must mean the declared default)")
+    return ""
 
 
 def declared_params() -> dict[str, BuilderParam]:

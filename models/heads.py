@@ -159,13 +159,47 @@ class IdentityHead(CorrectionHead):
 
 HEADS: dict[str, type[CorrectionHead]] = {}
 
+# What a head class must define, checked when it registers (the base class's versions raise NotImplementedError):
+# decoding calls init_state / score / advance, training block_factors. The low-rank form (factors, out_rows) comes
+# whole or not at all: without it the builders score candidates with score() (dartree.decode.trees.expand_frontier).
+REQUIRED_HEAD_METHODS = ("init_state", "score", "advance", "block_factors")
+LOW_RANK_METHODS = ("factors", "out_rows")
 
-def register_head(cls: type[CorrectionHead]) -> type[CorrectionHead]:
-    """Add a head class to the registry under ``cls.type_name``.
+
+def check_head_class(cls) -> None:
+    """Refuse a head class that cannot serve as one, before it registers: not a :class:`CorrectionHead` subclass,
+    no ``type_name`` of its own, a method of :data:`REQUIRED_HEAD_METHODS` it does not define, or half of the
+    low-rank form (:data:`LOW_RANK_METHODS`).
 
     Raises:
-        ValueError: the name is already registered.
+        ValueError: one line naming the class and what it lacks.
     """
+    if not (isinstance(cls, type) and issubclass(cls, CorrectionHead)) or cls is CorrectionHead:
+        raise ValueError(f"{cls!r} is not a head class; derive it from dartree.models.heads.CorrectionHead")
+    name = f"head class {cls.__name__} (type {cls.type_name!r})"
+    if cls.type_name == CorrectionHead.type_name:
+        raise ValueError(f"head class {cls.__name__} has no type_name of its own; set type_name (its checkpoints' "
+                         "head.type)")
+    missing = [m for m in REQUIRED_HEAD_METHODS if getattr(cls, m) is getattr(CorrectionHead, m)]
+    if missing:
+        raise ValueError(f"{name} does not define {', '.join(m + '()' for m in missing)}: every correction head "
+                         f"must (dartree.models.heads.CorrectionHead says what each returns); define "
+                         f"{'it' if len(missing) == 1 else 'them'}")
+    low = [m for m in LOW_RANK_METHODS if getattr(cls, m) is not getattr(CorrectionHead, m)]
+    if len(low) == 1:
+        other = next(m for m in LOW_RANK_METHODS if m not in low)
+        raise ValueError(f"{name} defines {low[0]}() but not {other}(): the low-rank form U[C] + factors · "
+                         f"out_rows^T needs both; define {other}() or neither (then score() alone is used)")
+
+
+def register_head(cls: type[CorrectionHead]) -> type[CorrectionHead]:
+    """Add a head class to the registry under ``cls.type_name``, once :func:`check_head_class` accepts it.
+
+    Raises:
+        ValueError: the name is already registered, or the class lacks what every head defines (the class and the
+            method named).
+    """
+    check_head_class(cls)
     if cls.type_name in HEADS:
         raise ValueError(f"head type {cls.type_name!r} is already registered")
     HEADS[cls.type_name] = cls

@@ -607,7 +607,8 @@ def test_published_names_live_with_each_family_and_an_unknown_head_type_is_named
     refused naming the registered ones, and a family cannot name a published type for a head it does not train."""
     from dartree.convert.formats import layout_for_head
     from dartree.convert.vllm_speculators import write as speculators_write
-    from dartree.models.families import Family, family_of_head, published_names, published_type, register_family
+    from dartree.models.families import family_of_head, published_names, published_type, register_family
+    from dartree.models.families.dflash import DFlashFamily
 
     dspark = {"w1.weight": "markov_head.markov_w1.weight", "w2.weight": "markov_head.markov_w2.weight",
               "gate_proj.weight": "markov_head.gate_proj.weight", "gate_proj.bias": "markov_head.gate_proj.bias",
@@ -637,7 +638,7 @@ def test_published_names_live_with_each_family_and_an_unknown_head_type_is_named
                                               r"rnn\); choose --to specforge-domino"):
         speculators_write(gru, {})
 
-    class Stray(Family):
+    class Stray(DFlashFamily):  # a complete family (the identity head) naming a head type it does not train
         name = "stray_published_types"
         published_types = {"markov": "vanilla"}
 

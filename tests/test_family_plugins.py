@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 from dartree.models.checkpoint import CheckpointError, build_from_config
-from dartree.models.families import FAMILIES, Family, register_family
+from dartree.models.families import FAMILIES, Family, Objective, register_family
+from dartree.models.families.base import REQUIRED_FAMILY_METHODS
 from dartree.models.families.plugins import import_families, load_entry_point_families
-from dartree.models.heads import HEADS, CorrectionHead
+from dartree.models.heads import (HEADS, LOW_RANK_METHODS, REQUIRED_HEAD_METHODS, CorrectionHead, IdentityHead,
+                                  register_head)
 from dartree.base.fields import Range
 from dartree.training.recipe import RecipeError, load_recipe
 
@@ -79,10 +81,18 @@ def registry():
     FAMILIES.clear(), FAMILIES.update(families), HEADS.clear(), HEADS.update(heads)
 
 
-def _family(name: str, head_name: str, fields: dict) -> Family:
-    """A family ``name`` training one head class ``head_name`` (never built here) with recipe ``fields``."""
-    head = type(f"Head_{head_name}", (CorrectionHead,), {"type_name": head_name})
-    return type(f"Family_{name}", (Family,), {"name": name, "heads": (head,), "recipe_fields": fields})()
+HEAD_METHODS = {m: getattr(IdentityHead, m) for m in (*REQUIRED_HEAD_METHODS, *LOW_RANK_METHODS)}
+FAMILY_METHODS = {"head_kwargs": lambda self, head, vocab_size, hidden_size: {"vocab_size": vocab_size},
+                  "objective": lambda self, loss, head: Objective(gamma=loss["gamma"], corrected=False)}
+
+
+def _family(name: str, head_name: str, fields: dict, drop: tuple = (), heads=None) -> Family:
+    """A family ``name`` training one head class ``head_name`` (never built here; the identity head's methods) with
+    recipe ``fields``; the family and head methods named in ``drop`` left undefined; ``heads`` replaces its heads."""
+    head = type(f"Head_{head_name}", (CorrectionHead,),
+                {"type_name": head_name, **{m: f for m, f in HEAD_METHODS.items() if m not in drop}})
+    body = {"name": name, "heads": (head,) if heads is None else heads, "recipe_fields": fields}
+    return type(f"Family_{name}", (Family,), {**body, **{m: f for m, f in FAMILY_METHODS.items() if m not in drop}})()
 
 
 def test_a_refused_family_registers_nothing_and_names_what_it_clashes_with(registry):
@@ -104,6 +114,66 @@ def test_a_family_field_that_every_recipe_has_is_refused_by_the_recipe(registry)
                                           r"head.rank, which every recipe already has \(shared keys: .*\); give its "
                                           r"field a name of its own, e.g. fam_r_rank$"):
         load_recipe(["recipe=tiny_dspark"])
+
+
+@pytest.mark.parametrize("drop, says", [
+    (("objective",), "drafter family 'fam_m' (Family_fam_m) does not define objective(): every family must "
+                     "(dartree.models.families.Family says what each returns); define it"),
+    (("head_kwargs",), "drafter family 'fam_m' (Family_fam_m) does not define head_kwargs(): every family must"),
+    (("head_kwargs", "objective"), "does not define head_kwargs(), objective(): every family must (dartree.models."
+                                   "families.Family says what each returns); define them"),
+    *[((m,), f"drafter family 'fam_m' (Family_fam_m): head class Head_head_m (type 'head_m') does not define {m}(): "
+             "every correction head must (dartree.models.heads.CorrectionHead says what each returns); define it")
+      for m in REQUIRED_HEAD_METHODS],
+    (("out_rows",), "head class Head_head_m (type 'head_m') defines factors() but not out_rows(): the low-rank "
+                    "form U[C] + factors · out_rows^T needs both; define out_rows() or neither (then score() alone "
+                    "is used)"),
+    (("factors",), "head class Head_head_m (type 'head_m') defines out_rows() but not factors()"),
+])
+def test_a_family_or_head_missing_a_method_is_refused_when_it_registers(registry, drop, says):
+    """Each method a family or a head must define, left out, is refused at registration in one line naming the class
+    and the method (before, it registered and training died later in a bare NotImplementedError); nothing of the
+    family registers."""
+    with pytest.raises(ValueError) as info:
+        register_family(_family("fam_m", "head_m", {}, drop=drop))
+    assert says in str(info.value) and "\n" not in str(info.value)
+    assert "fam_m" not in FAMILIES and "head_m" not in HEADS
+
+
+def test_a_family_without_heads_or_a_head_class_without_its_own_type_name_is_refused(registry):
+    with pytest.raises(ValueError, match=r"^drafter family 'fam_h' \(Family_fam_h\) has heads=\(\); set heads to the "
+                                         r"tuple of head classes it trains$"):
+        register_family(_family("fam_h", "head_h", {}, heads=()))
+    with pytest.raises(ValueError, match=r"^drafter family 'fam_h' \(Family_fam_h\): <class 'int'> is not a head "
+                                         r"class; derive it from dartree.models.heads.CorrectionHead$"):
+        register_family(_family("fam_h", "head_h", {}, heads=(int,)))
+    nameless = type("Nameless", (IdentityHead,), {"type_name": CorrectionHead.type_name})
+    with pytest.raises(ValueError, match=r"^head class Nameless has no type_name of its own; set type_name \(its "
+                                         r"checkpoints' head.type\)$"):
+        register_head(nameless)
+    bare = type("Bare", (CorrectionHead,), {"type_name": "bare", "score": IdentityHead.score})
+    with pytest.raises(ValueError, match=r"^head class Bare \(type 'bare'\) does not define init_state\(\), "
+                                         r"advance\(\), block_factors\(\): every correction head must"):
+        register_head(bare)
+    assert "fam_h" not in FAMILIES and "bare" not in HEADS
+    register_family(_family("fam_h", "head_h", {}))  # complete: registers
+    assert FAMILIES["fam_h"].head_types() == ["head_h"] and "head_h" in HEADS
+
+
+def _raises_not_implemented(cls) -> set[str]:
+    """The methods whose own body raises NotImplementedError in ``cls`` (read from its source)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    return {fn.name for fn in tree.body[0].body if isinstance(fn, ast.FunctionDef)
+            and any(isinstance(st, ast.Raise) and "NotImplementedError" in ast.unparse(st) for st in fn.body)}
+
+
+def test_every_method_the_base_classes_leave_unimplemented_is_checked():
+    assert _raises_not_implemented(Family) == set(REQUIRED_FAMILY_METHODS) == {"head_kwargs", "objective"}
+    assert _raises_not_implemented(CorrectionHead) == set(REQUIRED_HEAD_METHODS) | set(LOW_RANK_METHODS)
+    assert set(LOW_RANK_METHODS) == {"factors", "out_rows"}  # optional as a pair: the builders fall back to score()
 
 
 def test_a_family_module_that_fails_to_import_is_one_line_naming_why(tmp_path, monkeypatch, registry):

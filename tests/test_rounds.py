@@ -13,8 +13,9 @@ from dartree.decode.generate import autoregressive_generate, speculative_generat
 from dartree.decode.harness.builder_args import add_builder_param_args, builder_param_problems, builder_params_of
 from dartree.decode.harness.runner import Method, against_ar, decode_one, first_divergence
 from dartree.decode.rounds import AutoBudget, FixedBudget, Lockstep, LookupGraft
-from dartree.decode.trees import (BUILDERS, PARAM_BETA, PARAM_K, BuilderParam, Tree, builder_beta, check_builder_params,
-                                  declared_params, ranks_by_beta, register_builder)
+from dartree.decode.trees import (BUILDERS, PARAM_BETA, PARAM_K, BuilderParam, Tree, builder_beta,
+                                  builder_signature_problem, check_builder_params, declared_params, ranks_by_beta,
+                                  register_builder)
 
 STOP = 1
 
@@ -75,6 +76,56 @@ def test_register_builder_refuses_a_parameter_that_means_something_else():
     with pytest.raises(ValueError, match="already registered"):
         register_builder("pruned", params=(PARAM_BETA,))(lambda *a, **k: Tree.empty())
     assert "test-wide" not in BUILDERS and "test-rank" not in BUILDERS
+
+
+def _takes_three(block, head, root_id):
+    return Tree.empty()
+
+
+def _no_extra(block, head, root_id, budget, *, k=64):
+    return Tree.empty()
+
+
+def _needs_depth(block, head, root_id, budget, *, depth, **extra):
+    return Tree.empty()
+
+
+def _other_default(block, head, root_id, budget, *, k=32, **extra):
+    return Tree.empty()
+
+
+def _k_positional_only(block, head, root_id, budget, k=64, /, **extra):
+    return Tree.empty()
+
+
+@pytest.mark.parametrize("fn, says", [
+    (_takes_three, "tree builder 'test-sig' (_takes_three) takes 3 positional argument(s); a builder is called as "
+                   "build(block, head, root_id, budget, **params)"),
+    (_no_extra, "tree builder 'test-sig' (_no_extra) takes no **extra: every builder is called with the parameters "
+                "all builders declare (['backend', 'beta', 'children', 'k', 'width']); add **extra and ignore the "
+                "others"),
+    (_needs_depth, "tree builder 'test-sig' (_needs_depth) requires argument 'depth', which no call passes; give it a "
+                   "default (the declared one)"),
+    (_other_default, "tree builder 'test-sig' (_other_default): its argument k=32 differs from the declared default "
+                     "64; make them equal (a call without that parameter must mean the declared default)"),
+    (_k_positional_only, "tree builder 'test-sig' (_k_positional_only) takes its declared parameter 'k' "
+                         "positionally only; it is passed by keyword"),
+])
+def test_register_builder_refuses_a_function_that_cannot_take_its_declared_parameters(fn, says):
+    """Checked at registration, in one line naming the builder, its function and the parameter (before, it
+    registered and the first round died in a TypeError from inside the decoding loop)."""
+    with pytest.raises(ValueError) as info:
+        register_builder("test-sig", params=(PARAM_K,))(fn)
+    assert str(info.value) == says and "test-sig" not in BUILDERS
+
+
+def test_builders_that_keep_the_calling_convention_register():
+    for fn in (lambda block, head, root_id, budget, **extra: Tree.empty(), lambda *a, **k: Tree.empty(),
+               lambda block, head, root_id, budget, *, k=64, backend="auto", **extra: Tree.empty()):
+        register_builder("test-ok", params=(PARAM_K,))(fn)
+        assert BUILDERS.pop("test-ok").build is fn
+    for builder in BUILDERS.values():  # the shipped ones pass their own check
+        assert builder_signature_problem(builder.name, builder.build, builder.params) == ""
 
 
 def test_eval_flags_keep_their_defaults_and_ranges():

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
 from dartree.models.families.plugins import load_entry_point_families
-from dartree.models.heads import HEADS, CorrectionHead, register_head
+from dartree.models.heads import HEADS, CorrectionHead, check_head_class, register_head
 
 
 @dataclass(frozen=True)
@@ -165,15 +165,43 @@ class Family:
 
 FAMILIES: dict[str, Family] = {}
 
+# What a family class must define, checked when it registers (the base class's versions raise NotImplementedError)
+REQUIRED_FAMILY_METHODS = ("head_kwargs", "objective")
+
+
+def check_family_class(family: Family) -> None:
+    """Refuse a family that cannot train, before it registers: a method of :data:`REQUIRED_FAMILY_METHODS` its class
+    does not define, no head classes, or a head class :func:`dartree.models.heads.check_head_class` refuses.
+
+    Raises:
+        ValueError: one line naming the family's class and the method (or the head class and its method).
+    """
+    cls = type(family)
+    name = f"drafter family {family.name!r} ({cls.__name__})"
+    missing = [m for m in REQUIRED_FAMILY_METHODS if getattr(cls, m) is getattr(Family, m)]
+    if missing:
+        raise ValueError(f"{name} does not define {', '.join(m + '()' for m in missing)}: every family must "
+                         f"(dartree.models.families.Family says what each returns); define "
+                         f"{'it' if len(missing) == 1 else 'them'}")
+    if not isinstance(family.heads, (tuple, list)) or not family.heads:
+        raise ValueError(f"{name} has heads={family.heads!r}; set heads to the tuple of head classes it trains")
+    for head in family.heads:
+        try:
+            check_head_class(head)
+        except ValueError as exc:
+            raise ValueError(f"{name}: {exc}") from None
+
 
 def register_family(family: Family) -> Family:
     """Add ``family`` to the registry under ``family.name`` and its head classes to the head registry
     (:data:`dartree.models.heads.HEADS`; a class registered there already is kept).
 
     Raises:
-        ValueError: the family name is taken (the registered family's class named), one of its head names belongs
-            to another class, a recipe field is declared by another family with another default, or its
-            ``published_types`` names a head type it does not train. Nothing is registered then.
+        ValueError: the family name is taken (the registered family's class named), the family or one of its head
+            classes lacks a method every one defines (:func:`check_family_class`; the class and the method named),
+            one of its head names belongs to another class, a recipe field is declared by another family with
+            another default, or its ``published_types`` names a head type it does not train. Nothing is registered
+            then.
     """
     if not family.name:
         raise ValueError(f"{type(family).__name__} has no name: set the class attribute name (the recipe's loss.type)")
@@ -181,6 +209,7 @@ def register_family(family: Family) -> Family:
         have = type(FAMILIES[family.name])
         raise ValueError(f"drafter family {family.name!r} is already registered (by {have.__module__}."
                          f"{have.__qualname__}); give {type(family).__name__} another name")
+    check_family_class(family)
     # a family whose head names, recipe fields or published types clash is refused here, before anything is
     # registered
     declared = recipe_fields()
