@@ -8,6 +8,7 @@ import random
 import pytest
 import torch
 
+from dartree.base.integrity import seal_line
 from dartree.decode.generate import autoregressive_generate
 from dartree.models.chat import chat_prompt_ids
 from dartree.training.data import (
@@ -135,15 +136,15 @@ def test_every_turn_is_the_targets_own_greedy_answer_to_its_history_and_resumes(
     # a killed run: turn 1 of four conversations written, then half a line; it resumes to the same file
     cut = tmp_path / "cut"
     cut.mkdir()
-    first = [json.dumps({"index": c, "turn": 0, "response_ids": _answers(rows[c])[0]}) for c in range(4)]
+    first = [seal_line(json.dumps({"index": c, "turn": 0, "response_ids": _answers(rows[c])[0]})) for c in range(4)]
     (cut / "responses.partial.jsonl").write_text("\n".join(first) + "\n" + first[0][:9])
     again = regenerate_dialogues(target, _spec(), dialogues, cut, stop_id=STOP)
     assert again.read_text() == path.read_text() and not (cut / "responses.partial.jsonl").exists()
     # a resumed run keeps what the partial file holds (here a planted answer) and builds the next turn on it
     planted = tmp_path / "planted"
     planted.mkdir()
-    (planted / "responses.partial.jsonl").write_text(json.dumps({"index": 1, "turn": 0, "response_ids": [7, STOP]})
-                                                     + "\n")
+    (planted / "responses.partial.jsonl").write_text(seal_line(json.dumps({"index": 1, "turn": 0,
+                                                                           "response_ids": [7, STOP]})) + "\n")
     row = json.loads(regenerate_dialogues(target, _spec(), dialogues, planted, stop_id=STOP).read_text().splitlines()[1])
     assert _answers(row)[0] == [7, STOP] and row["response_ids"][:2] == [7, STOP]
     hist = dialogues[1][0] + [7, STOP] + dialogues[1][1][1:]

@@ -25,6 +25,7 @@ from omegaconf import DictConfig, OmegaConf
 from dartree.models.checkpoint import (CheckpointError, build_from_config, cast_floats, check_target_pairing,
     dartree_config, load_strict, read_safetensors)
 from dartree.base.files import write_folder_atomically
+from dartree.base.records import parse_json
 from dartree.models.drafter import DFlashDrafter, DrafterConfig, build_target_layer_ids
 from dartree.base.dtypes import parse_dtype
 from dartree.models.families import get_family
@@ -331,11 +332,10 @@ def run_recipe(folder: Path) -> dict:
     folder = Path(folder)
     for name, key in ((TRAINING_FILE, "recipe"), ("config.json", "recipe")):
         try:
-            recipe = json.loads((folder / name).read_text()).get(key)
+            recipe = parse_json((folder / name).read_text(), dict, str(folder / name), "give a training run's "
+                                "checkpoint", RecipeError).get(key)
         except FileNotFoundError:
             continue
-        except json.JSONDecodeError as exc:
-            raise RecipeError(f"{folder / name} is not valid JSON ({exc.msg}); give a training run's checkpoint") from None
         if isinstance(recipe, dict):
             return recipe
     raise RecipeError(f"{folder} holds no training checkpoint with its recipe (training.json or config.json); give a "
@@ -422,7 +422,7 @@ def load_init(path: str, target: Target, settings: InitSettings, fresh_head: Cal
     folder = Path(path)
     cfg_path = folder / "config.json"
     try:
-        config = json.loads(cfg_path.read_text())
+        config = parse_json(cfg_path.read_text(), dict, str(cfg_path), "give a dartree checkpoint", CheckpointError)
         fmt = config.get("format")
         if fmt not in ("dartree", TRAIN_FORMAT):
             raise CheckpointError(f"{cfg_path}: format {fmt!r} is not a dartree or training checkpoint; convert it "

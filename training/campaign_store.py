@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dartree.base.files import write_file_atomically
+from dartree.base.records import NUMBER, check_shape, read_json
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DIR = REPO / "campaign"
@@ -23,6 +24,17 @@ DEFAULT_DIR = REPO / "campaign"
 
 class CampaignError(ValueError):
     """A campaign setting or state problem; the message names it and the fix."""
+
+
+# What the campaign's readers rely on (dartree.base.records shapes): the manifest's skeleton, and a listed file
+MANIFEST_SHAPE = {"data": (dict, None), "holdout": (dict, None), "shards": [dict], "totals?": dict}
+LISTED_FILE_SHAPE = {"file": str, "sha256": str}
+# train_state.json: {"path_roots", "baseline": {recipe: record}, recipe: {"runs": [run], "shipped_run", ...}}
+RUN_SHAPE = {"output_dir": str, "shards": int, "predictions?": NUMBER, "parent?": (str, None),
+             "init_from?": (str, None), "steps?": (int, None)}
+STATE_SHAPE = {"path_roots?": dict, "baseline?": {"*": dict},
+               "*": {"runs": [RUN_SHAPE], "shipped_run?": (str, None), "committed_run?": (str, None)}}
+
 
 def check_files(folder: Path, manifest: dict | None = None, max_shards: int | None = None) -> dict:
     """Check that every file the manifest lists (the held-out set and the first ``max_shards`` training shards; all
@@ -42,7 +54,9 @@ def check_files(folder: Path, manifest: dict | None = None, max_shards: int | No
     m = read_manifest(folder) if manifest is None else manifest
     shards = m.get("shards") or []
     recs = ([m["holdout"]] if m.get("holdout") else []) + (shards if max_shards is None else shards[:max_shards])
-    for rec in recs:
+    for i, rec in enumerate(recs):
+        check_shape(rec, LISTED_FILE_SHAPE, f"{folder / 'manifest.json'} (listed file {i})",
+                    f"restore it with `git checkout {folder / 'manifest.json'}`", CampaignError)
         path = folder / rec["file"]
         if not path.is_file():
             raise CampaignError(f"{path} is missing but {folder / 'manifest.json'} lists it; restore it with "
@@ -91,19 +105,18 @@ def device_name(device) -> str:
     return "cpu"
 
 
-def read_manifest(folder: Path) -> dict:
+def read_manifest(folder: Path, error: type[Exception] = CampaignError) -> dict:
     """``<folder>/manifest.json``, or an empty manifest (no shards) when there is none.
 
+    Args:
+        folder: the campaign folder. error: the exception class a bad file raises (the caller's own).
     Raises:
-        CampaignError: the file does not parse (fix: restore it from git).
+        ``error``: the file does not parse or lacks ``data``, ``holdout`` or the ``shards`` list (one line naming
+            the file and the place; fix: restore it from git).
     """
     path = Path(folder) / "manifest.json"
-    if not path.exists():
-        return {"data": None, "holdout": None, "shards": []}
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CampaignError(f"{path} does not parse ({exc.msg}); restore it with `git checkout {path}`") from None
+    return read_json(path, MANIFEST_SHAPE, fix=f"restore it with `git checkout {path}`", error=error,
+                     absent={"data": None, "holdout": None, "shards": []})
 
 def write_manifest(folder: Path, manifest: dict) -> None:
     """Write ``<folder>/manifest.json`` atomically, with totals over the training shards."""

@@ -16,12 +16,13 @@ sequences come before any repeat.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from dartree.base.records import read_json
+from dartree.training.checks import RecipeError
 from dartree.training.step import seed_mix
 
 # the anchor of the permutation seeds: epoch e visits the training ids in randperm(seed_mix(seed, 7, e)) order (the
@@ -106,18 +107,26 @@ class DataCursor:
         return cls(ids, seed, epoch=int(state.get("epoch", 0)), done=state.get("done", ()))
 
 
+# what lineage_record reads from a checkpoint's training.json (dartree.base.records shape)
+LINEAGE_SHAPE = {"state?": ({"lineage?": ({"steps?": int, "schedule_steps?": int}, None), "cursor?": (dict, None)},
+                            None)}
+
+
 def lineage_record(init_from: str | None) -> dict:
     """What the run behind ``init_from`` recorded about its lineage, from the ``training.json`` beside the checkpoint
     (written by :meth:`~dartree.training.trainer.Trainer.finish`): ``{"steps": lineage steps at its end,
     "cursor": its :class:`DataCursor` state or None}``; ``{}`` for a checkpoint without that record (a converted or
-    shipped one, or one trained before the record existed)."""
-    if not init_from:
+    shipped one, or one trained before the record existed).
+
+    Raises:
+        RecipeError: ``training.json`` is there but does not parse or lacks the shape (:data:`LINEAGE_SHAPE`; one
+            line naming the file and the place), so a broken record never restarts a lineage at step 0 silently.
+    """
+    if not init_from or not Path(init_from).is_dir():
         return {}
-    path = Path(init_from) / "training.json"
-    try:
-        state = json.loads(path.read_text()).get("state") or {}
-    except (FileNotFoundError, NotADirectoryError, json.JSONDecodeError):
-        return {}
+    state = read_json(Path(init_from) / "training.json", LINEAGE_SHAPE, absent={}, error=RecipeError,
+                      fix="give init_from a complete training checkpoint, or a converted one without training.json"
+                      ).get("state") or {}
     lineage = state.get("lineage")
     if not isinstance(lineage, dict):
         return {}

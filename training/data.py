@@ -33,6 +33,7 @@ import json
 import os
 import random
 import re
+import sys
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -46,6 +47,7 @@ from tqdm.auto import tqdm
 
 from dartree.models.chat import check_chat_template
 from dartree.base.files import write_file_atomically
+from dartree.base.integrity import cached, file_record, seal_line, unseal_line, write_record
 from dartree.models.generation import stop_ids as target_stop_ids
 from dartree.models.target import Target, cache_root
 from dartree.base.fields import is_int
@@ -419,8 +421,10 @@ class DataSpec:
 
 class _PartialLog:
     """Rows appended to a ``*.partial.jsonl`` file as they finish: buffered, written and fsynced every ~5 s and
-    at :meth:`flush`, so a kill loses at most ~5 s of work. :meth:`read` returns the complete rows of an earlier
-    run and cuts a torn last line (a kill mid-write) off the file before anything is appended."""
+    at :meth:`flush`, so a kill loses at most ~5 s of work. Each line carries its digest
+    (:func:`dartree.base.integrity.seal_line`); :meth:`read` returns the rows whose lines check out and rewrites
+    the file without the others (a torn last line, a changed one, or one of an older layout without a digest), so
+    those answers are generated again, never used."""
 
     def __init__(self, path: Path, every_s: float = 5.0):
         self.path, self.every_s = path, every_s
@@ -428,30 +432,33 @@ class _PartialLog:
         self.last = time.time()
 
     def read(self) -> list[dict]:
-        """The complete rows already in the file (none when it does not exist); the file is cut after them."""
+        """The rows of the file whose lines check out (none when it does not exist); the file is rewritten
+        without the other lines (named on stderr) before anything is appended."""
         rows: list[dict] = []
         if not self.path.exists():
             return rows
-        good = 0  # byte length of the complete lines
+        good, bad = [], 0
         with open(self.path, "rb") as fh:
             for line in fh:
-                if not line.endswith(b"\n"):
-                    break
+                text = unseal_line(line.decode("utf-8", errors="replace")) if line.endswith(b"\n") else None
                 try:
-                    row = json.loads(line)
-                except (json.JSONDecodeError, UnicodeDecodeError):
-                    break
+                    row = None if text is None else json.loads(text)
+                except json.JSONDecodeError:
+                    row = None
                 if not isinstance(row, dict) or "index" not in row:
-                    break
+                    bad += 1
+                    continue
                 rows.append(row)
-                good += len(line)
-        with open(self.path, "r+b") as fh:
-            fh.truncate(good)
+                good.append(line)
+        if bad:
+            print(f"dartree: {bad} line(s) of {self.path} failed their check (cut short, changed, or without a "
+                  "digest); those answers are generated again", file=sys.stderr, flush=True)
+            write_file_atomically(self.path, b"".join(good))
         return rows
 
     def add(self, row: dict) -> None:
         """Queue one row; written when ~5 s have passed since the last write."""
-        self.pending.append(json.dumps(row))
+        self.pending.append(seal_line(json.dumps(row)))
         if time.time() - self.last > self.every_s:
             self.flush()
 
@@ -700,8 +707,10 @@ def regenerate_dialogues(target: Target, spec: DataSpec, dialogues: Sequence[Seq
     as ``{"index", "turn", "response_ids"}`` rows as they finish (a row without ``turn``, as single-turn runs
     before this layout wrote them, is turn 0), so a killed run resumes where it stopped. The final file holds one
     row per conversation, in index order: ``{"index", "prompt_ids" (segment 0), "response_ids" (everything after
-    it), "loss_mask" (1 on answer tokens, one entry per response id), "turns"}``; it appears by atomic rename and
-    is reused when present.
+    it), "loss_mask" (1 on answer tokens, one entry per response id), "turns"}``; it appears by atomic rename, its
+    size and sha256 recorded beside it (``responses.jsonl.sum.json``), and is reused only while it matches them
+    (:func:`dartree.base.integrity.cached`; else generated again). Partial rows carry a digest per line
+    (:class:`_PartialLog`).
 
     Args:
         target: the generating target (its dtype is the regeneration dtype).
@@ -723,7 +732,7 @@ def regenerate_dialogues(target: Target, spec: DataSpec, dialogues: Sequence[Seq
         raise ValueError("regenerate_dialogues: every conversation needs a non-empty first segment")
     folder.mkdir(parents=True, exist_ok=True)
     final = folder / "responses.jsonl"
-    if final.exists():
+    if cached(final):
         return final
     if key is not None:
         write_file_atomically(folder / "spec.json", json.dumps(key, indent=1))
@@ -736,6 +745,7 @@ def regenerate_dialogues(target: Target, spec: DataSpec, dialogues: Sequence[Seq
     if deadline is not None and time.time() > deadline:
         return None
     write_file_atomically(final, _dialogue_rows(dialogues, done, stop_id))
+    write_record(final)
     partial.unlink(missing_ok=True)
     return final
 
@@ -771,7 +781,7 @@ def _join_parts(folder: Path, parts: Sequence[Path], key: dict) -> Path:
     """``folder/responses.jsonl``: the rows of ``parts`` in order, renumbered 0.. (held-out rows last: BlockData
     holds out the last ``holdout`` rows); reused when present, written by atomic rename."""
     final = folder / "responses.jsonl"
-    if final.exists():
+    if cached(final):
         return final
     folder.mkdir(parents=True, exist_ok=True)
     write_file_atomically(folder / "spec.json", json.dumps(key, indent=1))
@@ -780,6 +790,7 @@ def _join_parts(folder: Path, parts: Sequence[Path], key: dict) -> Path:
         with open(part) as src:
             rows += [json.dumps({**json.loads(line), "index": len(rows)}) + "\n" for line in src if line.strip()]
     write_file_atomically(final, "".join(rows))
+    write_record(final)
     return final
 
 
@@ -987,7 +998,7 @@ def _open_feature_file(tmp: Path, progress: Path, specs: dict, meta: dict, offse
             done = int(json.loads(progress.read_text())["batches"])
             if done:
                 return mapped, done
-        except (ValueError, KeyError, json.JSONDecodeError):
+        except (ValueError, KeyError, TypeError, json.JSONDecodeError):  # a record cut short: start afresh
             pass
     progress.unlink(missing_ok=True)
     mapped = _safetensors_memmap(tmp, specs, meta, create=True)
@@ -1018,11 +1029,14 @@ def compute_features(target: Target, responses: Path, *, max_tokens_per_batch: i
     memory is fine: 5.8 KB per token at 5 x 576) in ``features-<hash>.tmp``, batch by batch
     (:func:`_feature_batches`), with the number of finished batches in ``features-<hash>.progress`` (written every
     :data:`FEATURE_SAVE_EVERY_S` after a flush), so a killed run resumes at that batch
-    (:func:`_open_feature_file`); the final name appears by atomic rename.
+    (:func:`_open_feature_file`); the final name appears by atomic rename, then its size and sha256 are recorded
+    beside it (:func:`dartree.base.integrity.write_record`) and checked before it is reused (a file that fails is
+    computed again: hashing is about 2 s for 2.8 GB, the forwards hours).
     """
-    key = {"target": target.name, "layers": target.layer_ids, "responses": str(responses), "v": 1}
+    key = {"target": target.name, "layers": target.layer_ids, "responses": str(responses), "v": 1,
+           "rows": file_record(responses)["sha256"]}  # regenerated rows (a cache that failed its check) key anew
     out = responses.parent / f"features-{_hash(key)}.safetensors"
-    if out.exists():
+    if cached(out):
         return out
     ds = load_responses(responses)
     seqs = [p + r for p, r in zip(ds["prompt_ids"], ds["response_ids"])]
@@ -1063,6 +1077,7 @@ def compute_features(target: Target, responses: Path, *, max_tokens_per_batch: i
     save_progress(len(batches))
     del feats, final, mapped
     os.replace(tmp, out)
+    write_record(out)
     progress.unlink(missing_ok=True)
     return out
 
@@ -1209,11 +1224,12 @@ def target_lse(target: Target, features: Path, *, chunk: int = 2048) -> torch.Te
     """log-sum-exp over the full vocabulary of the target's logits at every cached position: [T_all] fp32.
 
     Computed once from the cached final hidden states (lm_head only, no target forward) and cached beside the
-    features as ``lse-<features name>.safetensors``; with it, p_t on a draft vocabulary and the p_t mass outside
-    it need only the draft vocabulary's lm_head rows during training.
+    features as ``lse-<features name>.safetensors`` (its size and sha256 recorded beside it and checked before
+    reuse); with it, p_t on a draft vocabulary and the p_t mass outside it need only the draft vocabulary's lm_head
+    rows during training.
     """
     out = features.with_name("lse-" + features.name)
-    if out.exists():
+    if cached(out):
         return load_file(str(out))["lse"]
     with safe_open(str(features), framework="pt") as fh:  # the final states only, not the (larger) layer features
         final = fh.get_tensor("final")
@@ -1223,4 +1239,5 @@ def target_lse(target: Target, features: Path, *, chunk: int = 2048) -> torch.Te
         z = torch.nn.functional.linear(final[a : a + chunk].to(w.device, w.dtype), w).float()
         lse[a : a + chunk] = torch.logsumexp(z, dim=-1).cpu()
     write_file_atomically(out, save({"lse": lse}))
+    write_record(out)
     return lse

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from dartree.base.files import replace_folder
+from dartree.base.records import read_json
 from dartree.training.recipe import Recipe
 
 RESUME_DIR = "resume"
@@ -319,12 +320,15 @@ def check_resumable(out_dir: Path, recipe: dict) -> None:
     schema since) counts as equal when the current value is the schema default, which keeps the old behaviour.
 
     Raises:
-        ValueError: names the differing keys with both values and the two ways out.
+        ValueError: names the differing keys with both values and the two ways out, or the saved recipe file
+            does not parse or is not an object (RecordError, one line naming it).
     """
     saved_path = out_dir / RESUME_DIR / RECIPE_FILE
     if not saved_path.exists():
         return
-    saved, now = _flat(json.loads(saved_path.read_text())), _flat(recipe)
+    saved = _flat(read_json(saved_path, dict, fix=f"start a new output_dir, or delete {out_dir / RESUME_DIR} to train "
+                                                "afresh here"))
+    now = _flat(recipe)
     from omegaconf import OmegaConf
 
     defaults = _flat(OmegaConf.to_container(OmegaConf.structured(Recipe)))

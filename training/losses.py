@@ -525,17 +525,9 @@ def fused_block_loss(
     w, w_ce = decay_weights(valid, gamma), decay_weights(valid & (labels >= 0), gamma)
     rows = valid.reshape(-1).nonzero()[:, 0] if rows is None else rows  # only valid predictions are computed
     l1_coef = l1_weight + 0.5 * tv_weight
-    # the L1 is computed for its own weight, the confidence label, or (as before the KL) whenever a target is given
-    lk = target_hidden is not None and bool(lk_weight) and lam is None
-    with_l1 = target_hidden is not None and bool(l1_coef or conf_logits is not None or not kl_weight or lk)
-    with_kl = target_hidden is not None and bool(kl_weight or lk)
-    c_ce, c_base, c_l1, c_kl = _fused_coefficients(rows, w, w_ce, lam=lam, ce_weight=ce_weight, l1_weight=l1_coef,
-                                                   kl_weight=kl_weight, with_l1=with_l1, with_kl=with_kl,
-                                                   denom=denom, device=hidden.device)
-    c_lk = None
-    if lk:  # the chunks add the LK share to the L1 and KL coefficients (own tensors: written in place)
-        c_l1, c_kl = c_l1.clone(), c_kl.clone()
-        c_lk = (lk_weight * w / _den(w, denom)).reshape(-1)[rows].float()
+    with_l1, with_kl, (c_ce, c_base, c_l1, c_kl, c_lk) = _fused_terms(
+        rows, w, w_ce, target_hidden is not None, lam=lam, ce_weight=ce_weight, l1_coef=l1_coef, kl_weight=kl_weight,
+        lk_weight=lk_weight, conf=conf_logits is not None, denom=denom, device=hidden.device)
     h, a, wh, t_h, t_lse, lab = _fused_rows(rows, hidden, labels, factors, target_hidden, target_lse)
     # Domino's base CE is computed where its weight can be non-zero (known on the host: no device sync)
     with_base = lam is not None and lam != 0
@@ -572,6 +564,25 @@ def _fused_out(loss, grid, nll_r, base_r, l1_r, hit_r, valid, w, w_ce, denom, *,
         loss = loss + conf_weight * bce_term
     return LossOut(loss, ce_term.detach(), l1_term.detach(), acc, cnt, bce=bce_term.detach(), hit=hit,
                    kl=kl_term.detach())
+
+
+def _fused_terms(rows, w, w_ce, has_target: bool, *, lam, ce_weight, l1_coef, kl_weight, lk_weight, conf: bool, denom,
+                 device):
+    """Which of :func:`fused_block_loss`'s distribution terms are computed (``with_l1``, ``with_kl``) and the per-row
+    coefficients (c_ce, c_base, c_l1, c_kl, c_lk or None) of :func:`_fused_coefficients`. The L1 is computed for its
+    own weight, the confidence label, the LK loss or (as before the KL) whenever a target is given; with the LK loss
+    the chunks add its share to c_l1 and c_kl in place, so those are then tensors of their own."""
+    lk = has_target and bool(lk_weight) and lam is None
+    with_l1 = has_target and bool(l1_coef or conf or not kl_weight or lk)
+    with_kl = has_target and bool(kl_weight or lk)
+    c_ce, c_base, c_l1, c_kl = _fused_coefficients(rows, w, w_ce, lam=lam, ce_weight=ce_weight, l1_weight=l1_coef,
+                                                   kl_weight=kl_weight, with_l1=with_l1, with_kl=with_kl,
+                                                   denom=denom, device=device)
+    c_lk = None
+    if lk:
+        c_l1, c_kl = c_l1.clone(), c_kl.clone()
+        c_lk = (lk_weight * w / _den(w, denom)).reshape(-1)[rows].float()
+    return with_l1, with_kl, (c_ce, c_base, c_l1, c_kl, c_lk)
 
 
 def _fused_chunk(chunk: int | None, w_out: torch.Tensor, target_hidden, lam, conf_logits) -> int:

@@ -27,7 +27,9 @@ from pathlib import Path
 
 import torch
 
+from dartree.base.cli import fail
 from dartree.base.files import write_file_atomically
+from dartree.base.records import NUMBER, RecordError, read_json
 from dartree.models.generation import stop_ids
 from dartree.training.build import parse_recipe_dtype
 from dartree.training.checks import template_kwargs
@@ -91,14 +93,17 @@ def bench_training(recipe: str, steps: int, workdir: Path, processes: int = 1) -
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env={**os.environ, "WANDB_MODE": "offline"})
     if r.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.stderr[-3000:]}")
-    s = json.loads((out / "summary.json").read_text())
+    s = read_json(out / "summary.json", {"steps": int, "predictions_per_s": NUMBER, "peak_rss_gib": NUMBER,
+                                         "train_min": NUMBER, "final_loss": NUMBER},
+                  fix="the training run did not write a complete summary; run the benchmark again")
     return {"recipe": recipe, "processes": processes, "steps": s["steps"],
             "predictions_per_s": s["predictions_per_s"], "peak_rss_gib_rank0": s["peak_rss_gib"],
             "train_min": s["train_min"], "wall_s": time.perf_counter() - t0, "final_loss": s["final_loss"]}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console entry point. Returns 0, or 2 for bad arguments (argparse's own exit)."""
+    """Console entry point. Returns 0, or 2 for bad arguments (argparse's own exit) or a training run's summary.json
+    without the figures (one line naming it)."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--recipes", nargs="+", default=["dflash_b16", "domino_b16", "dspark_b16"])
     ap.add_argument("--steps", type=int, default=40, help="optimiser steps per training run (default 40)")
@@ -121,12 +126,15 @@ def main(argv: list[str] | None = None) -> int:
         report["regeneration"] = bench_regeneration(a.recipes[0], a.regen_prompts, a.hf_baseline)
     report["training"] = []
     with tempfile.TemporaryDirectory(prefix="dartree-bench-") as tmp:
-        for recipe in a.recipes:
-            con.print(f"training: {recipe}, {a.steps} steps ...")
-            report["training"].append(bench_training(recipe, a.steps, Path(tmp)))
-        if a.two_process:
-            con.print(f"training: {a.two_process}, {a.steps} steps on 2 processes (torchrun, gloo) ...")
-            report["training"].append(bench_training(a.two_process, a.steps, Path(tmp), processes=2))
+        try:
+            for recipe in a.recipes:
+                con.print(f"training: {recipe}, {a.steps} steps ...")
+                report["training"].append(bench_training(recipe, a.steps, Path(tmp)))
+            if a.two_process:
+                con.print(f"training: {a.two_process}, {a.steps} steps on 2 processes (torchrun, gloo) ...")
+                report["training"].append(bench_training(a.two_process, a.steps, Path(tmp), processes=2))
+        except RecordError as exc:  # a run's summary.json is incomplete: one line, exit 2
+            return fail(exc)
     if "regeneration" in report:
         g = report["regeneration"]
         t = Table(title="regeneration (response tokens/s)")

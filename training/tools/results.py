@@ -9,7 +9,9 @@ Sources, all committed:
 - ``checkpoints/results.json``: every other measurement, each with its drafter, command, machine and dtype; per
   campaign run its training dtype and time (``shipped.runs``); remarks per section (``notes``).
 
-The page is generated: edit the data and render again (``--check`` exits 1 when the page differs from its data).
+The page is generated: edit the data and render again (``--check`` exits 1 when the page differs from its data, and
+says at which line, in which section and figure). A source that does not parse or lacks what the page reads is one
+line naming the file and the place in it (exit 2).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from pathlib import Path
 
 from dartree.base.cli import fail
 from dartree.base.files import write_file_atomically
+from dartree.base.records import NUMBER, read_json
 
 REPO = Path(__file__).resolve().parents[2]
 PAGE = REPO / "docs" / "results.md"
@@ -30,6 +33,23 @@ RECIPES = ("dflash_b16", "domino_b16", "dspark_b16")
 
 class ResultsError(ValueError):
     """A results source is missing or malformed; the message names the file and the fix."""
+
+
+_TAU = (*NUMBER, None)
+# What the page reads from each source (dartree.base.records shapes); other keys are free
+STATE_SHAPE = {"path_roots?": dict,
+               "baseline?": {"*": {"predictions?": NUMBER, "holdout_chain_tau?": _TAU, "eval_chain_tau?": _TAU}},
+               "*": {"shipped_run?": (str, None), "runs": [{
+                   "output_dir": str, "parent?": (str, None), "shards": int, "steps?": (int, None),
+                   "predictions": NUMBER, "holdout_chain_tau?": _TAU, "eval_chain_tau?": _TAU, "device?": (str, None),
+                   "cpu?": (str, None), "updated?": (str, None)}]}}
+MANIFEST_SHAPE = {"shards?": [{"conversations": int, "response_tokens": int, "seconds": NUMBER}],
+                  "totals?": {"shards?": int, "conversations?": int, "response_tokens?": int,
+                              "regeneration_seconds?": NUMBER}}
+CURVE_SHAPE = [{"step": int, "train_tokens?": (int, None), "holdout_chain_tau?": _TAU}]
+RESULTS_SHAPE = {"shipped?": {"runs?": {"*": str}, "eval?": dict},
+                 "notes?": {"*": [str]},
+                 "measurements?": [{"table?": {"columns": list, "rows": [list]}, "notes?": [str]}]}
 
 
 @dataclass
@@ -241,29 +261,40 @@ def render_results(src: ResultSources) -> str:
     return "\n".join(out).rstrip("\n") + "\n"
 
 
-def _load(path: Path, default):
-    if not path.exists():
-        return default
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ResultsError(f"{path} does not parse ({exc.msg} at line {exc.lineno}); fix it or restore it with git") \
-            from None
+def _load(path: Path, default, shape):
+    return read_json(path, shape, fix="fix it or restore it with git", absent=default, error=ResultsError)
 
 
 def load_sources(repo: Path = REPO) -> ResultSources:
     """The committed sources under ``repo`` (absent files read as empty).
 
     Raises:
-        ResultsError: a file does not parse (named).
+        ResultsError: a file does not parse or lacks what the page reads (one line naming the file and the place:
+            :data:`STATE_SHAPE`, :data:`MANIFEST_SHAPE`, :data:`CURVE_SHAPE`, :data:`RESULTS_SHAPE`).
     """
-    state = _load(repo / "campaign" / "train_state.json", {})
+    state = _load(repo / "campaign" / "train_state.json", {}, STATE_SHAPE)
     state.pop("path_roots", None)
-    curves = {p.parent.name: _load(p, []) for p in sorted((repo / "checkpoints").glob("*/learning_curve.json"))}
+    curves = {p.parent.name: _load(p, [], CURVE_SHAPE)
+              for p in sorted((repo / "checkpoints").glob("*/learning_curve.json"))}
     order = [n for n in RECIPES if n in curves] + [n for n in curves if n not in RECIPES]
-    return ResultSources(state=state, manifest=_load(repo / "campaign" / "manifest.json", {}),
+    return ResultSources(state=state, manifest=_load(repo / "campaign" / "manifest.json", {}, MANIFEST_SHAPE),
                          curves={n: curves[n] for n in order},
-                         results=_load(repo / "checkpoints" / "results.json", {}))
+                         results=_load(repo / "checkpoints" / "results.json", {}, RESULTS_SHAPE))
+
+
+def where_differs(page: str, rendered: str) -> str:
+    """Where ``page`` first differs from ``rendered``: the line number and the section (``##``) and figure
+    (``###``) of the rendered page that hold it (``line 42, section 'Campaign runs'``)."""
+    a, b = page.splitlines(), rendered.splitlines()
+    i = next((k for k in range(min(len(a), len(b))) if a[k] != b[k]), min(len(a), len(b)))
+    section = figure = None
+    for line in b[: i + 1]:
+        if line.startswith("## "):
+            section, figure = line[3:], None
+        elif line.startswith("### "):
+            figure = line[4:]
+    where = f"line {i + 1}, " + (f"section {section!r}" if section else "the page's head")
+    return where + (f", figure {figure!r}" if figure else "")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -280,8 +311,13 @@ def main(argv: list[str] | None = None) -> int:
     except ResultsError as exc:
         return fail(str(exc))
     if args.check:
-        same = out.exists() and out.read_text() == page
-        print(f"{out}: {'up to date' if same else 'differs from its data; run make results'}")
+        if not out.exists():
+            print(f"{out}: missing; run make results")
+            return 1
+        old = out.read_text()
+        same = old == page
+        print(f"{out}: " + ("up to date" if same else f"differs from its data at {where_differs(old, page)}; run make "
+                            "results"))
         return 0 if same else 1
     write_file_atomically(out, page)
     print(f"wrote {out}")
