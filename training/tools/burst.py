@@ -50,7 +50,8 @@ from dartree.decode.harness.prompts import DATASETS, load_prompts
 from dartree.models.generation import stop_ids
 from dartree.training.campaign_store import (LISTED_FILE_SHAPE, MANIFEST_SHAPE, STATE_SHAPE, cpu_model, from_record,
                                              read_manifest)
-from dartree.training.tools.campaign import CampaignError, _git_commit, load_settings as campaign_settings, write_plan
+from dartree.training.tools.campaign import (CampaignError, load_settings as campaign_settings, project_commit,
+                                             write_plan)
 from dartree.training.tools.campaign_train import SUMMARY_SHAPE, locked_state, record_roots
 from dartree.training.tools import campaign_train
 
@@ -370,7 +371,7 @@ def build_payload(cfg) -> dict:
     total = target["joined_bytes"]
     first = min(max((total + fixed2 - fixed1) // 2, 0), total)  # both uploads about equally full
     _split(xz, first, up1 / "target.part1", up2 / "target.part2")
-    rec = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "dartree": _git_commit(),
+    rec = {"created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "dartree": project_commit(),
            "target": {**target, "parts": [{"file": "up1/target.part1", "bytes": first,
                                            "sha256": sha256_file(up1 / "target.part1")},
                                           {"file": "up2/target.part2", "bytes": total - first,

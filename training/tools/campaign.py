@@ -1,4 +1,5 @@
-"""A drafter training campaign that accumulates across sessions: ``python training/tools/campaign.py [key=value ...]``.
+"""A drafter training campaign that accumulates across runs and machines:
+``python training/tools/campaign.py [key=value ...]``.
 
 One command continues the campaign from wherever it stopped and runs until a wall-clock limit (``hours``); it is
 safe to kill at any moment. Its settings are ``campaign/campaign.yaml`` (``key=value`` overrides any field; a
@@ -14,7 +15,7 @@ regenerates every assistant turn greedily with its own earlier answers as the hi
 (:func:`~dartree.training.data.regenerate_dialogues`: continuous batching; finished rows are appended to a cache
 file, so a killed run resumes inside the shard), then the shard is written to ``campaign/data/`` as a compressed
 Parquet file of token ids and loss masks (no hidden states), and ``campaign/manifest.json`` records how it was
-made. Shard files and the manifest are written atomically; they are what a later session, on a fresh machine,
+made. Shard files and the manifest are written atomically; they are what a later run, on a fresh machine,
 continues from (commit them). ``campaign.py stage=verify shard=K`` regenerates shard K again and compares tokens.
 ``stage=baseline`` scores the shipped checkpoints on the campaign's held-out set; ``stage=curve`` draws the
 scaling curve from them and the recorded training runs (:func:`curve_file`: ``checkpoints/campaign_curve.png`` for
@@ -410,9 +411,10 @@ def usable_items(settings: DictConfig, tokenizer, start: int, n: int, end: int |
     return out, pos
 
 
-def _git_commit() -> str:
-    """The project's commit: ``$DARTREE_COMMIT`` where set (a copy of the tree without ``.git``, e.g. on a GPU
-    machine), else ``git rev-parse --short HEAD``, else "unknown"."""
+def project_commit() -> str:
+    """The project's commit, as records name it (plans, shards, the burst's payload): ``$DARTREE_COMMIT`` where set
+    (a copy of the tree without ``.git``, e.g. on a GPU machine without network), else ``git rev-parse --short
+    HEAD``, else "unknown"."""
     import os
 
     if os.environ.get("DARTREE_COMMIT"):
@@ -507,7 +509,7 @@ def write_plan(cfg: DictConfig, path: Path, count: int, tokenizer=None) -> dict:
     if not entries:
         raise CampaignError(f"the pool ran out before {name} was complete ({len(items)} of {want} items)")
     plan = {"version": PLAN_VERSION, "data": data_key(cfg), "start": start, "entries": entries,
-            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "dartree": _git_commit()}
+            "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "dartree": project_commit()}
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     write_file_atomically(path, gzip.compress(json.dumps(plan, separators=(",", ":")).encode(), 6))
@@ -618,7 +620,7 @@ def _record(name: str, rows: list, items: list, start: int, end: int, seconds: f
         "tokens": sum(len(r["prompt_ids"]) + len(r["response_ids"]) for r in rows),
         "gen_dtype": str(dtype).replace("torch.", ""), "seconds": round(seconds, 1),
         "response_tokens_per_s": round(resp / max(seconds, 1e-9), 2), "cpu": cpu_model(), "threads": int(cfg.threads),
-        "slots": int(cfg.gen_slots), "torch": __import__("torch").__version__, "dartree": _git_commit(),
+        "slots": int(cfg.gen_slots), "torch": __import__("torch").__version__, "dartree": project_commit(),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "command": "python training/tools/campaign.py stage=verify shard="
                    + (str(int(name.split("-")[-1])) if name != "holdout" else "-1"),
