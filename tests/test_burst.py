@@ -282,6 +282,41 @@ def tiny_eval_target(tmp_path_factory):
     return _tiny_target(tmp_path_factory.mktemp("tiny-eval") / "target")
 
 
+def test_the_device_evaluation_goes_through_the_assembly_and_decode_one(tmp_path, tiny_eval_target, monkeypatch):
+    """stage=device's evaluation builds its models with assemble (float32 on a CPU) and decodes each prompt with
+    decode_one, AR first, then chain and pruned: an all-zero drafter (its proposals, token 0, never emitted) has chain
+    tau exactly 1, a random one never splits from AR in float32; a deadline already past evaluates no prompt."""
+    import time
+
+    import torch
+
+    import dartree.decode.assembly as assembly
+    import dartree.decode.harness.runner as runner
+    from dartree.training.tools.burst import evaluate
+
+    built, decoded = [], []
+    real_assemble, real_decode = assembly.assemble, runner.decode_one
+    monkeypatch.setattr(assembly, "assemble", lambda *a, **k: built.append((a, k)) or real_assemble(*a, **k))
+    monkeypatch.setattr(runner, "decode_one", lambda target, ids, method, **k: decoded.append(
+        (method.builder, method.budget, k["reference"] is not None)) or real_decode(target, ids, method, **k))
+    prompts = [{"text": "Write a function that adds two numbers."}, {"text": "What is 7 times 8?"}]
+    zero, rand = _drafter_checkpoint(tmp_path / "zero", None), _drafter_checkpoint(tmp_path / "rand", 1)
+    got = evaluate(zero, str(tiny_eval_target), prompts, device="cpu", max_new_tokens=8, budget=6,
+                   deadline=time.time() + 600)
+    assert built == [((zero, str(tiny_eval_target)), {"dtype": "float32", "device": torch.device("cpu")})]
+    assert decoded == [(None, None, False), ("chain", None, True), ("pruned", 6, True)] * 2
+    assert (got["device"], got["dtype"], got["prompts"], got["max_new_tokens"]) == ("cpu", "float32", 2, 8)
+    assert got["chain"]["tau"] == 1.0 and got["chain"]["mismatches"] == 0 and got["ar_tokens_per_s"] > 0
+    assert got["pruned"]["budget"] == 6 and got["pruned"]["mismatches"] == 0 and got["pruned"]["tau"] >= 1.0
+    got = evaluate(rand, str(tiny_eval_target), prompts, device="cpu", max_new_tokens=8, budget=6,
+                   deadline=time.time() + 600)
+    assert got["prompts"] == 2 and got["chain"]["mismatches"] == got["pruned"]["mismatches"] == 0
+    assert got["chain"]["tau"] >= 1.0 and got["pruned"]["tau"] >= 1.0
+    decoded.clear()
+    got = evaluate(rand, str(tiny_eval_target), prompts, device="cpu", max_new_tokens=8, budget=6, deadline=0.0)
+    assert got["prompts"] == 0 and decoded == [] and got["chain"]["tau"] == 0.0
+
+
 def _read_state(camp: Path, runs_dir: Path | str = "") -> dict:
     """``camp/train_state.json`` as the campaign reads it: its ``runs:`` paths under ``runs_dir`` (default: the
     user cache), every other stored path made local."""

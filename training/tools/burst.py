@@ -432,8 +432,10 @@ def _worker_cmd(cfg, recipe: str, hours: float, keep: Path) -> list[str]:
 def evaluate(checkpoint: Path, target_spec: str, prompts: list[dict], *, device: str, max_new_tokens: int,
              budget: int, deadline: float) -> dict:
     """Chain and pruned (``budget`` nodes) against AR, greedy, on ``device`` (bf16 on CUDA, fp32 on a CPU), over
-    ``prompts`` until ``deadline``; ``decode/eval.py`` has no device option, so the burst runs this loop (the
-    figures: tau, output tokens per second of the decode loop, AR mismatches).
+    ``prompts`` until ``deadline``: the models built by :func:`dartree.decode.assembly.assemble` (its default matmul
+    path and row-invariant mode) and each prompt decoded by :func:`dartree.decode.harness.runner.decode_one`, as
+    ``decode/eval.py`` does, whose command line has no device option (the figures: tau, output tokens per second of
+    the decode loop, AR mismatches).
 
     Returns:
         {"device", "dtype", "prompts" (evaluated), "max_new_tokens", "ar_tokens_per_s", "chain": {"tau",
@@ -442,44 +444,39 @@ def evaluate(checkpoint: Path, target_spec: str, prompts: list[dict], *, device:
     import torch
 
     # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
-    from dartree.decode.generate import autoregressive_generate, speculative_generate
+    from dartree.decode.assembly import assemble
+    from dartree.decode.harness.runner import Method, decode_one
     from dartree.models.chat import chat_prompt_ids
-    from dartree.models.checkpoint import load_dartree
-    # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
-    from dartree.models.target import load_target
 
     dev = torch.device(device)
-    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
-    target = load_target(target_spec, dtype=dtype)
-    target.model.to(dev)
-    dm = load_dartree(checkpoint, target=target, dtype=dtype, device=dev)
-    target.set_layer_ids(dm.drafter.cfg.target_layer_ids)
-    stops = stop_ids(target)
+    asm = assemble(checkpoint, target_spec, dtype="bfloat16" if dev.type == "cuda" else "float32", device=dev)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    rows = {"ar": [0, 0.0], "chain": [0, 0.0, [], 0], "pruned": [0, 0.0, [], 0]}
+    methods = {"ar": Method(), "chain": Method("chain"), "pruned": Method("pruned", budget)}
+    rows = {name: [0, 0.0, [], 0] for name in methods}  # tokens, decode seconds, accepted lengths, AR mismatches
     n = 0
-    for p in prompts:
-        if time.time() > deadline:
-            break
-        ids = chat_prompt_ids(target.tokenizer, p["text"])
-        sync()
-        ar = autoregressive_generate(target, ids, max_new_tokens=max_new_tokens, stop_ids=stops)
-        sync()
-        rows["ar"][0] += len(ar.tokens)
-        rows["ar"][1] += ar.stats.decode_s
-        for name, b in (("chain", None), ("pruned", budget)):
-            o = speculative_generate(target, dm.drafter, dm.head, ids, builder=name, budget=b,
-                                     max_new_tokens=max_new_tokens, stop_ids=stops)
-            sync()
-            r = rows[name]
-            r[0] += len(o.tokens)
-            r[1] += o.stats.decode_s
-            r[2] += list(o.stats.accept_lengths)
-            r[3] += int(list(o.tokens) != list(ar.tokens))
-        n += 1
+    try:
+        stops = stop_ids(asm.target)
+        for p in prompts:
+            if time.time() > deadline:
+                break
+            ids, ar = chat_prompt_ids(asm.target.tokenizer, p["text"]), None
+            for name, m in methods.items():
+                sync()
+                o = decode_one(asm.target, ids, m, max_new_tokens=max_new_tokens, drafter=asm.drafter, head=asm.head,
+                               stop_ids=stops, reference=None if ar is None else ar.tokens)
+                sync()
+                ar = o if name == "ar" else ar
+                r = rows[name]
+                r[0] += len(o.tokens)
+                r[1] += o.stats.decode_s
+                r[2] += list(o.stats.accept_lengths)
+                r[3] += int(bool(o.mismatch))
+            n += 1
+    finally:
+        asm.close()
     ar_tps = rows["ar"][0] / max(rows["ar"][1], 1e-9)
-    out = {"device": str(dev), "dtype": str(dtype).replace("torch.", ""), "prompts": n,
-           "max_new_tokens": max_new_tokens, "ar_tokens_per_s": round(ar_tps, 1)}
+    out = {"device": str(dev), "dtype": asm.dtype_name, "prompts": n, "max_new_tokens": max_new_tokens,
+           "ar_tokens_per_s": round(ar_tps, 1)}
     for name in ("chain", "pruned"):
         k, s, lens, mism = rows[name]
         tps = k / max(s, 1e-9)
