@@ -180,7 +180,8 @@ def train_arm(spec, name: str, runs: Path) -> dict:
             "steps": int(summary.get("steps", spec.steps)), "cpu_s": round(cpu, 1), "wall_s": round(wall, 1),
             "resumed": resume, "holdout_chain_tau": summary.get("holdout_chain_tau"),
             "holdout_tf_tau": summary.get("holdout_tf_tau"), "predictions": summary.get("predictions"),
-            "curve": [{k: p[k] for k in ("step", "holdout_chain_tau", "holdout_tf_tau", "train_loss") if k in p}
+            "curve": [{k: p[k] for k in ("step", "train_tokens", "holdout_chain_tau", "holdout_tf_tau", "train_loss")
+                       if k in p}
                       for p in points], "checkpoint": str(out / "checkpoint")}
 
 
@@ -208,6 +209,22 @@ def eval_arm(spec, checkpoint: Path, report: Path) -> dict:
 
 def _write(path: Path, rec: dict) -> None:
     write_file_atomically(path, json.dumps(rec, indent=1, sort_keys=False) + "\n")
+    plot_arms(rec, path.with_name("compare_curves.png"))
+
+
+def plot_arms(rec: dict, png: Path) -> Path | None:
+    """The arms' learning curves (held-out chain tau and training loss against training tokens seen;
+    :func:`dartree.base.figures.fig_curves`) to ``png``; a plotting problem is a printed warning, never an error."""
+    # lazy: the status stage stays free of matplotlib
+    from dartree.base.figures import fig_curves, save_png
+
+    curves = {name: [p for p in a.get("curve", []) if "train_tokens" in p and p.get("holdout_chain_tau") is not None]
+              for name, a in rec["arms"].items()}
+    try:
+        return save_png(fig_curves(curves), png)
+    except (ValueError, OSError) as exc:
+        print(f"compare: warning: no curve figure ({exc})", flush=True)
+        return None
 
 
 def status(cfg, spec) -> int:
