@@ -81,15 +81,16 @@ campaign: setup
 clean:
 	rm -rf reports runs .pytest_cache
 
-# The GPU burst (docs/burst.md): regenerate, train three recipes and evaluate on a lent GPU machine in one 9-minute
-# command. burst-payload builds the two uploads (.burst/up1, .burst/up2: the plan of BURST_SHARDS pieces, the target in
-# two parts, the wheels the machine lacks) and checks each against the upload limit; burst-dry runs the very same
+# The GPU burst (docs/burst.md): regenerate, train three recipes and evaluate on a GPU machine without network in one
+# command with its own deadline (minutes=, 9 by default). burst-payload builds the two uploads (.burst/up1, .burst/up2:
+# the plan of BURST_SHARDS pieces, the target in two parts, the wheels the machine lacks) and checks each against the
+# upload limit (limit_mib=, 60 by default: BURST_PAYLOAD takes more key=value words); burst-dry runs the very same
 # script on this CPU with a tiny target (about 2 minutes); burst-apply merges what came back into campaign/, measures
 # eval chain tau of each returned and shipped checkpoint on the CPU and ships each that beats checkpoints/<recipe>.
 .PHONY: burst-payload burst-dry burst-apply
 BURST_SHARDS ?= 64
 burst-payload: $(VENV_DEP)
-	$(PY) training/tools/burst.py stage=payload shards=$(BURST_SHARDS)
+	$(PY) training/tools/burst.py stage=payload shards=$(BURST_SHARDS) $(BURST_PAYLOAD)
 
 burst-dry: $(VENV_DEP)
 	$(PY) -m pytest -q -m slow tests/test_burst.py -k dry_run

@@ -1,5 +1,5 @@
 """The GPU burst: the prompt plan, the upload size checks, and a CPU dry run of the very script the GPU machine runs
-(payload, both calls' set-up, data, three recipes, evaluation, result files, apply) on a tiny target."""
+(payload, the set-up after each upload, data, three recipes, evaluation, result files, apply) on a tiny target."""
 
 import json
 import os
@@ -58,8 +58,27 @@ def test_an_upload_over_the_limit_names_what_is_largest(tmp_path):
     rec = check_upload("1", view, tmp_path / "up", 6.0)
     assert rec["total_bytes"] == (5 << 20) + 1000 and rec["git_view_bytes"] == (2 << 20) + 1000
     with pytest.raises(BurstError, match=r"upload 1 would be 5.0 MiB, over limit_mib=4 .*target.part1 3.0 MiB, "
-                                         r"checkpoints/big/model.safetensors 2.0 MiB.*hide-large-files hide"):
+                                         r"checkpoints/big/model.safetensors 2.0 MiB, README.md 0.0 MiB\. Leave "
+                                         r"large tracked files such as checkpoints/ out of the copy and give "
+                                         r"hidden_mib=N \(the size from which they are left out\)"):
         check_upload("1", view, tmp_path / "up", 4.0)
+
+
+def test_the_result_files_are_grouped_by_the_set_limits():
+    """Sets of at most set_files files and set_mib MiB, first fit in order, set 1 keeping a file and 1 MiB for
+    report.json: the defaults (8 files, 60 MiB) with the three recipes' bf16 checkpoints in 15 MiB pieces, and
+    a transfer of 3 files and 2 MiB."""
+    from dartree.training.tools.burst import MIB, group_sets
+
+    def sizes(mib, set_files, set_mib):
+        files = [{"file": f"f{k}", "bytes": int(m * MIB)} for k, m in enumerate(mib)]
+        return [[round(f["bytes"] / MIB, 3) for f in group] for group in group_sets(files, set_files, set_mib)]
+
+    pieces = [1.0, 15, 15, 15, 10, 15, 2.5]  # data.tar, dspark_b16 (30), domino_b16 (25), dflash_b16 (17.5)
+    assert sizes(pieces, 8, 60.0) == [[1.0, 15, 15, 15, 10], [15, 2.5]]  # set 1: at most 59 MiB
+    assert sizes([0.4] * 5, 3, 2.0) == [[0.4, 0.4], [0.4, 0.4, 0.4]]  # set 1: 2 files, 1 MiB
+    assert sizes([0.4] * 7, 2, 100.0) == [[0.4], [0.4, 0.4], [0.4, 0.4], [0.4, 0.4]]
+    assert sizes([3.0, 0.5], 8, 2.0) == [[3.0], [0.5]]  # a file over a set's room: a set of its own
 
 
 def test_the_wheels_follow_the_trainer_and_settings_are_checked(monkeypatch):
@@ -77,6 +96,9 @@ def test_the_wheels_follow_the_trainer_and_settings_are_checked(monkeypatch):
         burst_settings(["minute=3"])
     with pytest.raises(BurstError, match="one weight > 0 per recipe"):
         burst_settings(["shares=[1,2]"])
+    with pytest.raises(BurstError, match=r"set_files=1 >= 2 \(set 1: report.json and a file\)"):
+        burst_settings(["set_files=1"])
+    assert (burst_settings([]).set_files, burst_settings(["set_files=3"]).set_files) == (8, 3)
 
 
 def _tiny_target(folder: Path) -> Path:
@@ -123,11 +145,12 @@ def _device_python(root: Path) -> Path:
 @pytest.mark.slow
 def test_the_dry_run_is_the_burst_on_a_cpu(tmp_path):
     """The burst end to end on the CPU with a tiny random Llama (SmolLM2's tokenizer): the payload (plan, prompts,
-    target compressed and split in two, size checks), call 1 (part 1 checked), call 2 (target joined, checked and
-    placed, dartree laid out from pyproject's package map and imported from there alone, by an interpreter with no
-    dartree installed, like the GPU machine's), the data stage from the plan with the GPU schedule, three
-    recipes from scratch side by side, evaluation against AR, the result files split into sets of at most 8, a
-    second set fetched, and apply: the shards, manifest, checkpoints and runs land in the campaign."""
+    target compressed and split in two, size checks, the list of files to copy), receive (part 1 checked), run
+    (target joined, checked and placed, dartree laid out from pyproject's package map and imported from there alone,
+    by an interpreter with no dartree installed, like the GPU machine's), the data stage from the plan with the GPU
+    schedule, three recipes from scratch side by side, evaluation against AR (assemble, decode_one), the result
+    files split into sets of at most set_files (8), a second set fetched, and apply: the shards, manifest,
+    checkpoints and runs land in the campaign."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHON": sys.executable,
            "BURST_DIR": str(tmp_path / "burst"), "BURST_KEEP": str(tmp_path / "keep"), "BURST_MINUTES": "4",
            "DARTREE_CACHE": str(tmp_path / "cache")}  # the compressed tiny target stays out of the user cache
@@ -148,9 +171,11 @@ def test_the_dry_run_is_the_burst_on_a_cpu(tmp_path):
     assert all(u["total_bytes"] <= u["limit_bytes"] for u in pay["uploads"])
     from dartree.training.tools.burst import git_view
 
-    whole, hidden = git_view(), git_view(1.0)  # hidden_mib=1 counts the view as hide-large-files hide 1 leaves it
+    whole, hidden = git_view(), git_view(1.0)  # hidden_mib=1: the view less the tracked files of 1 MiB or more
     assert any(p.startswith("checkpoints/") and n >= 1 << 20 for n, p in whole)
     assert not any(n >= 1 << 20 for n, p in hidden) and pay["uploads"][0]["git_view_bytes"] == sum(n for n, _ in hidden)
+    listed = (tmp_path / "burst" / "tree.txt").read_text().splitlines()  # what to copy: the files counted
+    assert listed == sorted(p for _, p in hidden) and "pyproject.toml" in listed
     device_env = {**env, "PYTHON": str(_device_python(tmp_path / "device-python"))}  # no dartree installed
     device_env.pop("PYTHONPATH", None)
     r = subprocess.run(["bash", "training/tools/burst.sh", "receive"], cwd=REPO, env=device_env, capture_output=True,

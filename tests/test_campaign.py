@@ -354,7 +354,7 @@ def test_the_training_stage_trains_on_the_shards_resumes_and_records_its_runs(tm
 
 
 def _committed_campaign(folder: Path, cfg) -> None:
-    """A campaign folder as a session commits it (manifest, a held-out set and two shards, a recorded baseline),
+    """A campaign folder as committed after a run (manifest, a held-out set and two shards, a recorded baseline),
     written without a target."""
     import hashlib
 

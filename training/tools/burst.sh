@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# The GPU burst on the lent machine (docs/burst.md): python training/tools/burst.py stage=payload makes the uploads here.
-#   bash training/tools/burst.sh receive           call 1 (upload .burst/up1): check target part 1, install the wheels
-#   bash training/tools/burst.sh run [key=value]   call 2 (upload .burst/up2, seconds later): join and place the target,
-#                                            then python training/tools/burst.py stage=device out=$OUT (9 minutes, all in)
-#   bash training/tools/burst.sh fetch N           a later call on the same machine: result set N into $OUT
+# The GPU burst on a GPU machine without network (docs/burst.md): python training/tools/burst.py stage=payload makes
+# the two uploads beforehand; copy the tree and .burst/up1 to the machine, then .burst/up2 (or both at once where the
+# transfer allows), and run there:
+#   bash training/tools/burst.sh receive           after upload 1: check target part 1, install the wheels (optional:
+#                                                  run does both)
+#   bash training/tools/burst.sh run [key=value]   after upload 2: join and place the target, then python
+#                                                  training/tools/burst.py stage=device out=$OUT (BURST_MINUTES)
+#   bash training/tools/burst.sh fetch N           later, on the same machine: result set N into $OUT
 # Environment: OUT (results), PYTHON (default python3), BURST_DIR (default .burst: up1/ and up2/), BURST_KEEP (default
-# .burst/keep: kept between calls), BURST_MINUTES (default 9: the whole call's wall clock, set-up included).
+# .burst/keep: kept between commands), BURST_MINUTES (default 9: the deadline, the whole command's wall clock, set-up
+# included; a setting of the job, to fit the time you have on the machine).
 set -u
 t0=$(date +%s.%N)
 cd "$(dirname "$0")/../.." || exit 2
@@ -22,7 +26,7 @@ field() {  # field FILE PYTHON-EXPRESSION-ON-p: a value of payload.json (stdlib 
 }
 
 check_part() {  # check_part FILE EXPECTED-SHA256
-  [ -f "$1" ] || { echo "burst: $1 is missing: the uploads did not reach this machine; run both calls again" >&2; return 1; }
+  [ -f "$1" ] || { echo "burst: $1 is missing: the uploads did not reach this machine; copy both again" >&2; return 1; }
   got=$(sha256sum "$1" | cut -d' ' -f1)
   [ "$got" = "$2" ] || { echo "burst: $1 has sha256 $got, payload.json says $2: build the payload again" >&2; return 1; }
 }
@@ -42,7 +46,7 @@ case "${1:-}" in
   receive)
     check_part "$up1/target.part1" "$(field "$up1/payload.json" "p['target']['parts'][0]['sha256']")" || exit 1
     install_wheels || exit 1
-    echo "burst: part 1 and $(ls "$up1"/wheels | wc -l) wheels in place; run call 2 now"
+    echo "burst: part 1 and $(ls "$up1"/wheels | wc -l) wheels in place; copy upload 2 and run burst.sh run"
     ;;
   run)
     shift
