@@ -96,7 +96,7 @@ def test_the_wheels_follow_the_trainer_and_settings_are_checked(monkeypatch):
         burst_settings(["minute=3"])
     with pytest.raises(BurstError, match="one weight > 0 per recipe"):
         burst_settings(["shares=[1,2]"])
-    with pytest.raises(BurstError, match=r"set_files=1 >= 2 \(set 1: report.json and a file\)"):
+    with pytest.raises(BurstError, match=r"set_files=1: give >= 2 \(set 1 holds report.json\)"):
         burst_settings(["set_files=1"])
     assert (burst_settings([]).set_files, burst_settings(["set_files=3"]).set_files) == (8, 3)
 

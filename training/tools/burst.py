@@ -150,7 +150,7 @@ def load_settings(args: list[str]):
     if cfg.shards < 1 or cfg.minutes <= 0 or not 0 < cfg.data_share < 1 or cfg.limit_mib <= 0:
         raise BurstError("shards >= 1, minutes > 0, data_share in (0, 1) and limit_mib > 0")
     if cfg.set_files < 2 or cfg.piece_mib <= 0 or cfg.set_mib <= 0:
-        raise BurstError(f"set_files={cfg.set_files} >= 2 (set 1: report.json and a file), piece_mib, set_mib > 0")
+        raise BurstError(f"set_files={cfg.set_files}: give >= 2 (set 1 holds report.json), piece_mib and set_mib > 0")
     if cfg.eval_limit < 0 or cfg.eval_max_new_tokens < 1:
         raise BurstError(f"eval_limit={cfg.eval_limit} must be >= 0 (0: no evaluation) and eval_max_new_tokens="
                          f"{cfg.eval_max_new_tokens} >= 1")
