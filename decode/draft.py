@@ -20,6 +20,9 @@ def draft_block(
 
     ``ctx_feats`` [C, nL*D] are the target features of positions ``dcache.length .. start-1`` (not yet in the
     drafter's cache); they are appended to ``dcache``, which never holds block entries.
+    A drafter with a head attached between its layers runs with that head's hook
+    (:meth:`~dartree.models.drafter.DFlashDrafter.layer_hook`); the block's ``hidden`` is then the states the hook
+    recorded for the head (``head_hidden``), else the drafter's output.
     Returns:
         DraftBlock(hidden [P, D], base_logits [P, V'] fp32 over the drafter's vocabulary ``vocab`` (all V ids
         when it has none), ``bf16_values`` True when they were computed in bf16) for proposals predicting
@@ -37,8 +40,11 @@ def draft_block(
     x = target.embed(block).to(drafter.fc.weight.dtype)  # raw lookup, as z-lab (no module scale)
     q_pos = torch.arange(start, start + cfg.block_size, device=dev)[None]
     ctx_pos = torch.arange(c0, start, device=dev)[None]
-    h = drafter(x, q_pos, ctx_feats[None], ctx_pos, cache=dcache)[0, cfg.proposal_offset :]
+    hook = drafter.layer_hook(block[:, None])  # a head acting between the layers (None for most)
+    h = drafter(x, q_pos, ctx_feats[None], ctx_pos, cache=dcache, hook=hook)[0, cfg.proposal_offset :]
     base, vocab = drafter.draft_logits(h, target.lm_head)  # [P, V'] fp32 over the draft vocabulary (or V)
+    # the states the head scores from: the drafter's output, or what its hook recorded (head_hidden)
+    head_h = h if getattr(hook, "head_hidden", None) is None else hook.head_hidden[0, cfg.proposal_offset:]
     # base is a bf16 matmul's output cast up when the target's lm_head is bf16 (draft_logits casts the hidden to it)
-    return DraftBlock(hidden=h, base_logits=base, vocab=vocab,
+    return DraftBlock(hidden=head_h, base_logits=base, vocab=vocab,
                       bf16_values=target.lm_head.weight.dtype == torch.bfloat16)

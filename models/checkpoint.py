@@ -247,7 +247,8 @@ def load_dartree(
     Args:
         folder: folder with config.json and model.safetensors.
         target: optional Target to validate the pairing against; its input embedding is bound to the head
-            (``head.bind_embeddings``), which the ``gru`` head needs before use.
+            (``head.bind_embeddings``), which the ``gru`` head needs before use, and its lm_head weight
+            (``head.bind_models``, with the drafter, which a head acting between the drafter's layers needs).
         dtype: parameter dtype after loading (checkpoints are stored in bf16).
     Raises:
         CheckpointError: missing files, wrong format, unreadable/truncated safetensors, missing/unexpected/
@@ -299,6 +300,10 @@ def load_dartree(
         raise CheckpointError(f"{w_path}: unexpected tensor {extra[0]!r} ({len(extra)} unexpected in all)")
     drafter.to(device=device, dtype=dtype).eval()
     head.to(device=device, dtype=dtype).eval()
+    try:  # a head acting between the drafter's layers attaches itself; one scoring with the lm_head keeps it
+        head.bind_models(drafter, target.lm_head.weight if target is not None else None)
+    except ValueError as exc:
+        raise CheckpointError(f"{cfg_path}: {exc}") from None
     if target is not None:
         head.bind_embeddings(target.embed_tokens.weight)  # Domino's GRU reads the target's token embeddings
     return DraftModel(drafter, head, config)

@@ -62,6 +62,8 @@ class DrafterConfig:
         conv_kernel_size: 0 for DFlash layers; k >= 1 wraps attention and MLP of every layer in DFlash 2's grouped
             dynamic causal convolutions of k taps (:class:`GroupedDynamicCausalConv`; z-lab ``conv_kernel_size``).
         conv_group_size: channels sharing one dynamic tap (z-lab ``conv_group_size``); must divide hidden_size.
+        causal_block: True: attention causal inside the block (offset i sees block keys <= i; context as before), in
+            training and decoding alike (SpecForge's ``causal_block``, DSpine); False: DFlash's bidirectional block.
     """
 
     hidden_size: int
@@ -80,6 +82,7 @@ class DrafterConfig:
     draft_vocab_size: int = 0
     conv_kernel_size: int = 0
     conv_group_size: int = 16
+    causal_block: bool = False
 
     @property
     def num_proposals(self) -> int:
@@ -164,10 +167,13 @@ class BlockAttention:
     Attributes:
         ctx_bias: [A*L, S] additive float mask over the context keys (0 visible, finfo.min hidden).
         block_size: L.
+        causal: a block query sees the block keys at offsets <= its own only (set by the drafter from
+            ``DrafterConfig.causal_block``).
     """
 
     ctx_bias: torch.Tensor
     block_size: int
+    causal: bool = False
 
     @classmethod
     def from_anchors(cls, anchors: torch.Tensor, ctx_len: int, block_size: int) -> "BlockAttention":
@@ -197,6 +203,9 @@ def block_structured_attention(q, k_blk, v_blk, ctx_k, ctx_v, spec: BlockAttenti
     kb = k_blk[0].reshape(kv, a, L, d)
     s_blk = torch.matmul(qb, kb.transpose(-1, -2)).float() * scale  # [kv, A, rep*L, L]
     s_blk = s_blk.reshape(kv, a, rep, L, L).transpose(1, 2).reshape(kv, rep, al, L)
+    if spec.causal:  # row a*L + i sees the block keys at offsets <= i
+        upper = torch.ones(L, L, dtype=torch.bool, device=s_blk.device).triu(1).repeat(a, 1)
+        s_blk = s_blk.masked_fill(upper, torch.finfo(torch.float32).min)
     p = torch.cat([s_ctx, s_blk], dim=-1).softmax(-1).to(q.dtype)
     n_ctx = s_ctx.shape[-1]
     out = torch.matmul(p[..., :n_ctx].reshape(kv, rep * al, n_ctx), ctx_v[0]).reshape(kv, rep, al, d)
@@ -423,6 +432,37 @@ class DFlashDrafter(nn.Module):
         full = sub.new_full((*sub.shape[:-1], w.shape[0]), float("-inf"))
         return full.scatter_(-1, self.draft_vocab.expand(*sub.shape[:-1], -1), sub)
 
+    def attach(self, source) -> None:
+        """Run every forward with ``source.layer_hook(block_ids)`` (:meth:`layer_hook`; :meth:`forward` refuses to run
+        without it): a correction head acting between the layers attaches itself when bound
+        (:meth:`dartree.models.heads.CorrectionHead.bind_models`). Kept by reference, not as a submodule.
+
+        Raises:
+            TypeError: ``source`` has no ``layer_hook``.
+        """
+        if not callable(getattr(source, "layer_hook", None)):
+            raise TypeError(f"{type(source).__name__} has no layer_hook(block_ids); it cannot be attached to a drafter")
+        self.__dict__["_hook_source"] = source
+
+    def layer_hook(self, block_ids: torch.Tensor, **extra):
+        """The attached source's hook for one forward over blocks of token ids ``block_ids`` [N, A, L] int64 (anchor
+        first; ``extra`` goes to it), or None when nothing is attached (a plain DFlash backbone)."""
+        src = self.__dict__.get("_hook_source")
+        return None if src is None else src.layer_hook(block_ids, **extra)
+
+    def _block_mask(self, mask, q_len: int, keys: int, device):
+        """``mask`` made causal inside each block of Q consecutive queries when ``cfg.causal_block``: a
+        :class:`BlockAttention` gets ``causal``, an additive mask [N|1, 1, Q, keys] the bias on its last Q keys, None
+        the additive [1, 1, Q, keys] mask with every context key visible."""
+        if not self.cfg.causal_block or isinstance(mask, BlockAttention):
+            return BlockAttention(mask.ctx_bias, mask.block_size, True) if self.cfg.causal_block else mask
+        off, L = torch.arange(q_len, device=device), self.cfg.block_size
+        blk = torch.zeros(q_len, q_len, device=device).masked_fill_(
+            (off[None] % L > off[:, None] % L) | (off[None] // L != off[:, None] // L), torch.finfo(torch.float32).min)
+        if mask is None:
+            return torch.cat([torch.zeros(q_len, keys - q_len, device=device), blk], dim=1)[None, None]
+        return torch.cat([mask[..., : keys - q_len], mask[..., keys - q_len:] + blk.to(mask.dtype)], dim=-1)
+
     def forward(
         self,
         x: torch.Tensor,
@@ -432,6 +472,7 @@ class DFlashDrafter(nn.Module):
         *,
         mask: torch.Tensor | None = None,
         cache: DraftCache | None = None,
+        hook=None,
     ) -> torch.Tensor:
         """Hidden states of block tokens after the final norm.
 
@@ -443,13 +484,23 @@ class DFlashDrafter(nn.Module):
             mask: None (every query sees all context and the whole block: inference), an additive float
                 mask [N|1, 1, Q, C_total + Q] over [cached + new context ; block] keys, or a
                 :class:`BlockAttention` (training: the same visibility, computed over each block's own keys).
+                With ``cfg.causal_block`` the block part is made causal here (callers pass the same masks).
             cache: when given, the new context K/V are appended to it and all cached context is attended.
+            hook: None, or :meth:`layer_hook`'s: ``hook(i, h)`` -> the [N, Q, D] states layer i hands on (it may
+                record the states a head scores from); required when a head is attached (:meth:`attach`).
         Returns:
             [N, Q, D] in the dtype of x.
+        Raises:
+            ValueError: a head is attached and no hook is given (the message says how to build it).
         """
+        if hook is None and self.__dict__.get("_hook_source") is not None:
+            raise ValueError(f"this drafter's {type(self.__dict__['_hook_source']).__name__} acts between its layers: "
+                             "pass hook=drafter.layer_hook(block_ids) (decode.draft.draft_block does)")
         n = x.shape[0]
         has_ctx = ctx_feats is not None and ctx_feats.shape[1] > 0
         ctx = self.hidden_norm(self.fc(ctx_feats.to(self.fc.weight.dtype))) if has_ctx else None
+        keys = (cache.length if cache is not None else 0) + (ctx_feats.shape[1] if has_ctx else 0) + x.shape[1]
+        mask = self._block_mask(mask, x.shape[1], keys, x.device)
         h = x
         for i, layer in enumerate(self.layers):
             if has_ctx:
@@ -463,6 +514,8 @@ class DFlashDrafter(nn.Module):
                     cv = torch.cat([cache.values[i], cv], dim=2)
                 cache.keys[i], cache.values[i] = ck, cv
             h = layer(h, q_pos, ck, cv, mask)
+            if hook is not None:
+                h = hook(i, h)
         return self.norm(h)
 
     def init_from_target_layers(self, target_model, layer_ids: Sequence[int]) -> None:

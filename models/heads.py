@@ -12,7 +12,8 @@ A head corrects the drafter's per-position base logits U = lm_head(H) using the 
   published head shares, g(C, H, r) = U[C] + A · W[C]^T (``None`` for the identity head). Builders hand these
   to the fused frontier-scoring kernel (``dartree.kernels.frontier``); ``score`` is the plain form.
 - ``bind_embeddings(weight [V, D])``: heads that read the target's frozen input embeddings (Domino's GRU)
-  receive them here after loading; a no-op for the others.
+  receive them here after loading; a no-op for the others. ``bind_models(drafter, lm_head_weight)``: the same for
+  a head that acts between the drafter's layers or scores with the target's lm_head rows (DSpine).
 - ``block_logits(prev_ids [N, P], H [N, P, D], U [N, P, V], vocab=None) -> [N, P, V]``: the teacher-forced form
   for training, where prev_ids[:, j] is the token before proposal j (the anchor for j = 0); with ``vocab`` [N']
   (a draft vocabulary) U holds only those columns and the result is restricted the same way. It is
@@ -93,6 +94,13 @@ class CorrectionHead(nn.Module):
 
     def bind_embeddings(self, weight: torch.Tensor) -> None:
         """Receive the target's frozen input-embedding matrix [V, D]; no-op unless the head reads it."""
+        return None
+
+    def bind_models(self, drafter, lm_head_weight: torch.Tensor | None = None) -> None:
+        """Receive the drafter it corrects and the target's frozen lm_head weight [V, D] (None: no target yet), for
+        a head that acts between the drafter's layers (it attaches itself:
+        :meth:`dartree.models.drafter.DFlashDrafter.attach`) or scores with the target's output rows;
+        ``load_dartree`` calls it. A no-op for the others."""
         return None
 
     def block_states(self, prev_ids: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor | None:

@@ -26,6 +26,7 @@ DRAFTER_FIELDS = {
     "draft_vocab_size": Range(0, note="0: the full vocabulary"),
     "conv_kernel_size": Range(0, note="0: DFlash layers; k >= 1: DFlash 2 convolutions of k taps"),
     "conv_group_size": Range(1, note="channels per dynamic tap; must divide hidden_size"),
+    "causal_block": Flag(),
 }
 
 

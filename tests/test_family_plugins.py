@@ -60,8 +60,8 @@ def test_a_recipe_names_family_modules_and_a_bad_one_is_refused_in_one_line(tmp_
     with pytest.raises(ValueError, match=r"^families: '' is not a module name"):
         import_families([""])
     with pytest.raises(RecipeError, match=r"loss.type 'toy' is unknown; use one of \['dflash', 'dflash2', 'domino', "
-                                          r"'dspark'\] \(a family of your own registers when its module is imported: "
-                                          r"families=\[MODULE\], or its package's dartree.families entry point"):
+                                          r"'dspark', 'dspine'\] \(a family of your own registers when its module is "
+                                          r"imported: families=\[MODULE\], or its package's dartree.families entry point"):
         load_recipe(["recipe=tiny_dflash", "loss.type=toy"])
     # a recipe file's own list is read too, and the command line's replaces it
     (tmp_path / "mod_a.py").write_text("")
@@ -203,7 +203,7 @@ def test_a_checkpoint_of_an_unregistered_head_is_refused_in_one_line():
     config = json.loads((REPO / "checkpoints" / "dspark_b16" / "config.json").read_text())
     config["head"] = {"type": "toy_tanh", "vocab_size": 49152, "rank": 8}
     with pytest.raises(CheckpointError, match=r"^ckpt/config.json: unknown head type 'toy_tanh'; available: "
-                                              r"\['gated_markov', .*install its package, whose dartree.families "
+                                              r"\['dspine', 'gated_markov', .*install its package, whose dartree.families "
                                               r"entry point imports it, or, from Python, import the module first\)$"):
         build_from_config(config, "ckpt/config.json")
 

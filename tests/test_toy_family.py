@@ -101,11 +101,11 @@ def test_the_registry_refuses_a_second_toy_and_names_the_families(toy_family):
     with pytest.raises(ValueError, match="drafter family 'toy' is already registered"):
         register_family(ToyFamily())
     with pytest.raises(KeyError, match=r"unknown drafter family \(loss.type\) 'nope'; available: \['dflash', "
-                                       r"'dflash2', 'domino', 'dspark', 'toy'\]"):
+                                       r"'dflash2', 'domino', 'dspark', 'dspine', 'toy'\]"):
         get_family("nope")
     with pytest.raises(RecipeError, match=r"loss.type 'toy' trains head.type \['toy_tanh'\], not 'markov'"):
         load_recipe([*TOY, "head.type=markov"])
-    with pytest.raises(RecipeError, match="loss.tv_weight=0.3 / loss.kl_weight=0.0 apply to loss.type=dspark only"):
+    with pytest.raises(RecipeError, match="loss.tv_weight=0.3 / loss.kl_weight=0.0 / loss.lk_weight=0.0 apply to loss.type=dspark only"):
         load_recipe([*TOY, "loss.tv_weight=0.3"])  # the toy's KL is its own, not the recipe's DSpark weights
     with pytest.raises(RecipeError, match=r"^head.toy_scale=-1 is out of range: must be a finite number > 0 "
                                           r"\(the toy head's scale s\)$"):
@@ -115,7 +115,7 @@ def test_the_registry_refuses_a_second_toy_and_names_the_families(toy_family):
 
 
 def test_the_toy_family_is_refused_before_it_registers():
-    with pytest.raises(RecipeError, match=r"head.type 'toy_tanh' is unknown; available: \['gated_markov', 'gru', "):
+    with pytest.raises(RecipeError, match=r"head.type 'toy_tanh' is unknown; available: \['dspine', 'gated_markov', 'gru', "):
         load_recipe(TOY)
     with pytest.raises(RecipeError, match=r"unknown key 'head.toy_scale' in command line; valid keys there: "):
         load_recipe(["recipe=tiny_dflash", "head.toy_scale=0.5"])

@@ -216,13 +216,14 @@ def build_models(cfg: DictConfig, target: Target):
         draft_vocab_size=int(d.draft_vocab_size),
         conv_kernel_size=int(d.conv_kernel_size),
         conv_group_size=int(d.conv_group_size),
+        causal_block=bool(d.get("causal_block", False)),
     )
     try:
         drafter = DFlashDrafter(dcfg)
         variant = warm_start_variant(d.init_from_target)
         if variant:
             drafter.warm_start(target.model, variant, int(d.get("init_copy_layers", 0) or 0))
-        head = get_family(cfg.loss.type).build_head(cfg.head, target.vocab_size, target.hidden_size)
+        head = get_family(cfg.loss.type).build_head(cfg.head, target.vocab_size, target.hidden_size, dcfg.num_layers)
         if variant == "specforge":  # every head starts as "no correction", SpecForge's confidence head at zero
             if hasattr(head, "start_uncorrected"):  # heads whose output rows start random (DFlash 2's selector)
                 head.start_uncorrected()

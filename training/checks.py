@@ -50,6 +50,7 @@ RECIPE_FIELDS = {
     "drafter.draft_vocab_size": Range(0, note="0: the full vocabulary"),
     "drafter.conv_kernel_size": Range(0, note="0: DFlash layers; k >= 1: DFlash 2 convolutions, at most block_size"),
     "drafter.conv_group_size": Range(1, note="must divide the target's hidden size"),
+    "drafter.causal_block": Flag(),
     "head.top_k": Range(1, note="selector head: candidates of U reranked per position"),
     "head.rank": Range(1, note="DSpark Markov rank R, also Domino's emb_dim when that is null; a drafter "
                                "without a Markov head is head.type=identity with loss.type=dflash"),

@@ -49,6 +49,7 @@ class DrafterSection:
     draft_vocab_size: int = 0  # 0: full vocabulary; N: the N most frequent response tokens (EAGLE-3 style)
     conv_kernel_size: int = 0  # 0: DFlash layers; k >= 1: DFlash 2 grouped dynamic causal convolutions of k taps
     conv_group_size: int = 16  # DFlash 2: channels sharing one dynamic tap
+    causal_block: bool = False  # attention causal inside the block (DSpine); false: DFlash's bidirectional block
 
 
 @dataclass

@@ -26,6 +26,7 @@ from dartree.models.families import Objective
 from dartree.models.target import Target
 from dartree.training.data import BlockData, sample_anchors
 from dartree.training.losses import (
+    LossOut,
     domino_loss,
     dspark_loss,
     fused_block_loss,
@@ -67,7 +68,8 @@ def seed_mix(*parts: int) -> int:
 class TrainModule(torch.nn.Module):
     """The trainable drafter backbone and correction head as one module (what the DeepSpeed engine wraps).
 
-    ``forward(target, data, i, settings, gen, lam, denom)`` is :func:`sequence_loss` for training sequence i, returned
+    ``forward(target, data, i, settings, gen, lam, denom, progress)`` is :func:`sequence_loss` for training sequence i,
+    returned
     as a tuple of tensors (loss, ce, l1, bce, acc_per_pos, count_per_pos, kl), or None: ZeRO-3's backward hooks find
     their tensors only in plain containers.
     """
@@ -77,8 +79,8 @@ class TrainModule(torch.nn.Module):
         self.drafter, self.head = drafter, head
 
     def forward(self, target: Target, data: BlockData, i: int, settings: StepSettings, gen: torch.Generator,
-                lam: float | None = None, denom: float | None = None):
-        out = sequence_loss(self.drafter, self.head, target, data, i, settings, gen, lam, denom)
+                lam: float | None = None, denom: float | None = None, progress: tuple[int, int] | None = None):
+        out = sequence_loss(self.drafter, self.head, target, data, i, settings, gen, lam, denom, progress)
         if out is None:
             return None
         return out.loss, out.ce, out.l1, out.bce, out.acc_per_pos, out.count_per_pos, out.kl
@@ -232,7 +234,8 @@ def step_blocks(drafter, target: Target, data: BlockData, i: int, settings: Step
 
 
 def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, settings: StepSettings,
-                  gen: torch.Generator, lam: float | None = None, denom: float | None = None):
+                  gen: torch.Generator, lam: float | None = None, denom: float | None = None,
+                  progress: tuple[int, int] | None = None):
     """Forward one training sequence with random anchors under the family's objective (``settings.objective``);
     returns :class:`~dartree.training.losses.LossOut` or None when it has no anchor.
 
@@ -245,12 +248,19 @@ def sequence_loss(drafter, head, target: Target, data: BlockData, i: int, settin
     step's gradient is that of sum(weighted terms) / sum(weights), SpecForge's pooled loss).
     ``lam`` is the base-CE weight of a curriculum objective at this step (Domino's lambda,
     :meth:`~dartree.models.families.Objective.lam`; None: 0, its held-out value); an objective with a fixed base
-    weight (DFlash 2) or without a base term ignores it.
+    weight (DFlash 2) or without a base term ignores it. ``progress`` (optimiser step, planned steps) reaches an
+    objective that computes its own loss (``Objective.block_loss``), whose schedules read it; None: held-out.
     """
     b = step_blocks(drafter, target, data, i, settings, gen)
     if b is None:
         return None
     obj = settings.objective
+    if obj.block_loss is not None:  # a family whose loss is its own, not made of the shared terms
+        with _autocast(target.device, settings.bf16):
+            out = obj.block_loss(drafter, head, b, gen=gen, progress=progress, denom=denom)
+        cnt = b.valid.float().sum(0)
+        return LossOut(out["loss"], out["ce"], out["l1"], out["hit"].float().sum(0) / cnt.clamp_min(1), cnt,
+                       hit=out["hit"])
     if obj.curriculum is None or lam is None:
         lam = obj.lam()
     conf_head = bool(getattr(head, "confidence_head", False))

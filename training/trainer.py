@@ -435,7 +435,8 @@ class Trainer:
         denom = self._batch_denominator(st.step, mine)
         sums = torch.zeros(6, device=self.device)  # loss, ce, l1, bce, kl, predictions: summed on the device
         for i in mine:
-            out = self.engine(self.target, self.data, i, self.settings, self._anchor_gen(st.step, i), lam, denom)
+            out = self.engine(self.target, self.data, i, self.settings, self._anchor_gen(st.step, i), lam, denom,
+                              (lineage_step, self.horizon))
             if out is None:  # pragma: no cover - BlockData keeps only sequences with anchors
                 self.engine.backward(sum(p.sum() for p in self.params) * 0.0)
                 self.engine.step()

@@ -27,6 +27,7 @@ refused, and a lookup of an unknown name lists the registered ones.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping
 
@@ -58,6 +59,10 @@ class Objective:
         base_weight: the weight w of CE(U), or None for no base term.
         curriculum: (step, total_steps) -> w in [0, 1], or None for a fixed ``base_weight``.
         logged: names of the step's loss terms shown beside ``loss`` and ``ce`` (``l1``, ``kl``, ``lam``).
+        block_loss: None (the terms above), or a loss that is not made of them, computed by the family itself:
+            ``block_loss(drafter, head, blocks, *, gen, progress, denom)`` -> {"loss", "ce", "l1", "hit" [A, P]} for
+            one sequence's step tensors (``dartree.training.step.StepBlocks``), its anchor generator, (optimiser
+            step, planned steps) or None, and the batch denominator or None.
     """
 
     gamma: float | None
@@ -74,6 +79,7 @@ class Objective:
     base_weight: float | None = None
     curriculum: Callable[[int, int], float] | None = None
     logged: tuple[str, ...] = ()
+    block_loss: Callable | None = None
 
     @property
     def l1_coef(self) -> float:
@@ -150,8 +156,10 @@ class Family:
         """The ``head.type`` names this family trains."""
         return [cls.type_name for cls in self.heads]
 
-    def build_head(self, head: Mapping[str, Any], vocab_size: int, hidden_size: int) -> CorrectionHead:
-        """A fresh head of the recipe's ``head.type`` (:meth:`head_kwargs`).
+    def build_head(self, head: Mapping[str, Any], vocab_size: int, hidden_size: int,
+                   num_layers: int | None = None) -> CorrectionHead:
+        """A fresh head of the recipe's ``head.type`` (:meth:`head_kwargs`); a head class whose constructor takes
+        ``num_layers`` (tensors per drafter layer) gets the drafter's ``num_layers`` when given.
 
         Raises:
             KeyError: ``head.type`` is not one of this family's heads (the message lists them).
@@ -160,7 +168,10 @@ class Family:
         by_name = {cls.type_name: cls for cls in self.heads}
         if head["type"] not in by_name:
             raise KeyError(f"loss.type {self.name!r} trains head.type {sorted(by_name)}, not {head['type']!r}")
-        return by_name[head["type"]](**self.head_kwargs(head, vocab_size, hidden_size))
+        cls, kwargs = by_name[head["type"]], self.head_kwargs(head, vocab_size, hidden_size)
+        if num_layers is not None and "num_layers" in inspect.signature(cls).parameters:  # tensors per drafter layer
+            kwargs.setdefault("num_layers", int(num_layers))
+        return cls(**kwargs)
 
 
 FAMILIES: dict[str, Family] = {}
