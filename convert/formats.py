@@ -475,8 +475,9 @@ def export_config(config: dict, fmt: str, *, family: str, proposal_offset: int |
             family whose head types the layout carries (``dspark``). proposal_offset: the one proposal offset the
             layout uses, or None (any).
     Raises:
-        CheckpointError: a head type not of ``family``, DFlash 2 convolutions, q/k norm off (all reported
-            together, with the layout that would fit), another proposal offset, or no recorded vocabulary size.
+        CheckpointError: a head type not of ``family``, DFlash 2 convolutions, q/k norm off, attention causal in
+            the block (all reported together, with the layout that would fit), another proposal offset, or no
+            recorded vocabulary size.
     """
     d, head, tgt = config["drafter"], dict(config["head"]), config.get("target", {})
     htype, heads = head.get("type"), get_family(family).head_types()
@@ -491,6 +492,9 @@ def export_config(config: dict, fmt: str, *, family: str, proposal_offset: int |
     if not d.get("qk_norm", False):  # every published layout has Qwen3 layers: report it with the head problem
         problems.append("the drafter has qk_norm=false but the published layouts are Qwen3 layers with "
                         "q_norm/k_norm; only drafters trained with drafter.qk_norm=true export")
+    if d.get("causal_block"):  # the layouts here attend bidirectionally inside the block
+        problems.append(f"the drafter attends causally inside the block (drafter.causal_block), which {fmt} drafters "
+                        f"do not; {layout_for_head(htype)}")
     if problems:
         raise CheckpointError("; ".join(problems))
     if proposal_offset is not None and d["proposal_offset"] != proposal_offset:

@@ -9,7 +9,9 @@ registered in :data:`FORMAT_PAIRS`, in the order ``--from auto`` tries them (:fu
 2. z-lab (:mod:`dartree.convert.zlab`): ``zlab-dflash2`` first, since a DFlash 2 config is a DFlash config plus marks
    of its own, and ``zlab-dflash`` only after the layouts below, whose marks also sit in a ``dflash_config``;
 3. DeepSpec (:mod:`dartree.convert.deepspec`): ``deepspec-dspark`` (no ``dflash_config``);
-4. SpecForge (:mod:`dartree.convert.specforge`): ``specforge-domino``, then ``specforge-dspark``.
+4. SpecForge (:mod:`dartree.convert.specforge`): ``specforge-domino``, then ``specforge-dspark``;
+5. DSpine (:mod:`dartree.convert.dspine`): ``specforge-dspine``, then ``tencent-dspine`` (its codes in a file of
+   their own), before ``zlab-dflash``, whose catch-all ``dflash_config`` a DSpine config also has.
 
 The converters take their ``--from`` / ``--to`` lists (:data:`SOURCE_FORMATS`, :data:`EXPORT_FORMATS`) and every
 reader and writer from :data:`FORMAT_PAIRS`; ``dartree`` and the older ``dartree-train`` are the converters' own
@@ -18,11 +20,11 @@ sources (``convert/to_dartree.py``), reserved here.
 
 from __future__ import annotations
 
-from dartree.convert import deepspec, specforge, vllm_speculators, zlab
+from dartree.convert import deepspec, dspine, specforge, vllm_speculators, zlab
 from dartree.convert.registry import FormatPair, FormatRegistry
 from dartree.models.checkpoint import FORMAT, CheckpointError
 
-PUBLISHERS = (vllm_speculators, zlab, deepspec, specforge)  # every publisher module
+PUBLISHERS = (vllm_speculators, zlab, deepspec, specforge, dspine)  # every publisher module
 # the registration order is the detection order (see the module docstring)
 REGISTRATION_ORDER: tuple[FormatPair, ...] = (
     vllm_speculators.SPECULATORS,
@@ -30,6 +32,8 @@ REGISTRATION_ORDER: tuple[FormatPair, ...] = (
     deepspec.DSPARK,
     specforge.DOMINO,
     specforge.DSPARK,
+    dspine.SPECFORGE,
+    dspine.TENCENT,
     zlab.DFLASH,
 )
 RESERVED = ("auto", FORMAT, "dartree-train")  # --from auto and the converters' own sources

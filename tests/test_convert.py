@@ -679,9 +679,9 @@ def test_the_registry_lists_exactly_the_layouts_the_clis_accept(monkeypatch):
 
     pairs = publishers.FORMAT_PAIRS
     assert set(pairs) == {"zlab-dflash", "zlab-dflash2", "specforge-domino", "specforge-dspark", "deepspec-dspark",
-                          "speculators"}
+                          "speculators", "specforge-dspine", "tencent-dspine"}
     assert publishers.SOURCE_FORMATS == tuple(pairs)
-    assert publishers.EXPORT_FORMATS == tuple(n for n in pairs if n != "deepspec-dspark")
+    assert publishers.EXPORT_FORMATS == tuple(n for n in pairs if n not in ("deepspec-dspark", "tencent-dspine"))
     assert pairs["deepspec-dspark"].write is None and all(pairs[n].write for n in publishers.EXPORT_FORMATS)
     froms = _cli_choices(to_dartree.main, ["src"], monkeypatch)["source_format"]
     assert sorted(froms) == sorted(["auto", "dartree", "dartree-train", *pairs])
@@ -704,7 +704,7 @@ def test_every_publisher_modules_pairs_are_registered_once_and_only_there():
     listed = [p for module in publishers.PUBLISHERS for p in module.PAIRS]
     assert sorted(p.name for p in listed) == sorted(pairs) and all(pairs[p.name] is p for p in listed)
     assert {m.__name__.rsplit(".", 1)[1] for m in publishers.PUBLISHERS} == {"zlab", "specforge", "deepspec",
-                                                                              "vllm_speculators"}
+                                                                              "vllm_speculators", "dspine"}
     for f in sorted((Path(__file__).resolve().parents[1] / "convert").glob("*.py")):  # no pair outside the registry
         module = importlib.import_module(f"dartree.convert.{f.stem}")
         for value in vars(module).values():
@@ -721,8 +721,8 @@ def test_every_publisher_modules_pairs_are_registered_once_and_only_there():
         publishers.build_registry(publishers.REGISTRATION_ORDER + (zlab.DFLASH,))
     with pytest.raises(ValueError, match=r"\['zlab-dflash'\] left out"):
         publishers.build_registry(publishers.REGISTRATION_ORDER[:-1])
-    with pytest.raises(ValueError, match=r"\['speculators', 'zlab-dflash2', 'deepspec-dspark', 'zlab-dflash'\] listed by "
-                                         "no publisher module"):
+    with pytest.raises(ValueError, match=r"\['speculators', 'zlab-dflash2', 'deepspec-dspark', 'specforge-dspine', "
+                                         r"'tencent-dspine', 'zlab-dflash'\] listed by no publisher module"):
         publishers.build_registry(publishers.REGISTRATION_ORDER, publishers=(specforge,))
 
 
@@ -734,16 +734,20 @@ def test_every_publisher_modules_pairs_are_registered_once_and_only_there():
      "specforge-domino"),
     ({"dflash_config": {"mask_token_id": 0}}, {"logit_head.markov_head.markov_w1.weight"}, "specforge-dspark"),
     ({"dflash_config": {"mask_token_id": 0}, "markov_rank": 4}, set(), "specforge-dspark"),
+    ({"dflash_config": {"mask_token_id": 0}, "architectures": ["DSpineDraftModel"]}, {"transfer_codes"},
+     "specforge-dspine"),
+    ({"config": {"dflash_config": {"mask_token_id": 0}}}, {"injection.bias", "codes"}, "tencent-dspine"),
     ({"dflash_config": {"mask_token_id": 0}}, {"fc.weight"}, "zlab-dflash"),
 ], ids=["speculators-first", "dflash2-before-specforge", "deepspec", "domino-before-dspark", "legacy-names", "dspark",
-        "zlab-last"])
+        "dspine", "dspine-tencent", "zlab-last"])
 def test_auto_detection_tries_the_registry_in_order(cfg, names, fmt):
     """--from auto takes the first registered layout that answers: speculators, z-lab DFlash 2, DeepSpec, SpecForge
-    Domino, SpecForge DSpark, then z-lab DFlash (the catch-all of a dflash_config); no match lists every layout."""
+    Domino, SpecForge DSpark, SpecForge's and Tencent's DSpine, then z-lab DFlash (the catch-all of a dflash_config);
+    no match lists every layout."""
     from dartree.convert import publishers
 
     assert list(publishers.FORMAT_PAIRS) == ["speculators", "zlab-dflash2", "deepspec-dspark", "specforge-domino",
-                                             "specforge-dspark", "zlab-dflash"]
+                                             "specforge-dspark", "specforge-dspine", "tencent-dspine", "zlab-dflash"]
     assert publishers.detect(cfg, names)[0] == fmt
     with pytest.raises(CheckpointError, match="unknown checkpoint layout") as err:
         publishers.detect({"format": "other"}, set())
@@ -756,7 +760,7 @@ def test_convert_modules_import_one_way():
     paths)."""
     from test_layers import import_graph
 
-    rank = {"registry": 0, "formats": 1, "zlab": 2, "specforge": 2, "deepspec": 2, "vllm_speculators": 2,
+    rank = {"registry": 0, "formats": 1, "zlab": 2, "specforge": 2, "deepspec": 2, "vllm_speculators": 2, "dspine": 2,
             "publishers": 3, "importer": 4, "exporter": 4, "tools": 5, "tools.to_dartree": 5, "tools.from_dartree": 5,
             "to_dartree": 6, "from_dartree": 6, "__init__": 0}
     graph = import_graph()
