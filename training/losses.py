@@ -518,10 +518,7 @@ def fused_block_loss(
         ValueError: conf_logits, tv_weight or kl_weight without target_hidden; lam with a target or confidence
             logits; chunk < 1.
     """
-    chunk = _fused_chunk(chunk, w_out, target_hidden, lam, conf_logits)
-    if (tv_weight or kl_weight or lk_weight) and target_hidden is None:
-        raise ValueError("tv_weight / kl_weight / lk_weight need target_hidden (the target's distribution at each "
-                         "prediction)")
+    chunk = _fused_chunk(chunk, w_out, target_hidden, lam, conf_logits, bool(tv_weight or kl_weight or lk_weight))
     w, w_ce = decay_weights(valid, gamma), decay_weights(valid & (labels >= 0), gamma)
     rows = valid.reshape(-1).nonzero()[:, 0] if rows is None else rows  # only valid predictions are computed
     l1_coef = l1_weight + 0.5 * tv_weight
@@ -585,12 +582,18 @@ def _fused_terms(rows, w, w_ce, has_target: bool, *, lam, ce_weight, l1_coef, kl
     return with_l1, with_kl, (c_ce, c_base, c_l1, c_kl, c_lk)
 
 
-def _fused_chunk(chunk: int | None, w_out: torch.Tensor, target_hidden, lam, conf_logits) -> int:
-    """:func:`fused_block_loss`'s rows per chunk (None: about 2M logits per chunk), after its option checks.
+def _fused_chunk(chunk: int | None, w_out: torch.Tensor, target_hidden, lam, conf_logits,
+                 distribution: bool = False) -> int:
+    """:func:`fused_block_loss`'s rows per chunk (None: about 2M logits per chunk), after its option checks
+    (``distribution``: a TV, KL or LK weight is set).
 
     Raises:
-        ValueError: conf_logits without target_hidden; lam with a target or confidence logits; chunk < 1.
+        ValueError: conf_logits, or a TV / KL / LK weight, without target_hidden; lam with a target or confidence
+            logits; chunk < 1.
     """
+    if distribution and target_hidden is None:
+        raise ValueError("tv_weight / kl_weight / lk_weight need target_hidden (the target's distribution at each "
+                         "prediction)")
     if chunk is None:
         chunk = max(16, (1 << 21) // max(1, w_out.shape[0]))
     if chunk < 1:
