@@ -6,7 +6,8 @@ block and the correction head's scores into a draft tree (DARTree-pruned by defa
 the tree with tree attention, and the longest path that matches the target's own tokens committed with its bonus
 token. At temperature 0 the output equals the target's greedy output (:meth:`SpeculativeDecoder.generate_ar` gives
 that baseline to compare with); above 0 it is distributed as the target's samples. The stats say how many tokens
-each target forward committed (the acceptance length tau) and how fast it went.
+each target forward committed (the acceptance length tau) and how fast it went. A list of prompts is decoded together
+(:meth:`SpeculativeDecoder.generate_batch`, :mod:`dartree.decode.batched`), each answer equal to its own.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import torch
 from dartree.base.dtypes import DTYPES
 from dartree.base.fields import is_int, is_real
 from dartree.decode.assembly import CALIBRATION_PROMPT, Assembly, assemble
+from dartree.decode.batched import batched_generate, check_batched
 from dartree.decode.budget import calibrate
 from dartree.decode.generate import (POLICY_PROMPT, DecodeStats, autoregressive_generate, check_speculative,
                                      seed_policy, speculative_generate, warm_paths)
@@ -86,8 +88,67 @@ class Generation:
         return len(self.tokens) / self.seconds if self.seconds > 0 else float("nan")
 
 
-class SpeculativeDecoder:
-    """A target and a drafter (backbone + correction head) loaded once, generating one request at a time.
+class BatchedDecoding:
+    """The batched half of :class:`SpeculativeDecoder`'s API: several prompts decoded together
+    (:meth:`generate_batch`; :meth:`SpeculativeDecoder.generate` comes here for a list of prompts). It uses the
+    decoder's ``target``, ``draft``, ``stop_ids``, prompt handling, checks and :meth:`SpeculativeDecoder.warm_up`.
+    """
+
+    def generate_batch(self, prompts: Sequence, *, max_new_tokens: int | Sequence[int] = 256, tree: str = "pruned",
+                       budget: int | None = None, temperature: float = 0.0, seed: int = 0, lookup: int = 0,
+                       chat: bool = True, ignore_generation_config: bool = False, batch_size: int | None = None,
+                       **builder_params) -> list[Generation]:
+        """Generate answers to several prompts decoded together (:func:`~dartree.decode.batched.batched_generate`):
+        one drafter forward and one target verify forward per round for all rows, each row its own tree; each answer
+        equals what :meth:`generate` gives for its prompt alone at temperature 0 (distributed as the target's samples
+        above 0).
+
+        Args:
+            prompts: a list of prompts, each text, chat messages or token ids (:meth:`prompt_ids`).
+            max_new_tokens: one cap for all, or one per prompt.
+            budget: tree nodes per row and round, or None (default): the drafter's proposals P. ``"auto"`` is
+                refused: its cost model is not batch-aware yet.
+            batch_size: rows decoded together (default: all); with fewer, a finished row's place goes to the next
+                prompt.
+            tree, temperature, seed, lookup, chat, ignore_generation_config, builder_params: as :meth:`generate`.
+        Returns:
+            One :class:`Generation` per prompt, in order (``seconds``: its prefill and its time in the batch;
+            ``setup_s``: the call's one-time setup, :meth:`warm_up`).
+        Raises:
+            TypeError / ValueError: as :meth:`generate`, a prompt named by its index, ``budget="auto"``, caps that
+                are not one per prompt, a ``batch_size`` below 1; all before any set-up.
+        """
+        if isinstance(prompts, (str, bytes, dict)) or not isinstance(prompts, Sequence) or not len(prompts):
+            raise TypeError(f"prompts={prompts!r:.60} is not a list of prompts; give a list, each {PROMPT_FORMS}")
+        caps = [max_new_tokens] * len(prompts) if not isinstance(max_new_tokens, Sequence) else list(max_new_tokens)
+        for cap in caps:
+            _check_decode_args(cap, temperature, seed)
+        self._check_setting(tree, budget, lookup, builder_params)
+        self._check_sampling(temperature, ignore_generation_config)
+        ids = []
+        for i, p in enumerate(prompts):
+            try:
+                ids.append(self.prompt_ids(p, chat=chat))
+            except (TypeError, ValueError) as exc:
+                raise type(exc)(f"prompts[{i}]: {exc}") from None
+        gen = torch.Generator(device=self.target.device.type).manual_seed(seed) if temperature > 0 else None
+        dm, params = self.draft, builder_params or None
+        args = dict(builder=tree, max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=self.stop_ids,
+                    budget=budget, generator=gen, builder_params=params, lookup=lookup, lookup_ngram=3)
+        check_batched(self.target, dm.drafter, dm.head, ids, batch_size=batch_size, **args)
+        setup = self.warm_up(tree=tree, budget=budget, lookup=lookup, **builder_params)
+        out = batched_generate(self.target, dm.drafter, dm.head, ids, batch_size=batch_size, **args)
+        res = []
+        for o, pid in zip(out, ids):
+            g = self._finish(o, pid, time.perf_counter())
+            g.seconds, g.setup_s = o.stats.prefill_s + o.stats.decode_s, setup
+            res.append(g)
+        return res
+
+
+class SpeculativeDecoder(BatchedDecoding):
+    """A target and a drafter (backbone + correction head) loaded once, generating one request at a time or a list of
+    them together (:meth:`generate_batch`).
 
     Build it with :func:`load`, or from an :class:`~dartree.decode.assembly.Assembly` of your own
     (:func:`~dartree.decode.assembly.assemble`, the one place target and drafter are built for decoding). Attributes:
@@ -210,7 +271,9 @@ class SpeculativeDecoder:
         """Generate an answer with speculative decoding (:func:`~dartree.decode.generate.speculative_generate`).
 
         Args:
-            prompt: text, chat messages or token ids (:meth:`prompt_ids`). max_new_tokens: cap on generated tokens.
+            prompt: text, chat messages or token ids (:meth:`prompt_ids`). A list of several prompts (texts, chats
+                or id lists; :func:`is_prompt_list`) decodes them together instead: :meth:`generate_batch`, which
+                returns a list. max_new_tokens: cap on generated tokens.
             tree: the tree builder: ``pruned`` (DARTree-pruned, default), ``chain``, ``ddtree``, ``pctree``,
                 ``fixed`` (DARTree-fixed), ``heap-sequential`` (:data:`dartree.decode.trees.BUILDERS`; the aliases
                 ``dartree-pruned`` / ``dartree-fixed`` work too).
@@ -225,7 +288,8 @@ class SpeculativeDecoder:
                 top_p, ...), which the decoders do not apply; without it such a target is refused at T > 0.
             builder_params: the builder's parameters (``k`` candidates, ``width`` W, ``beta`` depth bonus).
         Returns:
-            :class:`Generation`. A setting (tree, budget kind, lookup, builder parameters) used for the first time
+            :class:`Generation` (a list of them for a list of prompts). A setting (tree, budget kind, lookup, builder
+            parameters) used for the first time
             is prepared by :meth:`warm_up` before the timing starts; its time is ``setup_s``, not in ``seconds``.
         Raises:
             TypeError: an argument of the wrong type, or a prompt of none of the forms above, named.
@@ -234,6 +298,10 @@ class SpeculativeDecoder:
                 :func:`~dartree.decode.generate.speculative_generate` and :meth:`prompt_ids`), or sampling settings
                 as above; all before any set-up.
         """
+        if is_prompt_list(prompt):
+            return self.generate_batch(prompt, max_new_tokens=max_new_tokens, tree=tree, budget=budget,
+                                       temperature=temperature, seed=seed, lookup=lookup, chat=chat,
+                                       ignore_generation_config=ignore_generation_config, **builder_params)
         _check_decode_args(max_new_tokens, temperature, seed)
         self._check_setting(tree, budget, lookup, builder_params)
         self._check_sampling(temperature, ignore_generation_config)
@@ -310,6 +378,21 @@ class SpeculativeDecoder:
         out = autoregressive_generate(self.target, ids, max_new_tokens=max_new_tokens, temperature=temperature,
                                       stop_ids=self.stop_ids, generator=gen)
         return self._finish(out, ids, t0)
+
+
+def is_prompt_list(prompt) -> bool:
+    """Whether :meth:`SpeculativeDecoder.generate` reads ``prompt`` as several prompts: a list or tuple of texts, of
+    chats (lists of message dicts), or of two or more token-id lists. One prompt stays one: text, one chat (a list of
+    dicts), token ids, and a single id list inside a list (``[[ids]]``, the [1, T] form of ``input_ids``)."""
+    if not isinstance(prompt, (list, tuple)) or not prompt:
+        return False
+    first = prompt[0]
+    if isinstance(first, str):
+        return True
+    if isinstance(first, (list, tuple)) and first and isinstance(first[0], dict):
+        return True
+    rows = isinstance(first, (list, tuple)) or (hasattr(first, "shape") and getattr(first, "ndim", 0) >= 1)
+    return rows and len(prompt) > 1
 
 
 def load(drafter: str | os.PathLike = DEFAULT_DRAFTER, target: str | os.PathLike = DEFAULT_TARGET, *,

@@ -3,7 +3,8 @@ builders), run once where the arguments enter, before any target forward.
 
 Accepted token-id inputs: a 1-D sequence of Python / numpy integers, a 1-D integer tensor or numpy array [T], or
 a batch of one row (``[1, T]`` tensor or array, ``[[...]]`` list), as Hugging Face ``input_ids`` come. A
-batch of several rows is refused (the decoders run one request at a time). Errors are one line naming the
+batch of several rows is refused (these decoders run one request at a time; :mod:`dartree.decode.batched` decodes a
+list of prompts together, each checked as one). Errors are one line naming the
 argument, what was given and the fix: ``TypeError`` for a wrong type, ``ValueError`` for a wrong shape, size,
 range or an unknown builder name.
 """
@@ -61,7 +62,8 @@ def token_ids(value: Any, name: str, vocab_size: int | None = None, *, allow_emp
             value = value[0]
         elif value.dim() != 1:
             raise ValueError(f"{name} is {describe(value)}; give one prompt as [T] or [1, T] (batched decoding is "
-                             "not supported: call once per prompt)")
+                             "not supported by this decoder: decode several prompts with "
+                             "dartree.decode.batched.batched_generate)")
         ids = value.detach().cpu().tolist()
     elif isinstance(value, (set, frozenset, dict)) and ordered:
         raise TypeError(f"{name} is {describe(value)}, which has no order; give the token ids as a list")
@@ -70,7 +72,8 @@ def token_ids(value: Any, name: str, vocab_size: int | None = None, *, allow_emp
         if ids and _is_row(ids[0]):
             if len(ids) != 1:
                 raise ValueError(f"{name} holds {len(ids)} sequences (a batch); give one prompt as a flat list of "
-                                 "token ids (batched decoding is not supported: call once per prompt)")
+                                 "token ids (this decoder takes one; decode several with "
+                                 "dartree.decode.batched.batched_generate)")
             return token_ids(ids[0], name, vocab_size, allow_empty=allow_empty, ordered=ordered)
         for i, t in enumerate(ids):
             if isinstance(t, torch.Tensor) and t.dim() == 0 and not t.is_floating_point() and t.dtype != torch.bool:

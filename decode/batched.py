@@ -1,0 +1,328 @@
+"""Batched speculative decoding: N requests decoded together, each row lossless on its own.
+
+:func:`batched_generate` runs the round of :func:`~dartree.decode.generate.speculative_generate` for a batch of rows:
+one drafter forward for all rows (:func:`~dartree.decode.batch_rounds.draft_blocks`), each row's own tree (the same
+registered builders, heads and kernels, its own budget and prompt-lookup graft), one target verify forward over all
+rows' trees padded to a shared width with per-row tree masks and depth positions
+(:func:`~dartree.decode.batch_rounds.verify_batch`), each row's accepted path committed to its own row of the batch's
+KV cache (:mod:`dartree.models.batch_cache`: rows of different lengths, hidden holes). A row that finishes (a stop
+id, its ``max_new_tokens``) leaves the batch and the next prompt of the queue takes its place, prefilled alone as at
+batch 1. No engine the design was compared with ships trees of different sizes per request: SGLang verifies the
+same width for every request (``sgl-project/sglang``, its DDTree pull request pads to max(block size, budget + 1));
+here each row keeps its own tree and the padding is masked out.
+
+Losslessness per row: at T = 0 row i's tokens are the target's greedy output for prompt i whatever the other rows
+are and however they are padded (in fp32; in bf16 inside the row-invariant mode, :mod:`dartree.models.invariant`,
+whose attention reads each row's own keys in position order); above 0 each row's tokens are distributed as the
+target's samples (exact target-sample matching, as batch 1). The batch-1 loop
+(:func:`~dartree.decode.generate.speculative_generate`) is a separate function and is not changed by any of this.
+
+The budget is per row and fixed (:class:`RowBudgets`); a batch-aware policy (one that sees every row's tree before
+the shared verify, e.g. to size trees against the batch's verify cost) replaces :class:`RowBudgets` through the same
+two calls (:meth:`RowBudgets.new_row`, :meth:`RowBudgets.choose`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from dartree.base.fields import describe, is_int
+from dartree.decode.batch_rounds import compile_batch, draft_blocks, verify_batch
+from dartree.decode.generate import DecodeStats, GenerateOutput, _commit, _prefill, check_speculative
+from dartree.decode.rounds import FixedBudget, GreedyMatch, LookupGraft
+from dartree.decode.trees import Tree, get_builder
+from dartree.models.batch_cache import BatchKV, RowDraftCache
+from dartree.models.drafter import DFlashDrafter
+from dartree.models.heads import CorrectionHead
+from dartree.models.target import Target
+
+
+@dataclass
+class BatchOutput:
+    """The outputs of a batched decode, in prompt order, and what the batch did.
+
+    Attributes:
+        outputs: one :class:`~dartree.decode.generate.GenerateOutput` per prompt (tokens as batch 1 gives them;
+            ``stats`` per row: its rounds, accept lengths and trees; its stage seconds are those of the batch rounds
+            it took part in, its ``prefill_s`` its own prefill, its ``decode_s`` the wall time from its prefill to its
+            last round).
+        widths: per verify forward, the shared width W (the widest row's tree + 1).
+        rows: per verify forward, the rows N in it.
+        seconds: wall time of the whole decode (prefills included).
+    Iterating, ``len`` and indexing go over :attr:`outputs`.
+    """
+
+    outputs: list
+    widths: list = field(default_factory=list)
+    rows: list = field(default_factory=list)
+    seconds: float = 0.0
+
+    def __len__(self) -> int:
+        return len(self.outputs)
+
+    def __getitem__(self, i):
+        return self.outputs[i]
+
+    def __iter__(self):
+        return iter(self.outputs)
+
+    @property
+    def forwards(self) -> int:
+        """Verify forwards run (each over all rows then in the batch)."""
+        return len(self.widths)
+
+    @property
+    def new_tokens(self) -> int:
+        """Tokens generated over all prompts."""
+        return sum(len(o.tokens) for o in self.outputs)
+
+
+class RowBudgets:
+    """The batch's budget: every row its own fixed :class:`~dartree.decode.rounds.FixedBudget` of ``nodes`` nodes
+    (with its own prompt-lookup statistics, as a batch-1 decode has).
+
+    A batch-aware policy replaces this object: :meth:`new_row` gives a request's policy when it enters the batch and
+    :meth:`choose` sees every row's built tree before the shared verify forward.
+
+    Args:
+        nodes: B >= 0, tree nodes per row and round.
+    """
+
+    def __init__(self, nodes: int):
+        self.nodes = int(nodes)
+
+    def new_row(self) -> FixedBudget:
+        """The policy of a request entering the batch."""
+        return FixedBudget(self.nodes)
+
+    def choose(self, policies: Sequence[FixedBudget], trees: list[Tree], chain_pos: list,
+               build_started: float) -> tuple[list[Tree], list]:
+        """Every row's tree as its policy keeps it (:meth:`FixedBudget.choose`); returns (trees, chain positions)."""
+        out = [p.choose(t, c, True, build_started) for p, t, c in zip(policies, trees, chain_pos)]
+        return [t for t, _ in out], [c for _, c in out]
+
+
+@dataclass
+class _Row:
+    """One request in the batch: its prompt's index, its committed output, its next root and its state."""
+
+    index: int
+    prompt: list
+    max_new: int
+    out: list
+    stats: DecodeStats
+    anchor: int
+    pending: list
+    policy: FixedBudget
+    graft: LookupGraft
+    started: float  # clock reading after its prefill
+
+
+def _lengths(max_new_tokens, n: int) -> list[int]:
+    """``max_new_tokens`` as one cap per prompt (an int for all, or a sequence of N ints)."""
+    if is_int(max_new_tokens):
+        return [int(max_new_tokens)] * n
+    if isinstance(max_new_tokens, (str, bytes)) or not isinstance(max_new_tokens, Sequence):
+        raise TypeError(f"max_new_tokens is {describe(max_new_tokens)}; give an int >= 0 or one int per prompt")
+    caps = list(max_new_tokens)
+    if len(caps) != n:
+        raise ValueError(f"max_new_tokens holds {len(caps)} caps for {n} prompts; give one per prompt or one int")
+    for i, c in enumerate(caps):
+        if not is_int(c):
+            raise TypeError(f"max_new_tokens[{i}]={c!r} must be an integer >= 0")
+    return [int(c) for c in caps]
+
+
+def check_batched(target, drafter, head, prompts, *, builder, max_new_tokens, temperature, stop_ids, budget,
+                  generator, builder_params, lookup, lookup_ngram, batch_size) -> tuple:
+    """Every check of :func:`batched_generate` before any forward (arguments as it takes them); each prompt gets the
+    checks of :func:`~dartree.decode.generate.speculative_generate` with its own cap. Returns (prompt id lists,
+    caps, stop ids, builder name, rows decoded together).
+
+    Raises:
+        TypeError / ValueError: one line naming the argument (``prompts[i]`` for a prompt) and the fix.
+    """
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or (
+            hasattr(prompts, "shape") and hasattr(prompts, "dtype")):
+        raise TypeError(f"prompts is {describe(prompts)}; give a list of prompts, each a list of token ids")
+    if not prompts:
+        raise ValueError("prompts is empty; give at least one prompt")
+    if budget == "auto":
+        raise ValueError("budget='auto' is not batch-aware yet (its cost model times batch-1 rounds); give an int "
+                         "budget or None (one node per proposal) for a batch")
+    caps = _lengths(max_new_tokens, len(prompts))
+    ids, stops, name = [], [], builder
+    for i, (p, cap) in enumerate(zip(prompts, caps)):
+        try:
+            pid, stops, name, _, _ = check_speculative(
+                target, drafter, head, p, builder=builder, max_new_tokens=cap, temperature=temperature,
+                stop_ids=stop_ids, budget=budget, generator=generator, builder_params=builder_params,
+                acceptance="match", lookup=lookup, lookup_ngram=lookup_ngram, lockstep=None)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"prompts[{i}]: {exc}") from None
+        ids.append(pid)
+    if batch_size is None:
+        rows = len(prompts)
+    elif not is_int(batch_size) or batch_size < 1:
+        raise ValueError(f"batch_size={batch_size!r} must be an int >= 1 (rows decoded together) or None (all)")
+    else:
+        rows = min(int(batch_size), len(prompts))
+    return ids, caps, stops, name, rows
+
+
+@torch.inference_mode()
+def batched_generate(
+    target: Target, drafter: DFlashDrafter, head: CorrectionHead, prompts: Sequence, *, builder: str = "pruned",
+    max_new_tokens: int | Sequence[int], temperature: float = 0.0, stop_ids: Sequence[int] = (),
+    budget: int | None = None, generator: torch.Generator | None = None, builder_params: dict | None = None,
+    lookup: int = 0, lookup_ngram: int = 3, batch_size: int | None = None, record_trees: bool = False,
+) -> BatchOutput:
+    """Speculative decoding of several prompts together; every row lossless (see the module docstring).
+
+    Args:
+        target, drafter, head, builder, temperature, stop_ids, builder_params, lookup, lookup_ngram, record_trees:
+            as :func:`~dartree.decode.generate.speculative_generate` (acceptance is exact target-sample matching).
+        prompts: N prompts, each token ids as ``speculative_generate`` takes one ([T] or [1, T]).
+        max_new_tokens: the cap on generated tokens, one int for all prompts or one per prompt.
+        budget: tree nodes per row and round (default: P, the drafter's proposals); ``"auto"`` is refused (its cost
+            model is not batch-aware yet).
+        generator: a seeded torch.Generator for T > 0 (one stream for the batch: a row's samples depend on the seed
+            and on the other rows, its distribution does not).
+        batch_size: rows decoded together (default: all prompts); with fewer, the prompts wait in a queue and a
+            finished row's place goes to the next one.
+    Returns:
+        :class:`BatchOutput`: per prompt, in order, the tokens :func:`~dartree.decode.generate.autoregressive_generate`
+        gives at T = 0 (distributed as the target's samples at T > 0), with its stats.
+    Raises (all before any forward):
+        TypeError / ValueError: the checks of ``speculative_generate`` per prompt (named ``prompts[i]``), an empty
+            prompt list, caps that are not one per prompt, ``budget="auto"``, a ``batch_size`` below 1.
+    """
+    t_run = time.perf_counter()
+    ids, caps, stop_list, builder, width = check_batched(
+        target, drafter, head, prompts, builder=builder, max_new_tokens=max_new_tokens, temperature=temperature,
+        stop_ids=stop_ids, budget=budget, generator=generator, builder_params=builder_params, lookup=lookup,
+        lookup_ngram=lookup_ngram, batch_size=batch_size)
+    loop = _BatchLoop(target, drafter, ids, caps, stops=set(int(s) for s in stop_list),
+                      budgets=RowBudgets(drafter.cfg.num_proposals if budget is None else int(budget)),
+                      rule=GreedyMatch(get_builder(builder), head, dict(builder_params or {}), temperature, generator),
+                      lookup=(lookup, lookup_ngram), record_trees=record_trees)
+    loop.fill(width)
+    while loop.rows:
+        loop.round()
+    loop.result.seconds = time.perf_counter() - t_run
+    return loop.result
+
+
+class _BatchLoop:
+    """The state of one batched decode and its steps: admitting prompts from the queue (:meth:`admit`), one round
+    for all rows (:meth:`round`), finished rows leaving and the queue refilling their places (:meth:`refill`).
+    Arguments as :func:`batched_generate` resolved them."""
+
+    def __init__(self, target: Target, drafter: DFlashDrafter, ids: list, caps: list, *, stops: set,
+                 budgets: RowBudgets, rule: GreedyMatch, lookup: tuple, record_trees: bool):
+        self.target, self.drafter, self.ids, self.caps, self.stops = target, drafter, ids, caps, stops
+        self.budgets, self.rule, self.lookup, self.record_trees = budgets, rule, lookup, record_trees
+        self.result = BatchOutput([None] * len(ids))
+        self.queue = deque(range(len(ids)))
+        self.kv, self.dcache, self.rows = BatchKV(target), RowDraftCache(len(drafter.layers)), []
+
+    def admit(self) -> tuple | None:
+        """The next prompt of the queue, prefilled alone into a fresh cache (its batch-1 prefill): (row, its cache),
+        or None when the queue is empty; a prompt that finishes at its prefill (cap 0 or 1, a stop id first) is
+        stored as done here and the next one taken."""
+        rule = self.rule
+        while self.queue:
+            i = self.queue.popleft()
+            stats, out = DecodeStats(), []
+            if self.caps[i] == 0:
+                self.result.outputs[i] = GenerateOutput([], stats)
+                continue
+            cache, t0 = self.target.new_cache(), time.perf_counter()
+            first, feats = _prefill(self.target, self.ids[i], cache, rule.temperature, rule.generator)
+            stats.prefill_s = time.perf_counter() - t0
+            _, done = _commit(out, [first], self.caps[i], self.stops)
+            if done:
+                stats.new_tokens = len(out)
+                self.result.outputs[i] = GenerateOutput(out, stats)
+                continue
+            return _Row(i, self.ids[i], self.caps[i], out, stats, first, [feats], self.budgets.new_row(),
+                        LookupGraft(self.ids[i], *self.lookup), time.perf_counter()), cache
+        return None
+
+    def fill(self, width: int) -> None:
+        """Admit up to ``width`` rows into the empty batch."""
+        while len(self.rows) < width:
+            got = self.admit()
+            if got is None:
+                return
+            self.rows.append(got[0])
+            self.kv.add_row(got[1])
+            self.dcache.add_row()
+
+    def round(self) -> None:
+        """One round for every row: draft -> build, graft, budget -> compile, verify -> commit; then the finished
+        rows leave (:meth:`refill`)."""
+        rows, kv, rule, target = self.rows, self.kv, self.rule, self.target
+        ta = time.perf_counter()  # draft
+        starts, anchors = list(kv.lens), [r.anchor for r in rows]
+        blocks = draft_blocks(target, self.drafter, anchors, starts,
+                              [r.pending[0] if len(r.pending) == 1 else torch.cat(r.pending) for r in rows],
+                              self.dcache)
+        for r in rows:
+            r.pending.clear()
+        tb = time.perf_counter()  # build, graft, budget
+        built = [r.graft(rule.build(block, r.anchor, r.policy.nodes), r.out, r.policy.lookup_stats)
+                 for r, block in zip(rows, blocks)]
+        trees, chain_pos = self.budgets.choose([r.policy for r in rows], [b[0] for b in built],
+                                               [b[1] for b in built], tb)
+        tc = time.perf_counter()  # compile, verify
+        inputs = compile_batch(trees, anchors, starts, kv.width, target.dtype, target.device)
+        tc2 = time.perf_counter()
+        vers = verify_batch(target, trees, anchors, kv, rule.temperature, rule.generator, inputs)
+        td = time.perf_counter()  # commit
+        self.result.widths.append(int(inputs.input_ids.shape[1]))
+        self.result.rows.append(len(rows))
+        finished = []
+        for j, (r, tree, ver) in enumerate(zip(rows, trees, vers)):
+            n, done = _commit(r.out, ver.tokens + [ver.bonus_id], r.max_new, self.stops)
+            r.stats.add_round(n, tree, ver, r.policy.recorded_budget(tree), r.anchor, self.record_trees)
+            r.anchor = ver.bonus_id
+            r.pending.append(ver.features)
+            r.policy.observe(tree, ver.accepted, chain_pos[j], built[j][2], True, draft_s=tb - ta,
+                             verify_s=td - tc2, round_s=0.0)
+            if done:
+                finished.append(j)
+        te = time.perf_counter()
+        for r in rows:
+            r.stats.add_stage_times(ta, tb, tc, tc2, td, te)
+        if finished:
+            self.refill(finished, te)
+
+    def refill(self, finished: list, now: float) -> None:
+        """Finished rows leave: each stores its output, and its place goes to the next prompt of the queue (its
+        prefill cache into that row of the target's cache, its drafter context reset); places left empty are
+        dropped from both caches."""
+        vacant = []
+        for j in finished:
+            row = self.rows[j]
+            row.stats.decode_s, row.stats.new_tokens = now - row.started, len(row.out)
+            self.result.outputs[row.index] = GenerateOutput(row.out, row.stats)
+            got = self.admit()
+            if got is None:
+                vacant.append(j)
+                continue
+            self.rows[j] = got[0]
+            self.kv.replace_row(j, got[1])
+            self.dcache.reset_row(j)
+        if not vacant:
+            return
+        keep = [j for j in range(len(self.rows)) if j not in set(vacant)]
+        if keep:
+            self.kv.keep_rows(keep)
+            self.dcache.keep_rows(keep)
+        self.rows = [self.rows[j] for j in keep]
