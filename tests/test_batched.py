@@ -1,9 +1,10 @@
 """Batched decoding (decode/batched.py): every row lossless on its own, whatever its neighbours and their padding.
 
 Tiny random Qwen3 targets in fp32 (and bf16 in the row-invariant mode), prompts of very different lengths, every
-builder x every head at batch 1, 2, 4 and 8 against each prompt's own AR output; finished rows and refills from a
-queue longer than the batch; a stop id inside an accepted path; per-row caps; the rows' logits and drafts against
-their batch-1 twins; T > 0 first tokens chi-square tested against the target's distribution.
+builder x every head (DSpine's, acting between the drafter's layers, included) at batch 1, 2, 4 and 8 against each
+prompt's own AR output; finished rows and refills from a queue longer than the batch; a stop id inside an accepted
+path; per-row caps; the rows' logits and drafts against their batch-1 twins; T > 0 first tokens chi-square tested
+against the target's distribution.
 """
 
 import pytest
@@ -56,6 +57,61 @@ def test_every_builder_and_head_is_lossless_at_batch_1_2_4_8(target, drafter, he
             st = o.stats
             assert st.new_tokens == len(w) and sum(st.accept_lengths) + 1 == len(w)
             assert all(n <= (budget or drafter.cfg.num_proposals) for n in st.tree_nodes)
+
+
+def _dspine_pair(target):
+    """A DSpine drafter (causal block, z-lab proposal offset) and its head acting between the layers, bound."""
+    from dartree.models.drafter import DFlashDrafter, DrafterConfig
+    from dartree.models.families.dspine import DSpineHead
+
+    torch.manual_seed(0)
+    drafter = DFlashDrafter(DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                                          num_kv_heads=2, head_dim=8, target_layer_ids=[1, 2], mask_token_id=0,
+                                          block_size=8, proposal_offset=1, causal_block=True)).eval()
+    head = DSpineHead(VOCAB, 32, 2, transfer_rank=8, message_size=8, top_k=4)
+    head.init_codes(target.lm_head.weight.detach())
+    with torch.no_grad():  # writes and predecessor gate away from zero, so the injection acts
+        for w in [*head.injection.writes, head.injection.predecessor_gate]:
+            w.weight.normal_(std=0.5)
+    head.eval().bind_models(drafter, target.lm_head.weight)
+    return drafter, head
+
+
+@pytest.mark.parametrize("builder", list(BUILDERS))
+def test_every_builder_over_a_head_between_the_layers_is_lossless_at_batch_1_2_4_8(target, builder):
+    """DSpine's head acts between the drafter's layers (its hook over all N blocks of the one forward)."""
+    drafter, head = _dspine_pair(target)
+    prompts = _prompts()
+    want = [ar(target, p) for p in prompts]
+    budget, params = BUILDERS[builder]
+    for b in (1, 2, 4, 8):
+        out = batched_generate(target, drafter, head, prompts, builder=builder, budget=budget, builder_params=params,
+                               max_new_tokens=24, stop_ids=[STOP], batch_size=b)
+        assert [o.tokens for o in out] == want, b
+    one = speculative_generate(target, drafter, head, prompts[1], builder=builder, budget=budget,
+                               builder_params=params, max_new_tokens=24, stop_ids=[STOP])
+    alone = batched_generate(target, drafter, head, prompts[1:2], builder=builder, budget=budget,
+                             builder_params=params, max_new_tokens=24, stop_ids=[STOP])
+    assert alone[0].stats.accept_lengths == one.stats.accept_lengths  # a batch of one is batch 1's decode
+
+
+def test_dflash2_convolutions_and_a_reduced_draft_vocabulary_are_lossless_in_a_batch(target):
+    from dartree.models.drafter import DFlashDrafter, DrafterConfig
+
+    torch.manual_seed(1)
+    drafter = DFlashDrafter(DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                                          num_kv_heads=2, head_dim=8, target_layer_ids=[1, 2], mask_token_id=0,
+                                          block_size=8, conv_kernel_size=3, conv_group_size=8,
+                                          draft_vocab_size=40)).eval()
+    with torch.no_grad():
+        for m in drafter.modules():
+            if hasattr(m, "kernel_projection"):  # the convolutions away from the identity, so they act
+                m.kernel_projection.weight.normal_(std=0.3)
+        drafter.draft_vocab.copy_(torch.randperm(VOCAB)[:40])
+    prompts = _prompts()
+    out = batched_generate(target, drafter, make_markov(), prompts, builder="pruned", budget=12,
+                           builder_params={"k": 8}, max_new_tokens=24, stop_ids=[STOP], batch_size=4)
+    assert [o.tokens for o in out] == [ar(target, p) for p in prompts]
 
 
 def test_batch_1_runs_the_rounds_of_speculative_generate(target, drafter):
