@@ -187,7 +187,8 @@ def train_arm(spec, name: str, runs: Path) -> dict:
 
 def eval_arm(spec, checkpoint: Path, report: Path) -> dict:
     """Eval chain tau of ``checkpoint`` on the evaluation prompts: ``decode/eval.py --tree chain --budget B --limit N
-    --max-new-tokens T --dtype float32`` in this process (:func:`dartree.training.tools.burst.eval_chain`), plus the
+    --max-new-tokens T --dtype float32 --ar-repeats 1`` (one AR run per prompt: the reference tokens of the lossless
+    check; the comparison reads tau, not speed) in this process (:func:`dartree.training.tools.burst.eval_chain`), plus the
     mean draft seconds per round.
 
     Raises:
@@ -198,7 +199,7 @@ def eval_arm(spec, checkpoint: Path, report: Path) -> dict:
 
     e = spec.eval
     words = ["--tree", "chain", "--budget", str(e.budget), "--limit", str(e.limit), "--max-new-tokens",
-             str(e.max_new_tokens), "--dtype", "float32", "--no-plots"]
+             str(e.max_new_tokens), "--dtype", "float32", "--ar-repeats", "1", "--no-plots"]
     res = eval_chain(checkpoint, "smollm2", words, report)
     rep = json.loads(Path(res["report"]).read_text())
     draft = rep["methods"]["chain"].get("draft_ms_per_round")
