@@ -145,7 +145,8 @@ def check_batched(target, drafter, head, prompts, *, builder, max_new_tokens, te
     caps, stop ids, builder name, rows decoded together).
 
     Raises:
-        TypeError / ValueError: one line naming the argument (``prompts[i]`` for a prompt) and the fix.
+        TypeError / ValueError: one line naming the argument (``prompts[i]`` for a prompt's own problem: its ids,
+            its length against the context) and the fix.
     """
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or (
             hasattr(prompts, "shape") and hasattr(prompts, "dtype")):
@@ -163,8 +164,11 @@ def check_batched(target, drafter, head, prompts, *, builder, max_new_tokens, te
                 target, drafter, head, p, builder=builder, max_new_tokens=cap, temperature=temperature,
                 stop_ids=stop_ids, budget=budget, generator=generator, builder_params=builder_params,
                 acceptance="match", lookup=lookup, lookup_ngram=lookup_ngram, lockstep=None)
-        except (TypeError, ValueError) as exc:
-            raise type(exc)(f"prompts[{i}]: {exc}") from None
+        except (TypeError, ValueError) as exc:  # a prompt's own problem is named by its index
+            msg = str(exc)
+            if msg.startswith("prompt_ids"):
+                raise type(exc)(f"prompts[{i}]{msg[len('prompt_ids'):]}") from None
+            raise
         ids.append(pid)
     if batch_size is None:
         rows = len(prompts)
@@ -294,7 +298,7 @@ class _BatchLoop:
             r.anchor = ver.bonus_id
             r.pending.append(ver.features)
             r.policy.observe(tree, ver.accepted, chain_pos[j], built[j][2], True, draft_s=tb - ta,
-                             verify_s=td - tc2, round_s=0.0)
+                             verify_s=td - tc2, round_s=td - ta)
             if done:
                 finished.append(j)
         te = time.perf_counter()

@@ -350,8 +350,12 @@ def test_bad_batched_arguments_are_named_before_any_forward(target, drafter):
         args = {"max_new_tokens": 4, **kw}
         with pytest.raises(exc, match=msg):
             batched_generate(target, drafter, head, prompts, **args)
-    with pytest.raises(ValueError, match=r"^prompts\[1\]: prompt_ids is empty"):
+    with pytest.raises(ValueError, match=r"^prompts\[1\] is empty; give at least one token id$"):
         batched_generate(target, drafter, head, [[3, 4], [], [5]], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"^prompts\[2\] holds id 96 outside the target's vocabulary"):
+        batched_generate(target, drafter, head, [[3, 4], [5], [6, 96]], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"^unknown tree builder 'nope'"):  # not a prompt's problem: no index
+        batched_generate(target, drafter, head, prompts, builder="nope", max_new_tokens=4)
     with pytest.raises(ValueError, match=r"^prompts is empty"):
         batched_generate(target, drafter, head, [], max_new_tokens=4)
     with pytest.raises(TypeError, match="give a list of prompts"):
