@@ -63,7 +63,7 @@ gpu-check: $(VENV_DEP)
 test: setup
 	$(PY) -m pytest tests
 
-# The fast subset (999 of 1077 tests, about 11 min on 2 cores of an AMX Xeon): every test but those marked slow
+# The fast subset (1157 of 1236 tests, about 13 min on 2 cores): every test but those marked slow
 # (subprocesses, DeepSpeed / torchrun, end-to-end training, or over 20 s alone; the marker is registered in
 # pyproject.toml). `make test` still runs them all.
 test-fast: setup
