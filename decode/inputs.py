@@ -61,9 +61,8 @@ def token_ids(value: Any, name: str, vocab_size: int | None = None, *, allow_emp
         if value.dim() == 2 and value.shape[0] == 1:
             value = value[0]
         elif value.dim() != 1:
-            raise ValueError(f"{name} is {describe(value)}; give one prompt as [T] or [1, T] (batched decoding is "
-                             "not supported by this decoder: decode several prompts with "
-                             "dartree.decode.batched.batched_generate)")
+            raise ValueError(f"{name} is {describe(value)}; give one prompt as [T] or [1, T], or several prompts as "
+                             "a list of prompts (generate([p1, p2, ...]), batched_generate)")
         ids = value.detach().cpu().tolist()
     elif isinstance(value, (set, frozenset, dict)) and ordered:
         raise TypeError(f"{name} is {describe(value)}, which has no order; give the token ids as a list")

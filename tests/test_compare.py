@@ -68,6 +68,16 @@ def test_bad_settings_and_records_are_one_line(tmp_path, capsys):
     (tmp_path / "compare.json").unlink()
     assert compare.main(_files(tmp_path, ARMS.replace("arms:\n", "arms:\n  bad: [drafter.init_from_target=copy]\n")) + ["only=[bad]"]) == 2
     assert "drafter.init_from_target='copy' is not allowed" in capsys.readouterr().err
+    # a typo in a later arm is refused before the first arm trains, naming the arm and the file
+    typo = _files(tmp_path, ARMS.replace("lk: [loss.lk_weight=0.9, loss.l1_weight=0.0]", "lk: [loss.lk_wieght=0.9]"))
+    assert compare.main(typo) == 2
+    err = capsys.readouterr().err
+    assert "arms.yaml: arm lk: " in err and "lk_wieght" in err and not (tmp_path / "compare.json").exists()
+    assert not (tmp_path / "runs" / "base").exists()
+    assert compare.main(words + ["only=base"]) == 2
+    assert "give a list, only=[base]" in capsys.readouterr().err
+    assert compare.main(_files(tmp_path, "- a\n- b\n")) == 2
+    assert "the top level must be a mapping" in capsys.readouterr().err
 
 
 def _arm(name, tau, ev):

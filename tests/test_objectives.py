@@ -184,11 +184,12 @@ def test_tv_and_kl_need_a_target_and_the_dspark_loss():
         fused_block_loss(h, w_out, labels, valid, gamma=7.0, kl_weight=0.5)
     with pytest.raises(ValueError, match="target"):
         dspark_loss(h @ w_out.T, labels, valid, None, gamma=7.0, ce_weight=0.1, l1_weight=0.0, tv_weight=0.9)
-    with pytest.raises(RecipeError, match="^loss.tv_weight=0.5 / loss.kl_weight=0.0 / loss.lk_weight=0.0 apply to "
-                                          "loss.type=dspark"):
+    with pytest.raises(RecipeError, match="^loss.tv_weight=0.5 apply to loss.type=dspark"):
         load_recipe(["recipe=tiny_domino", "loss.tv_weight=0.5"])
-    with pytest.raises(RecipeError, match="loss.lk_weight=0.9 apply to loss.type=dspark only"):
+    with pytest.raises(RecipeError, match="^loss.lk_weight=0.9 apply to loss.type=dspark only"):
         load_recipe(["recipe=tiny_domino", "loss.lk_weight=0.9"])
+    with pytest.raises(RecipeError, match=r"^loss.lk_lambda=0.5 / loss.lk_eta=3.0 shape the LK loss, which is off"):
+        load_recipe(["recipe=tiny_dspark", "loss.lk_lambda=0.5"])
     with pytest.raises(RecipeError, match="^loss.lk_lambda=1.5"):
         load_recipe(["recipe=tiny_dspark", "loss.lk_weight=0.9", "loss.lk_lambda=1.5"])
     with pytest.raises(ValueError, match="lk_weight need target_hidden"):

@@ -92,6 +92,8 @@ def test_layers_warm_start_copies_layers_only_and_a_count_of_them(target):
 def test_warm_start_recipe_values_are_checked(target):
     with pytest.raises(RecipeError, match=r"^drafter.init_from_target='copy' is not allowed: use one of"):
         load_recipe(["recipe=tiny_dspark", "drafter.init_from_target=copy"])
+    with pytest.raises(RecipeError, match="^drafter.init_copy_layers=1 copies layers only with a warm start"):
+        load_recipe(["recipe=tiny_dspark", "drafter.init_copy_layers=1"])
     with pytest.raises(RecipeError, match="drafter.init_copy_layers=-1"):
         load_recipe(["recipe=tiny_dspark", "drafter.init_copy_layers=-1"])
     with pytest.raises(RecipeError, match="drafter.init_copy_layers=3 exceeds drafter.num_layers=2"):

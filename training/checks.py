@@ -137,10 +137,16 @@ def recipe_problems(cfg: DictConfig) -> list[str]:
     out += family.recipe_problems(cfg)  # the family's own combinations (dartree.models.families)
     if not family.distribution and (lo.get("tv_weight", 0) or lo.get("kl_weight", 0) or lo.get("lk_weight", 0)):
         names = "/".join(sorted(n for n, f in FAMILIES.items() if f.distribution))
-        out.append(f"loss.tv_weight={lo.get('tv_weight', 0)} / loss.kl_weight={lo.get('kl_weight', 0)} / "
-                   f"loss.lk_weight={lo.get('lk_weight', 0)} apply to loss.type={names} only (this recipe is "
-                   f"{lo.type}): set them to 0, or use loss.type={names}")
+        given = " / ".join(f"loss.{k}={lo.get(k)}" for k in ("tv_weight", "kl_weight", "lk_weight") if lo.get(k, 0))
+        out.append(f"{given} apply to loss.type={names} only (this recipe is {lo.type}): set them to 0, or use "
+                   f"loss.type={names}")
     dr = cfg.drafter
+    if int(dr.get("init_copy_layers", 0) or 0) and not dr.get("init_from_target", False):
+        out.append(f"drafter.init_copy_layers={dr.init_copy_layers} copies layers only with a warm start: set "
+                   "drafter.init_from_target=layers or specforge, or drop drafter.init_copy_layers")
+    if not lo.get("lk_weight", 0) and (lo.get("lk_lambda") is not None or lo.get("lk_eta", 3.0) != 3.0):
+        out.append(f"loss.lk_lambda={lo.get('lk_lambda')} / loss.lk_eta={lo.get('lk_eta', 3.0)} shape the LK loss, "
+                   "which is off: set loss.lk_weight > 0 (e.g. loss.lk_weight=0.9 loss.l1_weight=0), or drop them")
     if int(dr.get("init_copy_layers", 0) or 0) > dr.num_layers:
         out.append(f"drafter.init_copy_layers={dr.init_copy_layers} exceeds drafter.num_layers={dr.num_layers}: copy "
                    "at most every drafter layer (0: all of them)")
@@ -236,7 +242,8 @@ def check_against_target(cfg: DictConfig, target) -> list[int]:
     if d.init_from_target and not cfg.init_from:
         copies = int(d.get("init_copy_layers", 0) or 0) or d.num_layers
         if copies > n:
-            raise RecipeError(f"drafter.num_layers={d.num_layers} with drafter.init_from_target=true copies more "
+            raise RecipeError(f"drafter.num_layers={d.num_layers} with drafter.init_from_target="
+                              f"{str(d.init_from_target).lower()} copies more "
                               f"layers than target {target.name!r} has ({n}): must be <= {n}, or set "
                               "drafter.init_from_target=false")
         width = getattr(target.config, "intermediate_size", None)

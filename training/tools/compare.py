@@ -17,6 +17,12 @@ with other settings is redone, not mixed in.
     python training/tools/compare.py                       # every arm not yet recorded, one after another
     python training/tools/compare.py only=[baseline,lk]    # just these arms
     python training/tools/compare.py stage=status          # what is recorded
+
+Keys: ``file=`` (the comparison file, default ``campaign/compare.yaml``), ``out=`` (the record, default
+``campaign/compare.json``), ``runs_dir=`` (the runs folder), ``only=[ARM,...]``, ``eval=false`` (training and the
+held-out curve only), ``stage=run|status``. Every arm's overrides are checked before the first arm trains; an arm
+whose training finished but whose evaluation failed is evaluated again, not retrained. A resumed arm's ``cpu_s``
+counts the resuming process only (``resumed`` is true in its record).
 """
 
 from __future__ import annotations
@@ -78,7 +84,7 @@ def load(args: list[str]):
         CompareError: an unknown key or bad value (named, valid keys listed), an unknown stage, a missing or
             malformed comparison file, no arms, or an ``only`` arm the file does not define.
     """
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
     def merged(schema_cls, src, where: str):
@@ -96,6 +102,9 @@ def load(args: list[str]):
             raise CompareError(f"{where}: bad value for {getattr(exc, 'full_key', '?')!r}: "
                                f"{(getattr(exc, 'msg', None) or str(exc)).strip().splitlines()[0]}") from None
 
+    bare = [a for a in args if a.startswith("only=") and not a[5:].startswith("[")]
+    if bare:
+        raise CompareError(f"{bare[0]}: give a list, only=[{bare[0][5:]}] (arms separated by commas)")
     cfg = merged(CompareSettings, OmegaConf.from_dotlist(list(args)), "compare.py")
     if cfg.stage not in ("run", "status"):
         raise CompareError(f"stage={cfg.stage!r}: use run or status")
@@ -106,6 +115,8 @@ def load(args: list[str]):
         raw = OmegaConf.load(path)
     except Exception as exc:  # a YAML syntax error: its first line
         raise CompareError(f"{path}: not valid YAML ({str(exc).splitlines()[0]}); fix the file") from None
+    if not isinstance(raw, DictConfig):
+        raise CompareError(f"{path}: the top level must be a mapping (recipe:, steps:, arms: ...), not a list")
     spec = merged(CompareFile, raw, str(path))
     if not spec.arms:
         raise CompareError(f"{path}: no arms; give arms: {{NAME: [key=value, ...]}}")
@@ -168,6 +179,12 @@ def train_arm(spec, name: str, runs: Path) -> dict:
 
     out = runs / name
     words = arm_words(spec, name, out)
+    trained = out / "arm.json"  # the figures of a finished training, kept until the arm is recorded
+    if trained.exists() and (out / "checkpoint").exists():
+        fig = json.loads(trained.read_text())
+        if fig.get("settings") == fingerprint(spec, name):
+            print(f"compare: {name} is trained ({out / 'checkpoint'}); evaluating it", flush=True)
+            return {k: v for k, v in fig.items() if k != "settings"}
     resume = (out / "resume").exists() and not (out / "checkpoint").exists()
     cfg = load_recipe(words + (["resume=true"] if resume else []))
     cpu0, t0 = _cpu_seconds(), time.time()
@@ -176,31 +193,55 @@ def train_arm(spec, name: str, runs: Path) -> dict:
     curve_path = out / "curve.json"
     curve = json.loads(curve_path.read_text()) if curve_path.exists() else []
     points = curve.get("points", curve) if isinstance(curve, dict) else curve
-    return {"command": "python training/train.py " + " ".join(w for w in words if not w.startswith("output_dir=")),
-            "steps": int(summary.get("steps", spec.steps)), "cpu_s": round(cpu, 1), "wall_s": round(wall, 1),
-            "resumed": resume, "holdout_chain_tau": summary.get("holdout_chain_tau"),
-            "holdout_tf_tau": summary.get("holdout_tf_tau"), "predictions": summary.get("predictions"),
-            "curve": [{k: p[k] for k in ("step", "train_tokens", "holdout_chain_tau", "holdout_tf_tau", "train_loss")
-                       if k in p}
-                      for p in points], "checkpoint": str(out / "checkpoint")}
+    fig = {"command": "python training/train.py " + " ".join(w for w in words if not w.startswith("output_dir=")),
+           "steps": int(summary.get("steps", spec.steps)), "cpu_s": round(cpu, 1), "wall_s": round(wall, 1),
+           "resumed": resume, "holdout_chain_tau": summary.get("holdout_chain_tau"),
+           "holdout_tf_tau": summary.get("holdout_tf_tau"), "predictions": summary.get("predictions"),
+           "curve": [{k: p[k] for k in ("step", "train_tokens", "holdout_chain_tau", "holdout_tf_tau", "train_loss")
+                      if k in p} for p in points],
+           "checkpoint": str(out / "checkpoint"), "target": str(cfg.target.path)}
+    write_file_atomically(trained, json.dumps({"settings": fingerprint(spec, name), **fig}) + "\n")
+    return fig
 
 
-def eval_arm(spec, checkpoint: Path, report: Path) -> dict:
+def check_arms(cfg, spec, names: list[str], runs: Path) -> None:
+    """Every arm's recipe loads (its overrides are valid keys and values) before any arm trains.
+
+    Raises:
+        CompareError: an arm's overrides do not make a valid recipe, naming the arm and the file.
+    """
+    # lazy: the status stage and --help stay free of torch
+    from dartree.training.recipe import RecipeError, load_recipe
+
+    for name in names:
+        try:
+            load_recipe(arm_words(spec, name, runs / name))
+        except RecipeError as exc:
+            raise CompareError(f"{cfg.file}: arm {name}: {exc}") from None
+
+
+def eval_arm(spec, checkpoint: Path, report: Path, target: str = "smollm2") -> dict:
     """Eval chain tau of ``checkpoint`` on the evaluation prompts: ``decode/eval.py --tree chain --budget B --limit N
     --max-new-tokens T --dtype float32 --ar-repeats 1`` (one AR run per prompt: the reference tokens of the lossless
     check; the comparison reads tau, not speed) in this process (:func:`dartree.training.tools.burst.eval_chain`), plus the
     mean draft seconds per round.
 
+    ``target``: the recipe's target (``target.path``).
+
     Raises:
-        BurstError: the evaluation failed (its error printed above).
+        CompareError: the evaluation failed (its error printed above; the trained arm is kept for the next call).
     """
     # lazy: the status stage stays free of torch
-    from dartree.training.tools.burst import eval_chain
+    from dartree.training.tools.burst import BurstError, eval_chain
 
     e = spec.eval
     words = ["--tree", "chain", "--budget", str(e.budget), "--limit", str(e.limit), "--max-new-tokens",
              str(e.max_new_tokens), "--dtype", "float32", "--ar-repeats", "1", "--no-plots"]
-    res = eval_chain(checkpoint, "smollm2", words, report)
+    try:
+        res = eval_chain(checkpoint, target, words, report)
+    except BurstError:
+        raise CompareError(f"decode/eval.py could not evaluate {checkpoint} (its error above); fix that and run "
+                           "again (the trained arm is kept and only evaluated), or give eval=false") from None
     rep = json.loads(Path(res["report"]).read_text())
     draft = rep["methods"]["chain"].get("draft_ms_per_round")
     draft_ms = None if draft is None else round(float(draft), 2)
@@ -231,7 +272,7 @@ def plot_arms(rec: dict, png: Path) -> Path | None:
 def status(cfg, spec) -> int:
     """Print one line per arm: recorded (with its figures), stale (other settings) or to do."""
     rec = read_record(Path(cfg.out))["arms"]
-    for name in spec.arms:
+    for name in list(cfg.only) or list(spec.arms):
         r = rec.get(name)
         if r is None:
             print(f"{name}: to do")
@@ -252,6 +293,7 @@ def run(cfg, spec) -> int:
     out = Path(cfg.out)
     runs = Path(cfg.runs_dir or cache_root() / "compare-runs").absolute()
     names = list(cfg.only) or list(spec.arms)
+    check_arms(cfg, spec, names, runs)
     for name in names:
         rec = read_record(out)
         done = rec["arms"].get(name)
@@ -262,8 +304,9 @@ def run(cfg, spec) -> int:
         print(f"compare: arm {name}: {' '.join(spec.arms[name]) or '(the recipe as it is)'}", flush=True)
         fig = train_arm(spec, name, runs)
         if cfg.eval:
-            fig.update(eval_arm(spec, Path(fig["checkpoint"]), runs / f"{name}-eval"))
+            fig.update(eval_arm(spec, Path(fig["checkpoint"]), runs / f"{name}-eval", fig.get("target", "smollm2")))
         fig.pop("checkpoint")
+        fig.pop("target", None)
         rec = read_record(out)  # again: another process may have recorded an arm meanwhile
         rec["arms"][name] = {"settings": fingerprint(spec, name), "note": spec.notes.get(name, ""), **fig,
                              "cpu": cpu_model(), "threads": int(spec.threads),

@@ -234,15 +234,18 @@ def compare_section(compare: dict) -> list[str]:
         ev = _tau(a.get("eval_chain_tau"))
         if a.get("eval_mismatches"):
             ev += f" ({a['eval_mismatches']} mismatches)"
-        rows.append([f"`{name}`", over, a["steps"], f"{a['cpu_s'] / 60:.0f}", *[_tau(at.get(s)) for s in steps],
+        cpu = f"{a['cpu_s'] / 60:.0f}" + (" (resumed: part)" if a.get("resumed") else "")
+        rows.append([f"`{name}`", over, a["steps"], cpu, *[_tau(at.get(s)) for s in steps],
                      _tau(a.get("holdout_chain_tau")), ev, a.get("draft_ms") or "", a["cpu"], a["updated"][:10]])
     recipe = next(iter(arms.values()))["settings"]["recipe"]
     out = ["## Equal-compute comparison of training choices", "",
-           f"`python training/tools/compare.py` (`campaign/compare.yaml`): every arm trains `{recipe}` from the same "
-           "seed on the same campaign shards, in the same order, for the same number of steps, in fp32; held-out "
-           "chain tau on the campaign's 64 held-out conversations at each step shown and at the end; eval chain tau "
-           "on 15 prompts x 128 tokens (5 each of HumanEval, MT-Bench, GSM8K), fp32, budget 16, greedy; CPU minutes "
-           "of the training process; draft ms per round from the eval run. Curves: `campaign/compare_curves.png`.",
+           f"`python training/tools/compare.py` (`campaign/compare.yaml`): every arm trains `{recipe}` (or the recipe "
+           "its overrides name) from the same seed on the same data, in the same order, for the same number of steps "
+           "unless its overrides say otherwise; each arm's full training command is listed below the table. Held-out "
+           "chain tau at each step shown and at the end; eval chain tau of the arm's checkpoint as its eval command "
+           "says (for `campaign/compare.yaml`: 15 prompts x 128 tokens, 5 each of HumanEval, MT-Bench, GSM8K, fp32, "
+           "budget 16, greedy); CPU minutes of the training process (a resumed arm's: the resuming process only); "
+           "draft ms per round from the eval run. Curves: `campaign/compare_curves.png`.",
            "", *_table(["arm", "overrides", "steps", "CPU min", *[f"held-out @{s}" for s in steps], "held-out end",
                         "eval chain tau", "draft ms", "machine", "date"], rows), ""]
     for name, a in arms.items():
