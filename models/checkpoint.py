@@ -28,8 +28,8 @@ from safetensors.torch import load_file
 
 from dartree.models.drafter import DFlashDrafter, DrafterConfig
 from dartree.base.files import write_folder_atomically
-from dartree.models import families  # noqa: F401  (registers the built-in families' heads in HEADS)
-from dartree.models.heads import HEADS, CorrectionHead, build_head, head_fields
+from dartree.models.families import build_head, head_fields  # the built-in families register their heads in HEADS
+from dartree.models.heads import HEADS, CorrectionHead
 from dartree.base.fields import field_problems, same_value, typed
 from dartree.models.validate import DRAFTER_FIELDS
 

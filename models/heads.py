@@ -24,16 +24,15 @@ A head corrects the drafter's per-position base logits U = lm_head(H) using the 
 Unrolling ``score``/``advance`` along prev_ids equals ``block_logits`` (pinned by a test). Each head class lists its
 hyper-parameters and their allowed values as ``fields``. Logits are fp32.
 
-This module holds the interface, the ``identity`` head (no correction: plain DFlash) and the head registry. Every
-other head lives in the module of the drafter family that trains it (:mod:`dartree.models.families`, docs/families.md):
-``markov`` / ``gated_markov`` / ``rnn`` in :mod:`~dartree.models.families.dspark`, ``gru`` in
-:mod:`~dartree.models.families.domino`, ``selector`` in :mod:`~dartree.models.families.dflash2`; registering a family
-registers its heads. Their classes are importable from here too (``from dartree.models.heads import MarkovHead``).
+This module holds the interface, the ``identity`` head (no correction: plain DFlash) and the head table
+(:data:`HEADS`, filled by :func:`register_head`); it imports no family. Every other head lives in the module of the
+drafter family that trains it (:mod:`dartree.models.families`, docs/families.md): ``markov`` / ``gated_markov`` /
+``rnn`` in :mod:`~dartree.models.families.dspark`, ``gru`` in :mod:`~dartree.models.families.domino`, ``selector`` in
+:mod:`~dartree.models.families.dflash2`; registering a family registers its heads, and the lookup by name
+(:func:`dartree.models.families.build_head`, :func:`~dartree.models.families.head_fields`) lives with the families.
 """
 
 from __future__ import annotations
-
-import importlib
 
 import torch
 import torch.nn.functional as F
@@ -215,52 +214,3 @@ def register_head(cls: type[CorrectionHead]) -> type[CorrectionHead]:
 
 
 register_head(IdentityHead)
-
-# the head classes of the built-in families, by the family module that defines them
-_FAMILY_HEADS = {"MarkovHead": "dspark", "GatedMarkovHead": "dspark", "RNNHead": "dspark", "GRUHead": "domino",
-                 "SelectorHead": "dflash2"}
-
-
-def _load_families() -> None:
-    """Import :mod:`dartree.models.families`, whose built-in families register their heads here, and the families
-    installed packages declare as ``dartree.families`` entry points
-    (:func:`dartree.models.families.plugins.load_entry_point_families`). Lazy: the family modules import this module
-    (the interface and the registry), so it cannot import them at its top; and a plugin's module may import any
-    dartree module, so plugins load at the first lookup, once every module is imported."""
-    importlib.import_module("dartree.models.families")
-    importlib.import_module("dartree.models.families.plugins").load_entry_point_families()
-
-
-def __getattr__(name: str):
-    """``MarkovHead``, ``GatedMarkovHead``, ``RNNHead``, ``GRUHead``, ``SelectorHead``: the classes of the built-in
-    families' modules (PEP 562 module attribute).
-
-    Raises:
-        AttributeError: any other name.
-    """
-    if name in _FAMILY_HEADS:
-        return getattr(importlib.import_module(f"dartree.models.families.{_FAMILY_HEADS[name]}"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def build_head(type_name: str, **params) -> CorrectionHead:
-    """Construct a head by registered name.
-
-    Raises:
-        KeyError: unknown name; the message lists the registered ones (a head of a family outside
-            :mod:`dartree.models.families` registers when its family's module is imported).
-    """
-    _load_families()
-    if type_name not in HEADS:
-        raise KeyError(f"unknown head type {type_name!r}; available: {sorted(HEADS)} (a head of another drafter "
-                       "family registers when that family's module is imported: install its package, whose "
-                       "dartree.families entry point imports it, or, from Python, import the module first)")
-    return HEADS[type_name](**params)
-
-
-def head_fields(type_name) -> dict:
-    """The hyper-parameter rules (:attr:`CorrectionHead.fields`) of the registered head type ``type_name``; {} for
-    an unknown name (its lookup error comes from :func:`build_head`)."""
-    _load_families()
-    cls = HEADS.get(type_name) if isinstance(type_name, str) else None
-    return dict(cls.fields) if cls is not None else {}

@@ -14,7 +14,9 @@ import pytest
 import torch
 
 from dartree.models.drafter import DFlashDrafter, DrafterConfig
-from dartree.models.heads import IdentityHead, MarkovHead, build_head
+from dartree.models.families import build_head
+from dartree.models.families.dspark import MarkovHead
+from dartree.models.heads import IdentityHead
 from dartree.models.target import tiny_target
 
 VOCAB = 96

@@ -289,7 +289,7 @@ def _drafter_checkpoint(folder: Path, seed: int | None) -> Path:
 
     from dartree.models.checkpoint import save_dartree
     from dartree.models.drafter import DFlashDrafter, DrafterConfig
-    from dartree.models.heads import MarkovHead
+    from dartree.models.families.dspark import MarkovHead
 
     torch.manual_seed(seed or 0)
     d = DFlashDrafter(DrafterConfig(hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4, num_kv_heads=2,

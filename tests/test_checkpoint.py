@@ -143,7 +143,7 @@ def test_convert_refuses_to_overwrite_a_foreign_folder(tmp_path, train_ckpt):
 
 
 def test_load_with_target_binds_the_gru_heads_embeddings(tmp_path, target):
-    from dartree.models.heads import GRUHead
+    from dartree.models.families.domino import GRUHead
 
     torch.manual_seed(0)
     head = GRUHead(96, 32, emb_dim=4, gru_hidden_dim=3)

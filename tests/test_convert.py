@@ -24,7 +24,8 @@ from dartree.decode.generate import autoregressive_generate, draft_block, specul
 from dartree.decode.trees import get_builder
 from dartree.models.checkpoint import CheckpointError, load_dartree
 from dartree.models.drafter import DraftCache
-from dartree.models.heads import GRUHead, MarkovHead, RNNHead
+from dartree.models.families.domino import GRUHead
+from dartree.models.families.dspark import MarkovHead, RNNHead
 from dartree.models.target import tiny_target
 from dartree.training.build import save_training_checkpoint
 
@@ -461,7 +462,8 @@ def _load_by_hand(t: dict, drafter, head) -> None:
 @pytest.mark.parametrize("fmt,kind", [("zlab-dflash", None), ("specforge-domino", None),
                                       ("specforge-dspark", "gated"), ("deepspec-dspark", "rnn")])
 def test_decoding_with_converted_checkpoint_is_lossless_and_drafts_like_weights_trained_here(tmp_path, target, fmt, kind):
-    from dartree.models.heads import GatedMarkovHead, IdentityHead
+    from dartree.models.families.dspark import GatedMarkovHead
+    from dartree.models.heads import IdentityHead
 
     src = make_source(tmp_path, fmt, kind=kind or "vanilla", confidence=False)
     dm = load_dartree(convert(src, tmp_path / "dt", target=target), target=target)

@@ -12,7 +12,7 @@ import torch
 from dartree.decode.harness.report import report_warnings
 from dartree.models.checkpoint import save_dartree
 from dartree.models.drafter import DFlashDrafter, DrafterConfig
-from dartree.models.heads import MarkovHead
+from dartree.models.families.dspark import MarkovHead
 from dartree.models.target import resolve_target_path
 
 REPO = Path(__file__).resolve().parents[1]

@@ -4,7 +4,10 @@ head's score equals its low-rank form base + A · W[C]^T (what the fused frontie
 import pytest
 import torch
 
-from dartree.models.heads import HEADS, GRUHead, IdentityHead, MarkovHead, build_head
+from dartree.models.families import build_head
+from dartree.models.families.domino import GRUHead
+from dartree.models.families.dspark import MarkovHead
+from dartree.models.heads import HEADS, IdentityHead
 
 V, D = 50, 16
 

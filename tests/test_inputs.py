@@ -19,7 +19,9 @@ from dartree.decode.generate import autoregressive_generate, speculative_generat
 from dartree.decode.inputs import token_ids
 from dartree.decode.trees import BUILDERS, DraftBlock, check_builder_params
 from dartree.models.checkpoint import CheckpointError, load_dartree, save_dartree
-from dartree.models.heads import IdentityHead, MarkovHead, build_head
+from dartree.models.families import build_head
+from dartree.models.families.dspark import MarkovHead
+from dartree.models.heads import IdentityHead
 from dartree.base.fields import Range, folder_problem
 from dartree.models.validate import DRAFTER_FIELDS
 from dartree.training.checks import RECIPE_FIELDS, check_against_target

@@ -12,7 +12,8 @@ Layers, read from each module's folder (no list of modules):
    below them and each other;
 5. the top-level Python API (``api/``, package ``dartree``): imports anything; nothing imports it.
 
-Every ``import`` / ``from ... import`` of a ``dartree`` module counts, at module level or inside a function. An
+Every ``import`` / ``from ... import`` of a ``dartree`` module counts, at module level or inside a function, and so
+does a call ``importlib.import_module("dartree...")`` with a string literal (an import by another spelling). An
 import inside a function is allowed only with a stated reason: a comment starting ``# lazy:`` on the line above or
 on the same line (an optional heavy dependency, a cycle that cannot be broken, or a program that keeps ``--help``
 and its light stages fast by not importing torch-heavy modules).
@@ -69,9 +70,23 @@ def layer(module: str, thin: bool = False) -> tuple[str, int]:
     return parts[0], LIBRARY_RANK[parts[0]]
 
 
-def _imports(tree: ast.Module) -> list[tuple[ast.stmt, list[str], bool]]:
-    """(node, the dartree names it imports, at module level?) for every import in ``tree``."""
+def _import_module_name(node: ast.AST) -> str | None:
+    """The module a call ``import_module("dartree...")`` / ``importlib.import_module("dartree...")`` names with a
+    string literal (an import all the same), else None."""
+    if not isinstance(node, ast.Call) or not node.args:
+        return None
+    func, arg = node.func, node.args[0]
+    name = func.id if isinstance(func, ast.Name) else func.attr if isinstance(func, ast.Attribute) else ""
+    if name == "import_module" and isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value if arg.value.startswith("dartree") else None
+    return None
+
+
+def _imports(tree: ast.Module) -> list[tuple[ast.AST, list[str], bool]]:
+    """(node, the dartree names it imports, at module level?) for every import in ``tree``: import statements and
+    ``import_module`` calls with a string literal (:func:`_import_module_name`)."""
     top = {id(n) for n in tree.body}
+    top |= {id(n.value) for n in tree.body if isinstance(n, (ast.Expr, ast.Assign))}  # a module-level call
     out = []
     for node in ast.walk(tree):
         names = []
@@ -79,6 +94,8 @@ def _imports(tree: ast.Module) -> list[tuple[ast.stmt, list[str], bool]]:
             names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
         elif isinstance(node, ast.Import):
             names = [a.name for a in node.names if a.name.startswith("dartree")]
+        elif _import_module_name(node):
+            names = [_import_module_name(node)]
         if names:
             out.append((node, names, id(node) in top))
     return out
@@ -226,6 +243,12 @@ def test_the_checks_catch_a_back_edge_a_cycle_and_an_unexplained_lazy_import(tmp
            "def h():\n    import dartree.kernels.gru  # lazy: a cycle\n    x = 1\n    from dartree.models import heads\n")
     assert unexplained_lazy_imports(src, "m") == ["m:2 from dartree.models import target",
                                                   "m:14 from dartree.models import heads"]
+    # an import_module call with a literal name is an import: in the graph, and under the lazy-import rule
+    src = ('import importlib\nX = importlib.import_module("dartree.models.families")\n\n\ndef f(name):\n'
+           '    importlib.import_module(name)\n    return importlib.import_module("dartree.models.heads")\n')
+    assert [(names, top) for _, names, top in _imports(ast.parse(src))] == [
+        (["dartree.models.families"], True), (["dartree.models.heads"], False)]
+    assert unexplained_lazy_imports(src, "m") == ['m:7 return importlib.import_module("dartree.models.heads")']
 
 
 def test_no_file_cites_design_notes_outside_the_repository():

@@ -14,7 +14,7 @@ from dartree.decode.sampling import (SampledChain, check_acceptance, rejection_a
                                      sample_chain_tokens)
 from dartree.decode.trees import Tree, block_candidates, DraftBlock
 from dartree.decode.verify import walk
-from dartree.models.heads import MarkovHead
+from dartree.models.families.dspark import MarkovHead
 from dartree.models.target import cache_length, compact_cache, tiny_target
 
 CHI2_P1E3 = {35: 66.619}  # chi-square critical values at p = 1e-3, by degrees of freedom

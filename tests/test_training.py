@@ -436,10 +436,11 @@ def _load_init(path, target, cfg):
 def test_only_the_identity_head_corrects_nothing():
     """Of the built-in heads only identity corrects nothing (CorrectionHead.corrects False: load_init replaces it by
     the recipe's head), and init_settings holds the recipe's drafter widening fields and head type."""
-    from dartree.models.heads import HEADS, build_head
+    from dartree.models.families import build_head
+    from dartree.models.heads import HEADS
     from dartree.training.build import InitSettings, init_settings
 
-    build_head("identity")  # registers the built-in families' heads
+    build_head("identity")  # the built-in families registered their heads when dartree.models.families was imported
     assert not HEADS["identity"].corrects
     assert all(HEADS[name].corrects for name in ("markov", "gated_markov", "rnn", "gru", "selector"))
     cfg = load_recipe(["recipe=tiny_dflash2", "drafter.qk_norm=false", "drafter.draft_vocab_size=0"])

@@ -54,7 +54,7 @@ from dartree.kernels.tree_compile import tree_attention, tree_attention_ref
 from dartree.models.chat import chat_prompt_ids
 from dartree.models.checkpoint import save_dartree
 from dartree.models.drafter import DFlashDrafter, DraftCache, DrafterConfig
-from dartree.models.heads import MarkovHead
+from dartree.models.families.dspark import MarkovHead
 from dartree.models.invariant import row_invariant
 from dartree.models.target import TINY_TARGET
 

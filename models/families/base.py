@@ -18,8 +18,10 @@ A *family* is one way of training and reading a DFlash drafter's correction head
   by head type (:func:`published_names`, :func:`published_type`), so they hold no table per family.
 
 The family's registered name is the recipe's ``loss.type``. Registering it registers its head classes under their
-``type_name`` (the checkpoint config's ``head.type``), so checkpoints of its heads load through
-:func:`dartree.models.checkpoint.load_dartree` once the family's module is imported.
+``type_name`` (the checkpoint config's ``head.type``) in :data:`dartree.models.heads.HEADS`, so checkpoints of its
+heads load through :func:`dartree.models.checkpoint.load_dartree` once the family's module is imported; the lookup by
+name (:func:`build_head`, :func:`head_fields`) is here, where every built-in family is imported first (this module's
+package does) and the installed packages' families on the first lookup.
 
 Registry habits follow SpecForge's draft-model registry (``specforge/modeling/auto.py``): a duplicate name is
 refused, and a lookup of an unknown name lists the registered ones.
@@ -242,6 +244,30 @@ def register_family(family: Family) -> Family:
             register_head(cls)
     FAMILIES[family.name] = family
     return family
+
+
+def build_head(type_name: str, **params) -> CorrectionHead:
+    """Construct a head by registered name (its family's constructor arguments ``params``); the families of installed
+    packages (:func:`~dartree.models.families.plugins.load_entry_point_families`) are loaded first.
+
+    Raises:
+        KeyError: unknown name; the message lists the registered ones (a head of a family outside
+            :mod:`dartree.models.families` registers when its family's module is imported).
+    """
+    load_entry_point_families()
+    if type_name not in HEADS:
+        raise KeyError(f"unknown head type {type_name!r}; available: {sorted(HEADS)} (a head of another drafter "
+                       "family registers when that family's module is imported: install its package, whose "
+                       "dartree.families entry point imports it, or, from Python, import the module first)")
+    return HEADS[type_name](**params)
+
+
+def head_fields(type_name) -> dict:
+    """The hyper-parameter rules (:attr:`~dartree.models.heads.CorrectionHead.fields`) of the registered head type
+    ``type_name``; {} for an unknown name (its lookup error comes from :func:`build_head`)."""
+    load_entry_point_families()
+    cls = HEADS.get(type_name) if isinstance(type_name, str) else None
+    return dict(cls.fields) if cls is not None else {}
 
 
 def get_family(name: str) -> Family:

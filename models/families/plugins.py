@@ -11,7 +11,7 @@ make the programs import it:
       my_family = "my_package.my_family"
 
   and :func:`load_entry_point_families` imports ``my_package.my_family`` at the first lookup of a head type
-  (:func:`dartree.models.heads.build_head`, :func:`~dartree.models.heads.head_fields`: loading a checkpoint) or of a
+  (:func:`dartree.models.families.build_head`, :func:`~dartree.models.families.head_fields`: loading a checkpoint) or of a
   recipe (:func:`dartree.training.recipe.load_recipe`). Entry points are the Python packaging mechanism (PyPA entry-points
   specification; :func:`importlib.metadata.entry_points`), as pytest's ``pytest11`` plugins are.
 - **A module on the path**, for one training run: ``python training/train.py families=[my_family] ...``
