@@ -89,7 +89,7 @@ def test_the_data_stage_stops_at_its_deadline_and_resumes_to_the_same_shards(tmp
     cfg2.data.goal_response_tokens = 1
     run_data(cfg2, deadline, work=tmp_path / "w2")
     cfg2.data.goal_response_tokens = 10**9
-    import dartree.training.data as data_mod
+    import dartree.training.answers as data_mod
 
     real = data_mod.regenerate_dialogues
 
@@ -128,7 +128,8 @@ def test_the_data_stage_stops_at_its_deadline_and_resumes_to_the_same_shards(tmp
 def test_online_features_equal_the_feature_file(tmp_path):
     from dartree.models.target import load_target
     from dartree.training.campaign_data import CampaignData
-    from dartree.training.data import BlockData, compute_features, target_lse
+    from dartree.training.data import BlockData
+    from dartree.training.features import compute_features, target_lse
 
     target = load_target("smollm2", dtype=torch.float32, layer_ids=[1, 12, 28])
     tok = target.tokenizer

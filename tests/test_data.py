@@ -11,19 +11,11 @@ import torch
 from dartree.base.integrity import seal_line
 from dartree.decode.generate import autoregressive_generate
 from dartree.models.chat import chat_prompt_ids
-from dartree.training.data import (
-    BlockData,
-    DataSpec,
-    compute_features,
-    dialogue_segments,
-    dialogue_tokens,
-    fixed_holdout,
-    looks_like_code,
-    random_dialogues,
-    regenerate_dialogues,
-    sample_anchors,
-    select_draft_vocab,
-)
+from dartree.training.answers import DataSpec, regenerate_dialogues
+from dartree.training.data import BlockData, sample_anchors, select_draft_vocab
+from dartree.training.dialogues import (dialogue_segments, dialogue_tokens, fixed_holdout, looks_like_code,
+                                        random_dialogues)
+from dartree.training.features import compute_features
 
 STOP = 1  # the tiny target's stop id
 
@@ -78,13 +70,13 @@ def test_dialogue_segments_rebuild_the_chat_template_around_the_targets_answers(
 
 @pytest.fixture(scope="module")
 def sharegpt_pool():
-    from dartree.training.data import sharegpt_dialogues
+    from dartree.training.dialogues import sharegpt_dialogues
 
     return sharegpt_dialogues(3)
 
 
 def test_sharegpt_dialogues_keep_the_first_turn_rule_and_alternate(sharegpt_pool):
-    from dartree.training.data import sharegpt_dialogues
+    from dartree.training.dialogues import sharegpt_dialogues
 
     pool = sharegpt_pool
     firsts = [d[0] for d in pool]
@@ -155,7 +147,7 @@ def test_requeued_follow_ups_and_groups_give_the_same_conversations(target, tmp_
     """The GPU schedule: each next turn requeued as a whole-history prompt (not continued alone in its slot), a
     refill threshold, and conversations entering group by group with a callback as each one completes. In fp32 the
     file equals the default schedule's; every conversation completes once, groups finish in order."""
-    from dartree.training.data import RegenOptions, dialogue_row
+    from dartree.training.answers import RegenOptions, dialogue_row
 
     dialogues = random_dialogues(8, 3, 5, 96, seed=4, stop_id=STOP)
     ref = regenerate_dialogues(target, _spec(), dialogues, tmp_path / "follow", stop_id=STOP).read_text()
@@ -278,7 +270,7 @@ def test_fixed_holdout_set_is_shared_across_data_sizes_and_seeds(tmp_path, monke
 def test_features_are_written_in_place_and_resume_after_a_crash(target, tmp_path, monkeypatch):
     from safetensors.torch import load_file
 
-    import dartree.training.data as data_mod
+    import dartree.training.features as data_mod
 
     dialogues = random_dialogues(6, 3, 5, 96, seed=4, stop_id=STOP)
     target.set_layer_ids([1, 2])
@@ -384,7 +376,7 @@ def _former_single_turn_prompts(tok, num, seed, max_prompt_tokens, code_fraction
     """The prompts the former single-turn stage drew (``chat_prompts`` over ``sharegpt_prompts(2 * num)``): first
     turns shuffled by ``seed``, a code share over the 2 * num candidates shuffled together by ``seed + 1``, then the
     first ``num`` whose chat-templated ids fit ``max_prompt_tokens``."""
-    from dartree.training.data import sharegpt_dialogues
+    from dartree.training.dialogues import sharegpt_dialogues
 
     texts = [conv[0] for conv in sharegpt_dialogues(1)]
     random.Random(seed).shuffle(texts)
@@ -409,7 +401,8 @@ def test_single_turn_sharegpt_data_keeps_its_prompts_folder_and_answers(smollm2_
     (pinned hash recorded with the code before the change), and a data set of a tiny target with the smollm2
     tokenizer has the former folder, prompts and answers."""
     from dartree.models.target import tiny_target
-    from dartree.training.data import chat_prompts, regenerate_responses
+    from dartree.training.answers import regenerate_responses
+    from dartree.training.dialogues import chat_prompts
     from dartree.training.regen import continuous_greedy
 
     tok = smollm2_tokenizer
@@ -437,10 +430,10 @@ def test_data_regeneration_and_losses_have_no_function_over_80_lines():
     import ast
     from pathlib import Path
 
-    from dartree.training import data, losses, regen
+    from dartree.training import answers, data, dialogues, features, losses, regen
 
     long = []
-    for mod in (data, regen, losses):
+    for mod in (data, dialogues, answers, features, regen, losses):
         tree = ast.parse(Path(mod.__file__).read_text())
         long += [f"{mod.__name__}.{n.name}: {n.end_lineno - n.lineno + 1} lines" for n in ast.walk(tree)
                  if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef)) and n.end_lineno - n.lineno + 1 > 80]

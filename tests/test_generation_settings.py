@@ -11,7 +11,8 @@ from dartree.decode.generate import autoregressive_generate, speculative_generat
 from dartree.models.generation import context_length, sampling_settings, stop_ids
 from dartree.models.target import Target, resolve_target_path
 from dartree.models.chat import chat_prompt_ids, check_chat_template
-from dartree.training.data import DataSpec, dialogue_tokens, load_responses, regenerate_responses
+from dartree.training.answers import DataSpec, load_responses, regenerate_responses
+from dartree.training.dialogues import dialogue_tokens
 from dartree.training.regen import continuous_greedy
 
 MAX_NEW = 40
@@ -191,15 +192,15 @@ def test_recipe_chat_template_kwargs_enter_the_data_hash_only_when_set():
 
     from dartree.models.target import tiny_target
     from dartree.training.checks import template_kwargs
-    from dartree.training.data import _hash, dialogue_key, responses_key
+    from dartree.training.answers import dialogue_key, key_hash, responses_key
     from dartree.training.recipe import load_recipe
 
     assert template_kwargs(load_recipe(["recipe=tiny_dspark"])) == {}
     cfg = load_recipe(["recipe=tiny_dspark", "data.chat_template_kwargs={enable_thinking: false}"])
     assert template_kwargs(cfg) == {"enable_thinking": False}
     target, spec = tiny_target(), DataSpec(num_prompts=4, max_new_tokens=8)
-    assert _hash(responses_key(target, spec, [1], [[3, 4, 5]])) == "1a15939f7ebf7bbb"  # as before the option
-    assert _hash(dialogue_key(target, spec, "random", [1])) == "32b94fdc598d3116"
+    assert key_hash(responses_key(target, spec, [1], [[3, 4, 5]])) == "1a15939f7ebf7bbb"  # as before the option
+    assert key_hash(dialogue_key(target, spec, "random", [1])) == "32b94fdc598d3116"
     kw = replace(spec, chat_template_kwargs={"enable_thinking": False})
     assert responses_key(target, kw, [1])["chat_template_kwargs"] == {"enable_thinking": False}
     assert dialogue_key(target, kw, "random", [1])["chat_template_kwargs"] == {"enable_thinking": False}
@@ -213,7 +214,7 @@ def test_training_passes_chat_template_kwargs_and_refuses_a_base_model(monkeypat
     import dartree.training.build as train_mod
     from dartree.models.target import tiny_target
     from dartree.training.checks import check_against_target
-    from dartree.training.data import dialogue_segments
+    from dartree.training.dialogues import dialogue_segments
     from dartree.training.recipe import RecipeError, load_recipe
 
     cfg = load_recipe(["recipe=tiny_dspark", "data.source=sharegpt",

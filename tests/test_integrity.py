@@ -121,8 +121,9 @@ def test_the_dequantised_default_target_is_checked_and_dequantised_again_when_ch
 
 
 def test_regenerated_data_sets_partial_answers_features_and_lse_are_checked_before_reuse(target, tmp_path, capsys):
-    from dartree.training.data import (DataSpec, _PartialLog, compute_features, random_dialogues,
-                                       regenerate_dialogues, target_lse)
+    from dartree.training.answers import DataSpec, _PartialLog, regenerate_dialogues
+    from dartree.training.dialogues import random_dialogues
+    from dartree.training.features import compute_features, target_lse
 
     spec = DataSpec(num_prompts=4, max_new_tokens=6, batch_size=4, max_turns=2, max_seq_tokens=64)
     dialogues = random_dialogues(4, 2, 5, 96, seed=3, stop_id=STOP)

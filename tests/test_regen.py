@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from dartree.decode.generate import autoregressive_generate
-from dartree.training.data import (DataSpec, draw_conversations, looks_like_code, regenerate_responses,
-                                   sharegpt_dialogues)
+from dartree.training.answers import DataSpec, regenerate_responses
+from dartree.training.dialogues import draw_conversations, looks_like_code, sharegpt_dialogues
 from dartree.training.regen import continuous_greedy
 
 MAX_NEW = 10

@@ -34,7 +34,9 @@ from dartree.models.target import Target, cache_root, load_target
 from dartree.training.campaign_data import CampaignData, campaign_rows
 from dartree.training.campaign_store import DEFAULT_DIR, CampaignError
 from dartree.training.checks import template_kwargs
-from dartree.training.data import BlockData, DataSpec, compute_features, regenerate_responses
+from dartree.training.answers import DataSpec, regenerate_responses
+from dartree.training.data import BlockData
+from dartree.training.features import compute_features
 from dartree.training.recipe import RecipeError
 from dartree.training.step import StepSettings, needs_target_lse
 from dartree.training.feature_store import FeatureStore
@@ -127,7 +129,7 @@ class DataSettings:
 
     Attributes:
         spec: prompts and generation settings of regenerated data (``data.*``,
-            :class:`~dartree.training.data.DataSpec`).
+            :class:`~dartree.training.answers.DataSpec`).
         source: ``data.source``: ``sharegpt`` / ``random`` (regenerated, features cached) or ``campaign``.
         holdout: held-out sequences (``data.holdout``). holdout_set: ``tail`` or ``fixed`` (``data.holdout_set``).
         holdout_turns: turns per conversation of the fixed held-out set (``data.holdout_turns``; 0: ``max_turns``).
@@ -254,7 +256,7 @@ def prepare_data(settings: DataSettings, target: Target) -> BlockData | Campaign
     """The training data of :func:`data_settings` for ``target``'s layer ids.
 
     Every ShareGPT or random data set, single-turn (``data.max_turns=1``, the shipped recipes) or multi-turn, with
-    either held-out set, is :func:`~dartree.training.data.regenerate_responses` (one pipeline; single-turn data
+    either held-out set, is :func:`~dartree.training.answers.regenerate_responses` (one pipeline; single-turn data
     keeps its cache folders) in ``settings.gen_dtype``, with the target's features cached: a BlockData. Campaign data
     is the committed campaign shards with the features computed online (in a feature store where
     ``settings.feature_store_bytes`` is set): a CampaignData.

@@ -161,7 +161,7 @@ class CampaignData:
 
     def lse_of(self, i: int) -> torch.Tensor:
         """Target log-sum-exp over the full vocabulary, [T] fp32 on the target's device, of sequence i (from the bf16
-        final states, as :func:`~dartree.training.data.target_lse` computes it from the feature file)."""
+        final states, as :func:`~dartree.training.features.target_lse` computes it from the feature file)."""
         self.need_lse = True
         feats, final, lse = self._features(i)
         if lse is None:

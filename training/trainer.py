@@ -45,7 +45,8 @@ from dartree.training.build import (
 from dartree.training.checks import check_against_target, check_data_files, check_output_dir, check_recipe
 from dartree.training.cursor import DataCursor, data_fingerprint, lineage_record
 from dartree.base.figures import plot_curve_file
-from dartree.training.data import select_draft_vocab, target_lse
+from dartree.training.data import select_draft_vocab
+from dartree.training.features import target_lse
 from dartree.training.engine import (
     check_resumable,
     check_resume_world,

@@ -33,7 +33,7 @@ from dartree.base.records import NUMBER, RecordError, read_json
 from dartree.models.generation import stop_ids
 from dartree.training.build import parse_recipe_dtype
 from dartree.training.checks import template_kwargs
-from dartree.training.data import chat_prompts
+from dartree.training.dialogues import chat_prompts
 from dartree.training.recipe import load_recipe
 from dartree.training.regen import continuous_greedy
 from dartree.models import target as target_lib

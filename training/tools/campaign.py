@@ -12,7 +12,7 @@ MT-Bench and GSM8K-style evaluation prompts are never in it (:func:`eval_texts`;
 evaluation's generator, is not a training generator). The pool's first ``data.holdout`` usable items are the fixed
 held-out set; training shards follow it, ``data.shard_size`` items each, in pool order. For each shard the target
 regenerates every assistant turn greedily with its own earlier answers as the history
-(:func:`~dartree.training.data.regenerate_dialogues`: continuous batching; finished rows are appended to a cache
+(:func:`~dartree.training.answers.regenerate_dialogues`: continuous batching; finished rows are appended to a cache
 file, so a killed run resumes inside the shard), then the shard is written to ``campaign/data/`` as a compressed
 Parquet file of token ids and loss masks (no hidden states), and ``campaign/manifest.json`` records how it was
 made. Shard files and the manifest are written atomically; they are what a later run, on a fresh machine,
@@ -319,7 +319,7 @@ def _sharegpt_pool(max_turns: int, seed: int) -> tuple:
     """ShareGPT conversations as (file index, user turns), eval-touching ones dropped, shuffled by ``seed``
     (parsed once per process: the packaged JSON takes seconds)."""
     # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
-    from dartree.training.data import sharegpt_dialogues
+    from dartree.training.dialogues import sharegpt_dialogues
 
     evals = eval_texts()
     convs = [(i, t) for i, t in enumerate(sharegpt_dialogues(max_turns)) if not _touches_eval(t, evals)]
@@ -331,7 +331,7 @@ def pool_items(settings: DictConfig) -> Iterator[PoolItem]:
     """The campaign's prompt pool, in its fixed order (the same on every machine for one ``data`` setting).
 
     Streams: ``chat`` (ShareGPT conversations whose first turn is not programming), ``code`` (ShareGPT
-    programming conversations, :func:`~dartree.training.data.looks_like_code`, with one reasoning-gym programming
+    programming conversations, :func:`~dartree.training.dialogues.looks_like_code`, with one reasoning-gym programming
     task after every ``code_generator_every - 1``), ``math`` (reasoning-gym word problems with the evaluation's
     step-by-step suffix). ShareGPT conversations are shuffled by ``data.seed``; any that touches an evaluation
     prompt (:func:`eval_texts`) is dropped. The streams interleave by smooth weighted round robin on
@@ -341,7 +341,7 @@ def pool_items(settings: DictConfig) -> Iterator[PoolItem]:
         PoolItem with kind ``chat`` / ``code`` / ``math``.
     """
     # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
-    from dartree.training.data import looks_like_code
+    from dartree.training.dialogues import looks_like_code
 
     d = settings.data
     convs = _sharegpt_pool(int(d.max_turns), int(d.seed))
@@ -387,14 +387,14 @@ def usable_items(settings: DictConfig, tokenizer, start: int, n: int, end: int |
     chat-template segments.
 
     An item is usable when its first prompt fits ``data.max_prompt_tokens``
-    (:func:`~dartree.training.data.dialogue_segments`; later turns that do not fit end the conversation there).
+    (:func:`~dartree.training.dialogues.dialogue_segments`; later turns that do not fit end the conversation there).
 
     Returns:
         ([(PoolItem, segments)], the pool position after the last item taken); fewer than ``n`` items only when
         the pool runs out.
     """
     # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
-    from dartree.training.data import dialogue_segments
+    from dartree.training.dialogues import dialogue_segments
 
     out, pos = [], start
     for k, item in enumerate(pool_items(settings)):
@@ -480,7 +480,7 @@ def write_plan(cfg: DictConfig, path: Path, count: int, tokenizer=None) -> dict:
     import gzip
 
     # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
-    from dartree.training.data import dialogue_segments
+    from dartree.training.dialogues import dialogue_segments
 
     if tokenizer is None:
         from transformers import AutoTokenizer
@@ -567,7 +567,7 @@ def _planned_items(plan: dict, name: str, start: int) -> tuple[list, int] | None
 
 def _spec_for(cfg: DictConfig, n: int):
     # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
-    from dartree.training.data import DataSpec
+    from dartree.training.answers import DataSpec
 
     d = cfg.data
     return DataSpec(num_prompts=n, max_prompt_tokens=int(d.max_prompt_tokens), max_new_tokens=int(d.max_new_tokens),
@@ -577,7 +577,7 @@ def _spec_for(cfg: DictConfig, n: int):
 def _regenerate(target, cfg: DictConfig, items: list, folder: Path, deadline: float | None):
     """Regenerate one shard's items into ``folder`` (resumable); returns (rows, seconds) or None at the deadline."""
     # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
-    from dartree.training.data import regenerate_dialogues
+    from dartree.training.answers import regenerate_dialogues
 
     spec = _spec_for(cfg, len(items))
     t0 = time.time()
@@ -632,7 +632,7 @@ def _record(name: str, rows: list, items: list, start: int, end: int, seconds: f
 
 class _Wave:
     """Pieces (the held-out set and/or training shards) regenerated together in one continuous batch: each piece is
-    a group of the batch (:class:`~dartree.training.data.RegenOptions`), written to the campaign, in pool order, as
+    a group of the batch (:class:`~dartree.training.answers.RegenOptions`), written to the campaign, in pool order, as
     soon as its conversations are complete (:meth:`complete`), so a deadline loses only unfinished pieces. A
     piece's ``seconds`` is the time since the previous piece was written (or the wave began), so they sum to the
     wave's time."""
@@ -654,7 +654,7 @@ class _Wave:
     def complete(self, c: int, answers: list) -> None:
         """``RegenOptions.on_complete``: keep conversation c's row; write every piece now complete, in order."""
         # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
-        from dartree.training.data import dialogue_row
+        from dartree.training.answers import dialogue_row
 
         if answers:
             self.rows[c] = dialogue_row(c, self.dialogues[c], answers, self.stop)
@@ -713,7 +713,7 @@ def _run_wave(target, cfg: DictConfig, manifest: dict, pieces: list, work: Path,
               deadline: float) -> bool:
     """Regenerate ``pieces`` in one continuous batch (resumable in ``work``); returns False at the deadline."""
     # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
-    from dartree.training.data import RegenOptions, regenerate_dialogues
+    from dartree.training.answers import RegenOptions, regenerate_dialogues
 
     first = pieces[0][0]
     folder = work / (first if len(pieces) == 1 else f"wave-{first}-x{len(pieces)}")

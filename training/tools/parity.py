@@ -28,7 +28,7 @@ from dartree.decode.trees import block_candidates, expand_frontier
 from dartree.models.drafter import DraftCache
 from dartree.training.build import (build_models, data_settings, init_settings, load_init, parse_recipe_dtype,
     prepare_data, run_recipe, step_settings)
-from dartree.training.data import target_lse
+from dartree.training.features import target_lse
 from dartree.training.step import block_targets, evaluate_holdout, seed_mix
 from dartree.models import target as target_lib
 

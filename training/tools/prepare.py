@@ -20,7 +20,7 @@ from dartree.models.drafter import build_target_layer_ids
 from dartree.training.recipe import RecipeError, load_recipe
 from dartree.training.build import data_settings, load_recipe_target, parse_recipe_dtype, prepare_data
 from dartree.training.checks import check_against_target
-from dartree.training.data import target_lse
+from dartree.training.features import target_lse
 
 
 def prepare(cfg: DictConfig) -> dict:
