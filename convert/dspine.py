@@ -8,7 +8,8 @@ Facts (read from SpecForge ``specforge/modeling/draft/dspine.py``, ``configs/qwe
   ``block_size``, ``dflash_config.{mask_token_id, target_layer_ids}``; ``is_causal`` true: the block is causal) plus
   ``architectures`` ``["DSpineDraftModel"]``, ``dspine_config`` {transfer_rank, message_size, top_k, ce_weight,
   alignment_weight, alignment_warmup_steps, replacement_layers, replacement_probability, replacement_hold_ratio,
-  replacement_end_ratio, candidate_mass_threshold} (a missing field takes SpecForge's default) and the tensors
+  replacement_end_ratio, candidate_mass_threshold} (a missing rank or message size is read from the tensors' shapes,
+  another missing field takes SpecForge's default) and the tensors
   ``injection.readouts.{l}.weight`` [r, D], ``injection.writes.{l}.weight`` [D, m],
   ``injection.{message,receiver_gate,predecessor_gate}.weight`` [m, r], ``injection.bias`` [m] and the buffers
   ``transfer_codes`` [V, r], ``transfer_ready`` (bool, true once the codes are set). Block position 0 is the
@@ -66,6 +67,10 @@ def detect_specforge(config: dict, names: set[str]) -> str | None:
     seen = _marks(config, names)
     if not seen or "codes" in names:
         return None
+    if "transfer_codes" in names and "transfer_ready" not in names:
+        raise CheckpointError(f"a DSpine checkpoint ({', '.join(seen)}) with transfer_codes but no transfer_ready: "
+                              f"Tencent's reference keeps its codes in {_CODES_FILE} under the key 'codes' (rename "
+                              "the key), SpecForge's model file holds both buffers")
     if "transfer_codes" not in names:
         raise CheckpointError(f"a DSpine checkpoint ({', '.join(seen)}) without its token codes: SpecForge's layout "
                               f"stores them as the tensor transfer_codes, Tencent's in {_CODES_FILE} under 'codes'; "
@@ -92,19 +97,38 @@ def _head(cfg: dict, dc: dict, drafter: dict, vocab: int, where) -> dict:
             "num_layers": drafter["num_layers"], **{k: dc.get(k, v) for k, v in SPECFORGE_DEFAULTS.items()}}
 
 
+def _shape_fields(given: dict) -> dict:
+    """``transfer_rank`` and ``message_size`` as the tensors give them (readout 0 is [r, D], the message [m, r]), for
+    the fields a config leaves out: read from the weights, not SpecForge's defaults, which fit only its 8B drafter."""
+    shapes = {"transfer_rank": "injection.readouts.0.weight", "message_size": "injection.message.weight"}
+    return {k: int(given[n].shape[0]) for k, n in shapes.items() if n in given and given[n].dim() == 2}
+
+
 def _backbone(cfg: dict, where, layout, target) -> dict:
-    """The backbone fields (``is_causal`` is DSpine's causal block, not refused), ``causal_block`` set."""
+    """The backbone fields (``is_causal`` is DSpine's causal block), ``causal_block`` set.
+
+    Raises:
+        CheckpointError: ``is_causal`` false (a DSpine block is causal; dartree would decode it otherwise than it
+            was trained), or :func:`dartree.convert.formats.backbone`'s refusals.
+    """
+    if cfg.get("is_causal", True) is not True:
+        raise CheckpointError(f"{where}: is_causal is {cfg['is_causal']!r}, but a DSpine drafter attends causally "
+                              "inside the block (SpecForge's configs set is_causal true); a drafter trained with a "
+                              "bidirectional block is a DFlash drafter: convert it without the DSpine marks")
     cfg = {k: v for k, v in cfg.items() if k != "is_causal"}
     drafter = F.backbone(cfg, where, layout, proposal_offset=1, target=target)
     return {**drafter, "causal_block": True}
 
 
 def _checked_codes(tensors: dict, where) -> None:
-    """Refuse token codes that are not set or not finite (one line)."""
+    """Refuse token codes that are not set, not floating point or not finite (one line)."""
     ready, codes = tensors.get("transfer_ready"), tensors.get("transfer_codes")
     if ready is not None and not bool(ready.reshape(-1)[0]):
         raise CheckpointError(f"{where}: transfer_ready is false: the token codes were never set (SpecForge sets them "
                               "from the target's lm_head when training starts); convert a trained checkpoint")
+    if codes is not None and not codes.is_floating_point():
+        raise CheckpointError(f"{where}: transfer_codes are {str(codes.dtype).removeprefix('torch.')}, but DSpine's "
+                              "token codes are real (the whitened PCA of the lm_head rows): this is not a codes file")
     if codes is not None and not bool(torch.isfinite(codes.float()).all()):
         raise CheckpointError(f"{where}: transfer_codes holds non-finite values; the checkpoint is corrupt")
 
@@ -122,6 +146,7 @@ def read_specforge(config: dict, given: dict, where, target=None) -> tuple[dict,
         raise CheckpointError(f"{where_cfg}: dspine_config must be an object of DSpine fields, got {dc!r}")
     drafter = _backbone(config, where_cfg, LAYOUT, target)
     vocab = F.field(config["vocab_size"], "vocab_size", where_cfg)
+    dc = {**_shape_fields(given), **dc}
     parsed = F.Parsed(drafter, _head(config, dc, drafter, vocab, where_cfg),
                       F.target_identity(config, SPECFORGE_NAME, where_cfg, vocab, drafter["hidden_size"]), {})
     out, tensors = F.read_parsed(parsed, SPECFORGE_NAME, given, where, target)
@@ -153,9 +178,7 @@ def read_tencent(config: dict, given: dict, where, target=None) -> tuple[dict, d
                               "requires")
     drafter = {**_backbone(cfg, where_cfg, TENCENT_LAYOUT, target), "block_size": 16}
     vocab = F.field(cfg["vocab_size"], "vocab_size", where_cfg)
-    rank, message = given["injection.readouts.0.weight"].shape[0], given["injection.message.weight"].shape[0]
-    head = _head(cfg, {"transfer_rank": int(rank), "message_size": int(message), "top_k": 16}, drafter, vocab,
-                 where_cfg)
+    head = _head(cfg, {**_shape_fields(given), "top_k": 16}, drafter, vocab, where_cfg)
     tensors = {k: v for k, v in given.items() if k != "codes"}
     tensors["transfer_codes"] = given["codes"]
     tensors["transfer_ready"] = torch.tensor(True)

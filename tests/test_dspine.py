@@ -324,6 +324,25 @@ def test_partial_or_unknown_dspine_folders_are_refused_in_one_line(tmp_path):
         export(dt, tmp_path / "z", to="zlab-dflash")
 
 
+def test_rank_from_the_weights_and_misfiled_codes_named_in_one_line(tmp_path):
+    ref, config, _, _ = _reference()
+    bare = {k: v for k, v in config["dspine_config"].items() if k not in ("transfer_rank", "message_size")}
+    dt = convert(_specforge_folder(tmp_path / "bare", ref, {**config, "dspine_config": bare}), tmp_path / "bare.dt")
+    head = json.loads((dt / "config.json").read_text())["head"]
+    assert (head["transfer_rank"], head["message_size"]) == (8, 6)  # the weights', not SpecForge's 1024 / 512
+    codes = ref["state.transfer_codes"]
+    cases = (({"transfer_codes": codes}, "with transfer_codes but no transfer_ready: Tencent's reference keeps its "
+                                         "codes in transfer.safetensors under the key 'codes'"),
+             ({"codes": codes.round().to(torch.int32)}, "transfer_codes are int32, but DSpine's token codes are real"))
+    for i, (codes_file, why) in enumerate(cases):
+        tc = _tencent_folder(tmp_path / f"tc{i}", ref, config)
+        save_file(codes_file, str(tc / "transfer.safetensors"))
+        with pytest.raises(CheckpointError, match=why):
+            convert(tc, tmp_path / f"tc{i}.out")
+    with pytest.raises(CheckpointError, match="is_causal is False, but a DSpine drafter attends causally"):
+        convert(_specforge_folder(tmp_path / "bi", ref, {**config, "is_causal": False}), tmp_path / "bi.dt")
+
+
 # ------------------------------------------------------------------------------------------------ decoding
 @pytest.mark.parametrize("builder,budget,params", [
     ("chain", None, {}),
