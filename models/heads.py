@@ -18,7 +18,7 @@ A head corrects the drafter's per-position base logits U = lm_head(H) using the 
   for training, where prev_ids[:, j] is the token before proposal j (the anchor for j = 0); with ``vocab`` [N']
   (a draft vocabulary) U holds only those columns and the result is restricted the same way. It is
   U + A · W^T with ``block_factors(prev_ids, H, vocab) -> (A [N, P, R], W [V', R])`` (None for identity), the
-  form the fused training loss (``dartree.training.losses.fused_block_loss``) consumes without materialising
+  form the fused training loss (``dartree.training.fused_loss.fused_block_loss``) consumes without materialising
   the [N, P, V'] logits.
 
 Unrolling ``score``/``advance`` along prev_ids equals ``block_logits`` (pinned by a test). Each head class lists its

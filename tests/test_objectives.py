@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dartree.training.cursor import DataCursor, data_fingerprint, lineage_record
-from dartree.training.losses import dspark_loss, fused_block_loss
+from dartree.training.fused_loss import fused_block_loss
+from dartree.training.losses import dspark_loss
 from dartree.training.recipe import RecipeError, load_recipe
 from dartree.training.trainer import WarmupCosine
 

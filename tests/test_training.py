@@ -16,7 +16,8 @@ from torch.utils._pytree import tree_flatten
 from conftest import make_drafter
 from dartree.decode.generate import draft_block
 from dartree.models.drafter import DraftCache
-from dartree.training.losses import block_attention_mask, domino_loss, dspark_loss, fused_block_loss
+from dartree.training.fused_loss import fused_block_loss
+from dartree.training.losses import block_attention_mask, domino_loss, dspark_loss
 from dartree.training.recipe import RecipeError, load_recipe
 from dartree.training.trainer import run
 

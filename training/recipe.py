@@ -134,7 +134,7 @@ class TrainSection:
     bf16: Any = "auto"  # autocast the drafter to bf16 (true / false / auto: see resolve_auto_dtypes)
     device: str = "auto"  # cpu | cuda | auto (cuda where torch.cuda.is_available(), else cpu): see resolve_train_device
     engine: str = "deepspeed"  # deepspeed | torch (a plain-torch engine, one process or DDP-style all-reduce)
-    fused_loss: bool = True  # chunked logits+loss+gradient (losses.fused_block_loss); false: materialised logits
+    fused_loss: bool = True  # chunked logits+loss+gradient (fused_loss.fused_block_loss); false: materialised logits
     threads: int = 0  # torch threads; 0 = torch default
     save_every_minutes: float = 15.0  # resumable checkpoint every this many minutes (0: off)
     save_every_steps: int = 0  # ... and/or every this many steps (0: off)

@@ -25,15 +25,8 @@ from dartree.models.drafter import BlockAttention, DFlashDrafter
 from dartree.models.families import Objective
 from dartree.models.target import Target
 from dartree.training.data import BlockData, sample_anchors
-from dartree.training.losses import (
-    LossOut,
-    domino_loss,
-    dspark_loss,
-    fused_block_loss,
-    label_mask,
-    teacher_forced_tau,
-    weight_sum,
-)
+from dartree.training.fused_loss import fused_block_loss
+from dartree.training.losses import LossOut, domino_loss, dspark_loss, label_mask, teacher_forced_tau, weight_sum
 
 
 @dataclass(frozen=True)
@@ -300,7 +293,7 @@ def _draft_forward(drafter, head, dev: torch.device, b: StepBlocks, settings: St
 
 
 def _fused_loss(b: StepBlocks, obj: Objective, hidden, factors, conf, t_hidden, t_lse, lam, denom):
-    """:func:`~dartree.training.losses.fused_block_loss` under ``obj``: the base-CE form with ``lam`` (not None),
+    """:func:`~dartree.training.fused_loss.fused_block_loss` under ``obj``: the base-CE form with ``lam`` (not None),
     the CE of U (an uncorrected objective), or the distribution-matching form."""
     if lam is not None:
         return fused_block_loss(hidden, b.w_out, b.labels, b.valid, gamma=obj.gamma, factors=factors, lam=lam,
