@@ -4,8 +4,8 @@
 Facts (read from SpecForge ``specforge/modeling/draft/dspine.py``, ``configs/qwen3-8b-dspine.json`` and
 ``scripts/convert_dspine_checkpoint.py`` in sgl-project/SpecForge):
 
-- ``specforge-dspine`` (``DSpineDraftModel``): the DFlash backbone of :mod:`dartree.convert.formats` (Qwen3 config,
-  ``block_size``, ``dflash_config.{mask_token_id, target_layer_ids}``; ``is_causal`` true: the block is causal) plus
+- ``specforge-dspine`` (``DSpineDraftModel``): the DFlash backbone of :mod:`dartree.convert.config_fields` (Qwen3
+  config, ``block_size``, ``dflash_config.{mask_token_id, target_layer_ids}``; ``is_causal`` true: the block is causal) plus
   ``architectures`` ``["DSpineDraftModel"]``, ``dspine_config`` {transfer_rank, message_size, top_k, ce_weight,
   alignment_weight, alignment_warmup_steps, replacement_layers, replacement_probability, replacement_hold_ratio,
   replacement_end_ratio, candidate_mass_threshold} (a missing rank or message size is read from the tensors' shapes,
@@ -30,16 +30,18 @@ from __future__ import annotations
 
 import torch
 
-from dartree.convert import formats as F
+from dartree.convert import config_fields as C
+from dartree.convert import export_config as E
+from dartree.convert import published_tensors as T
 from dartree.convert.registry import FormatPair
 from dartree.models.checkpoint import CheckpointError
 from dartree.models.families.dspine import SPECFORGE_DEFAULTS
 
 SPECFORGE_NAME, TENCENT_NAME = "specforge-dspine", "tencent-dspine"
 ARCH = "DSpineDraftModel"
-LAYOUT = F.ConfigLayout(SPECFORGE_NAME, f"a Qwen3 config ({F.QWEN3}) with block_size, dflash_config.{{mask_token_id, "
+LAYOUT = C.ConfigLayout(SPECFORGE_NAME, f"a Qwen3 config ({C.QWEN3}) with block_size, dflash_config.{{mask_token_id, "
                                         "target_layer_ids}, dspine_config and architectures ['DSpineDraftModel']")
-TENCENT_LAYOUT = F.ConfigLayout(TENCENT_NAME, f"a Qwen3 config ({F.QWEN3}), bare or under 'config', with "
+TENCENT_LAYOUT = C.ConfigLayout(TENCENT_NAME, f"a Qwen3 config ({C.QWEN3}), bare or under 'config', with "
                                               "dflash_config.{mask_token_id, target_layer_ids}")
 _CODES_FILE = "transfer.safetensors"
 
@@ -109,14 +111,14 @@ def _backbone(cfg: dict, where, layout, target) -> dict:
 
     Raises:
         CheckpointError: ``is_causal`` false (a DSpine block is causal; dartree would decode it otherwise than it
-            was trained), or :func:`dartree.convert.formats.backbone`'s refusals.
+            was trained), or :func:`dartree.convert.config_fields.backbone`'s refusals.
     """
     if cfg.get("is_causal", True) is not True:
         raise CheckpointError(f"{where}: is_causal is {cfg['is_causal']!r}, but a DSpine drafter attends causally "
                               "inside the block (SpecForge's configs set is_causal true); a drafter trained with a "
                               "bidirectional block is a DFlash drafter: convert it without the DSpine marks")
     cfg = {k: v for k, v in cfg.items() if k != "is_causal"}
-    drafter = F.backbone(cfg, where, layout, proposal_offset=1, target=target)
+    drafter = C.backbone(cfg, where, layout, proposal_offset=1, target=target)
     return {**drafter, "causal_block": True}
 
 
@@ -145,11 +147,11 @@ def read_specforge(config: dict, given: dict, where, target=None) -> tuple[dict,
     if not isinstance(dc, dict):
         raise CheckpointError(f"{where_cfg}: dspine_config must be an object of DSpine fields, got {dc!r}")
     drafter = _backbone(config, where_cfg, LAYOUT, target)
-    vocab = F.field(config["vocab_size"], "vocab_size", where_cfg)
+    vocab = C.field(config["vocab_size"], "vocab_size", where_cfg)
     dc = {**_shape_fields(given), **dc}
-    parsed = F.Parsed(drafter, _head(config, dc, drafter, vocab, where_cfg),
-                      F.target_identity(config, SPECFORGE_NAME, where_cfg, vocab, drafter["hidden_size"]), {})
-    out, tensors = F.read_parsed(parsed, SPECFORGE_NAME, given, where, target)
+    parsed = T.Parsed(drafter, _head(config, dc, drafter, vocab, where_cfg),
+                      C.target_identity(config, SPECFORGE_NAME, where_cfg, vocab, drafter["hidden_size"]), {})
+    out, tensors = T.read_parsed(parsed, SPECFORGE_NAME, given, where, target)
     _checked_codes({"transfer_ready": tensors["head.transfer_ready"], "transfer_codes": tensors["head.transfer_codes"]},
                    where)
     return out, tensors
@@ -171,20 +173,20 @@ def read_tencent(config: dict, given: dict, where, target=None) -> tuple[dict, d
                                   "and message (is the model file complete?)")
     if "transfer_codes" in given:
         raise CheckpointError(f"{where}: both transfer_codes and a codes file ({_CODES_FILE}); keep one of them")
-    dc = F.dflash_config(cfg)
+    dc = C.dflash_config(cfg)
     if "target_layer_ids" not in dc or "mask_token_id" not in dc:
         raise CheckpointError(f"{where_cfg}: the reference config must name dflash_config.target_layer_ids and "
                               "dflash_config.mask_token_id (the ones used for training), as SpecForge's converter "
                               "requires")
     drafter = {**_backbone(cfg, where_cfg, TENCENT_LAYOUT, target), "block_size": 16}
-    vocab = F.field(cfg["vocab_size"], "vocab_size", where_cfg)
+    vocab = C.field(cfg["vocab_size"], "vocab_size", where_cfg)
     head = _head(cfg, {**_shape_fields(given), "top_k": 16}, drafter, vocab, where_cfg)
     tensors = {k: v for k, v in given.items() if k != "codes"}
     tensors["transfer_codes"] = given["codes"]
     tensors["transfer_ready"] = torch.tensor(True)
-    parsed = F.Parsed(drafter, head, F.target_identity(cfg, TENCENT_NAME, where_cfg, vocab, drafter["hidden_size"]),
+    parsed = T.Parsed(drafter, head, C.target_identity(cfg, TENCENT_NAME, where_cfg, vocab, drafter["hidden_size"]),
                       {})
-    out, mapped = F.read_parsed(parsed, TENCENT_NAME, tensors, where, target)
+    out, mapped = T.read_parsed(parsed, TENCENT_NAME, tensors, where, target)
     _checked_codes({"transfer_codes": mapped["head.transfer_codes"]}, where)
     return out, mapped
 
@@ -194,13 +196,13 @@ def specforge_config(config: dict) -> dict:
 
     Raises:
         CheckpointError: another head type, DFlash 2 convolutions, q/k norm off, another proposal offset
-            (:func:`dartree.convert.formats.export_config`), or a drafter not causal in the block.
+            (:func:`dartree.convert.export_config.export_config`), or a drafter not causal in the block.
     """
     d = config["drafter"]
     if config["head"].get("type") == "dspine" and not d.get("causal_block"):
         raise CheckpointError("a DSpine drafter attends causally inside the block, this one does not "
                               "(drafter.causal_block false); retrain with drafter.causal_block=true")
-    out = F.export_config({**config, "drafter": {**d, "causal_block": False}}, SPECFORGE_NAME, family="dspine",
+    out = E.export_config({**config, "drafter": {**d, "causal_block": False}}, SPECFORGE_NAME, family="dspine",
                           proposal_offset=1)
     head = config["head"]
     out.update(architectures=[ARCH], auto_map={"AutoModel": "dspine.DSpineDraftModel"}, is_causal=True,
@@ -215,10 +217,10 @@ def write_specforge(config: dict, tensors: dict, target=None, where="the checkpo
     Raises:
         CheckpointError: a reduced draft vocabulary, :func:`specforge_config`'s refusals, or codes not set.
     """
-    config = F.export_ready(config, SPECFORGE_NAME, target, where)
+    config = E.export_ready(config, SPECFORGE_NAME, target, where)
     out = specforge_config(config)
     _checked_codes({"transfer_ready": tensors.get("head.transfer_ready")}, where)
-    return out, F.publish_tensors(tensors, config["head"]["type"], SPECFORGE_NAME)
+    return out, T.publish_tensors(tensors, config["head"]["type"], SPECFORGE_NAME)
 
 
 SPECFORGE = FormatPair(name=SPECFORGE_NAME, detect=detect_specforge, read=read_specforge, write=write_specforge,

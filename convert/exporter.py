@@ -10,7 +10,7 @@ import re
 import warnings
 from pathlib import Path
 
-from dartree.convert.formats import with_target_context
+from dartree.convert.export_config import with_target_context
 from dartree.convert.publishers import EXPORT_FORMATS, FORMAT_PAIRS
 from dartree.models.checkpoint import CheckpointError, load_dartree, read_safetensors
 from dartree.base.files import write_folder_atomically

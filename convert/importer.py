@@ -13,7 +13,8 @@ from typing import Callable
 import torch
 from safetensors import SafetensorError, safe_open
 
-from dartree.convert.formats import check_tensors, with_target_context
+from dartree.convert.export_config import with_target_context
+from dartree.convert.published_tensors import check_tensors
 from dartree.convert.publishers import FORMAT_PAIRS, detect
 from dartree.models.checkpoint import (
     FORMAT,

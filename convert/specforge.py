@@ -3,7 +3,7 @@
 
 Facts (read from SpecForge ``specforge/modeling/draft/domino.py``, ``dspark.py`` and ``dspark_heads.py``):
 
-- ``specforge-domino``: the z-lab DFlash backbone (:mod:`dartree.convert.formats`) plus
+- ``specforge-domino``: the z-lab DFlash backbone (:mod:`dartree.convert.config_fields`) plus
   ``prefix_gru.weight_{ih,hh}_l0`` and ``embed_proj.{0,2}.weight`` (older checkpoints: under ``logit_head.``,
   SpecForge ``normalize_draft_head_checkpoint_keys``); ``dflash_config.{emb_dim, gru_hidden_dim,
   pure_draft_prefix_len, shift_label}``. ``shift_label`` true means all B positions are proposals (offset 0), else
@@ -20,30 +20,32 @@ Facts (read from SpecForge ``specforge/modeling/draft/domino.py``, ``dspark.py``
 
 from __future__ import annotations
 
-from dartree.convert import formats as F
+from dartree.convert import config_fields as C
+from dartree.convert import export_config as E
+from dartree.convert import published_tensors as T
 from dartree.convert.registry import FormatPair
 from dartree.models.checkpoint import CheckpointError
 from dartree.models.families import published_type
 
 DOMINO_NAME, DSPARK_NAME = "specforge-domino", "specforge-dspark"
-DOMINO_LAYOUT = F.ConfigLayout(DOMINO_NAME, f"a Qwen3 config ({F.QWEN3}) with block_size and dflash_config."
+DOMINO_LAYOUT = C.ConfigLayout(DOMINO_NAME, f"a Qwen3 config ({C.QWEN3}) with block_size and dflash_config."
                                             "{mask_token_id, target_layer_ids, emb_dim, gru_hidden_dim, "
                                             "pure_draft_prefix_len, shift_label}")
-DSPARK_LAYOUT = F.ConfigLayout(DSPARK_NAME, f"a Qwen3 config ({F.QWEN3}) with block_size and dflash_config."
+DSPARK_LAYOUT = C.ConfigLayout(DSPARK_NAME, f"a Qwen3 config ({C.QWEN3}) with block_size and dflash_config."
                                             "{mask_token_id, target_layer_ids, markov_rank, markov_head_type, "
                                             "enable_confidence_head, confidence_head_with_markov}")
 
 
 def _projector(config: dict, names: set[str]) -> tuple[dict, object, bool, bool]:
     """(dflash_config, its projector_type, Domino head tensors present, DSpark head tensors present)."""
-    dc = F.dflash_config(config)
+    dc = C.dflash_config(config)
     has_gru = any(n.startswith(("prefix_gru.", "embed_proj.")) for n in names)
     has_markov = any(n.startswith(("markov_head.", "confidence_head.")) for n in names)
     return dc, dc.get("projector_type"), has_gru, has_markov
 
 
 # ------------------------------------------------------------------------------------------- specforge-domino
-def parse_domino(config: dict, where, target=None) -> F.Parsed:
+def parse_domino(config: dict, where, target=None) -> T.Parsed:
     """Read a SpecForge Domino config.json into dartree terms (head ``gru``; proposal offset 0 with
     ``shift_label``, else 1).
 
@@ -54,19 +56,19 @@ def parse_domino(config: dict, where, target=None) -> F.Parsed:
         CheckpointError: unknown layout (the message lists the expected fields), a field out of range, or an
             unsupported option, named.
     """
-    get = lambda key, **kw: F.config_value(config, key, where=where, layout=DOMINO_LAYOUT, **kw)  # noqa: E731
-    shift = F.flag(get("shift_label", default=False), "shift_label", where)
-    drafter = F.backbone(config, where, DOMINO_LAYOUT, proposal_offset=0 if shift else 1, target=target)
+    get = lambda key, **kw: C.config_value(config, key, where=where, layout=DOMINO_LAYOUT, **kw)  # noqa: E731
+    shift = C.flag(get("shift_label", default=False), "shift_label", where)
+    drafter = C.backbone(config, where, DOMINO_LAYOUT, proposal_offset=0 if shift else 1, target=target)
     head = {
         "type": "gru",
-        "vocab_size": F.field(config["vocab_size"], "vocab_size", where),
+        "vocab_size": C.field(config["vocab_size"], "vocab_size", where),
         "hidden_size": drafter["hidden_size"],
-        "emb_dim": F.field(get("emb_dim"), "emb_dim", where),
-        "gru_hidden_dim": F.field(get("gru_hidden_dim"), "gru_hidden_dim", where),
-        "prefix_len": F.field(get("pure_draft_prefix_len", default=0), "pure_draft_prefix_len", where, F.INT0),
+        "emb_dim": C.field(get("emb_dim"), "emb_dim", where),
+        "gru_hidden_dim": C.field(get("gru_hidden_dim"), "gru_hidden_dim", where),
+        "prefix_len": C.field(get("pure_draft_prefix_len", default=0), "pure_draft_prefix_len", where, C.INT0),
     }
-    vocab = F.field(config["vocab_size"], "vocab_size", where)
-    return F.Parsed(drafter, head, F.target_identity(config, DOMINO_NAME, where, vocab, drafter["hidden_size"]), {})
+    vocab = C.field(config["vocab_size"], "vocab_size", where)
+    return T.Parsed(drafter, head, C.target_identity(config, DOMINO_NAME, where, vocab, drafter["hidden_size"]), {})
 
 
 def detect_domino(config: dict, names: set[str]) -> str | None:
@@ -85,7 +87,7 @@ def read_domino(config: dict, given: dict, where, target=None) -> tuple[dict, di
         CheckpointError: :func:`parse_domino`'s, or a missing, unexpected or mis-shaped tensor (named).
     """
     parsed = parse_domino(config, f"{where}/config.json", target=target)
-    return F.read_parsed(parsed, DOMINO_NAME, given, where, target)
+    return T.read_parsed(parsed, DOMINO_NAME, given, where, target)
 
 
 def domino_config(config: dict) -> dict:
@@ -94,9 +96,9 @@ def domino_config(config: dict) -> dict:
 
     Raises:
         CheckpointError: another head type, q/k norm off, DFlash 2 convolutions
-            (:func:`dartree.convert.formats.export_config`), or a GRU input width other than the hidden size.
+            (:func:`dartree.convert.export_config.export_config`), or a GRU input width other than the hidden size.
     """
-    out = F.export_config(config, DOMINO_NAME, family="domino", proposal_offset=None)
+    out = E.export_config(config, DOMINO_NAME, family="domino", proposal_offset=None)
     d, head = config["drafter"], dict(config["head"])
     if head.get("embed_dim", head["hidden_size"]) != d["hidden_size"]:
         raise CheckpointError(f"gru head embed_dim {head['embed_dim']} != hidden_size {d['hidden_size']}; "
@@ -117,12 +119,12 @@ def write_domino(config: dict, tensors: dict, target=None, where="the checkpoint
         CheckpointError: a reduced draft vocabulary (``where`` names the checkpoint) or :func:`domino_config`'s
             refusals.
     """
-    config = F.export_ready(config, DOMINO_NAME, target, where)
-    return domino_config(config), F.publish_tensors(tensors, config["head"]["type"], DOMINO_NAME)
+    config = E.export_ready(config, DOMINO_NAME, target, where)
+    return domino_config(config), T.publish_tensors(tensors, config["head"]["type"], DOMINO_NAME)
 
 
 # ------------------------------------------------------------------------------------------- specforge-dspark
-def parse_dspark(config: dict, where, target=None) -> F.Parsed:
+def parse_dspark(config: dict, where, target=None) -> T.Parsed:
     """Read a SpecForge DSpark config.json into dartree terms (head ``markov`` / ``gated_markov`` / ``rnn``, or
     ``identity`` without a Markov head; proposal offset 0), with SpecForge's defaults
     (``DSparkDraftModel._init_draft_head`` / ``build_markov_head``): a missing ``markov_rank`` is 0, the confidence
@@ -133,16 +135,16 @@ def parse_dspark(config: dict, where, target=None) -> F.Parsed:
         CheckpointError: unknown layout (the message lists the expected fields), a field out of range, an unknown
             ``markov_head_type``, a confidence head without a Markov head, or an unsupported option, named.
     """
-    drafter = F.backbone(config, where, DSPARK_LAYOUT, proposal_offset=0, target=target)
-    vocab = F.field(config["vocab_size"], "vocab_size", where)
-    get = lambda key, **kw: F.config_value(config, key, where=where, layout=DSPARK_LAYOUT, **kw)  # noqa: E731
-    alpha = F.field(get("confidence_head_alpha", default=0.0) or 0.0, "confidence_head_alpha", where, F.REAL0)
-    rank = F.field(get("markov_rank", default=0) or 0, "markov_rank", where, F.INT0)
-    conf = F.flag(get("enable_confidence_head", default=alpha > 0.0), "enable_confidence_head", where)
-    with_markov = F.flag(get("confidence_head_with_markov", default=False), "confidence_head_with_markov", where)
-    head = F.dspark_head(rank, get("markov_head_type", default="vanilla"), conf, with_markov, vocab=vocab,
+    drafter = C.backbone(config, where, DSPARK_LAYOUT, proposal_offset=0, target=target)
+    vocab = C.field(config["vocab_size"], "vocab_size", where)
+    get = lambda key, **kw: C.config_value(config, key, where=where, layout=DSPARK_LAYOUT, **kw)  # noqa: E731
+    alpha = C.field(get("confidence_head_alpha", default=0.0) or 0.0, "confidence_head_alpha", where, C.REAL0)
+    rank = C.field(get("markov_rank", default=0) or 0, "markov_rank", where, C.INT0)
+    conf = C.flag(get("enable_confidence_head", default=alpha > 0.0), "enable_confidence_head", where)
+    with_markov = C.flag(get("confidence_head_with_markov", default=False), "confidence_head_with_markov", where)
+    head = C.dspark_head(rank, get("markov_head_type", default="vanilla"), conf, with_markov, vocab=vocab,
                          hidden=drafter["hidden_size"], where=where)
-    return F.Parsed(drafter, head, F.target_identity(config, DSPARK_NAME, where, vocab, drafter["hidden_size"]), {})
+    return T.Parsed(drafter, head, C.target_identity(config, DSPARK_NAME, where, vocab, drafter["hidden_size"]), {})
 
 
 def detect_dspark(config: dict, names: set[str]) -> str | None:
@@ -164,7 +166,7 @@ def read_dspark(config: dict, given: dict, where, target=None) -> tuple[dict, di
         CheckpointError: :func:`parse_dspark`'s, or a missing, unexpected or mis-shaped tensor (named).
     """
     parsed = parse_dspark(config, f"{where}/config.json", target=target)
-    return F.read_parsed(parsed, DSPARK_NAME, given, where, target)
+    return T.read_parsed(parsed, DSPARK_NAME, given, where, target)
 
 
 def dspark_config(config: dict) -> dict:
@@ -173,9 +175,9 @@ def dspark_config(config: dict) -> dict:
 
     Raises:
         CheckpointError: another head type, q/k norm off, DFlash 2 convolutions, or another proposal offset
-            (:func:`dartree.convert.formats.export_config`).
+            (:func:`dartree.convert.export_config.export_config`).
     """
-    out = F.export_config(config, DSPARK_NAME, family="dspark", proposal_offset=0)
+    out = E.export_config(config, DSPARK_NAME, family="dspark", proposal_offset=0)
     d, head = config["drafter"], config["head"]
     out["architectures"] = ["DSparkDraftModel"]
     dc = out["dflash_config"]
@@ -195,8 +197,8 @@ def write_dspark(config: dict, tensors: dict, target=None, where="the checkpoint
         CheckpointError: a reduced draft vocabulary (``where`` names the checkpoint) or :func:`dspark_config`'s
             refusals.
     """
-    config = F.export_ready(config, DSPARK_NAME, target, where)
-    return dspark_config(config), F.publish_tensors(tensors, config["head"]["type"], DSPARK_NAME)
+    config = E.export_ready(config, DSPARK_NAME, target, where)
+    return dspark_config(config), T.publish_tensors(tensors, config["head"]["type"], DSPARK_NAME)
 
 
 DOMINO = FormatPair(name=DOMINO_NAME, detect=detect_domino, read=read_domino, write=write_domino,

@@ -44,7 +44,9 @@ from __future__ import annotations
 
 import torch
 
-from dartree.convert import formats as F
+from dartree.convert import config_fields as C
+from dartree.convert import export_config as E
+from dartree.convert import published_tensors as T
 from dartree.convert.registry import FormatPair
 from dartree.base.fields import Range
 from dartree.models.checkpoint import CheckpointError, dartree_config, expected_tensors
@@ -63,7 +65,7 @@ DEFAULTS = {
 }
 _DROPPED = ("embed_tokens.weight", "verifier_lm_head.weight", "verifier_norm.weight")
 # the draft layers' config, for the shared backbone reader's messages
-LAYOUT = F.ConfigLayout(NAME, f"a transformer_layer_config with the Qwen3 fields ({F.QWEN3}) and top-level "
+LAYOUT = C.ConfigLayout(NAME, f"a transformer_layer_config with the Qwen3 fields ({C.QWEN3}) and top-level "
                               "block_size, mask_token_id, aux_hidden_state_layer_ids")
 
 
@@ -99,9 +101,9 @@ def _types() -> dict[str, str]:
 
 def _published(name: str, head_type: str) -> str:
     """The speculators name of dartree tensor ``name`` of a drafter with head type ``head_type`` (backbone names as
-    :func:`dartree.convert.formats.backbone_name`, head names as the family publishes them)."""
+    :func:`dartree.convert.published_tensors.backbone_name`, head names as the family publishes them)."""
     if name.startswith("backbone."):
-        return F.backbone_name(name)
+        return T.backbone_name(name)
     return published_names(head_type)[name[len("head."):]]
 
 
@@ -138,14 +140,14 @@ def read(config: dict, given: dict, where, target=None) -> tuple[dict, dict]:
     kind = v["speculators_model_type"]
     tl = dict(v.get("transformer_layer_config") or {})
     _check_layers(v, tl, cfg_path)
-    vocab = F.field(tl.get("vocab_size"), "transformer_layer_config.vocab_size", cfg_path)
-    n_draft = F.field(v.get("draft_vocab_size") or vocab, "draft_vocab_size", cfg_path)
-    pseudo = {**tl, "block_size": F.field(v.get("block_size"), "block_size", cfg_path, Range(2)),
-              "dflash_config": {"mask_token_id": F.field(v["mask_token_id"], "mask_token_id", cfg_path, F.INT0),
+    vocab = C.field(tl.get("vocab_size"), "transformer_layer_config.vocab_size", cfg_path)
+    n_draft = C.field(v.get("draft_vocab_size") or vocab, "draft_vocab_size", cfg_path)
+    pseudo = {**tl, "block_size": C.field(v.get("block_size"), "block_size", cfg_path, Range(2)),
+              "dflash_config": {"mask_token_id": C.field(v["mask_token_id"], "mask_token_id", cfg_path, C.INT0),
                                 "target_layer_ids": [a - 1 for a in v["aux_hidden_state_layer_ids"]]}}
-    drafter = F.backbone(pseudo, cfg_path, LAYOUT, proposal_offset=0 if v.get("sample_from_anchor") else 1,
+    drafter = C.backbone(pseudo, cfg_path, LAYOUT, proposal_offset=0 if v.get("sample_from_anchor") else 1,
                          target=target)
-    context = F.target_identity(pseudo, NAME, cfg_path, vocab, drafter["hidden_size"]).get("max_position_embeddings")
+    context = C.target_identity(pseudo, NAME, cfg_path, vocab, drafter["hidden_size"]).get("max_position_embeddings")
     if n_draft != vocab:
         if kind == "dflash2":
             raise CheckpointError(f"{cfg_path}: draft_vocab_size {n_draft} differs from the verifier vocabulary {vocab}; "
@@ -160,7 +162,7 @@ def read(config: dict, given: dict, where, target=None) -> tuple[dict, dict]:
     out = dartree_config(drafter, head, ident, {"source_format": NAME, "source": str(where),
                                                 "speculators_model_type": kind})
     want = expected_tensors(out, cfg_path)
-    given = dict(F.selector_spelling(given, where) if kind == "dflash2" else given)
+    given = dict(T.selector_spelling(given, where) if kind == "dflash2" else given)
     tensors, dropped, ids = {}, [], None
     if n_draft != vocab:
         ids = _read_vocab_map(given, n_draft, vocab, drafter["hidden_size"], target, where)
@@ -170,7 +172,7 @@ def read(config: dict, given: dict, where, target=None) -> tuple[dict, dict]:
         if name in given:
             t = given.pop(name)
             if name != "verifier_norm.weight":
-                F.check_copy_of_target(name.removeprefix("verifier_"), t, target, where)
+                T.check_copy_of_target(name.removeprefix("verifier_"), t, target, where)
             dropped.append(name)
     tensors.update(_take_tensors(given, want, head["type"], ids, where))
     if given:
@@ -191,7 +193,7 @@ def _check_layers(v: dict, tl: dict, cfg_path: str) -> None:
     if tl.get("model_type", "qwen3") != "qwen3":
         raise CheckpointError(f"{cfg_path}: transformer_layer_config.model_type {tl['model_type']!r} is not "
                               "supported; dartree drafters are Qwen3 layers")
-    if any(t != "full_attention" for t in F.effective_layer_types(tl, cfg_path)):
+    if any(t != "full_attention" for t in C.effective_layer_types(tl, cfg_path)):
         raise CheckpointError(
             f"{cfg_path}: transformer_layer_config has sliding_attention layers (window "
             f"{tl.get('sliding_window')}, sliding_window_non_causal={v.get('sliding_window_non_causal')}; the "
@@ -216,14 +218,14 @@ def _read_head(kind: str, v: dict, drafter: dict, vocab: int, cfg_path: str) -> 
     """
     head = {"type": "identity"}
     if kind == "dflash2":
-        drafter.update(F.conv_fields(v.get("conv_kernel_size"), v.get("conv_group_size"), hidden=drafter["hidden_size"],
+        drafter.update(C.conv_fields(v.get("conv_kernel_size"), v.get("conv_group_size"), hidden=drafter["hidden_size"],
                                      block=drafter["block_size"], where=cfg_path))
-        head = F.selector_head(v.get("selector_rank"), v.get("selector_top_k"), vocab=vocab,
+        head = C.selector_head(v.get("selector_rank"), v.get("selector_top_k"), vocab=vocab,
                                hidden=drafter["hidden_size"], where=cfg_path)
-    if kind == "dspark" and F.field(v.get("markov_rank") or 0, "markov_rank", cfg_path, F.INT0) > 0:
-        conf = F.flag(v.get("enable_confidence_head"), "enable_confidence_head", cfg_path)
-        with_markov = F.flag(v.get("confidence_head_with_markov"), "confidence_head_with_markov", cfg_path)
-        head = F.dspark_head(F.field(v["markov_rank"], "markov_rank", cfg_path, F.INT0),
+    if kind == "dspark" and C.field(v.get("markov_rank") or 0, "markov_rank", cfg_path, C.INT0) > 0:
+        conf = C.flag(v.get("enable_confidence_head"), "enable_confidence_head", cfg_path)
+        with_markov = C.flag(v.get("confidence_head_with_markov"), "confidence_head_with_markov", cfg_path)
+        head = C.dspark_head(C.field(v["markov_rank"], "markov_rank", cfg_path, C.INT0),
                              v.get("markov_head_type", "vanilla"), conf, with_markov, vocab=vocab,
                              hidden=drafter["hidden_size"], where=cfg_path)
     elif kind == "dspark" and v.get("enable_confidence_head"):
@@ -256,7 +258,7 @@ def _read_vocab_map(given: dict, n_draft: int, vocab: int, hidden: int, target, 
     if lm is None:
         raise CheckpointError(f"{where}: missing tensor 'lm_head.weight' (expected shape "
                               f"[{n_draft}, {hidden}]): a reduced vocabulary stores its lm_head rows")
-    F.check_copy_of_target("lm_head.weight", lm, target, where, rows=ids)
+    T.check_copy_of_target("lm_head.weight", lm, target, where, rows=ids)
     return ids
 
 
@@ -309,7 +311,7 @@ def write(config: dict, tensors: dict, target=None, where="the checkpoint") -> t
         CheckpointError: a head speculators has no form for (``gru``), q/k norm off, a reduced draft vocabulary
             without ``target`` (its lm_head rows must be written), DFlash 2 convolutions without the selector head
             or the selector head without them, or a DFlash 2 drafter with a reduced vocabulary
-            (:func:`dartree.convert.formats.check_dflash2_exportable`).
+            (:func:`dartree.convert.export_config.check_dflash2_exportable`).
     """
     d, head, ident = config["drafter"], config["head"], config.get("target", {})
     htype = head.get("type")
@@ -318,9 +320,9 @@ def write(config: dict, tensors: dict, target=None, where="the checkpoint") -> t
         carried = ", ".join(f"{f.speculators_type}: {' / '.join(f.head_types())}" for f in FAMILIES.values()
                             if f.speculators_type)
         raise CheckpointError(f"head type {htype!r} cannot be exported as speculators (it carries {carried}); "
-                              f"{F.layout_for_head(htype)}")
+                              f"{E.layout_for_head(htype)}")
     if htype == "selector" or d.get("conv_kernel_size"):
-        F.check_dflash2_exportable(config, "speculators dflash2")
+        E.check_dflash2_exportable(config, "speculators dflash2")
     if not d.get("qk_norm", False):
         raise CheckpointError("the drafter has qk_norm=false but speculators drafters are Qwen3 layers with "
                               "q_norm/k_norm; only drafters trained with drafter.qk_norm=true export")
@@ -352,7 +354,7 @@ def _write_config(config: dict, kind: str, vocab: int, n_draft: int, target) -> 
           "rope_parameters": {"rope_type": "default", "rope_theta": d["rope_theta"]}, "attention_bias": False,
           "hidden_act": "silu", "tie_word_embeddings": False, "use_sliding_window": False,
           "layer_types": ["full_attention"] * d["num_layers"]}
-    ctx = F.context_length(config)
+    ctx = E.context_length(config)
     if ctx is not None:
         tl["max_position_embeddings"] = ctx
     out = {

@@ -6,7 +6,7 @@ model):
 
 - ``zlab-dflash``: a Qwen3 config plus ``dflash_config.{mask_token_id, target_layer_ids}`` and ``block_size`` (top
   level or in ``dflash_config``); tensors ``fc``, ``hidden_norm``, ``norm`` and the Qwen3 layers of
-  :mod:`dartree.convert.formats`; no embedding or lm_head. Block positions 1..B-1 are the proposals
+  :mod:`dartree.convert.config_fields`; no embedding or lm_head. Block positions 1..B-1 are the proposals
   (``dflash_generate`` keeps ``draft_hidden[:, 1 - B:]``): dartree ``proposal_offset`` 1, head ``identity``.
 - ``zlab-dflash2``: the z-lab DFlash layout (``architectures`` ``["DFlash2DraftModel"]``) plus ``conv_kernel_size``
   k, ``conv_group_size`` g, ``selector_rank`` R and ``selector_top_k`` K, each read from ``dflash_config`` first,
@@ -29,26 +29,28 @@ model):
   - proposal offset 1, as for ``zlab-dflash``. Every option of the z-lab DFlash backbone that changes the math
     (sliding-window layers, ``is_causal``, ``input_embedding_scale``, ``output_multiplier``,
     ``final_logit_softcapping``, attention bias, RoPE scaling) is honoured or refused by name exactly as for
-    ``zlab-dflash`` (:func:`dartree.convert.formats.backbone`).
+    ``zlab-dflash`` (:func:`dartree.convert.config_fields.backbone`).
 """
 
 from __future__ import annotations
 
-from dartree.convert import formats as F
+from dartree.convert import config_fields as C
+from dartree.convert import export_config as E
+from dartree.convert import published_tensors as T
 from dartree.convert.registry import FormatPair
 from dartree.models.checkpoint import CheckpointError, dartree_config, expected_tensors
 from dartree.models.families import published_names
 
 DFLASH_NAME, DFLASH2_NAME = "zlab-dflash", "zlab-dflash2"
-DFLASH_LAYOUT = F.ConfigLayout(DFLASH_NAME, f"a Qwen3 config ({F.QWEN3}) with block_size and "
+DFLASH_LAYOUT = C.ConfigLayout(DFLASH_NAME, f"a Qwen3 config ({C.QWEN3}) with block_size and "
                                             "dflash_config.{mask_token_id, target_layer_ids}")
-DFLASH2_LAYOUT = F.ConfigLayout(DFLASH2_NAME, f"a Qwen3 config ({F.QWEN3}) with block_size and dflash_config."
+DFLASH2_LAYOUT = C.ConfigLayout(DFLASH2_NAME, f"a Qwen3 config ({C.QWEN3}) with block_size and dflash_config."
                                               "{mask_token_id, target_layer_ids, conv_kernel_size, conv_group_size, "
                                               "selector_rank, selector_top_k}")
 
 
 # ------------------------------------------------------------------------------------------------ zlab-dflash
-def parse_dflash(config: dict, where, target=None) -> F.Parsed:
+def parse_dflash(config: dict, where, target=None) -> T.Parsed:
     """Read a z-lab DFlash config.json into dartree terms (head ``identity``, proposal offset 1).
 
     Args:
@@ -57,10 +59,10 @@ def parse_dflash(config: dict, where, target=None) -> F.Parsed:
     Raises:
         CheckpointError: unknown layout (the message lists the expected fields) or an unsupported option, named.
     """
-    drafter = F.backbone(config, where, DFLASH_LAYOUT, proposal_offset=1, target=target)
-    vocab = F.field(config["vocab_size"], "vocab_size", where)
-    return F.Parsed(drafter, {"type": "identity"},
-                    F.target_identity(config, DFLASH_NAME, where, vocab, drafter["hidden_size"]), {})
+    drafter = C.backbone(config, where, DFLASH_LAYOUT, proposal_offset=1, target=target)
+    vocab = C.field(config["vocab_size"], "vocab_size", where)
+    return T.Parsed(drafter, {"type": "identity"},
+                    C.target_identity(config, DFLASH_NAME, where, vocab, drafter["hidden_size"]), {})
 
 
 def detect_dflash(config: dict, names: set[str]) -> str | None:
@@ -69,7 +71,7 @@ def detect_dflash(config: dict, names: set[str]) -> str | None:
     The DFlash family's catch-all: :mod:`dartree.convert.publishers` tries it after every layout that adds marks
     of its own to a ``dflash_config`` (DFlash 2, SpecForge Domino and DSpark).
     """
-    return "dflash_config without head tensors" if F.dflash_config(config) else None
+    return "dflash_config without head tensors" if C.dflash_config(config) else None
 
 
 def read_dflash(config: dict, given: dict, where, target=None) -> tuple[dict, dict]:
@@ -82,17 +84,17 @@ def read_dflash(config: dict, given: dict, where, target=None) -> tuple[dict, di
         CheckpointError: :func:`parse_dflash`'s, or a missing, unexpected or mis-shaped tensor (named).
     """
     parsed = parse_dflash(config, f"{where}/config.json", target=target)
-    return F.read_parsed(parsed, DFLASH_NAME, given, where, target)
+    return T.read_parsed(parsed, DFLASH_NAME, given, where, target)
 
 
 def dflash_config(config: dict) -> dict:
-    """The z-lab DFlash config.json of a dartree checkpoint config (:func:`dartree.convert.formats.export_config`
+    """The z-lab DFlash config.json of a dartree checkpoint config (:func:`dartree.convert.export_config.export_config`
     with head ``identity`` and proposal offset 1).
 
     Raises:
         CheckpointError: the drafter cannot be expressed as z-lab DFlash (named, with what would fit).
     """
-    return F.export_config(config, DFLASH_NAME, family="dflash", proposal_offset=1)
+    return E.export_config(config, DFLASH_NAME, family="dflash", proposal_offset=1)
 
 
 def write_dflash(config: dict, tensors: dict, target=None, where="the checkpoint") -> tuple[dict, dict]:
@@ -105,26 +107,26 @@ def write_dflash(config: dict, tensors: dict, target=None, where="the checkpoint
         CheckpointError: a reduced draft vocabulary, the target's layer count neither recorded nor given (pass
             ``--target``), or :func:`dflash_config`'s refusals.
     """
-    config = F.export_ready(config, DFLASH_NAME, target, where)
+    config = E.export_ready(config, DFLASH_NAME, target, where)
     if config.get("target", {}).get("num_layers") is None:
         raise CheckpointError(f"{where} records no target layer count (config target.num_layers; a speculators source "
                               "has none) and z-lab's DFlashDraftModel needs num_target_layers to load: pass --target "
                               "with the target's folder")
-    return dflash_config(config), F.publish_tensors(tensors, config["head"]["type"], DFLASH_NAME)
+    return dflash_config(config), T.publish_tensors(tensors, config["head"]["type"], DFLASH_NAME)
 
 
 # ----------------------------------------------------------------------------------------------- zlab-dflash2
 def detect_dflash2(config: dict, names: set[str]) -> str | None:
     """The reason ``config`` / tensor ``names`` are a z-lab DFlash 2 checkpoint, else None.
 
-    Marks (any one, :func:`dartree.convert.formats.dflash2_marks`): ``architectures`` ``["DFlash2DraftModel"]``, a
+    Marks (any one, :func:`dartree.convert.config_fields.dflash2_marks`): ``architectures`` ``["DFlash2DraftModel"]``, a
     ``conv_*`` / ``selector_*`` config field, or ``layers.*.{attention,mlp}_conv.*`` / ``candidate_selector.*``
     tensors. A speculators config (``speculators_model_type``, whose ``dflash2`` also says ``DFlash2DraftModel``) is
     left to that layout.
     """
     if "speculators_model_type" in config:
         return None
-    seen = F.dflash2_marks(config, names)
+    seen = C.dflash2_marks(config, names)
     return f"z-lab DFlash 2: {seen}" if seen else None
 
 
@@ -141,22 +143,22 @@ def read_dflash2(config: dict, given: dict, where, target=None) -> tuple[dict, d
             selector fields, or a missing, unexpected or mis-shaped tensor (named).
     """
     cfg_path = f"{where}/config.json"
-    drafter = F.backbone(config, cfg_path, DFLASH2_LAYOUT, proposal_offset=1, target=target)
-    d, vocab = drafter["hidden_size"], F.field(config["vocab_size"], "vocab_size", cfg_path)
+    drafter = C.backbone(config, cfg_path, DFLASH2_LAYOUT, proposal_offset=1, target=target)
+    d, vocab = drafter["hidden_size"], C.field(config["vocab_size"], "vocab_size", cfg_path)
 
     def get(key):
-        return F.config_value(config, key, where=cfg_path, layout=DFLASH2_LAYOUT)
+        return C.config_value(config, key, where=cfg_path, layout=DFLASH2_LAYOUT)
 
-    drafter.update(F.conv_fields(get("conv_kernel_size"), get("conv_group_size"), hidden=d,
+    drafter.update(C.conv_fields(get("conv_kernel_size"), get("conv_group_size"), hidden=d,
                                  block=drafter["block_size"], where=cfg_path))
-    head = F.selector_head(get("selector_rank"), get("selector_top_k"), vocab=vocab, hidden=d, where=cfg_path)
+    head = C.selector_head(get("selector_rank"), get("selector_top_k"), vocab=vocab, hidden=d, where=cfg_path)
     ident = {"name": config.get("_name_or_path") or f"(unknown; {DFLASH2_NAME} source)", "vocab_size": vocab,
              "hidden_size": d, "num_layers": config.get("num_target_layers")}
     out = dartree_config(drafter, head, ident, {"source_format": DFLASH2_NAME, "source": str(where)})
     want = expected_tensors(out, cfg_path)
     names = published_names(head["type"])
-    tensors = F.take_tensors(F.selector_spelling(given, where), want,
-                             lambda n: F.published_name(n, names, DFLASH2_NAME), where)
+    tensors = T.take_tensors(T.selector_spelling(given, where), want,
+                             lambda n: T.published_name(n, names, DFLASH2_NAME), where)
     return out, tensors
 
 
@@ -172,11 +174,11 @@ def write_dflash2(config: dict, tensors: dict, target=None, where="the checkpoin
     (every message names the drafter's fields).
 
     Raises:
-        CheckpointError: :func:`dartree.convert.formats.check_dflash2_exportable`; a proposal offset other than 1
+        CheckpointError: :func:`dartree.convert.export_config.check_dflash2_exportable`; a proposal offset other than 1
             (z-lab drafts block positions 1..B-1); a head vocabulary that differs from the recorded target
             vocabulary; the target's layer count neither recorded nor given (pass ``--target``).
     """
-    F.check_dflash2_exportable(config, DFLASH2_NAME)
+    E.check_dflash2_exportable(config, DFLASH2_NAME)
     d, head = config["drafter"], config["head"]
     if d["proposal_offset"] != 1:
         raise CheckpointError(f"{DFLASH2_NAME} drafters use proposal_offset 1 (block positions 1..B-1), this one uses "
@@ -197,7 +199,7 @@ def write_dflash2(config: dict, tensors: dict, target=None, where="the checkpoin
     out["architectures"] = ["DFlash2DraftModel"]
     out["dflash_config"].update(conv_kernel_size=int(d["conv_kernel_size"]), conv_group_size=int(d["conv_group_size"]),
                                 selector_rank=int(head["rank"]), selector_top_k=int(head["top_k"]))
-    return out, F.publish_tensors(tensors, head["type"], DFLASH2_NAME)
+    return out, T.publish_tensors(tensors, head["type"], DFLASH2_NAME)
 
 
 DFLASH = FormatPair(name=DFLASH_NAME, detect=detect_dflash, read=read_dflash, write=write_dflash,

@@ -233,7 +233,7 @@ class Target:
     def identity(self) -> dict:
         """Return the pairing facts a drafter checkpoint records: name, vocab size, hidden size, number of layers,
         and the context length in tokens (``max_position_embeddings``, when the config has one), which exports
-        write into the published config (:func:`dartree.convert.formats.context_length`)."""
+        write into the published config (:func:`dartree.convert.export_config.context_length`)."""
         ident = {"name": self.name, "vocab_size": self.vocab_size, "hidden_size": self.hidden_size,
                  "num_layers": self.num_layers}
         ctx = getattr(self.config, "max_position_embeddings", None)

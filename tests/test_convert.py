@@ -607,7 +607,7 @@ def test_published_names_live_with_each_family_and_an_unknown_head_type_is_named
     (SpecForge ``dspark_heads.py`` / ``domino.py``, DeepSpec, z-lab ``DFlash2DraftModel``, vLLM speculators): tensor
     names, DSpark's ``markov_head_type``, the speculators type and the ``--to`` layouts; an unknown head type is
     refused naming the registered ones, and a family cannot name a published type for a head it does not train."""
-    from dartree.convert.formats import layout_for_head
+    from dartree.convert.export_config import layout_for_head
     from dartree.convert.vllm_speculators import write as speculators_write
     from dartree.models.families import family_of_head, published_names, published_type, register_family
     from dartree.models.families.dflash import DFlashFamily
@@ -757,13 +757,13 @@ def test_auto_detection_tries_the_registry_in_order(cfg, names, fmt):
 
 
 def test_convert_modules_import_one_way():
-    """registry < formats (shared helpers) < the publisher modules (none imports another) < publishers.py < the two
-    converters (importer, exporter) < their command lines (convert/tools/ and the thin scripts at the documented
-    paths)."""
+    """registry < the shared helpers (config fields, published tensors, export config) < the publisher modules (none
+    imports another) < publishers.py < the two converters (importer, exporter) < their command lines (convert/tools/
+    and the thin scripts at the documented paths)."""
     from test_layers import import_graph
 
-    rank = {"registry": 0, "formats": 1, "zlab": 2, "specforge": 2, "deepspec": 2, "vllm_speculators": 2, "dspine": 2,
-            "publishers": 3, "importer": 4, "exporter": 4, "tools": 5, "tools.to_dartree": 5, "tools.from_dartree": 5,
+    rank = {"registry": 0, "config_fields": 1, "published_tensors": 1, "export_config": 1, "zlab": 2, "specforge": 2,
+            "deepspec": 2, "vllm_speculators": 2, "dspine": 2, "publishers": 3, "importer": 4, "exporter": 4, "tools": 5, "tools.to_dartree": 5, "tools.from_dartree": 5,
             "to_dartree": 6, "from_dartree": 6, "__init__": 0}
     graph = import_graph()
     mods = {m: deps for m, deps in graph.items() if m.startswith("dartree.convert")}

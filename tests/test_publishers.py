@@ -738,7 +738,7 @@ def test_sliding_window_spellings_are_refused_by_name(extra, pattern):
 
 
 def test_drafter_copies_that_differ_from_the_target_are_named(target):
-    from dartree.convert.formats import check_copy_of_target
+    from dartree.convert.published_tensors import check_copy_of_target
 
     w = target.lm_head.weight.detach().clone()
     check_copy_of_target("lm_head.weight", w, target, "x")  # an exact copy passes
@@ -799,7 +799,7 @@ def test_dflash2_tensor_spellings_and_speculators_vocabulary(target):
     """Both codebook spellings read (one at a time); a speculators dflash2 config with a reduced vocabulary (which its
     own model class refuses) is refused by name."""
     from dartree.convert.publishers import FORMAT_PAIRS
-    from dartree.convert.formats import selector_spelling
+    from dartree.convert.published_tensors import selector_spelling
 
     a = {"candidate_selector.predecessor_codebook.weight": torch.zeros(V, 8)}
     assert list(selector_spelling(a, "x")) == ["candidate_selector.predecessor_codebook"]

@@ -400,7 +400,7 @@ def load_init(path: str, target: Target, settings: InitSettings, fresh_head: Cal
     :func:`build_models`'s; called only in this case), and a recipe with ``drafter.conv_kernel_size`` > 0 turns a
     DFlash backbone into a DFlash 2 one whose convolutions start as the identity (the same function as the
     checkpoint's). Two more widenings make a CPU-tuned drafter exportable to the published layouts
-    (:func:`dartree.convert.formats.export_config`), which all have Qwen3 layers over the full vocabulary:
+    (:func:`dartree.convert.export_config.export_config`), which all have Qwen3 layers over the full vocabulary:
 
     * ``drafter.qk_norm=true`` on a checkpoint without q/k norms adds them (``layers.{i}.{q,k}_norm.weight``, [head_dim]),
       each weight a constant c = sqrt(mean_j sum_k (W[j, k] g[k])^2) over the rows j of ``q_proj`` / ``k_proj`` (W)
