@@ -50,7 +50,8 @@ def test_the_plan_cuts_the_pool_as_the_data_stage_would(tmp_path, tokenizer):
 
 
 def test_an_upload_over_the_limit_names_what_is_largest(tmp_path):
-    from dartree.training.tools.burst import BurstError, check_upload
+    from dartree.training.tools.burst_payload import check_upload
+    from dartree.training.tools.burst_settings import BurstError
 
     (tmp_path / "up").mkdir()
     (tmp_path / "up" / "target.part1").write_bytes(b"x" * (3 << 20))
@@ -68,7 +69,8 @@ def test_the_result_files_are_grouped_by_the_set_limits():
     """Sets of at most set_files files and set_mib MiB, first fit in order, set 1 keeping a file and 1 MiB for
     report.json: the defaults (8 files, 60 MiB) with the three recipes' bf16 checkpoints in 15 MiB pieces, and
     a transfer of 3 files and 2 MiB."""
-    from dartree.training.tools.burst import MIB, group_sets
+    from dartree.training.tools.burst_device import group_sets
+    from dartree.training.tools.burst_settings import MIB
 
     def sizes(mib, set_files, set_mib):
         files = [{"file": f"f{k}", "bytes": int(m * MIB)} for k, m in enumerate(mib)]
@@ -83,8 +85,9 @@ def test_the_result_files_are_grouped_by_the_set_limits():
 
 def test_the_wheels_follow_the_trainer_and_settings_are_checked(monkeypatch):
     import dartree.training.tools.campaign_train as ct
-    from dartree.training.tools.burst import BASE_WHEELS, DEEPSPEED_WHEELS, BurstError, load_settings as burst_settings
-    from dartree.training.tools.burst import wheel_requirements
+    from dartree.training.tools.burst_payload import BASE_WHEELS, DEEPSPEED_WHEELS
+    from dartree.training.tools.burst_settings import BurstError, load_settings as burst_settings
+    from dartree.training.tools.burst_payload import wheel_requirements
 
     cfg = burst_settings([])
     monkeypatch.setattr(ct, "recipe_has", lambda key: False)
@@ -169,7 +172,7 @@ def test_the_dry_run_is_the_burst_on_a_cpu(tmp_path):
     assert pay["plan"]["pieces"] == ["holdout", "train-00000", "train-00001"] and len(parts) == 2
     assert sum(p["bytes"] for p in parts) == pay["target"]["joined_bytes"] and all(p["bytes"] > 0 for p in parts)
     assert all(u["total_bytes"] <= u["limit_bytes"] for u in pay["uploads"])
-    from dartree.training.tools.burst import git_view
+    from dartree.training.tools.burst_payload import git_view
 
     whole, hidden = git_view(), git_view(1.0)  # hidden_mib=1: the view less the tracked files of 1 MiB or more
     assert any(p.startswith("checkpoints/") and n >= 1 << 20 for n, p in whole)
@@ -317,7 +320,7 @@ def test_the_device_evaluation_goes_through_the_assembly_and_decode_one(tmp_path
 
     import dartree.decode.assembly as assembly
     import dartree.decode.harness.runner as runner
-    from dartree.training.tools.burst import evaluate
+    from dartree.training.tools.burst_device import evaluate
 
     built, decoded = [], []
     real_assemble, real_decode = assembly.assemble, runner.decode_one
@@ -380,7 +383,8 @@ def test_apply_measures_eval_tau_on_the_cpu_and_ships_what_beats_the_shipped_one
     checkpoint ties and is kept; both runs' records get their tau and its settings, the winner is shipped_run."""
     import torch
 
-    from dartree.training.tools.burst import evaluate_and_ship, load_settings as burst_settings
+    from dartree.training.tools.burst_apply import evaluate_and_ship
+    from dartree.training.tools.burst_settings import load_settings as burst_settings
 
     camp, runs = _eval_campaign(tmp_path, tiny_eval_target, {"dspark_b16": 1, "domino_b16": 2})
     ship = tmp_path / "ship"
@@ -430,8 +434,9 @@ def test_apply_keeps_the_shipped_checkpoint_when_the_new_one_loses_and_says_why_
     alone; ship=false measures and records only; a ship_dir entry that is not a checkpoint, an evaluation that fails
     and bad eval settings are one-line BurstErrors; the default ship_dir is checkpoints/ only for the repository's
     own campaign."""
-    import dartree.training.tools.burst as burst
-    from dartree.training.tools.burst import BurstError, evaluate_and_ship, load_settings as burst_settings, ship_root
+    import dartree.training.tools.burst_apply as burst
+    from dartree.training.tools.burst_apply import evaluate_and_ship, ship_root
+    from dartree.training.tools.burst_settings import BurstError, load_settings as burst_settings
 
     camp, runs = _eval_campaign(tmp_path, tmp_path / "no-target-needed", {"dspark_b16": 1})
     ship = tmp_path / "ship"

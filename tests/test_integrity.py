@@ -161,13 +161,14 @@ def test_regenerated_data_sets_partial_answers_features_and_lse_are_checked_befo
 
 
 def _burst_cfg(args):
-    from dartree.training.tools.burst import load_settings
+    from dartree.training.tools.burst_settings import load_settings
 
     return load_settings(args)
 
 
 def test_the_bursts_cached_target_is_compressed_again_when_its_bytes_changed(tmp_path, monkeypatch, capsys):
-    from dartree.training.tools.burst import _compressed_target, sha256_file
+    from dartree.training.tools.burst_payload import _compressed_target
+    from dartree.training.tools.burst_settings import sha256_file
 
     monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
     src = tmp_path / "tiny"
@@ -187,7 +188,9 @@ def test_the_bursts_cached_target_is_compressed_again_when_its_bytes_changed(tmp
 
 
 def test_a_returned_piece_with_flipped_bytes_is_named_with_its_set(tmp_path):
-    from dartree.training.tools.burst import BurstError, _add_file, _join_pieces
+    from dartree.training.tools.burst_apply import _join_pieces
+    from dartree.training.tools.burst_device import _add_file
+    from dartree.training.tools.burst_settings import BurstError
 
     whole = tmp_path / "dev" / "data.tar"
     whole.parent.mkdir()

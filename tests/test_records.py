@@ -120,7 +120,8 @@ def test_burst_apply_refuses_a_truncated_or_incomplete_report_in_one_line(tmp_pa
 def test_burst_apply_refuses_a_returned_manifest_or_state_without_its_fields(tmp_path):
     import tarfile
 
-    from dartree.training.tools.burst import BurstError, _add_runs, _merge_shards
+    from dartree.training.tools.burst_apply import _add_runs, _merge_shards
+    from dartree.training.tools.burst_settings import BurstError
 
     stage, camp = tmp_path / "stage", tmp_path / "camp"
     (stage / "src").mkdir(parents=True)
@@ -140,7 +141,8 @@ def test_burst_apply_refuses_a_returned_manifest_or_state_without_its_fields(tmp
 
 def test_burst_eval_reads_the_eval_report_through_its_shape(tmp_path, monkeypatch):
     import dartree.decode.harness.eval as eval_mod
-    from dartree.training.tools.burst import BurstError, eval_chain
+    from dartree.training.tools.burst_apply import eval_chain
+    from dartree.training.tools.burst_settings import BurstError
 
     def fake_eval(argv):
         out = Path(argv[argv.index("--out") + 1])

@@ -223,8 +223,8 @@ def check_arms(cfg, spec, names: list[str], runs: Path) -> None:
 def eval_arm(spec, checkpoint: Path, report: Path, target: str = "smollm2") -> dict:
     """Eval chain tau of ``checkpoint`` on the evaluation prompts: ``decode/eval.py --tree chain --budget B --limit N
     --max-new-tokens T --dtype float32 --ar-repeats 1`` (one AR run per prompt: the reference tokens of the lossless
-    check; the comparison reads tau, not speed) in this process (:func:`dartree.training.tools.burst.eval_chain`), plus the
-    mean draft seconds per round.
+    check; the comparison reads tau, not speed) in this process
+    (:func:`dartree.training.tools.burst_apply.eval_chain`), plus the mean draft seconds per round.
 
     ``target``: the recipe's target (``target.path``).
 
@@ -232,7 +232,8 @@ def eval_arm(spec, checkpoint: Path, report: Path, target: str = "smollm2") -> d
         CompareError: the evaluation failed (its error printed above; the trained arm is kept for the next call).
     """
     # lazy: the status stage stays free of torch
-    from dartree.training.tools.burst import BurstError, eval_chain
+    from dartree.training.tools.burst_apply import eval_chain
+    from dartree.training.tools.burst_settings import BurstError
 
     e = spec.eval
     words = ["--tree", "chain", "--budget", str(e.budget), "--limit", str(e.limit), "--max-new-tokens",
