@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from dartree.training.tools.campaign import (CampaignError, load_settings, read_manifest, read_plan, usable_items,
-                                       write_plan)
+from dartree.training.campaign_store import CampaignError, read_manifest
+from dartree.training.tools.campaign_plan import read_plan, write_plan
+from dartree.training.tools.campaign_pool import usable_items
+from dartree.training.tools.campaign_settings import load_settings
 
 REPO = Path(__file__).resolve().parents[1]
 SMALL = ["data.holdout=2", "data.shard_size=3", "data.max_new_tokens=8", "data.max_turns=2", "threads=1"]

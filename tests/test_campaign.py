@@ -7,16 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dartree.training.tools.campaign import (
-    CampaignError,
-    eval_texts,
-    load_settings,
-    pool_items,
-    read_manifest,
-    read_shard,
-    run_data,
-    shard_table,
-)
+from dartree.training.campaign_store import CampaignError, read_manifest, read_shard, shard_table
+from dartree.training.tools.campaign_pool import eval_texts, pool_items
+from dartree.training.tools.campaign_settings import load_settings
+from dartree.training.tools.campaign_shards import run_data
 
 SMALL = ["data.holdout=2", "data.shard_size=3", "data.max_new_tokens=4", "data.max_turns=2", "threads=2"]
 
@@ -58,7 +52,7 @@ def test_settings_errors_name_the_key_and_the_fix(tmp_path):
 
 
 def test_a_shard_file_round_trips_token_ids_and_masks(tmp_path):
-    from dartree.training.tools.campaign import PoolItem
+    from dartree.training.tools.campaign_pool import PoolItem
 
     items = [(PoolItem("a", "chat", ["x"]), [[5]]), (PoolItem("b", "math", ["y"]), [[6]])]
     rows = [{"index": 1, "prompt_ids": [6, 7], "response_ids": [60000, 2], "loss_mask": [1, 1], "turns": 1},
@@ -271,7 +265,7 @@ def test_gpu_settings_are_checked_by_name(tmp_path):
         load_settings(["train.init=warm"], folder=tmp_path)
     import torch
 
-    from dartree.training.tools.campaign import resolve_device
+    from dartree.training.campaign_store import resolve_device
 
     assert resolve_device("cpu") == torch.device("cpu")
     if not torch.cuda.is_available():
@@ -283,7 +277,8 @@ def test_gpu_settings_are_checked_by_name(tmp_path):
 @pytest.mark.slow
 def test_the_plan_reproduces_the_committed_pool_ranges():
     """Walking the pool once cuts it as the committed shards were cut (held-out set and shards 0..N-1)."""
-    from dartree.training.tools.campaign import REPO, _next_names, write_plan
+    from dartree.training.campaign_store import REPO
+    from dartree.training.tools.campaign_plan import next_names, write_plan
 
     cfg = load_settings([])
     committed = read_manifest(REPO / "campaign")
@@ -293,7 +288,7 @@ def test_the_plan_reproduces_the_committed_pool_ranges():
     with tempfile.TemporaryDirectory() as tmp:
         cfg.dir = tmp  # an empty campaign: the plan starts at pool position 0 with the held-out set
         plan = write_plan(cfg, Path(tmp) / "p.json.gz", 1 + len(committed["shards"]))
-    assert [e["name"] for e in plan["entries"]] == [n for n, _ in _next_names(cfg, empty, len(plan["entries"]))]
+    assert [e["name"] for e in plan["entries"]] == [n for n, _ in next_names(cfg, empty, len(plan["entries"]))]
     assert [e["pool"] for e in plan["entries"]] == [committed["holdout"]["pool"]] + [s["pool"] for s in
                                                                                     committed["shards"]]
     assert [len(e["items"]) for e in plan["entries"]] == [committed["holdout"]["conversations"]] + [
@@ -359,7 +354,7 @@ def _committed_campaign(folder: Path, cfg) -> None:
     written without a target."""
     import hashlib
 
-    from dartree.training.tools.campaign import data_key
+    from dartree.training.tools.campaign_settings import data_key
     from dartree.training.campaign_store import write_manifest
 
     (folder / "data").mkdir(parents=True)

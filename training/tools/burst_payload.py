@@ -21,7 +21,8 @@ from dartree.base.records import RecordError, read_json
 from dartree.decode.harness.prompts import DATASETS, load_prompts
 from dartree.training.tools import campaign_train
 from dartree.training.tools.burst_settings import BurstError, MIB, REPO, atomic_json, campaign_dir, sha256_file
-from dartree.training.tools.campaign import load_settings as campaign_settings, project_commit, write_plan
+from dartree.training.tools.campaign_plan import write_plan
+from dartree.training.tools.campaign_settings import load_settings as campaign_settings, project_commit
 
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -29,7 +29,7 @@ from dartree.base.files import write_file_atomically
 from dartree.base.cli import fail
 from dartree.base.records import NUMBER, read_json
 from dartree.training.campaign_store import (CampaignError, REPO, RecordRoots, STATE_SHAPE, cpu_model, device_name,
-    from_record, read_manifest, read_shard, resolve_device, to_record)
+                                             from_record, read_manifest, read_shard, resolve_device, to_record)
 
 # what the campaign and the burst read from a training run's summary.json (the trainer writes more)
 SUMMARY_SHAPE = {"steps": int, "predictions": NUMBER, "train_tokens": int, "stopped_by_time_cap": bool,
