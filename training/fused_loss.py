@@ -179,9 +179,8 @@ def fused_block_loss(
     ``block_factors``; None for plain DFlash). Rows are processed ``chunk`` at a time: logits, log-softmax, CE,
     p_t (one [c, D] x [D, V'] matmul, shared by the L1 and the KL), L1, KL, argmax and the gradient with respect to
     x (:func:`_chunk_grad`) stay in cache; only the gradients for hidden, A and W leave the chunk. Matmuls run in
-    ``w_out.dtype`` (bf16 rows round their products as autocast does), everything else in fp32. Equals
-    :func:`~dartree.training.losses.dspark_loss` / :func:`~dartree.training.losses.domino_loss` on the materialised
-    logits (loss, pieces, hits and gradients; test).
+    ``w_out.dtype`` (bf16 rows round their products as autocast does), everything else in fp32. Equals the
+    materialised ``dspark_loss`` / ``domino_loss`` (loss, pieces, hits and gradients; test).
 
     Args:
         hidden: [A, P, D] drafter hidden states (any float dtype; differentiable).
