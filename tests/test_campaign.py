@@ -375,7 +375,7 @@ def test_every_stage_checks_settings_and_files_first_and_draws_beside_its_folder
     """Issue 44, items 2 and 3: every stage (and train.py on campaign data) refuses other data settings and a missing
     or changed shard in one line before loading anything, and the curve goes where the arguments say."""
     import dartree.models.target as target_mod
-    import dartree.training.trainer as trainer_mod
+    import dartree.training.build as build_mod
     from dartree.training.tools.campaign import main
     from dartree.training.campaign_store import REPO
     from dartree.training.tools.train import main as train_main
@@ -384,7 +384,7 @@ def test_every_stage_checks_settings_and_files_first_and_draws_beside_its_folder
         raise AssertionError("loaded a target before the checks")
 
     monkeypatch.setattr(target_mod, "load_target", no_load)
-    monkeypatch.setattr(trainer_mod, "load_recipe_target", no_load)
+    monkeypatch.setattr(build_mod, "load_recipe_target", no_load)
     folder = tmp_path / "c"
     _committed_campaign(folder, load_settings(SMALL + [f"dir={folder}"], folder=folder))
     base = SMALL + [f"dir={folder}", f"runs_dir={tmp_path / 'runs'}"]

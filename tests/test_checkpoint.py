@@ -32,8 +32,8 @@ def test_training_writes_a_dartree_checkpoint_that_loads_as_it_is(tmp_path, targ
     # training/train.py's checkpoint is the dartree format (fp32) with the run's recipe and summary beside it: it
     # loads without conversion and drafts the same logits; converting it ships bf16 by default
     drafter, head = make_drafter(), make_markov()
-    cfg = __import__("omegaconf").OmegaConf.create({"recipe": "unit", "train": {"lr": 0.001}})
-    save_training_checkpoint(tmp_path / "ckpt", drafter, head, target, cfg,
+    recipe = {"recipe": "unit", "train": {"lr": 0.001}}
+    save_training_checkpoint(tmp_path / "ckpt", drafter, head, target, recipe,
                              {"steps": 3, "final_loss": 1.5, "losses": [2.0, 1.7, 1.5]})
     dm = load_dartree(tmp_path / "ckpt", target=target)
     prov = dm.config["provenance"]
@@ -148,8 +148,7 @@ def test_load_with_target_binds_the_gru_heads_embeddings(tmp_path, target):
     torch.manual_seed(0)
     head = GRUHead(96, 32, emb_dim=4, gru_hidden_dim=3)
     torch.nn.init.normal_(head.fc2.weight)
-    cfg = __import__("omegaconf").OmegaConf.create({"recipe": "unit"})
-    save_training_checkpoint(tmp_path / "ckpt", make_drafter(), head, target, cfg, {"step": 1})
+    save_training_checkpoint(tmp_path / "ckpt", make_drafter(), head, target, {"recipe": "unit"}, {"step": 1})
     out = tmp_path / "ckpt"
     with pytest.raises(RuntimeError, match="bind_embeddings"):
         load_dartree(out).head.init_state(torch.tensor([5]))

@@ -350,8 +350,7 @@ def test_deepspec_converts_and_exports_as_specforge_dspark_with_identical_tensor
 def _trained_here(tmp_path, target, head, proposal_offset: int) -> Path:
     """A drafter + head saved by training/train.py's checkpoint writer, then converted to dartree."""
     drafter = make_drafter(proposal_offset=proposal_offset)
-    cfg = __import__("omegaconf").OmegaConf.create({"recipe": "unit"})
-    save_training_checkpoint(tmp_path / "train", drafter, head, target, cfg, {"step": 1})
+    save_training_checkpoint(tmp_path / "train", drafter, head, target, {"recipe": "unit"}, {"step": 1})
     return convert(tmp_path / "train", tmp_path / "dt")
 
 
@@ -415,10 +414,11 @@ def test_export_carries_the_targets_context_length(tmp_path, fmt):
 def test_user_trains_with_train_py_exports_and_reimports_unchanged(tmp_path, monkeypatch, target):
     from dartree.training.recipe import load_recipe
     from dartree.training.build import build_models
+    from dartree.training.settings import model_settings
     from dartree.training.trainer import run
 
     for recipe, kind in (("tiny_dspark", "gated_markov"), ("tiny_dspark", "rnn"), ("tiny_domino", "gru")):
-        _, head = build_models(load_recipe([f"recipe={recipe}", f"head.type={kind}"]), target)
+        _, head = build_models(model_settings(load_recipe([f"recipe={recipe}", f"head.type={kind}"])), target)
         assert head.type_name == kind  # build_models takes every head type
     monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
     run(load_recipe(["recipe=tiny_domino", f"output_dir={tmp_path / 'run'}"]))

@@ -320,7 +320,8 @@ def test_single_turn_recipes_keep_their_data_through_the_one_pipeline(tmp_path, 
     pinned values were recorded with the code before the two stages were merged; the live comparison is that
     stage's own steps (random prompts from one ``torch.randint``, one ``continuous_greedy`` call with its default
     order and slot count, every response token supervised)."""
-    from dartree.training.build import data_settings, load_recipe_target, prepare_data
+    from dartree.training.build import load_recipe_target, prepare_data
+    from dartree.training.settings import data_settings
     from dartree.training.recipe import load_recipe
     from dartree.training.regen import continuous_greedy
 
@@ -352,7 +353,8 @@ def test_data_settings_hold_the_recipe_values_the_data_stage_reads():
     from pathlib import Path
 
     from dartree.models.target import tiny_target
-    from dartree.training.build import data_settings, prepare_data
+    from dartree.training.build import prepare_data
+    from dartree.training.settings import data_settings
     from dartree.training.campaign_store import DEFAULT_DIR
     from dartree.training.recipe import RecipeError, load_recipe
 

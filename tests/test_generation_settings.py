@@ -216,6 +216,7 @@ def test_training_passes_chat_template_kwargs_and_refuses_a_base_model(monkeypat
     from dartree.training.checks import check_against_target
     from dartree.training.dialogues import dialogue_segments
     from dartree.training.recipe import RecipeError, load_recipe
+    from dartree.training.settings import data_settings, run_settings
 
     cfg = load_recipe(["recipe=tiny_dspark", "data.source=sharegpt",
                        "data.chat_template_kwargs={enable_thinking: false}"])
@@ -227,7 +228,7 @@ def test_training_passes_chat_template_kwargs_and_refuses_a_base_model(monkeypat
 
     monkeypatch.setattr(train_mod, "regenerate_responses", stop)
     with pytest.raises(RecipeError, match="data: stopped here"):
-        train_mod.prepare_data(train_mod.data_settings(cfg), tiny_target())
+        train_mod.prepare_data(data_settings(cfg), tiny_target())
     assert seen["kwargs"] == {"enable_thinking": False}
     tok, saved = smollm2_tok, smollm2_tok.chat_template
     try:
@@ -240,6 +241,6 @@ def test_training_passes_chat_template_kwargs_and_refuses_a_base_model(monkeypat
         target.tokenizer = types.SimpleNamespace(chat_template=None)
         with pytest.raises(RecipeError, match=r"has no chat template .*use a chat model as the target, or "
                                               r"data.source=random \(data.chat_template_kwargs="):
-            check_against_target(cfg, target)
+            check_against_target(run_settings(cfg), target)
     finally:
         tok.chat_template = saved

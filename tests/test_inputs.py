@@ -26,6 +26,7 @@ from dartree.base.fields import Range, folder_problem
 from dartree.models.validate import DRAFTER_FIELDS
 from dartree.training.checks import RECIPE_FIELDS, check_against_target
 from dartree.training.recipe import RecipeError, load_recipe
+from dartree.training.settings import model_settings, run_settings
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPT = [5, 17, 33, 2, 60]
@@ -418,7 +419,7 @@ def test_values_that_depend_on_the_target_are_checked_before_any_step(tmp_path, 
 
     cfg = load_recipe(["recipe=tiny_dspark", *overrides])
     with pytest.raises(RecipeError, match=pattern):
-        check_against_target(cfg, tiny_target(vocab_size=VOCAB))
+        check_against_target(run_settings(cfg), tiny_target(vocab_size=VOCAB))
     monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
     out = tmp_path / "run"
     assert main(["recipe=tiny_dspark", *overrides, f"output_dir={out}"]) == 2
@@ -452,8 +453,8 @@ def test_every_configuration_the_trainer_accepts_exports_and_reimports_or_is_ref
         if head == "gru":
             ov += ["head.emb_dim=1", f"head.prefix_len={off}"]
         cfg = load_recipe(ov)
-        check_against_target(cfg, target)
-        drafter, hd = build_models(cfg, target)
+        check_against_target(run_settings(cfg), target)
+        drafter, hd = build_models(model_settings(cfg), target)
         src = save_dartree(tmp_path / f"s{i}", drafter, hd, target.identity(), dtype=torch.float32)
         ref = load_dartree(src, target=target)
         for fmt in EXPORT_FORMATS:

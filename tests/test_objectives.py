@@ -15,7 +15,7 @@ from dartree.training.cursor import DataCursor, data_fingerprint, lineage_record
 from dartree.training.fused_loss import fused_block_loss
 from dartree.training.losses import dspark_loss
 from dartree.training.recipe import RecipeError, load_recipe
-from dartree.training.trainer import WarmupCosine
+from dartree.training.schedule import WarmupCosine
 
 REPO = Path(__file__).resolve().parents[1]
 LN = math.log
@@ -208,7 +208,7 @@ def test_tv_and_kl_need_a_target_and_the_dspark_loss():
 
 
 def test_the_target_lse_is_computed_only_where_a_loss_reads_it():
-    from dartree.training.build import step_settings
+    from dartree.training.settings import step_settings
     from dartree.training.step import needs_target_lse
 
     def needs(args):

@@ -429,9 +429,10 @@ def test_each_recipe_trains_its_head_and_converts(tmp_path, monkeypatch, recipe,
 
 def _load_init(path, target, cfg):
     """load_init as the trainer calls it: the recipe's InitSettings, and build_models' head as the fresh one."""
-    from dartree.training.build import build_models, init_settings, load_init
+    from dartree.training.build import build_models, load_init
+    from dartree.training.settings import init_settings, model_settings
 
-    return load_init(str(path), target, init_settings(cfg), lambda: build_models(cfg, target)[1])
+    return load_init(str(path), target, init_settings(cfg), lambda: build_models(model_settings(cfg), target)[1])
 
 
 def test_only_the_identity_head_corrects_nothing():
@@ -439,7 +440,7 @@ def test_only_the_identity_head_corrects_nothing():
     the recipe's head), and init_settings holds the recipe's drafter widening fields and head type."""
     from dartree.models.families import build_head
     from dartree.models.heads import HEADS
-    from dartree.training.build import InitSettings, init_settings
+    from dartree.training.settings import InitSettings, init_settings
 
     build_head("identity")  # the built-in families registered their heads when dartree.models.families was imported
     assert not HEADS["identity"].corrects
@@ -855,7 +856,8 @@ def test_fused_loss_refuses_bad_arguments():
 def test_sequence_loss_fused_equals_the_reference_path(recipe, target, tmp_path):
     """One training sequence through sequence_loss: train.fused_loss=true and =false give the same loss and
     the same gradients on every drafter and head parameter (fp32 tiny recipes)."""
-    from dartree.training.build import build_models, step_settings
+    from dartree.training.build import build_models
+    from dartree.training.settings import model_settings, step_settings
     from dartree.training.step import sequence_loss
 
     class _Data:  # one sequence: prompt of 6 tokens, 26 in all; features and final states random
@@ -872,7 +874,7 @@ def test_sequence_loss_fused_equals_the_reference_path(recipe, target, tmp_path)
     for fused in (True, False):
         cfg = load_recipe([f"recipe={recipe}", f"train.fused_loss={str(fused).lower()}", "train.num_anchors=5"])
         torch.manual_seed(0)
-        dr, hd = build_models(cfg, target)
+        dr, hd = build_models(model_settings(cfg), target)
         if hd.type_name == "gru":
             hd.bind_embeddings(target.embed_tokens.weight)
         for prm in hd.parameters():  # make the head's correction non-trivial
@@ -1198,25 +1200,20 @@ def test_train_device_cuda_without_cuda_is_one_line_naming_the_fix(monkeypatch):
 
 
 def test_training_device_is_the_local_ranks_gpu(monkeypatch):
-    from omegaconf import OmegaConf
-
-    from dartree.training.build import training_device
     from dartree.training.engine import process_group_backend
+    from dartree.training.settings import training_device
 
-    cfg = OmegaConf.create({"train": {"device": "cpu"}})
-    assert training_device(cfg) == torch.device("cpu") and process_group_backend(torch.device("cpu")) == "gloo"
-    cfg.train.device = "cuda"
+    assert training_device("cpu") == torch.device("cpu") and process_group_backend(torch.device("cpu")) == "gloo"
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(RecipeError, match="train.device=cuda but torch sees no CUDA device"):
-        training_device(cfg)
+        training_device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert training_device(cfg) == torch.device("cuda", 1)
-    cfg.train.device = "auto"
-    assert training_device(cfg, local_rank=0) == torch.device("cuda", 0)
+    assert training_device("cuda") == torch.device("cuda", 1)
+    assert training_device("auto", local_rank=0) == torch.device("cuda", 0)
     with pytest.raises(RecipeError, match="local rank 2 has no GPU of its own"):
-        training_device(cfg, local_rank=2)
+        training_device("auto", local_rank=2)
     # CUDA collectives through NCCL, and a backend left for the CPU tensors (barriers, the trainer's flags)
     assert process_group_backend(torch.device("cuda", 1)) == "cpu:gloo,cuda:nccl"
 
@@ -1275,13 +1272,14 @@ def test_a_step_builds_its_tensors_on_the_targets_device_and_never_reads_them_ba
     (``.item()``, ``float()``, ``bool()``) raises on meta. The forward and the backward run there."""
     from dataclasses import fields
 
-    from dartree.training.build import build_models, load_recipe_target, parse_recipe_dtype, step_settings
+    from dartree.training.build import build_models, load_recipe_target
+    from dartree.training.settings import model_settings, parse_recipe_dtype, step_settings
     from dartree.training.step import sequence_loss, step_blocks
 
     cfg = load_recipe(args)
     target = load_recipe_target(cfg.target.path, parse_recipe_dtype(cfg.target.dtype, "target.dtype"), device="meta")
     assert target.device.type == "meta"
-    drafter, head = build_models(cfg, target)
+    drafter, head = build_models(model_settings(cfg), target)
     drafter.to("meta"), head.to("meta")
     target.set_layer_ids(drafter.cfg.target_layer_ids)
     tokens = torch.randint(1, target.vocab_size, (30,), generator=torch.Generator().manual_seed(0))

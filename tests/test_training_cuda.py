@@ -32,6 +32,7 @@ def test_a_tiny_recipe_trains_on_cuda_with_a_finite_falling_loss(recipe, tmp_pat
     loss is finite and falls."""
     from dartree.training.engine import process_group_scope
     from dartree.training.recipe import load_recipe
+    from dartree.training.settings import run_settings
     from dartree.training.trainer import Trainer
 
     monkeypatch.setenv("DARTREE_CACHE", str(tmp_path / "cache"))
@@ -39,7 +40,7 @@ def test_a_tiny_recipe_trains_on_cuda_with_a_finite_falling_loss(recipe, tmp_pat
                        "train.max_steps=40", f"output_dir={tmp_path / 'run'}"])
     assert cfg.train.bf16 is torch.cuda.is_bf16_supported()
     with process_group_scope():
-        trainer = Trainer(cfg)
+        trainer = Trainer(run_settings(cfg))
         assert trainer.device.type == "cuda" and trainer.target.device.type == "cuda"
         params = [*trainer.drafter.parameters(), *trainer.head.parameters(), *trainer.drafter.buffers()]
         assert params and all(p.device.type == "cuda" for p in params)
@@ -75,7 +76,8 @@ def test_online_features_stay_on_the_gpu_and_a_step_never_waits_for_it(tmp_path,
     the GPU; a step with cached features (forward, fused loss with a draft vocabulary, backward) runs under
     ``torch.cuda.set_sync_debug_mode("error")``, so any read back to the host raises; and its loss and gradients
     equal the CPU step's in fp32."""
-    from dartree.training.build import build_models, load_recipe_target, parse_recipe_dtype, step_settings
+    from dartree.training.build import build_models, load_recipe_target
+    from dartree.training.settings import model_settings, parse_recipe_dtype, step_settings
     from dartree.training.campaign_data import CampaignData
     from dartree.training.recipe import load_recipe
     from dartree.training.step import sequence_loss
@@ -83,7 +85,7 @@ def test_online_features_stay_on_the_gpu_and_a_step_never_waits_for_it(tmp_path,
     cfg = load_recipe(["recipe=tiny_dspark", "drafter.draft_vocab_size=40", "train.device=cuda"])
     torch.manual_seed(0)
     target = load_recipe_target(cfg.target.path, parse_recipe_dtype(cfg.target.dtype, "target.dtype"))
-    drafter, head = build_models(cfg, target)
+    drafter, head = build_models(model_settings(cfg), target)
     target.set_layer_ids(drafter.cfg.target_layer_ids)
     g = torch.Generator().manual_seed(0)
     rows = [{"prompt_ids": torch.randint(2, target.vocab_size, (6,), generator=g).tolist(),

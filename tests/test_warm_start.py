@@ -8,7 +8,8 @@ import torch
 from dartree.models.target import tiny_target
 from dartree.training.build import build_models
 from dartree.training.recipe import RecipeError, load_recipe
-from dartree.training.trainer import WarmupCosine
+from dartree.training.schedule import WarmupCosine
+from dartree.training.settings import model_settings
 
 PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "input_layernorm",
         "post_attention_layernorm", "q_norm", "k_norm")
@@ -34,7 +35,7 @@ def target():
 def _build(target, recipe, *words):
     cfg = load_recipe([f"recipe={recipe}", "drafter.num_layers=2", *words])
     torch.manual_seed(0)
-    return build_models(cfg, target)
+    return build_models(model_settings(cfg), target)
 
 
 @pytest.mark.parametrize("recipe", ["tiny_dflash", "tiny_domino", "tiny_dspark", "tiny_dflash2"])
@@ -102,7 +103,7 @@ def test_warm_start_recipe_values_are_checked(target):
         cfg = load_recipe(["recipe=tiny_dspark", "drafter.num_layers=3", "drafter.init_from_target=specforge",
                            "drafter.init_copy_layers=3"])
         cfg.drafter.num_layers = 2
-        build_models(cfg, target)
+        build_models(model_settings(cfg), target)
 
 
 def test_constant_schedule_holds_the_rate_after_the_warm_up():

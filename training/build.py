@@ -1,9 +1,7 @@
-"""What a recipe builds and writes: the target, the drafter and head (fresh or from ``init_from``), the settings
-objects built once from the recipe's sections (:class:`~dartree.training.step.StepSettings` with the drafter family's
-objective, :class:`DataSettings`, :class:`InitSettings`), the training data, and the training checkpoint.
-:func:`build_models` is the one place that turns the recipe's ``drafter`` and ``head`` sections into modules;
-:func:`prepare_data` and :func:`load_init` receive settings objects, and everything below this module receives these
-objects, never the recipe.
+"""What a run builds and writes, from its typed settings (:mod:`dartree.training.settings`): the target, the drafter
+and head (fresh or from ``init_from``), the training data, and the training checkpoint. :func:`build_models` is the
+one place that turns the recipe's ``drafter`` and ``head`` sections (:class:`~dartree.training.settings.ModelSettings`)
+into modules; :func:`load_run_models` and :func:`load_run_data` are a run's setup steps.
 
 The checkpoint a run writes (``<output_dir>/checkpoint``) is a dartree checkpoint (:mod:`dartree.models.checkpoint`:
 config.json + model.safetensors, tensors in fp32) that ``decode/eval.py --checkpoint`` loads as it is, with the
@@ -15,30 +13,30 @@ run's recipe and summary beside it in ``training.json``. Checkpoints of the olde
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+import time
 from pathlib import Path
 from typing import Callable
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from dartree.models.checkpoint import (CheckpointError, build_from_config, cast_floats, check_target_pairing,
     dartree_config, load_strict, read_safetensors)
 from dartree.base.files import write_folder_atomically
 from dartree.base.records import parse_json
 from dartree.models.drafter import DFlashDrafter, DrafterConfig, build_target_layer_ids
-from dartree.base.dtypes import parse_dtype
 from dartree.models.families import get_family
+from dartree.models.generation import stop_ids as target_stop_ids
 from dartree.models.heads import CorrectionHead
 from dartree.models.target import Target, cache_root, load_target
 from dartree.training.campaign_data import CampaignData, campaign_rows
-from dartree.training.campaign_store import DEFAULT_DIR, CampaignError
-from dartree.training.checks import template_kwargs
-from dartree.training.answers import DataSpec, regenerate_responses
-from dartree.training.data import BlockData
-from dartree.training.features import compute_features
+from dartree.training.campaign_store import CampaignError
+from dartree.training.answers import regenerate_responses
+from dartree.training.checks import check_against_target
+from dartree.training.data import BlockData, select_draft_vocab
+from dartree.training.engine import rank0_first
+from dartree.training.features import compute_features, target_lse
 from dartree.training.recipe import RecipeError
-from dartree.training.step import StepSettings, needs_target_lse
+from dartree.training.settings import DataSettings, InitSettings, ModelSettings, RunSettings, parse_recipe_dtype
 from dartree.training.feature_store import FeatureStore
 
 # format of the older training checkpoints (read by load_init and convert/to_dartree.py)
@@ -48,44 +46,6 @@ TRAINING_FILE = "training.json"
 # training.json fields copied into the checkpoint's provenance (what convert/to_dartree.py recorded before)
 PROVENANCE_FIELDS = ("steps", "final_loss", "train_min", "data_prep_min", "train_sequences", "train_tokens",
                      "holdout_tf_tau", "holdout_chain_tau")
-
-
-def parse_recipe_dtype(name: str, key: str) -> torch.dtype:
-    """The dtype a recipe key names (:func:`~dartree.base.dtypes.parse_dtype`).
-
-    Raises:
-        RecipeError: an unknown name, with the key and the known names.
-    """
-    try:
-        return parse_dtype(name, key)
-    except ValueError as exc:
-        raise RecipeError(str(exc)) from None
-
-
-def training_device(cfg: DictConfig, local_rank: int | None = None) -> torch.device:
-    """The device this process trains on: ``train.device`` (``cpu``, ``cuda``, or ``auto`` resolved here as
-    :func:`~dartree.training.recipe.resolve_train_device` does at load time); on CUDA the GPU of this process's local
-    rank (``local_rank``, default ``$LOCAL_RANK`` or 0), so N processes of one machine use N GPUs.
-
-    Raises:
-        RecipeError: ``train.device=cuda`` without a CUDA device, or a local rank with no GPU of its own (one line,
-            naming the fix).
-    """
-    import os
-
-    name = cfg.train.get("device", "cpu")
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cpu":
-        return torch.device("cpu")
-    if not torch.cuda.is_available():
-        raise RecipeError("train.device=cuda but torch sees no CUDA device (torch.cuda.is_available() is False); "
-                          "use train.device=cpu or train.device=auto")
-    rank = int(os.environ.get("LOCAL_RANK", "0") or 0) if local_rank is None else int(local_rank)
-    if rank >= torch.cuda.device_count():
-        raise RecipeError(f"local rank {rank} has no GPU of its own ({torch.cuda.device_count()} visible): start at "
-                          f"most {torch.cuda.device_count()} processes per machine")
-    return torch.device("cuda", rank)
 
 
 def load_recipe_target(path: str, dtype: torch.dtype, device: torch.device | str | None = None) -> Target:
@@ -106,94 +66,15 @@ def load_recipe_target(path: str, dtype: torch.dtype, device: torch.device | str
     return target
 
 
-def step_settings(cfg: DictConfig) -> StepSettings:
-    """The step settings of a recipe: the objective of its drafter family (``loss.type``,
-    :meth:`~dartree.models.families.Family.objective` of the ``loss`` and ``head`` sections), ``train.num_anchors``,
-    ``loss.cumulative_mask``, ``train.bf16`` and ``train.fused_loss``.
-
-    Raises:
-        RecipeError: ``loss.type`` names no registered family (the registered ones listed).
-    """
-    try:
-        family = get_family(cfg.loss.type)
-    except KeyError as exc:
-        raise RecipeError(str(exc.args[0])) from None
-    return StepSettings(objective=family.objective(cfg.loss, cfg.head), num_anchors=int(cfg.train.num_anchors),
-                        cumulative_mask=bool(cfg.loss.get("cumulative_mask", True)), bf16=bool(cfg.train.bf16),
-                        fused_loss=bool(cfg.train.get("fused_loss", True)))
-
-
-@dataclass(frozen=True)
-class DataSettings:
-    """What the data stage (:func:`prepare_data`) reads, built once from the recipe (:func:`data_settings`).
-
-    Attributes:
-        spec: prompts and generation settings of regenerated data (``data.*``,
-            :class:`~dartree.training.answers.DataSpec`).
-        source: ``data.source``: ``sharegpt`` / ``random`` (regenerated, features cached) or ``campaign``.
-        holdout: held-out sequences (``data.holdout``). holdout_set: ``tail`` or ``fixed`` (``data.holdout_set``).
-        holdout_turns: turns per conversation of the fixed held-out set (``data.holdout_turns``; 0: ``max_turns``).
-        random_prompt_len: prompt length in tokens of ``random`` data (``data.random_prompt_len``).
-        campaign_dir: the campaign folder of ``campaign`` data (``data.campaign_dir``; default: the repository's).
-        campaign_shards: train on the first this many campaign shards (``data.campaign_shards``); None: all.
-        feature_store_bytes: campaign data keeps the target's features in a store of at most this many bytes
-            (``data.feature_store_gb`` * 1e9); None: off, every feature computed online.
-        gen_dtype: the target's dtype while regenerating (``target.gen_dtype``); None for campaign data (no
-            regeneration). target_path: ``target.path``, loaded again in ``gen_dtype`` when it differs from the
-            training target's dtype.
-        need_lse: the loss reads the target's full-vocabulary log-sum-exp (a draft vocabulary's L1 / TV / confidence
-            label, :func:`~dartree.training.step.needs_target_lse`); campaign data then computes it per sequence.
-    """
-
-    spec: DataSpec
-    source: str
-    holdout: int
-    holdout_set: str = "tail"
-    holdout_turns: int = 0
-    random_prompt_len: int = 12
-    campaign_dir: Path = DEFAULT_DIR
-    campaign_shards: int | None = None
-    feature_store_bytes: int | None = None
-    gen_dtype: torch.dtype | None = None
-    target_path: str = ""
-    need_lse: bool = False
-
-
-def data_settings(cfg: DictConfig) -> DataSettings:
-    """The data settings of a recipe: its ``data`` section, ``target.gen_dtype`` and ``target.path``, and whether its
-    loss needs the target's log-sum-exp (:func:`step_settings`, ``drafter.draft_vocab_size``).
-
-    Raises:
-        RecipeError: an unknown ``target.gen_dtype`` of regenerated data, or ``loss.type`` naming no registered
-            family (named).
-    """
-    d = cfg.data
-    spec = DataSpec(num_prompts=d.num_prompts, max_prompt_tokens=d.max_prompt_tokens, max_new_tokens=d.max_new_tokens,
-                    seed=d.seed, batch_size=d.gen_batch_size, code_fraction=d.code_fraction,
-                    max_turns=int(d.get("max_turns", 1)), max_seq_tokens=int(d.get("max_seq_tokens", 2048)),
-                    chat_template_kwargs=template_kwargs(cfg))
-    store_gb = float(d.get("feature_store_gb", 0) or 0)
-    regenerated = d.source in ("sharegpt", "random")
-    return DataSettings(
-        spec=spec, source=d.source, holdout=d.holdout, holdout_set=d.get("holdout_set", "tail"),
-        holdout_turns=int(d.get("holdout_turns", 0)), random_prompt_len=d.random_prompt_len,
-        campaign_dir=Path(d.get("campaign_dir", "") or DEFAULT_DIR),
-        campaign_shards=int(d.get("campaign_shards", 0)) or None,  # .get: a run's recipe older than campaigns
-        feature_store_bytes=int(store_gb * 1e9) if store_gb > 0 else None,
-        gen_dtype=parse_recipe_dtype(cfg.target.gen_dtype, "target.gen_dtype") if regenerated else None,
-        target_path=cfg.target.path,
-        need_lse=needs_target_lse(step_settings(cfg), int(cfg.drafter.draft_vocab_size)))
-
-
-def build_models(cfg: DictConfig, target: Target):
-    """Create the drafter backbone and head for ``target`` from the recipe; returns (drafter, head). The head is
-    the recipe's ``head.type`` with the constructor arguments its family derives from the ``head`` section
-    (:meth:`~dartree.models.families.Family.head_kwargs`).
+def build_models(models: ModelSettings, target: Target):
+    """Create the drafter backbone and head for ``target`` from the recipe's ``drafter`` and ``head`` sections
+    (``models``); returns (drafter, head). The head is the recipe's ``head.type`` with the constructor arguments its
+    family derives from the ``head`` section (:meth:`~dartree.models.families.Family.head_kwargs`).
 
     Raises:
         RecipeError: invalid layer ids, family, head type or sizes (message names the key).
     """
-    d = cfg.drafter
+    d = models.drafter
     n_t = target.num_layers
     layer_ids = list(d.target_layer_ids) or build_target_layer_ids(n_t, d.num_target_features)
     tcfg = target.config
@@ -218,14 +99,14 @@ def build_models(cfg: DictConfig, target: Target):
         draft_vocab_size=int(d.draft_vocab_size),
         conv_kernel_size=int(d.conv_kernel_size),
         conv_group_size=int(d.conv_group_size),
-        causal_block=bool(d.get("causal_block", False)),
+        causal_block=bool(d.causal_block),
     )
     try:
         drafter = DFlashDrafter(dcfg)
         variant = warm_start_variant(d.init_from_target)
         if variant:
-            drafter.warm_start(target.model, variant, int(d.get("init_copy_layers", 0) or 0))
-        head = get_family(cfg.loss.type).build_head(cfg.head, target.vocab_size, target.hidden_size, dcfg.num_layers)
+            drafter.warm_start(target.model, variant, int(d.init_copy_layers or 0))
+        head = get_family(models.family).build_head(models.head, target.vocab_size, target.hidden_size, dcfg.num_layers)
         if variant == "specforge":  # every head starts as "no correction", SpecForge's confidence head at zero
             if hasattr(head, "start_uncorrected"):  # heads whose output rows start random (DFlash 2's selector)
                 head.start_uncorrected()
@@ -253,7 +134,7 @@ def rope_theta(tcfg) -> float:
 
 
 def prepare_data(settings: DataSettings, target: Target) -> BlockData | CampaignData:
-    """The training data of :func:`data_settings` for ``target``'s layer ids.
+    """The training data of :func:`~dartree.training.settings.data_settings` for ``target``'s layer ids.
 
     Every ShareGPT or random data set, single-turn (``data.max_turns=1``, the shipped recipes) or multi-turn, with
     either held-out set, is :func:`~dartree.training.answers.regenerate_responses` (one pipeline; single-turn data
@@ -296,7 +177,69 @@ def prepare_data(settings: DataSettings, target: Target) -> BlockData | Campaign
     return BlockData(responses, feats, holdout=s.holdout)
 
 
-def save_training_checkpoint(folder: Path, drafter, head, target: Target, cfg: DictConfig, state: dict,
+def load_run_models(run: RunSettings, device: torch.device, log: Callable[[str], None] = print):
+    """A run's (target, drafter, head) on ``device``: the target (``target.path`` in ``target.dtype``) checked against
+    the recipe (:func:`~dartree.training.checks.check_against_target`), then init_from's drafter (a checkpoint whose
+    head corrects nothing gets :func:`build_models`' fresh head) or a fresh one, reading the target's layers.
+
+    Raises:
+        RecipeError: the target does not load or fit the recipe, or init_from does not (one line).
+    """
+    # on the training device before build_models / load_init bind its embedding (the gru head keeps a reference)
+    target = load_recipe_target(run.target.path, parse_recipe_dtype(run.target.dtype, "target.dtype"), device=device)
+    check_against_target(run, target)  # layer ids, mask id, vocabulary sizes: before the data stage
+    if run.init_from:
+        drafter, head = load_init(run.init_from, target, run.init, lambda: build_models(run.models, target)[1])
+        log(f"init_from {run.init_from}: {drafter.cfg.num_layers}-layer backbone, block {drafter.cfg.block_size}, "
+            f"head {head.type_name}")
+    else:
+        drafter, head = build_models(run.models, target)
+    if device.type != "cpu":  # built on the CPU; DeepSpeed would move the module, the torch engine does not
+        drafter.to(device)
+        head.to(device)
+    target.set_layer_ids(drafter.cfg.target_layer_ids)
+    return target, drafter, head
+
+
+def load_run_data(run: RunSettings, target: Target, main: bool, log: Callable[[str], None] = print):
+    """A run's training data (:func:`prepare_data`), made on rank 0 (``main``) first, the other ranks reading its
+    cache; returns (the data, seconds it took).
+
+    Raises:
+        RecipeError: a data problem (:func:`prepare_data`), or no sequence with a response token to predict.
+    """
+    t0 = time.time()
+    data = rank0_first(lambda: prepare_data(run.data, target), main)
+    seconds = time.time() - t0
+    log(f"data: {len(data)} training sequences ({data.num_tokens()} tokens), {len(data.holdout_ids)} held out; "
+        f"prepared in {seconds / 60:.1f} min")
+    if not len(data):
+        raise RecipeError("no training sequence has a response token to predict; raise data.max_new_tokens")
+    return data, seconds
+
+
+def choose_draft_vocabulary(run: RunSettings, target: Target, drafter, data, main: bool, log=print) -> None:
+    """Choose a fresh drafter's draft vocabulary from ``data`` (:func:`~dartree.training.data.select_draft_vocab`;
+    a fine-tuned one keeps its own) and cache the target's log-sum-exp beside stored features (online data computes
+    it per sequence).
+
+    Raises:
+        RecipeError: ``drafter.draft_vocab_size`` cannot hold the stop ids or exceeds the vocabulary.
+    """
+    if not run.init_from:
+        try:
+            ids, cover = select_draft_vocab(data, drafter.cfg.draft_vocab_size, target.vocab_size,
+                                            target_stop_ids(target))
+        except ValueError as exc:
+            raise RecipeError(f"drafter.draft_vocab_size: {exc}") from None
+        drafter.draft_vocab.copy_(ids)
+        log(f"draft vocabulary: {ids.numel()} of {target.vocab_size} tokens cover {100 * cover:.1f}% of the training "
+            "response tokens")
+    if not getattr(data, "online", False):
+        data.lse = rank0_first(lambda: target_lse(target, data.features_path), main)
+
+
+def save_training_checkpoint(folder: Path, drafter, head, target: Target, recipe: dict, state: dict,
                              state_dicts: tuple[dict, dict] | None = None) -> Path:
     """Write the run's drafter as a dartree checkpoint, atomically: config.json (format ``dartree``; provenance
     ``source_format`` ``dartree-train`` with the recipe name and :data:`PROVENANCE_FIELDS` of ``state``),
@@ -305,7 +248,7 @@ def save_training_checkpoint(folder: Path, drafter, head, target: Target, cfg: D
 
     Args:
         folder: the checkpoint folder (``<output_dir>/checkpoint``), replaced as a whole.
-        state: the run's summary (JSON-serialisable).
+        recipe: the run's merged recipe as plain data. state: the run's summary (JSON-serialisable).
         state_dicts: (drafter, head) full state dicts when the modules' own hold partitions (ZeRO-3).
     Returns:
         ``folder``.
@@ -313,11 +256,11 @@ def save_training_checkpoint(folder: Path, drafter, head, target: Target, cfg: D
     drafter_sd, head_sd = state_dicts if state_dicts is not None else (drafter.state_dict(), head.state_dict())
     tensors = {f"backbone.{k}": cast_floats(v.detach(), torch.float32).contiguous() for k, v in drafter_sd.items()}
     tensors.update({f"head.{k}": cast_floats(v.detach(), torch.float32).contiguous() for k, v in head_sd.items()})
-    provenance = {"source_format": TRAIN_FORMAT, "recipe": cfg.recipe,
+    provenance = {"source_format": TRAIN_FORMAT, "recipe": recipe["recipe"],
                   **{k: state.get(k) for k in PROVENANCE_FIELDS if k in state}}
     config = dartree_config(drafter.cfg.to_dict(), {"type": head.type_name, **head.hparams()}, target.identity(),
                             provenance)
-    training = {"recipe": OmegaConf.to_container(cfg), "state": state}
+    training = {"recipe": recipe, "state": state}
     write_folder_atomically(Path(folder), {
         "config.json": json.dumps(config, indent=2).encode(),
         "model.safetensors": {"tensors": tensors, "metadata": {"format": config["format"]}},
@@ -363,32 +306,6 @@ def qk_norm_init(tensors: dict, prefix: str, dcfg) -> dict:
             c = float(w.pow(2).sum(dim=1).mean().sqrt())
             out[f"{prefix}layers.{i}.{name}_norm.weight"] = torch.full((dcfg.head_dim,), c)
     return out
-
-
-@dataclass(frozen=True)
-class InitSettings:
-    """What :func:`load_init` reads of the recipe, built once from it (:func:`init_settings`).
-
-    Attributes:
-        conv_kernel_size: ``drafter.conv_kernel_size``; > 0 turns a DFlash backbone into a DFlash 2 one.
-        conv_group_size: ``drafter.conv_group_size``, the added convolutions' group size.
-        qk_norm: ``drafter.qk_norm``; True adds q/k norms to a backbone without them.
-        draft_vocab_size: ``drafter.draft_vocab_size``; 0 drops a checkpoint's draft vocabulary.
-        head_type: ``head.type``, the head type the recipe trains.
-    """
-
-    conv_kernel_size: int
-    conv_group_size: int
-    qk_norm: bool
-    draft_vocab_size: int
-    head_type: str
-
-
-def init_settings(cfg: DictConfig) -> InitSettings:
-    """The :class:`InitSettings` of a recipe (its ``drafter`` widening fields and ``head.type``)."""
-    d = cfg.drafter
-    return InitSettings(conv_kernel_size=int(d.conv_kernel_size), conv_group_size=int(d.conv_group_size),
-                        qk_norm=bool(d.qk_norm), draft_vocab_size=int(d.draft_vocab_size), head_type=cfg.head.type)
 
 
 def load_init(path: str, target: Target, settings: InitSettings, fresh_head: Callable[[], CorrectionHead]):

@@ -20,7 +20,7 @@ from dartree.models.families import FAMILIES, recipe_fields
 from dartree.base.fields import Choice, Flag, IdList, Range, field_problems, folder_problem
 from dartree.models.chat import check_chat_template
 from dartree.models.drafter import build_target_layer_ids
-from dartree.training.campaign_store import CampaignError, DEFAULT_DIR, check_files
+from dartree.training.campaign_store import CampaignError, check_files
 
 
 class RecipeError(ValueError):
@@ -134,7 +134,7 @@ def recipe_problems(cfg: DictConfig) -> list[str]:
     family = FAMILIES.get(lo.type)
     if family is None:
         return [f"loss.type={lo.type!r} is unknown; use one of {sorted(FAMILIES)}"]
-    out += family.recipe_problems(cfg)  # the family's own combinations (dartree.models.families)
+    out += family.recipe_problems(values)  # the family's own combinations (dartree.models.families)
     if not family.distribution and (lo.get("tv_weight", 0) or lo.get("kl_weight", 0) or lo.get("lk_weight", 0)):
         names = "/".join(sorted(n for n, f in FAMILIES.items() if f.distribution))
         given = " / ".join(f"loss.{k}={lo.get(k)}" for k in ("tv_weight", "kl_weight", "lk_weight") if lo.get(k, 0))
@@ -194,12 +194,13 @@ def template_kwargs(cfg: DictConfig) -> dict:
     return dict(OmegaConf.to_container(value, resolve=True)) if value else {}
 
 
-def check_against_target(cfg: DictConfig, target) -> list[int]:
+def check_against_target(run, target) -> list[int]:
     """Check the recipe values that depend on the target, before the data stage and any training step.
 
     Args:
-        cfg: the merged recipe. target: the loaded :class:`~dartree.models.target.Target` (V vocabulary rows,
-            n layers).
+        run: the run's :class:`~dartree.training.settings.RunSettings` (its ``drafter`` section, data source and
+            chat-template variables, ``init_from``). target: the loaded :class:`~dartree.models.target.Target` (V
+            vocabulary rows, n layers).
     Returns:
         The target layer ids the drafter will read (the recipe's, or the DFlash rule's).
     Raises:
@@ -209,7 +210,7 @@ def check_against_target(cfg: DictConfig, target) -> list[int]:
             more drafter layers than the target has when ``drafter.init_from_target`` copies them, or a drafter
             width that differs from the copied layers'.
     """
-    d = cfg.drafter
+    d, source, kwargs = run.models.drafter, run.data.source, run.data.spec.chat_template_kwargs
     n, v = target.num_layers, target.vocab_size
     rows = int(target.embed_tokens.weight.shape[0])
     ids = list(d.target_layer_ids)
@@ -218,7 +219,7 @@ def check_against_target(cfg: DictConfig, target) -> list[int]:
         if bad:
             raise RecipeError(f"drafter.target_layer_ids={ids} holds {bad}: target {target.name!r} has {n} layers, "
                               f"ids must be in [0, {n - 1}]")
-    elif not cfg.init_from:
+    elif not run.init_from:
         ids = build_target_layer_ids(n, d.num_target_features)
         if any(not 0 <= i < n for i in ids):
             raise RecipeError(f"drafter.num_target_features={d.num_target_features} gives layer ids {ids} on the "
@@ -226,21 +227,21 @@ def check_against_target(cfg: DictConfig, target) -> list[int]:
     if d.mask_token_id is not None and d.mask_token_id >= rows:
         raise RecipeError(f"drafter.mask_token_id={d.mask_token_id} is not a token id of target {target.name!r}: "
                           f"must be in [0, {rows - 1}]")
-    if cfg.data.source == "sharegpt" and target.tokenizer is None:
+    if source == "sharegpt" and target.tokenizer is None:
         raise RecipeError(f"data.source=sharegpt needs a target with a tokenizer (to chat-template the prompts); "
                           f"target {target.name!r} has none: use data.source=random")
-    if cfg.data.source == "sharegpt":
+    if source == "sharegpt":
         try:
-            check_chat_template(target.tokenizer, template_kwargs(cfg), fix="data.source=sharegpt renders prompts "
-                                "through it: use a chat model as the target, or data.source=random")
+            check_chat_template(target.tokenizer, kwargs, fix="data.source=sharegpt renders prompts through it: use a "
+                                "chat model as the target, or data.source=random")
         except ValueError as exc:
-            given = f" (data.chat_template_kwargs={template_kwargs(cfg)})" if template_kwargs(cfg) else ""
+            given = f" (data.chat_template_kwargs={kwargs})" if kwargs else ""
             raise RecipeError(f"target {target.name!r}: {exc}{given}") from None
     if d.draft_vocab_size > v:
         raise RecipeError(f"drafter.draft_vocab_size={d.draft_vocab_size} exceeds the target's vocabulary: must be in "
                           f"[0, {v}] (0: the full vocabulary)")
-    if d.init_from_target and not cfg.init_from:
-        copies = int(d.get("init_copy_layers", 0) or 0) or d.num_layers
+    if d.init_from_target and not run.init_from:
+        copies = int(d.init_copy_layers or 0) or d.num_layers
         if copies > n:
             raise RecipeError(f"drafter.num_layers={d.num_layers} with drafter.init_from_target="
                               f"{str(d.init_from_target).lower()} copies more "
@@ -271,19 +272,18 @@ def check_output_dir(path: str | os.PathLike) -> None:
         raise RecipeError(f"output_dir={str(path)!r} {why}; choose another output_dir")
 
 
-def check_data_files(cfg: DictConfig) -> None:
+def check_data_files(data) -> None:
     """Refuse missing or changed data files before the target loads: with ``data.source=campaign``, every committed
     shard the run reads (the held-out set and the first ``data.campaign_shards``, all when 0) must be there with its
     manifest's sha256 (:func:`dartree.training.campaign_store.check_files`). Other sources read nothing committed.
+    ``data``: the run's :class:`~dartree.training.settings.DataSettings`.
 
     Raises:
         RecipeError: the file named, with the fix (``git checkout`` it).
     """
-    if cfg.data.source != "campaign":
+    if data.source != "campaign":
         return
-    from pathlib import Path
-
     try:
-        check_files(Path(cfg.data.campaign_dir or DEFAULT_DIR), max_shards=int(cfg.data.campaign_shards) or None)
+        check_files(data.campaign_dir, max_shards=data.campaign_shards)
     except CampaignError as exc:
         raise RecipeError(f"data.source=campaign: {exc}") from None

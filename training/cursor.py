@@ -10,7 +10,8 @@ unchanged), the rest of the epoch is the new permutation less the sequences alre
 sequences come before any repeat.
 
 :func:`lineage_record` reads what the run behind an ``init_from`` checkpoint recorded: the lineage's step count (for
-``train.schedule_from_init``, :class:`~dartree.training.trainer.WarmupCosine`) and its cursor.
+``train.schedule_from_init``, :class:`~dartree.training.schedule.WarmupCosine`) and its cursor; :func:`run_cursor`
+builds a run's cursor.
 """
 
 from __future__ import annotations
@@ -132,3 +133,33 @@ def lineage_record(init_from: str | None) -> dict:
         return {}
     return {"steps": int(lineage.get("steps", 0)), "cursor": state.get("cursor"),
             "schedule_steps": int(lineage.get("schedule_steps", 0))}
+
+
+def run_cursor(data, seed: int, *, resumed: tuple[int, dict | None] | None, lineage: dict | None,
+               seqs_per_step: int, init_from: str | None, log=print) -> DataCursor:
+    """A run's data cursor over ``data.train_ids``: a resumed run's from its saved state (``resumed``: (its step, its
+    saved cursor state); a state saved before the cursor existed is replayed to that step), else init_from's run's
+    (``lineage``, given with ``data.cursor_from_init``: :func:`lineage_record`; refused when that run trained on
+    other sequences), else at the start. ``log`` prints a line on rank 0.
+
+    Raises:
+        RecipeError: init_from's cursor was made on other data (its first sequences are not this run's).
+    """
+    ids = data.train_ids
+    if resumed is not None and resumed[0]:
+        cursor = DataCursor.from_state(ids, seed, resumed[1])
+        if resumed[1] is None:  # saved before the cursor: the batches were this order's first steps
+            cursor.take(resumed[0] * seqs_per_step)
+        return cursor
+    rec = lineage.get("cursor") if lineage is not None else None
+    if lineage is not None and not rec:
+        log(f"data.cursor_from_init: {init_from} records no data cursor; starting at epoch 0")
+    if rec:
+        n = int(rec.get("n", 0))
+        if n > len(ids) or rec.get("fingerprint") != data_fingerprint(data.tokens, ids[:n]):
+            raise RecipeError(f"data.cursor_from_init=true: {init_from}'s run visited other training sequences (its "
+                              f"first {n} are not this run's first {min(n, len(ids))}); train on the data it used "
+                              "(shards may be appended), or set data.cursor_from_init=false")
+        log(f"data.cursor_from_init: continuing at epoch {rec.get('epoch', 0)}, {len(rec.get('done', []))} sequences "
+            "into it")
+    return DataCursor.from_state(ids, seed, rec)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 from dartree.base.files import replace_folder
 from dartree.base.records import read_json
 from dartree.training.recipe import Recipe
+from dartree.training.torch_engine import TorchEngine
 
 RESUME_DIR = "resume"
 RESUME_TAG = "last"
@@ -139,7 +140,7 @@ def init_distributed(device: torch.device | str | None = None, engine: str = "de
     """Join (or, for a single process without a launcher, create) the process group; returns (rank, world).
 
     Args:
-        device: the training device (:func:`~dartree.training.build.training_device`); default: ``cuda`` where
+        device: the training device (:func:`~dartree.training.settings.training_device`); default: ``cuda`` where
             torch sees one, else the CPU. It picks the backend (:func:`process_group_backend`), and on CUDA it
             becomes this process's current device (its local rank's GPU).
         engine: ``deepspeed`` (DeepSpeed creates the group and loads its comm op; on CPU it compiles it the first
@@ -269,6 +270,44 @@ def make_engine(module: torch.nn.Module, optimizer, scheduler, config: dict):
         engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=scheduler,
                                                config=config)
     return engine
+
+
+def training_engine(name: str, module: torch.nn.Module, optimizer, scheduler, *, grad_accum: int, grad_clip: float,
+                    zero_stage: int):
+    """The engine of ``train.engine`` ``name``: the plain-torch :class:`~dartree.training.torch_engine.TorchEngine`
+    (``torch``) or DeepSpeed's (:func:`make_engine`; under ZeRO-3 the head's parameters, read functionally, are
+    registered as external parameters of ``module``, whose ``head`` attribute holds it), with ``grad_accum``
+    sequences per optimiser step on this process and clipping at ``grad_clip``."""
+    if name == "torch":
+        return TorchEngine(module, optimizer, scheduler, grad_accum=grad_accum, grad_clip=grad_clip)
+    config = ds_config(zero_stage, grad_accum, grad_clip)
+    config["zero_allow_untested_optimizer"] = True
+    engine = make_engine(module, optimizer, scheduler, config)
+    if zero_stage == 3:  # the heads read their weights functionally (not through a submodule call)
+        import deepspeed
+
+        for p in module.head.parameters():
+            deepspeed.zero.register_external_parameter(module, p)
+    return engine
+
+
+def collective(t: torch.Tensor, op, world: int, device: torch.device) -> torch.Tensor:
+    """``op(t)`` (an in-place collective: all_reduce, broadcast from rank 0) over the ``world`` processes, on a device
+    the process group's backend serves (a CUDA tensor under NCCL, else the CPU); returns the result on ``t``'s
+    device. One process: ``t`` itself, no collective."""
+    if world == 1:
+        return t
+    comm = device if device.type == "cuda" and "nccl" in dist.get_backend() else torch.device("cpu")
+    x = t.to(comm)
+    op(x)
+    return x.to(t.device)
+
+
+def rank0_first(fn, main: bool):
+    """``fn()`` on rank 0 (``main``), then on the other ranks, which read what rank 0 cached."""
+    out = fn() if main else None
+    dist.barrier()
+    return out if main else fn()
 
 
 @contextlib.contextmanager

@@ -10,7 +10,7 @@ DFlash 2's selector CE, or DSpark's 0.1 CE + 0.9 L1 to the target distribution (
 (:mod:`dartree.training.losses`).
 
 The functions here take a :class:`StepSettings` (the objective and the few step options), which
-:func:`dartree.training.build.step_settings` builds once from the recipe; none of them reads the recipe.
+:func:`dartree.training.settings.step_settings` builds once from the recipe; none of them reads the recipe.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from dartree.training.losses import LossOut, domino_loss, dspark_loss, label_mas
 @dataclass(frozen=True)
 class StepSettings:
     """What a training step reads besides the models and the data, built once from the recipe
-    (:func:`dartree.training.build.step_settings`).
+    (:func:`dartree.training.settings.step_settings`).
 
     Attributes:
         objective: the drafter family's loss (:class:`~dartree.models.families.Objective`).

@@ -149,9 +149,9 @@ class Family:
         """The family's training loss from the recipe's ``loss`` and ``head`` sections."""
         raise NotImplementedError
 
-    def recipe_problems(self, cfg) -> list[str]:
-        """Combinations of the merged recipe ``cfg`` this family cannot train, one line each naming the key, the
-        value and the fix (none by default)."""
+    def recipe_problems(self, recipe: Mapping[str, Any]) -> list[str]:
+        """Combinations of the merged recipe this family cannot train, one line each naming the key, the value and
+        the fix (none by default). ``recipe``: the recipe as plain data, section name -> {key: value}."""
         return []
 
     def head_types(self) -> list[str]:

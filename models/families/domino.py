@@ -177,12 +177,12 @@ class DominoFamily(Family):
         schedule = partial(lambda_schedule, start=loss["lambda_base_start"], ratio=loss["lambda_decay_ratio"])
         return Objective(gamma=loss["gamma"], base_weight=0.0, curriculum=schedule, logged=("lam",))
 
-    def recipe_problems(self, cfg) -> list[str]:
+    def recipe_problems(self, recipe: Mapping[str, Any]) -> list[str]:
         """``head.prefix_len`` that leaves no proposal to correct."""
-        d, h = cfg.drafter, cfg.head
-        proposals = d.block_size - d.proposal_offset
-        if h.prefix_len >= proposals:
-            return [f"head.prefix_len={h.prefix_len} leaves no proposal to correct (block {d.block_size}, "
+        d, prefix = recipe["drafter"], recipe["head"]["prefix_len"]
+        proposals = d["block_size"] - d["proposal_offset"]
+        if prefix >= proposals:
+            return [f"head.prefix_len={prefix} leaves no proposal to correct (block {d['block_size']}, "
                     f"{proposals} proposals): must be < {proposals}"]
         return []
 

@@ -279,11 +279,11 @@ class DSparkFamily(Family):
                          lk_weight=lk, lk_lambda=None if lk_lambda is None else float(lk_lambda),
                          lk_eta=float(loss.get("lk_eta", 3.0)), logged=("l1", "kl") if kl or lk else ("l1",))
 
-    def recipe_problems(self, cfg) -> list[str]:
+    def recipe_problems(self, recipe: Mapping[str, Any]) -> list[str]:
         """A loss that weights nothing: every one of ``loss.ce_weight``, ``l1_weight``, ``tv_weight``, ``kl_weight``
         is 0."""
-        lo = cfg.loss
-        if (lo.ce_weight == 0 and lo.l1_weight == 0 and not lo.get("tv_weight", 0) and not lo.get("kl_weight", 0)
+        lo = recipe["loss"]
+        if (lo["ce_weight"] == 0 and lo["l1_weight"] == 0 and not lo.get("tv_weight", 0) and not lo.get("kl_weight", 0)
                 and not lo.get("lk_weight", 0)):
             return ["loss.ce_weight=0 and loss.l1_weight=0 (and loss.tv_weight, kl_weight, lk_weight 0): the DSpark loss "
                     "would not train the drafter or its Markov head; give one of them a positive weight"]

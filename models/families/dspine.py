@@ -456,24 +456,24 @@ class DSpineFamily(Family):
         gamma = loss["gamma"]
         return Objective(gamma=gamma, logged=("l1",), block_loss=partial(_block_loss, gamma=gamma))
 
-    def recipe_problems(self, cfg) -> list[str]:
+    def recipe_problems(self, recipe: Mapping[str, Any]) -> list[str]:
         """DSpine's backbone: causal in the block, proposing from block position 1, over the full vocabulary; its
         CE / L1 split is ``head.ce_weight`` (DSpark's ``loss.ce_weight`` / ``l1_weight`` do not apply)."""
-        d, h, lo = cfg.drafter, cfg.head, cfg.loss
+        d, h, lo = recipe["drafter"], recipe["head"], recipe["loss"]
         out = []
         if not d.get("causal_block", False):
             out.append("loss.type=dspine trains a drafter causal in the block: set drafter.causal_block=true")
-        if d.proposal_offset != 1:
-            out.append(f"drafter.proposal_offset={d.proposal_offset}: DSpine proposes from block position 1 (the "
+        if d["proposal_offset"] != 1:
+            out.append(f"drafter.proposal_offset={d['proposal_offset']}: DSpine proposes from block position 1 (the "
                        "anchor at 0); set drafter.proposal_offset=1")
         if d.get("draft_vocab_size", 0):
             out.append("drafter.draft_vocab_size > 0: DSpine scores the full vocabulary; set drafter.draft_vocab_size=0")
-        if h.replacement_hold_ratio >= h.replacement_end_ratio:
-            out.append(f"head.replacement_hold_ratio={h.replacement_hold_ratio} must be below "
-                       f"head.replacement_end_ratio={h.replacement_end_ratio}")
-        if lo.ce_weight != 0.1 or lo.l1_weight != 0.9:
-            out.append(f"loss.ce_weight={lo.ce_weight} / loss.l1_weight={lo.l1_weight} are DSpark's; DSpine's CE / L1 "
-                       "split is head.ce_weight (leave the loss ones at 0.1 / 0.9)")
+        if h["replacement_hold_ratio"] >= h["replacement_end_ratio"]:
+            out.append(f"head.replacement_hold_ratio={h['replacement_hold_ratio']} must be below "
+                       f"head.replacement_end_ratio={h['replacement_end_ratio']}")
+        if lo["ce_weight"] != 0.1 or lo["l1_weight"] != 0.9:
+            out.append(f"loss.ce_weight={lo['ce_weight']} / loss.l1_weight={lo['l1_weight']} are DSpark's; DSpine's "
+                       "CE / L1 split is head.ce_weight (leave the loss ones at 0.1 / 0.9)")
         return out
 
 

@@ -31,7 +31,7 @@ from dartree.base.cli import fail
 from dartree.base.files import write_file_atomically
 from dartree.base.records import NUMBER, RecordError, read_json
 from dartree.models.generation import stop_ids
-from dartree.training.build import parse_recipe_dtype
+from dartree.training.settings import parse_recipe_dtype
 from dartree.training.checks import template_kwargs
 from dartree.training.dialogues import chat_prompts
 from dartree.training.recipe import load_recipe

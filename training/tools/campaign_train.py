@@ -268,8 +268,8 @@ def holdout_baseline(cfg: DictConfig, recipe: str, checkpoint: str | None = None
     # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.training.campaign_data import CampaignData, campaign_rows
     from dartree.training.recipe import RecipeError, load_recipe
-    from dartree.training.build import (build_models, init_settings, load_init, load_recipe_target,
-        parse_recipe_dtype, step_settings)
+    from dartree.training.build import build_models, load_init, load_recipe_target
+    from dartree.training.settings import parse_recipe_dtype, run_settings
     from dartree.training.step import evaluate_holdout
 
     checkpoint = checkpoint or str(REPO / "checkpoints" / recipe)
@@ -286,15 +286,15 @@ def holdout_baseline(cfg: DictConfig, recipe: str, checkpoint: str | None = None
     _, hold = campaign_rows(Path(cfg.dir), 0) if m["shards"] else ([], _holdout_only(cfg))
     torch.set_num_threads(int(cfg.threads))
     try:
-        rc = load_recipe([f"recipe={recipe}", "data.source=campaign", f"data.campaign_dir={cfg.dir}"])
+        rc = run_settings(load_recipe([f"recipe={recipe}", "data.source=campaign", f"data.campaign_dir={cfg.dir}"]))
         target = load_recipe_target(rc.target.path, parse_recipe_dtype(rc.target.dtype, "target.dtype"))
-        drafter, head = load_init(checkpoint, target, init_settings(rc), lambda: build_models(rc, target)[1])
+        drafter, head = load_init(checkpoint, target, rc.init, lambda: build_models(rc.models, target)[1])
     except RecipeError as exc:
         raise CampaignError(str(exc)) from None
     target.set_layer_ids(drafter.cfg.target_layer_ids)
     data = CampaignData(target, [], hold)
     data.need_lse = bool(drafter.cfg.draft_vocab_size)
-    res = evaluate_holdout(drafter.eval(), head.eval(), target, data, step_settings(rc))
+    res = evaluate_holdout(drafter.eval(), head.eval(), target, data, rc.step)
     rel = Path(checkpoint).resolve()
     shown = str(rel.relative_to(REPO)) if rel.is_relative_to(REPO) else checkpoint
     rec = {"checkpoint": shown, "holdout_chain_tau": round(res["holdout_chain_tau"], 4),

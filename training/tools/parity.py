@@ -26,22 +26,17 @@ from dartree.training.recipe import RecipeError
 from dartree.decode.draft import draft_block
 from dartree.decode.trees import block_candidates, expand_frontier
 from dartree.models.drafter import DraftCache
-from dartree.training.build import (build_models, data_settings, init_settings, load_init, parse_recipe_dtype,
-    prepare_data, run_recipe, step_settings)
+from dartree.training.build import build_models, load_init, prepare_data, run_recipe
+from dartree.training.settings import (data_settings, init_settings, model_settings, parse_recipe_dtype,
+                                       step_settings)
 from dartree.training.features import target_lse
-from dartree.training.step import block_targets, evaluate_holdout, seed_mix
+from dartree.training.step import StepSettings, block_targets, evaluate_holdout, seed_mix
 from dartree.models import target as target_lib
 
 
 @torch.no_grad()
-def inference_accuracy(drafter, head, target, data, cfg, *, k: int = 64) -> torch.Tensor:
-    """Per-position teacher-forced accuracy [P] through the inference path on ``data.holdout_ids``
-    (:func:`inference_metrics`' first half)."""
-    return inference_metrics(drafter, head, target, data, cfg, k=k)[0]
-
-
-@torch.no_grad()
-def inference_metrics(drafter, head, target, data, cfg, *, k: int = 64) -> tuple[torch.Tensor, float]:
+def inference_metrics(drafter, head, target, data, settings: StepSettings, *,
+                      k: int = 64) -> tuple[torch.Tensor, float]:
     """Per-position teacher-forced accuracy [P] and the chain acceptance (mean over anchors of 1 + leading
     correct proposals, bonus included) through the inference path (``draft_block`` + ``expand_frontier`` over
     the top-k candidates) on ``data.holdout_ids``.
@@ -57,7 +52,7 @@ def inference_metrics(drafter, head, target, data, cfg, *, k: int = 64) -> tuple
     for i in data.holdout_ids:
         tokens, feats, _, plen = data.sequence(i)
         s = tokens.numel()
-        anchors, _, valid = block_targets(tokens, plen, data.mask_of(i), step_settings(cfg), p_len,
+        anchors, _, valid = block_targets(tokens, plen, data.mask_of(i), settings, p_len,
                                           torch.Generator().manual_seed(seed_mix(1234, i)))
         for n, a in enumerate(anchors.tolist()):
             block = draft_block(target, drafter, int(tokens[a]), a, feats[:a].float(), DraftCache(1))
@@ -101,7 +96,8 @@ def parity(run_dir: str | Path, split: str = "holdout") -> dict:
     cfg = OmegaConf.create(run_recipe(ckpt))
     target = target_lib.load_target(cfg.target.path, dtype=parse_recipe_dtype(cfg.target.dtype, "target.dtype"))
     # the run's own recipe: loaded as saved
-    drafter, head = load_init(str(ckpt), target, init_settings(cfg), lambda: build_models(cfg, target)[1])
+    drafter, head = load_init(str(ckpt), target, init_settings(cfg),
+                              lambda: build_models(model_settings(cfg), target)[1])
     drafter.eval()
     head.eval()
     target.set_layer_ids(drafter.cfg.target_layer_ids)
@@ -111,9 +107,10 @@ def parity(run_dir: str | Path, split: str = "holdout") -> dict:
     if split == "train":
         data.holdout_ids = list(data.train_ids)
     cfg.train.bf16 = False  # compare in fp32, as decoding runs
-    hold = evaluate_holdout(drafter, head, target, data, step_settings(cfg))
+    step = step_settings(cfg)
+    hold = evaluate_holdout(drafter, head, target, data, step)
     train_path = torch.tensor(hold["holdout_acc_per_pos"])
-    infer_path, infer_chain = inference_metrics(drafter, head, target, data, cfg)
+    infer_path, infer_chain = inference_metrics(drafter, head, target, data, step)
     return {"split": split, "sequences": len(data.holdout_ids),
             "train_path": [round(float(x), 4) for x in train_path],
             "inference_path": [round(float(x), 4) for x in infer_path],

@@ -18,7 +18,8 @@ from omegaconf import DictConfig
 from dartree.base.cli import fail
 from dartree.models.drafter import build_target_layer_ids
 from dartree.training.recipe import RecipeError, load_recipe
-from dartree.training.build import data_settings, load_recipe_target, parse_recipe_dtype, prepare_data
+from dartree.training.build import load_recipe_target, prepare_data
+from dartree.training.settings import parse_recipe_dtype, run_settings
 from dartree.training.checks import check_against_target
 from dartree.training.features import target_lse
 
@@ -29,17 +30,17 @@ def prepare(cfg: DictConfig) -> dict:
     Raises:
         RecipeError: invalid recipe values (for example layer ids outside the target).
     """
-    t0 = time.time()
-    target = load_recipe_target(cfg.target.path, parse_recipe_dtype(cfg.target.dtype, "target.dtype"))
-    check_against_target(cfg, target)
-    d = cfg.drafter
+    t0, run = time.time(), run_settings(cfg)
+    target = load_recipe_target(run.target.path, parse_recipe_dtype(run.target.dtype, "target.dtype"))
+    check_against_target(run, target)
+    d = run.models.drafter
     layer_ids = list(d.target_layer_ids) or build_target_layer_ids(target.num_layers, d.num_target_features)
     try:
         target.set_layer_ids(layer_ids)
     except ValueError as exc:
         raise RecipeError(f"drafter.target_layer_ids: {exc}") from None
-    data = prepare_data(data_settings(cfg), target)
-    if cfg.drafter.draft_vocab_size:
+    data = prepare_data(run.data, target)
+    if d.draft_vocab_size:
         target_lse(target, data.features_path)  # needed by draft-vocabulary training
     return {
         "train_sequences": len(data),
