@@ -129,6 +129,7 @@ def warm_start_variant(value) -> str | None:
 
 
 def rope_theta(tcfg) -> float:
+    """RoPE theta of a transformers config (``rope_parameters.rope_theta``, else ``rope_theta``, else 10000)."""
     rp = getattr(tcfg, "rope_parameters", None) or {}
     return rp.get("rope_theta") or getattr(tcfg, "rope_theta", None) or 10000.0
 

@@ -27,6 +27,7 @@ _OWN_FAMILY = ("(a family of your own registers when its module is imported: fam
 
 @dataclass
 class TargetSection:
+    """The target model (``target.*``)."""
     path: str = "smollm2"  # "smollm2" (packaged default), "tiny-qwen3" (tests) or a local HF folder
     dtype: str = "float32"  # dtype of the target when computing features
     gen_dtype: str = "auto"  # dtype of the target when regenerating responses; auto: see resolve_auto_dtypes
@@ -34,6 +35,7 @@ class TargetSection:
 
 @dataclass
 class DrafterSection:
+    """The drafter backbone (``drafter.*``)."""
     num_layers: int = 2
     intermediate_size: Optional[int] = None  # default: the target's
     target_layer_ids: list = field(default_factory=list)  # default: DFlash rule for 5 ids
@@ -54,6 +56,7 @@ class DrafterSection:
 
 @dataclass
 class HeadSection:
+    """The correction head (``head.*``; registered families add keys of their own)."""
     type: str = "markov"  # a head type of loss.type's family (dartree.models.families): identity (dflash), gru
     # (domino), markov | gated_markov | rnn (dspark), selector (dflash2)
     rank: int = 64  # DSpark Markov rank R; Domino emb_dim E when emb_dim is unset
@@ -67,6 +70,7 @@ class HeadSection:
 
 @dataclass
 class LossSection:
+    """The drafter family and its loss (``loss.*``)."""
     # the drafter family (dartree.models.families), whose loss trains the head: dflash (CE) | domino ((1-lambda)
     # CE(final) + lambda CE(base)) | dspark (CE + L1 + BCE) | dflash2 (CE(base) + CE(selector-corrected), equal weights)
     type: str = "dspark"
@@ -91,6 +95,7 @@ class LossSection:
 
 @dataclass
 class DataSection:
+    """The training data (``data.*``)."""
     source: str = "sharegpt"  # "sharegpt", "random" (random prompts; tiny test recipes) or "campaign" (committed shards)
     campaign_dir: str = ""  # source=campaign: the campaign folder ("": campaign/ in the repository)
     campaign_shards: int = 0  # source=campaign: train on the first this many shards (0: all); features online
@@ -121,6 +126,7 @@ class DataSection:
 
 @dataclass
 class TrainSection:
+    """The optimiser, schedule, device and engine of the loop (``train.*``)."""
     epochs: float = 8.0
     max_steps: int = 0  # 0: epochs decide
     max_minutes: float = 0.0  # 0: no wall-clock cap; else stop (and save) after this many minutes of training
@@ -147,11 +153,13 @@ class TrainSection:
 
 @dataclass
 class DeepSpeedSection:
+    """DeepSpeed's ZeRO stage (``deepspeed.*``)."""
     zero_stage: int = 0  # ZeRO stage 0, 1, 2 or 3 (train.engine=deepspeed; gloo on CPU, cpu:gloo,cuda:nccl on CUDA)
 
 
 @dataclass
 class WandbSection:
+    """Weights & Biases logging (``wandb.*``)."""
     enabled: bool = False
     mode: str = "offline"
     project: str = "dartree"
@@ -159,6 +167,7 @@ class WandbSection:
 
 @dataclass
 class Recipe:
+    """A training recipe: the schema every recipe file and ``key=value`` override is merged into (struct mode)."""
     recipe: str = MISSING
     families: List[str] = field(default_factory=list)  # modules imported first, each registering a family of its own
     seed: int = 0
