@@ -12,9 +12,9 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf, open_dict
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
 from dartree.base.dtypes import native_bf16
+from dartree.base.schema import merge_settings
 from dartree.models.families import FAMILIES
 from dartree.models.families.plugins import import_families, load_entry_point_families
 from dartree.models.heads import HEADS
@@ -185,17 +185,6 @@ class Recipe:
     deepspeed: DeepSpeedSection = field(default_factory=DeepSpeedSection)
 
 
-def _valid_keys(schema: DictConfig, dotted: str) -> list[str]:
-    node: Any = schema
-    parts = dotted.split(".")
-    for p in parts[:-1]:
-        if isinstance(node, DictConfig) and p in node:
-            node = node[p]
-        else:
-            break
-    return sorted(node.keys()) if isinstance(node, DictConfig) else []
-
-
 def load_recipe(args: list[str]) -> DictConfig:
     """Build the recipe from ``recipe=NAME|PATH`` and ``key=value`` overrides.
 
@@ -235,19 +224,7 @@ def load_recipe(args: list[str]) -> DictConfig:
     _add_family_fields(schema)
     OmegaConf.set_struct(schema.data.chat_template_kwargs, False)  # template variables: any names
     cli.recipe = path.stem
-    for source, label in ((from_file, str(path)), (cli, "command line")):
-        try:
-            schema = OmegaConf.merge(schema, source)
-        except (ConfigKeyError, ConfigAttributeError) as exc:
-            key = getattr(exc, "full_key", None) or str(exc)
-            raise RecipeError(
-                f"unknown key {key!r} in {label}; valid keys there: {_valid_keys(schema, str(key))}"
-            ) from None
-        except ValidationError as exc:
-            msg = (getattr(exc, "msg", None) or str(exc) or "wrong type").strip().splitlines()[0]
-            key = getattr(exc, "full_key", None)
-            where = f"{key!r}" if key else "a section (give key=value for a field inside it)"
-            raise RecipeError(f"bad value for {where} in {label}: {msg}") from None
+    schema = merge_settings(schema, [(from_file, str(path)), (cli, "command line")], RecipeError)
     OmegaConf.resolve(schema)
     check_family(schema)
     if schema.deepspeed.zero_stage not in (0, 1, 2, 3):

@@ -11,6 +11,7 @@ from pathlib import Path
 
 from dartree.base.files import write_file_atomically
 from dartree.base.integrity import file_record
+from dartree.base.schema import merge_settings
 
 
 REPO = Path(__file__).resolve().parents[2]
@@ -77,18 +78,8 @@ def load_settings(args: list[str]):
         BurstError: an unknown key (valid keys listed), a bad value (named) or an unknown stage.
     """
     from omegaconf import OmegaConf
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
-    schema = OmegaConf.structured(BurstSettings)
-    OmegaConf.set_struct(schema, True)
-    try:
-        cfg = OmegaConf.merge(schema, OmegaConf.from_dotlist(list(args)))
-    except (ConfigKeyError, ConfigAttributeError) as exc:
-        raise BurstError(f"unknown key {str(getattr(exc, 'full_key', None) or exc)!r}; valid keys: "
-                         f"{sorted(schema.keys())}") from None
-    except ValidationError as exc:
-        raise BurstError(f"bad value for {getattr(exc, 'full_key', '?')!r}: "
-                         f"{(getattr(exc, 'msg', None) or str(exc)).strip().splitlines()[0]}") from None
+    cfg = merge_settings(BurstSettings, [(OmegaConf.from_dotlist(list(args)), "command line")], BurstError)
     if cfg.stage not in ("payload", "device", "apply"):
         raise BurstError(f"stage={cfg.stage!r}: use payload, device or apply")
     if cfg.shards < 1 or cfg.minutes <= 0 or not 0 < cfg.data_share < 1 or cfg.limit_mib <= 0:

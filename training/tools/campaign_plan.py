@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import json
 import time
-from omegaconf import DictConfig
 from pathlib import Path
+
+from omegaconf import DictConfig
 
 from dartree.base.files import write_file_atomically
 from dartree.base.records import check_shape, parse_json

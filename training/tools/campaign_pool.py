@@ -9,8 +9,9 @@ import functools
 import json
 import random
 from dataclasses import dataclass
-from omegaconf import DictConfig
 from typing import Iterator
+
+from omegaconf import DictConfig
 
 from dartree.decode.harness.prompts import package_dir
 

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import subprocess
 from dataclasses import dataclass, field
-from omegaconf import DictConfig, OmegaConf
-from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 from pathlib import Path
 
+from omegaconf import DictConfig, OmegaConf
+
+from dartree.base.schema import merge_settings
 from dartree.training.campaign_store import CampaignError, DEFAULT_DIR, REPO, check_files, read_manifest
 
 
@@ -92,8 +93,6 @@ def load_settings(args: list[str], folder: Path | None = None) -> DictConfig:
     """
     cli = OmegaConf.from_dotlist(list(args))
     base = Path(folder or cli.get("dir") or DEFAULT_DIR)
-    schema = OmegaConf.structured(CampaignSettings)
-    OmegaConf.set_struct(schema, True)
     sources = []
     if (base / "campaign.yaml").exists():
         try:
@@ -101,18 +100,7 @@ def load_settings(args: list[str], folder: Path | None = None) -> DictConfig:
         except Exception as exc:  # yaml errors: one line
             raise CampaignError(f"cannot parse {base / 'campaign.yaml'}: {str(exc).strip().splitlines()[0]}") from None
     sources.append((cli, "command line"))
-    for src, label in sources:
-        try:
-            schema = OmegaConf.merge(schema, src)
-        except (ConfigKeyError, ConfigAttributeError) as exc:
-            key = getattr(exc, "full_key", None) or str(exc)
-            parent = str(key).rsplit(".", 1)[0] if "." in str(key) else None
-            node = OmegaConf.select(schema, parent) if parent else schema
-            valid = sorted(node.keys()) if isinstance(node, DictConfig) else []
-            raise CampaignError(f"unknown key {key!r} in {label}; valid keys there: {valid}") from None
-        except ValidationError as exc:
-            msg = (getattr(exc, "msg", None) or str(exc)).strip().splitlines()[0]
-            raise CampaignError(f"bad value for {getattr(exc, 'full_key', '?')!r} in {label}: {msg}") from None
+    schema = merge_settings(CampaignSettings, sources, CampaignError)
     if not schema.dir:
         schema.dir = str(base)
     if schema.stage not in STAGES:

@@ -8,8 +8,9 @@ from __future__ import annotations
 import hashlib
 import json
 import time
-from omegaconf import DictConfig
 from pathlib import Path
+
+from omegaconf import DictConfig
 
 from dartree.base.files import write_file_atomically
 from dartree.base.records import NUMBER, read_json

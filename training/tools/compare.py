@@ -33,10 +33,11 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, List
+from typing import Dict, List
 
 from dartree.base.cli import fail
 from dartree.base.files import write_file_atomically
+from dartree.base.schema import merge_settings
 
 REPO = Path(__file__).resolve().parents[2]
 COMMAND = "python training/tools/compare.py"
@@ -85,7 +86,6 @@ def load(args: list[str]):
             malformed comparison file, no arms, or an ``only`` arm the file does not define.
     """
     from omegaconf import DictConfig, OmegaConf
-    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
 
     def merged(schema_cls, src, where: str):
         schema = OmegaConf.structured(schema_cls)
@@ -93,14 +93,7 @@ def load(args: list[str]):
         for key in ("arms", "notes"):  # open maps: any arm name
             if key in schema:
                 OmegaConf.set_struct(schema[key], False)
-        try:
-            return OmegaConf.merge(schema, src)
-        except (ConfigKeyError, ConfigAttributeError) as exc:
-            raise CompareError(f"{where}: unknown key {str(getattr(exc, 'full_key', None) or exc)!r}; valid keys: "
-                               f"{sorted(schema.keys())}") from None
-        except ValidationError as exc:
-            raise CompareError(f"{where}: bad value for {getattr(exc, 'full_key', '?')!r}: "
-                               f"{(getattr(exc, 'msg', None) or str(exc)).strip().splitlines()[0]}") from None
+        return merge_settings(schema, [(src, where)], CompareError)
 
     bare = [a for a in args if a.startswith("only=") and not a[5:].startswith("[")]
     if bare:

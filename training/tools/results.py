@@ -17,7 +17,6 @@ line naming the file and the place in it (exit 2).
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
