@@ -91,3 +91,24 @@ def test_shipped_zlab_drafter_runs_in_zlabs_loop_as_in_ours(real):
         rounds += ours.stats.rounds
         committed += sum(ours.stats.accept_lengths)
     assert committed / rounds > 1.0  # the drafter proposes accepted tokens
+
+
+@pytest.mark.slow
+def test_shipped_dspine_drafter_is_lossless_on_default_target(real):
+    """checkpoints/dspine_b16 (causal block, injection, transition scores) decodes the packaged target losslessly
+    under the chain and the pruned tree, and its trained chain accepts more than an untrained one."""
+    target = real[0]
+    dm = load_dartree(CKPT.with_name("dspine_b16"), target=target)
+    assert dm.config["head"]["type"] == "dspine" and dm.drafter.cfg.target_layer_ids == target.layer_ids
+    stop = [target.tokenizer.eos_token_id]
+    committed = rounds = 0
+    for p in load_prompts("gsm8k", 1) + load_prompts("mtbench", 1):
+        ids = chat_prompt_ids(target.tokenizer, p.text)
+        want = autoregressive_generate(target, ids, max_new_tokens=32, stop_ids=stop).tokens
+        for builder, budget in (("chain", None), ("pruned", 16)):
+            out = speculative_generate(target, dm.drafter, dm.head, ids, builder=builder, budget=budget,
+                                       max_new_tokens=32, stop_ids=stop)
+            assert out.tokens == want, (p.id, builder)
+            committed += sum(out.stats.accept_lengths)
+            rounds += out.stats.rounds
+    assert committed / rounds > 1.02
