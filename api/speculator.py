@@ -25,8 +25,10 @@ import torch
 from dartree.base.dtypes import DTYPES
 from dartree.base.fields import is_int, is_real
 from dartree.decode.assembly import CALIBRATION_PROMPT, Assembly, assemble
+from dartree.decode.batch_budget import BatchCostModel
 from dartree.decode.batched import batched_generate, check_batched
 from dartree.decode.budget import calibrate
+from dartree.decode.row_costs import RowCosts, batch_rows
 from dartree.decode.generate import (POLICY_PROMPT, DecodeStats, autoregressive_generate, check_speculative,
                                      seed_policy, speculative_generate, warm_paths)
 from dartree.decode.inputs import check_lookup, check_speculative_args, token_ids
@@ -92,10 +94,35 @@ class BatchedDecoding:
     """The batched half of :class:`SpeculativeDecoder`'s API: several prompts decoded together
     (:meth:`generate_batch`; :meth:`SpeculativeDecoder.generate` comes here for a list of prompts). It uses the
     decoder's ``target``, ``draft``, ``stop_ids``, prompt handling, checks and :meth:`SpeculativeDecoder.warm_up`.
+    Its ``budget="auto"`` policies (``batch_models``: {(tree, lookup, builder parameters): a
+    :class:`~dartree.decode.batch_budget.BatchCostModel`}) start from the setting's seeded batch-1 policy and share
+    one row table (``row_costs``: the cost ratios of forwards over N rows, measured once per row count).
     """
 
+    def batch_model(self, key: tuple, rows: int) -> tuple[BatchCostModel, float]:
+        """The ``budget="auto"`` policy of the setting ``key`` for batches of ``rows`` rows: the row counts such a
+        batch runs at measured into the decoder's row table if not measured before
+        (:meth:`~dartree.decode.row_costs.RowCosts.measure` on :data:`~dartree.decode.generate.POLICY_PROMPT`, keyed by
+        row count), and the setting's batch policy made from its seeded batch-1 policy the first time (call
+        :meth:`SpeculativeDecoder.warm_up` for the setting first). Returns (the policy, seconds spent: 0.0 when both
+        were there).
+
+        Raises:
+            KeyError: the setting has no seeded batch-1 policy (:meth:`SpeculativeDecoder.warm_up` not run for it).
+        """
+        t0, spent = time.perf_counter(), False
+        if self.row_costs.missing(batch_rows(rows)):
+            ids = self.prompt_ids(POLICY_PROMPT) if self.target.tokenizer is not None else list(range(2, 34))
+            self.row_costs.measure(self.target, self.draft.drafter, ids, batch_rows(rows),
+                                   max_budget=self.draft.drafter.cfg.num_proposals)
+            spent = True
+        if key not in self.batch_models:
+            self.batch_models[key] = BatchCostModel.from_model(self.cost_models[key], self.row_costs)
+            spent = True
+        return self.batch_models[key], (time.perf_counter() - t0 if spent else 0.0)
+
     def generate_batch(self, prompts: Sequence, *, max_new_tokens: int | Sequence[int] = 256, tree: str = "pruned",
-                       budget: int | None = None, temperature: float = 0.0, seed: int = 0, lookup: int = 0,
+                       budget: int | str | None = None, temperature: float = 0.0, seed: int = 0, lookup: int = 0,
                        chat: bool = True, ignore_generation_config: bool = False, batch_size: int | None = None,
                        **builder_params) -> list[Generation]:
         """Generate answers to several prompts decoded together (:func:`~dartree.decode.batched.batched_generate`):
@@ -106,8 +133,10 @@ class BatchedDecoding:
         Args:
             prompts: a list of prompts, each text, chat messages or token ids (:meth:`prompt_ids`).
             max_new_tokens: one cap for all, or one per prompt.
-            budget: tree nodes per row and round, or None (default): the drafter's proposals P. ``"auto"`` is
-                refused: its cost model is not batch-aware yet.
+            budget: tree nodes per row and round (an int), ``"auto"`` (per round a cost model timed by rows as well
+                as nodes per row decides whether the batch drafts and how wide every row's tree is, for the batch's
+                throughput; :mod:`dartree.decode.batch_budget`), or None (default): ``"auto"`` at temperature 0, the
+                drafter's proposals P above 0, as :meth:`generate`.
             batch_size: rows decoded together (default: all); with fewer, a finished row's place goes to the next
                 prompt.
             tree, temperature, seed, lookup, chat, ignore_generation_config, builder_params: as :meth:`generate`.
@@ -115,8 +144,8 @@ class BatchedDecoding:
             One :class:`Generation` per prompt, in order (``seconds``: its prefill and its time in the batch;
             ``setup_s``: the call's one-time setup, :meth:`warm_up`).
         Raises:
-            TypeError / ValueError: as :meth:`generate`, a prompt named by its index, ``budget="auto"``, caps that
-                are not one per prompt, a ``batch_size`` below 1; all before any set-up.
+            TypeError / ValueError: as :meth:`generate`, a prompt named by its index, caps that are not one per
+                prompt, a ``batch_size`` below 1; all before any set-up.
         """
         if isinstance(prompts, (str, bytes, dict)) or not isinstance(prompts, Sequence) or not len(prompts):
             raise TypeError(f"prompts={prompts!r:.60} is not a list of prompts; give a list, each {PROMPT_FORMS}")
@@ -133,11 +162,17 @@ class BatchedDecoding:
                 raise type(exc)(f"prompts[{i}]: {exc}") from None
         gen = torch.Generator(device=self.target.device.type).manual_seed(seed) if temperature > 0 else None
         dm, params = self.draft, builder_params or None
+        budget = ("auto" if temperature == 0 else None) if budget is None else budget
         args = dict(builder=tree, max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=self.stop_ids,
                     budget=budget, generator=gen, builder_params=params, lookup=lookup, lookup_ngram=3)
-        check_batched(self.target, dm.drafter, dm.head, ids, batch_size=batch_size, **args)
+        rows = check_batched(self.target, dm.drafter, dm.head, ids, batch_size=batch_size, **args)[-1]
         setup = self.warm_up(tree=tree, budget=budget, lookup=lookup, **builder_params)
-        out = batched_generate(self.target, dm.drafter, dm.head, ids, batch_size=batch_size, **args)
+        policy = None
+        if budget == "auto":
+            policy, spent = self.batch_model(self._key(tree, lookup, builder_params), rows)
+            setup += spent
+        out = batched_generate(self.target, dm.drafter, dm.head, ids, batch_size=batch_size, cost_model=policy,
+                               **args)
         res = []
         for o, pid in zip(out, ids):
             g = self._finish(o, pid, time.perf_counter())
@@ -184,6 +219,8 @@ class SpeculativeDecoder(BatchedDecoding):
         self.chat_template_kwargs = dict(chat_template_kwargs or {})
         self.cost_models: dict = {}  # (tree, lookup, builder params) -> its budget="auto" policy, kept across calls
         self._timing = None  # the start-up calibration the policies copy (dartree.decode.budget.calibrate)
+        self.row_costs = RowCosts()  # cost ratios of N-row forwards, measured once per row count (batches)
+        self.batch_models: dict = {}  # (tree, lookup, builder params) -> its batched budget="auto" policy
         self._warmed: set = set()  # the settings warm_up prepared
 
     def prompt_ids(self, prompt: str | Sequence[dict] | Sequence[int], *, chat: bool = True) -> list[int]:

@@ -100,7 +100,8 @@ class BatchTreeInputs:
     Attributes:
         input_ids: [N, W] int64, row i = [root_i, tree tokens, padding (its root id)].
         position_ids: [N, W] int64, lens_i + depth (padding at lens_i).
-        attention_mask: [N, 1, W, S + W] additive float in the target's dtype (0 visible, finfo.min hidden).
+        attention_mask: [N, 1, W, S + W] additive float in the target's dtype (0 visible, finfo.min hidden); None
+            for an AR step of every row (W = 1) with no hole, which sees every key.
         sizes: N tree sizes M_i (row i's real queries are its first M_i + 1).
         past: S, the cache width the mask was built for.
     """
@@ -121,7 +122,8 @@ def compile_batch(trees: Sequence[Tree], roots: Sequence[int], lens: Sequence[in
 
     Mask of row i: columns ``< lens[i]`` visible to all its queries; columns ``lens[i] .. past - 1`` (its hole)
     hidden; in the tree block (columns ``past ..``), node j sees its ancestors and itself (the
-    :func:`~dartree.kernels.tree_compile.tree_attention` block), a padding query itself only.
+    :func:`~dartree.kernels.tree_compile.tree_attention` block), a padding query itself only. When every tree is
+    empty and no row has a hole the mask is None (every query sees every key: a batched AR step).
 
     Args:
         trees: N trees (M_i nodes; an empty tree verifies its root alone). roots: N root ids.
@@ -144,6 +146,8 @@ def compile_batch(trees: Sequence[Tree], roots: Sequence[int], lens: Sequence[in
     low = torch.finfo(dtype).min
     lens_t = torch.tensor([int(l) for l in lens], dtype=torch.long)
     ids = torch.tensor([int(r) for r in roots], dtype=torch.long)[:, None].repeat(1, w)
+    if w == 1 and all(int(l) == past for l in lens):  # every row its root alone, no hole: an AR step, no mask (as
+        return BatchTreeInputs(ids.to(device), lens_t[:, None].to(device), None, sizes, past)  # batch 1's passes none)
     depth = torch.zeros(n, w, dtype=torch.long)
     mask = torch.full((n, 1, w, past + w), low, dtype=dtype)
     mask[:, 0, :, :past].masked_fill_((torch.arange(past)[None] < lens_t[:, None])[:, None, :], 0.0)

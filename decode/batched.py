@@ -17,9 +17,10 @@ whose attention reads each row's own keys in position order); above 0 each row's
 target's samples (exact target-sample matching, as batch 1). The batch-1 loop
 (:func:`~dartree.decode.generate.speculative_generate`) is a separate function and is not changed by any of this.
 
-The budget is per row and fixed (:class:`RowBudgets`); a batch-aware policy (one that sees every row's tree before
-the shared verify, e.g. to size trees against the batch's verify cost) replaces :class:`RowBudgets` through the same
-two calls (:meth:`RowBudgets.new_row`, :meth:`RowBudgets.choose`).
+The budget is a fixed node count per row (:class:`RowBudgets`), or ``"auto"``: the batch-aware cost model
+(:mod:`dartree.decode.batch_budget`) decides per round whether the batch drafts at all and the width every row's tree
+is cut to, for the batch's throughput, with verify and draft costs timed by rows as well as nodes per row
+(:mod:`dartree.decode.row_costs`). Both go through the same calls (``new_row``, ``drafts``, ``choose``, ``observe``).
 """
 
 from __future__ import annotations
@@ -32,10 +33,12 @@ from typing import Sequence
 import torch
 
 from dartree.base.fields import describe, is_int
+from dartree.decode.batch_budget import AutoRowBudgets, BatchCostModel, batch_policy
 from dartree.decode.batch_rounds import compile_batch, draft_blocks, verify_batch
-from dartree.decode.generate import DecodeStats, GenerateOutput, _commit, _prefill, check_speculative
+from dartree.decode.generate import (DecodeStats, GenerateOutput, _commit, _prefill, check_speculative,
+                                     speculative_generate)
 from dartree.decode.rounds import FixedBudget, GreedyMatch, LookupGraft
-from dartree.decode.trees import Tree, get_builder
+from dartree.decode.trees import Tree, builder_beta, get_builder
 from dartree.models.batch_cache import BatchKV, RowDraftCache
 from dartree.models.drafter import DFlashDrafter
 from dartree.models.heads import CorrectionHead
@@ -83,11 +86,13 @@ class BatchOutput:
 
 
 class RowBudgets:
-    """The batch's budget: every row its own fixed :class:`~dartree.decode.rounds.FixedBudget` of ``nodes`` nodes
-    (with its own prompt-lookup statistics, as a batch-1 decode has).
+    """The batch's fixed budget: every row its own :class:`~dartree.decode.rounds.FixedBudget` of ``nodes`` nodes
+    (with its own prompt-lookup statistics, as a batch-1 decode has); every round drafts.
 
-    A batch-aware policy replaces this object: :meth:`new_row` gives a request's policy when it enters the batch and
-    :meth:`choose` sees every row's built tree before the shared verify forward.
+    The calls the loop makes, which the batch-aware policy (:class:`~dartree.decode.batch_budget.AutoRowBudgets`)
+    answers too: :meth:`new_row` gives a request's part when it enters the batch, :meth:`drafts` says whether a
+    round of N rows drafts, :meth:`choose` sees every row's built tree before the shared verify forward and
+    :meth:`observe` the round's outcome.
 
     Args:
         nodes: B >= 0, tree nodes per row and round.
@@ -100,11 +105,19 @@ class RowBudgets:
         """The policy of a request entering the batch."""
         return FixedBudget(self.nodes)
 
+    def drafts(self, rows: int) -> bool:
+        """Whether a round of ``rows`` rows drafts: always."""
+        return True
+
     def choose(self, policies: Sequence[FixedBudget], trees: list[Tree], chain_pos: list,
-               build_started: float) -> tuple[list[Tree], list]:
+               build_started: float, drafted: bool = True) -> tuple[list[Tree], list]:
         """Every row's tree as its policy keeps it (:meth:`FixedBudget.choose`); returns (trees, chain positions)."""
-        out = [p.choose(t, c, True, build_started) for p, t, c in zip(policies, trees, chain_pos)]
+        out = [p.choose(t, c, drafted, build_started) for p, t, c in zip(policies, trees, chain_pos)]
         return [t for t, _ in out], [c for _, c in out]
+
+    def observe(self, trees: list[Tree], vers: list, chain_pos: list, ngrams: list, drafted: bool, *,
+                draft_s: float, verify_s: float, round_s: float) -> None:
+        """Nothing: each row's :class:`FixedBudget` learns its own lookup chain's acceptance."""
 
 
 @dataclass
@@ -118,7 +131,7 @@ class _Row:
     stats: DecodeStats
     anchor: int
     pending: list
-    policy: FixedBudget
+    policy: object  # FixedBudget, or the auto budget's row part
     graft: LookupGraft
     started: float  # clock reading after its prefill
 
@@ -153,9 +166,6 @@ def check_batched(target, drafter, head, prompts, *, builder, max_new_tokens, te
         raise TypeError(f"prompts is {describe(prompts)}; give a list of prompts, each a list of token ids")
     if not prompts:
         raise ValueError("prompts is empty; give at least one prompt")
-    if budget == "auto":
-        raise ValueError("budget='auto' is not batch-aware yet (its cost model times batch-1 rounds); give an int "
-                         "budget or None (one node per proposal) for a batch")
     caps = _lengths(max_new_tokens, len(prompts))
     ids, stops, name = [], [], builder
     for i, (p, cap) in enumerate(zip(prompts, caps)):
@@ -183,8 +193,9 @@ def check_batched(target, drafter, head, prompts, *, builder, max_new_tokens, te
 def batched_generate(
     target: Target, drafter: DFlashDrafter, head: CorrectionHead, prompts: Sequence, *, builder: str = "pruned",
     max_new_tokens: int | Sequence[int], temperature: float = 0.0, stop_ids: Sequence[int] = (),
-    budget: int | None = None, generator: torch.Generator | None = None, builder_params: dict | None = None,
+    budget: int | str | None = None, generator: torch.Generator | None = None, builder_params: dict | None = None,
     lookup: int = 0, lookup_ngram: int = 3, batch_size: int | None = None, record_trees: bool = False,
+    cost_model: BatchCostModel | None = None,
 ) -> BatchOutput:
     """Speculative decoding of several prompts together; every row lossless (see the module docstring).
 
@@ -193,26 +204,48 @@ def batched_generate(
             as :func:`~dartree.decode.generate.speculative_generate` (acceptance is exact target-sample matching).
         prompts: N prompts, each token ids as ``speculative_generate`` takes one ([T] or [1, T]).
         max_new_tokens: the cap on generated tokens, one int for all prompts or one per prompt.
-        budget: tree nodes per row and round (default: P, the drafter's proposals); ``"auto"`` is refused (its cost
-            model is not batch-aware yet).
+        budget: tree nodes per row and round (default: P, the drafter's proposals), or ``"auto"``: per round the
+            batch-aware cost model decides whether the batch drafts and the width of every row's tree
+            (:mod:`dartree.decode.batch_budget`).
         generator: a seeded torch.Generator for T > 0 (one stream for the batch: a row's samples depend on the seed
             and on the other rows, its distribution does not).
         batch_size: rows decoded together (default: all prompts); with fewer, the prompts wait in a queue and a
-            finished row's place goes to the next one.
+            finished row's place goes to the next one. One row at a time (``batch_size=1`` or one prompt) is
+            :func:`~dartree.decode.generate.speculative_generate` per prompt, the one-prompt loop and its speed (the
+            ``"auto"`` policy at one row is the batch-1 one).
+        cost_model: the ``budget="auto"`` policy (:class:`~dartree.decode.batch_budget.BatchCostModel`, calibrated
+            and seeded; shared across calls, updated in place); None builds one for this call
+            (:func:`~dartree.decode.batch_budget.batch_policy`: calibration, row table, warm-up, seeding).
     Returns:
         :class:`BatchOutput`: per prompt, in order, the tokens :func:`~dartree.decode.generate.autoregressive_generate`
         gives at T = 0 (distributed as the target's samples at T > 0), with its stats.
     Raises (all before any forward):
         TypeError / ValueError: the checks of ``speculative_generate`` per prompt (named ``prompts[i]``), an empty
-            prompt list, caps that are not one per prompt, ``budget="auto"``, a ``batch_size`` below 1.
+            prompt list, caps that are not one per prompt, a ``batch_size`` below 1.
+        TypeError: a ``cost_model`` that is not a :class:`~dartree.decode.batch_budget.BatchCostModel`.
     """
     t_run = time.perf_counter()
     ids, caps, stop_list, builder, width = check_batched(
         target, drafter, head, prompts, builder=builder, max_new_tokens=max_new_tokens, temperature=temperature,
         stop_ids=stop_ids, budget=budget, generator=generator, builder_params=builder_params, lookup=lookup,
         lookup_ngram=lookup_ngram, batch_size=batch_size)
-    loop = _BatchLoop(target, drafter, ids, caps, stops=set(int(s) for s in stop_list),
-                      budgets=RowBudgets(drafter.cfg.num_proposals if budget is None else int(budget)),
+    if budget == "auto":
+        if cost_model is None:
+            cost_model = batch_policy(target, drafter, head, ids, rows=width, builder=builder,
+                                      builder_params=builder_params, lookup=lookup, lookup_ngram=lookup_ngram,
+                                      stop_ids=stop_list, temperature=temperature, max_new_tokens=max(caps))
+        if width == 1:
+            cost_model.set_rows(1)
+    if width == 1:  # one row at a time is the one-prompt decode: its own loop, at its own speed
+        return _one_at_a_time(t_run, lambda i, cap: speculative_generate(
+            target, drafter, head, ids[i], builder=builder, max_new_tokens=cap, temperature=temperature,
+            stop_ids=stop_list, budget=budget, generator=generator, builder_params=builder_params,
+            record_trees=record_trees, cost_model=cost_model, lookup=lookup, lookup_ngram=lookup_ngram), caps)
+    if budget == "auto":
+        budgets = AutoRowBudgets(cost_model, builder_beta(builder, dict(builder_params or {})), time.perf_counter)
+    else:
+        budgets = RowBudgets(drafter.cfg.num_proposals if budget is None else int(budget))
+    loop = _BatchLoop(target, drafter, ids, caps, stops=set(int(s) for s in stop_list), budgets=budgets,
                       rule=GreedyMatch(get_builder(builder), head, dict(builder_params or {}), temperature, generator),
                       lookup=(lookup, lookup_ngram), record_trees=record_trees)
     loop.fill(width)
@@ -222,13 +255,29 @@ def batched_generate(
     return loop.result
 
 
+def _one_at_a_time(t_run: float, decode, caps: list, plain: bool = False) -> BatchOutput:
+    """A batch of one row: every prompt decoded alone, in order, by ``decode(i, cap)`` (the one-prompt loop,
+    :func:`~dartree.decode.generate.speculative_generate` or :func:`~dartree.decode.generate.autoregressive_generate`),
+    gathered as a :class:`BatchOutput` (a width per round: its tree's nodes + 1, or 1 per token after the first with
+    ``plain``, the AR loop; one row per forward). ``t_run``: the clock reading when the call started."""
+    out = BatchOutput([None] * len(caps))
+    for i, cap in enumerate(caps):
+        o = decode(i, cap)
+        out.outputs[i] = o
+        rounds = [0] * max(len(o.tokens) - 1, 0) if plain else o.stats.tree_nodes
+        out.widths += [n + 1 for n in rounds]
+        out.rows += [1] * len(rounds)
+    out.seconds = time.perf_counter() - t_run
+    return out
+
+
 class _BatchLoop:
     """The state of one batched decode and its steps: admitting prompts from the queue (:meth:`admit`), one round
     for all rows (:meth:`round`), finished rows leaving and the queue refilling their places (:meth:`refill`).
     Arguments as :func:`batched_generate` resolved them."""
 
     def __init__(self, target: Target, drafter: DFlashDrafter, ids: list, caps: list, *, stops: set,
-                 budgets: RowBudgets, rule: GreedyMatch, lookup: tuple, record_trees: bool):
+                 budgets: RowBudgets | AutoRowBudgets, rule: GreedyMatch, lookup: tuple, record_trees: bool):
         self.target, self.drafter, self.ids, self.caps, self.stops = target, drafter, ids, caps, stops
         self.budgets, self.rule, self.lookup, self.record_trees = budgets, rule, lookup, record_trees
         self.result = BatchOutput([None] * len(ids))
@@ -269,21 +318,23 @@ class _BatchLoop:
             self.dcache.add_row()
 
     def round(self) -> None:
-        """One round for every row: draft -> build, graft, budget -> compile, verify -> commit; then the finished
-        rows leave (:meth:`refill`)."""
+        """One round for every row: draft (unless the budget says the batch takes a plain step) -> build, graft,
+        budget -> compile, verify -> commit; then the finished rows leave (:meth:`refill`)."""
         rows, kv, rule, target = self.rows, self.kv, self.rule, self.target
-        ta = time.perf_counter()  # draft
+        ta = time.perf_counter()  # draft (a round without it: every row's features wait for the next draft)
         starts, anchors = list(kv.lens), [r.anchor for r in rows]
-        blocks = draft_blocks(target, self.drafter, anchors, starts,
-                              [r.pending[0] if len(r.pending) == 1 else torch.cat(r.pending) for r in rows],
-                              self.dcache)
-        for r in rows:
-            r.pending.clear()
+        drafted = self.budgets.drafts(len(rows))
+        if drafted:
+            blocks = draft_blocks(target, self.drafter, anchors, starts,
+                                  [r.pending[0] if len(r.pending) == 1 else torch.cat(r.pending) for r in rows],
+                                  self.dcache)
+            for r in rows:
+                r.pending.clear()
         tb = time.perf_counter()  # build, graft, budget
-        built = [r.graft(rule.build(block, r.anchor, r.policy.nodes), r.out, r.policy.lookup_stats)
-                 for r, block in zip(rows, blocks)]
+        built = [r.graft(rule.build(blocks[j], r.anchor, r.policy.nodes) if drafted else Tree.empty(), r.out,
+                         r.policy.lookup_stats) for j, r in enumerate(rows)]
         trees, chain_pos = self.budgets.choose([r.policy for r in rows], [b[0] for b in built],
-                                               [b[1] for b in built], tb)
+                                               [b[1] for b in built], tb, drafted)
         tc = time.perf_counter()  # compile, verify
         inputs = compile_batch(trees, anchors, starts, kv.width, target.dtype, target.device)
         tc2 = time.perf_counter()
@@ -297,11 +348,13 @@ class _BatchLoop:
             r.stats.add_round(n, tree, ver, r.policy.recorded_budget(tree), r.anchor, self.record_trees)
             r.anchor = ver.bonus_id
             r.pending.append(ver.features)
-            r.policy.observe(tree, ver.accepted, chain_pos[j], built[j][2], True, draft_s=tb - ta,
+            r.policy.observe(tree, ver.accepted, chain_pos[j], built[j][2], drafted, draft_s=tb - ta,
                              verify_s=td - tc2, round_s=td - ta)
             if done:
                 finished.append(j)
         te = time.perf_counter()
+        self.budgets.observe(trees, vers, chain_pos, [b[2] for b in built], drafted, draft_s=tb - ta,
+                             verify_s=td - tc2, round_s=te - ta)
         for r in rows:
             r.stats.add_stage_times(ta, tb, tc, tc2, td, te)
         if finished:

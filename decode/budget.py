@@ -319,6 +319,11 @@ class CostModel:
             vals = sorted(vals + [min(self._modelled_steps, _median(vals))] * (COST_WINDOW - len(vals)))
         return _median(vals)
 
+    def round_overhead(self) -> float:
+        """Seconds a drafted round spends before its verify: t_draft + t_build (a batch's model scales both by its
+        rows, :class:`~dartree.decode.batch_budget.BatchCostModel`)."""
+        return self.t_draft + self.t_build
+
     def probe_gap(self, alternative: float = 1.0) -> int:
         """Rounds without the drafter after which :meth:`should_draft` drafts a probe even while drafting looks
         behind: max(:data:`PROBE_MIN_GAP`, :data:`PROBE_RATIO` x (c - 1 / a)), c = (t_draft + t_build +
@@ -326,7 +331,7 @@ class CostModel:
         the tokens per AR step of the rounds without the drafter (1 for plain AR steps). A probe commits at least
         one token where the alternative would have committed c x a, so the forced probes lose at most
         1 / PROBE_RATIO of the tokens of the rounds between them."""
-        c = (self.t_draft + self.t_build + self.verify_time(2)) / self.verify_time(1)
+        c = (self.round_overhead() + self.verify_time(2)) / self.verify_time(1)
         return max(PROBE_MIN_GAP, int(PROBE_RATIO * max(c - 1.0 / max(alternative, 1e-9), 0.0) + 0.999999))
 
     def _knots(self) -> list[tuple[int, float]]:
@@ -572,34 +577,44 @@ class CostModel:
 
     def _choose_by_outcomes(self, est: list[float], lo: int = 0) -> tuple[int, float]:
         """Rule ``"outcomes"`` for a drafted tree whose nodes, best first, have calibrated acceptance estimates
-        ``est`` (M >= 1 of them): the b <= M maximising (1 + A_b) / (t_draft + t_build + t_verify(b + 1)), where
-        A_b = sum over j <= b of the increment d_j (the drafts the top-j sub-tree accepted beyond the top-(j - 1)
-        one, :meth:`_record_outcomes`: a paired difference, far less noisy than each budget's own mean) plus
-        :data:`OUTCOME_Z` of its standard errors. Each d_j is the mean over the rounds verified at j or more, shrunk
-        towards this tree's own est[j - 1] with a prior of :data:`OUTCOME_PRIOR` rounds, so the rule starts as the
-        per-round one and a budget not tried for long falls back to what the drafter promises. Every
-        :data:`OUTCOME_EXPLORE`-th call verifies twice that b (at least one node more), so that the larger budgets'
-        outcomes stay current. b = 0 (1 token in t_draft + t_build + t_verify(1)) is a candidate too, unless ``lo``
-        (1 in a probe) says at least one node. Returns (b, 1 + A_b)."""
+        ``est`` (M >= 1 of them): the b <= M maximising (1 + A_b) / (t_draft + t_build + t_verify(b + 1)), A_b as
+        :meth:`outcome_gains` gives it. Every :data:`OUTCOME_EXPLORE`-th call verifies twice that b (at least one
+        node more), so that the larger budgets' outcomes stay current. b = 0 (1 token in t_draft + t_build +
+        t_verify(1)) is a candidate too, unless ``lo`` (1 in a probe) says at least one node. Returns (b, 1 + A_b)."""
         top = min(len(est), self.max_budget)
         self._explore += 1
-        sunk = self.t_draft + self.t_build
-        w0 = OUTCOME_PRIOR
-        ws = [self.out_n[b] + w0 for b in range(1, top + 1)]
-        ds = [min(max((self.out_tok[b] + w0 * est[b - 1]) / ws[b - 1], 0.0), 1.0) for b in range(1, top + 1)]
-        ds = [-v for v in _pav([-v for v in ds], ws)]  # the j-th best node adds no more than the (j - 1)-th
-        best_b, best_rate, total, gains = 0, (1.0 / (sunk + self.verify_time(1)) if lo == 0 else -1.0), 0.0, [0.0]
+        sunk = self.round_overhead()
+        gains = self.outcome_gains(est)
+        best_b, best_rate = 0, (1.0 / (sunk + self.verify_time(1)) if lo == 0 else -1.0)
         for b in range(1, top + 1):
-            d = ds[b - 1]
-            total += d + OUTCOME_Z * (d * (1.0 - d) / ws[b - 1]) ** 0.5
-            gains.append(total)
-            rate = (1.0 + total) / (sunk + self.verify_time(b + 1))
+            rate = (1.0 + gains[b]) / (sunk + self.verify_time(b + 1))
             if rate > best_rate:
                 best_b, best_rate = b, rate
         if self._explore >= OUTCOME_EXPLORE and best_b < top:
             self._explore = 0
             best_b = min(top, max(2 * best_b, best_b + 1))
         return best_b, 1.0 + gains[best_b]
+
+    def outcome_gains(self, est: list[float]) -> list[float]:
+        """The optimistic drafts accepted A_b of the top-b sub-trees of one drafted tree, b = 0 .. min(M,
+        ``max_budget``), under rule ``"outcomes"``: A_b = sum over j <= b of the increment d_j (the drafts the top-j
+        sub-tree accepted beyond the top-(j - 1) one, :meth:`_record_outcomes`: a paired difference, far less noisy
+        than each budget's own mean) plus :data:`OUTCOME_Z` of its standard errors. Each d_j is the mean over the
+        rounds verified at j or more, shrunk towards this tree's own ``est[j - 1]`` (its j-th best node's calibrated
+        acceptance probability) with a prior of :data:`OUTCOME_PRIOR` rounds, clipped to [0, 1] and made
+        non-increasing in j; so the rule starts as the per-round one and a budget not tried for long falls back to
+        what the drafter promises. Returns [A_0 = 0, A_1, ...] (drafts, floats)."""
+        top = min(len(est), self.max_budget)
+        w0 = OUTCOME_PRIOR
+        ws = [self.out_n[b] + w0 for b in range(1, top + 1)]
+        ds = [min(max((self.out_tok[b] + w0 * est[b - 1]) / ws[b - 1], 0.0), 1.0) for b in range(1, top + 1)]
+        ds = [-v for v in _pav([-v for v in ds], ws)]  # the j-th best node adds no more than the (j - 1)-th
+        total, gains = 0.0, [0.0]
+        for b in range(1, top + 1):
+            d = ds[b - 1]
+            total += d + OUTCOME_Z * (d * (1.0 - d) / ws[b - 1]) ** 0.5
+            gains.append(total)
+        return gains
 
     def _record_outcomes(self, tree: Tree, accepted: torch.Tensor) -> None:
         """Add what every budget b <= V would have accepted in a drafted round verified at V = ``tree.size`` nodes
@@ -624,7 +639,7 @@ class CostModel:
         build included for a drafted one; ``probe``: a probe round): :meth:`record` adds them, or the round's
         measured seconds winsorised against them, with the tokens it really committed to the sums
         :meth:`should_draft` reads."""
-        sec = (self.t_draft + self.t_build if drafted else 0.0) + self.verify_time(b + 1)
+        sec = (self.round_overhead() if drafted else 0.0) + self.verify_time(b + 1)
         self._pending = (drafted, sec, sec / self.verify_time(1), probe)
 
     def _observe_round(self, tokens: float, seconds: float | None) -> None:
@@ -675,6 +690,16 @@ class CostModel:
         self.chosen[m] = self.chosen.get(m, 0) + 1
         drafted = self._pending is not None and self._pending[0]
         self._observe_round(float(accepted.numel()), seconds)  # root + accepted drafts = accepted drafts + the bonus token
+        self.learn(tree, accepted, chain_pos, ngram, drafted)
+
+    def learn(self, tree: Tree, accepted: torch.Tensor, chain_pos: torch.Tensor | None = None, ngram: int = 0,
+              drafted: bool = True) -> None:
+        """The acceptance part of :meth:`record`: what one verified tree teaches the calibration (each drafter node's
+        predicted p = exp(score) against whether it was accepted, per :data:`PROB_BINS` bin), the lookup chain
+        statistics and, for a drafted tree without a chain under rule ``"outcomes"``, each budget's outcome
+        (:meth:`_record_outcomes`). Arguments as :meth:`record`; ``drafted``: whether the round ran the drafter.
+        A batch (:class:`~dartree.decode.batch_budget.BatchCostModel`) calls it once per row."""
+        m = tree.size
         if m == 0:
             return
         if drafted and chain_pos is None and self.rule == "outcomes":

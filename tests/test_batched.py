@@ -115,15 +115,25 @@ def test_dflash2_convolutions_and_a_reduced_draft_vocabulary_are_lossless_in_a_b
 
 
 def test_batch_1_runs_the_rounds_of_speculative_generate(target, drafter):
-    """One row: no hole, no padding, so the drafts, trees and accept lengths are batch 1's own."""
+    """One row at a time is the one-prompt loop itself (its widths the trees' sizes + 1); and the batched loop left
+    with one row (its neighbour done at its prefill: no hole, no padding) runs batch 1's drafts, trees and accept
+    lengths too."""
     head = make_markov()
     for p in _prompts()[:3]:
         for builder in ("pruned", "ddtree"):
             budget, params = BUILDERS[builder]
             one = speculative_generate(target, drafter, head, p, builder=builder, budget=budget,
                                        builder_params=params, max_new_tokens=24, stop_ids=[STOP], record_trees=True)
-            got = batched_generate(target, drafter, head, [p], builder=builder, budget=budget, builder_params=params,
-                                   max_new_tokens=24, stop_ids=[STOP], record_trees=True)[0]
+            alone = batched_generate(target, drafter, head, [p, p], builder=builder, budget=budget,
+                                     builder_params=params, max_new_tokens=24, stop_ids=[STOP], record_trees=True,
+                                     batch_size=1)
+            assert [o.tokens for o in alone] == [one.tokens, one.tokens]
+            assert alone.widths == [n + 1 for n in one.stats.tree_nodes] * 2 and set(alone.rows) == {1}
+            looped = batched_generate(target, drafter, head, [p, _prompts()[4]], builder=builder, budget=budget,
+                                      builder_params=params, max_new_tokens=[24, 1], stop_ids=[STOP],
+                                      record_trees=True)
+            got = looped[0]
+            assert len(looped[1].tokens) == 1 and set(looped.rows) == {1}
             assert got.tokens == one.tokens
             assert got.stats.accept_lengths == one.stats.accept_lengths
             assert got.stats.trees == one.stats.trees
@@ -340,7 +350,7 @@ def test_bf16_in_the_row_invariant_mode_every_row_equals_its_ar_output():
 def test_bad_batched_arguments_are_named_before_any_forward(target, drafter):
     head, prompts = make_markov(), _prompts()[:3]
     cases = [
-        (dict(budget="auto"), ValueError, "budget='auto' is not batch-aware yet"),
+        (dict(budget=-1), ValueError, r"^budget=-1 must be >= 0 \(tree nodes per round"),
         (dict(max_new_tokens=[4, 5]), ValueError, "max_new_tokens holds 2 caps for 3 prompts"),
         (dict(max_new_tokens=[4, 5.0, 3]), TypeError, r"max_new_tokens\[1\]=5.0 must be an integer"),
         (dict(batch_size=0), ValueError, "batch_size=0 must be an int >= 1"),
@@ -382,7 +392,5 @@ def test_the_api_generates_a_list_for_a_list_of_prompts(target, drafter):
     assert is_prompt_list(["a", "b"]) and is_prompt_list([[{"role": "user", "content": "hi"}]])
     assert is_prompt_list([[3, 4], [5]]) and not is_prompt_list([[3, 4]]) and not is_prompt_list([3, 4])
     assert not is_prompt_list([{"role": "user", "content": "hi"}]) and not is_prompt_list("ab")
-    with pytest.raises(ValueError, match="budget='auto' is not batch-aware yet"):
-        spec.generate(prompts, max_new_tokens=4, budget="auto")
     with pytest.raises(TypeError, match=r"^prompts\[1\]: prompt\[0\]="):
         spec.generate([[3, 4], [2.5]], max_new_tokens=4)

@@ -10,6 +10,10 @@ per-round stage times, and losslessness (T = 0: the count of prompts whose outpu
 the first divergence and the target's top-2 logit margin there). Writes ``report.json`` and ``report.md``,
 then the figures beside them, embedded in report.md (``dartree.decode.harness.report``; ``--no-plots`` skips them;
 ``dartree-report DIR`` redraws them from report.json).
+
+``--batch 1 2 4 8`` reports the throughput curve instead (:mod:`dartree.decode.harness.batch_sweep`): tokens/s per
+method and batch size, the speedup over dartree's batched AR loop at each size, tau per row, losslessness per row
+against each prompt's own AR decode, batch 1 against the one-prompt path, and a figure of throughput against batch.
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ import torch
 from rich.console import Console
 from tqdm.auto import tqdm
 
+from dartree.decode.harness.batch_report import sweep_markdown, sweep_warnings
+from dartree.decode.harness.batch_sweep import BATCH_PEERS, BatchSweep
 from dartree.decode.harness.builder_args import add_builder_param_args, builder_param_problems
+from dartree.decode.harness.report import write_report_files
 from dartree.decode.harness.peers import PEERS
 from dartree.decode.harness.prompts import add_prompt_source_args
 from dartree.decode.harness.report import report_warnings, write_figures
@@ -157,6 +164,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--draw-round", type=int, default=None,
                     help="1-based verify round of the first prompt to draw as a tree per method (default: the "
                          "round with the longest accepted path)")
+    ap.add_argument("--batch", type=int, nargs="+", default=None, metavar="N",
+                    help="the throughput curve instead of the per-prompt report: every method, dartree's batched AR "
+                         "loop and (with --peers hf-generate) transformers' batched generate decode the prompts N at a "
+                         "time for each N (e.g. --batch 1 2 4 8), after every request alone (the one-prompt path and "
+                         "the lossless reference); reports tokens/s, the speedup over batched AR at each N, tau per "
+                         "row and a figure of throughput against N (decode/harness/batch_sweep.py)")
     ap.add_argument("--peers", nargs="*", default=[], choices=list(PEERS),
                     help="other decoders as extra rows on the same prompts and target, greedy only "
                          "(dartree.decode.harness.peers): transformers generate, transformers prompt-lookup decoding, "
@@ -245,7 +258,7 @@ def _progress_text(progress: dict) -> str:
     if not progress["done"]:
         return "stopped before the first prompt finished; no report written"
     return (f"{progress['out']}/report.json and report.md hold the {progress['done']} of {progress['planned']} "
-            "prompts that finished")
+            f"{progress.get('unit', 'prompts')} that finished")
 
 
 def _arg_problems(args: argparse.Namespace) -> list[str]:
@@ -266,7 +279,22 @@ def _arg_problems(args: argparse.Namespace) -> list[str]:
         (not 0 <= args.seed < 2**32, f"--seed must be in [0, 2**32), got {args.seed}"),
         (out_problem(args.out) is not None, out_problem(args.out)),
         (args.draw_round is not None and args.draw_round < 1, f"--draw-round is 1-based, got {args.draw_round}"),
+        *_batch_problems(args),
     ) if bad]
+
+
+def _batch_problems(args: argparse.Namespace) -> list[tuple[bool, str]]:
+    """The arguments a ``--batch`` sweep cannot take, each with its fix."""
+    if args.batch is None:
+        return []
+    return [
+        (min(args.batch) < 1, f"--batch sizes must be >= 1 (rows decoded together), got {args.batch}"),
+        (args.acceptance != "match", "--batch decodes with --acceptance match only; drop --acceptance rejection"),
+        (args.paired, "--batch times whole batches, not lockstep pairs; drop --paired"),
+        (bool(set(args.peers) - set(BATCH_PEERS)),
+         f"--batch runs the batched peer {', '.join(BATCH_PEERS)} only; drop --peers "
+         f"{' '.join(sorted(set(args.peers) - set(BATCH_PEERS)))}"),
+    ]
 
 
 def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = None,
@@ -287,6 +315,8 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
     except Refused as exc:
         return fail(exc.args[0])
     s.warm_up()
+    if args.batch is not None:
+        return _sweep_main(s, sig, progress)
     out = Path(args.out)
     rows: dict[str, list[dict]] = {m: [] for m in s.names}
     trees: dict[str, dict] = {}
@@ -314,6 +344,52 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
         console.print(f"[bold red]{w}[/bold red]")
     if not args.no_plots:  # after report.json and the tables: a figure problem is a warning, never a lost report
         for w in write_figures(report, out, args.draw_round):
+            console.print(f"[bold yellow]{w}[/bold yellow]")
+    console.print(f"wrote {out / 'report.json'} and {out / 'report.md'} ({(time.time() - s.t0) / 60:.1f} min)")
+    return 0
+
+
+def _sweep_main(s, sig: Signals, progress: dict) -> int:
+    """``--batch``: the throughput curve (:class:`~dartree.decode.harness.batch_sweep.BatchSweep`): the one-prompt
+    path, then every batch size, report.json / report.md rewritten after each (so an interrupted run keeps the batch
+    sizes that finished), the tables and warnings printed, the figure drawn. Returns the exit status (0)."""
+    args, console, out = s.args, s.console, Path(s.args.out)
+    sweep = BatchSweep(s, args.batch)
+    console.print(f"batch sweep: {len(sweep.requests)} requests from {len(s.prompt_ids)} prompts, batch sizes "
+                  f"{args.batch}, rows: {', '.join(sweep.names)}")
+    sweep.prepare()
+    total = len(sweep.requests) * (1 + len(s.methods)) + sum(len(sweep.order(i)) for i in range(len(args.batch)))
+    bar = tqdm(total=total, desc="decoding", unit="decode", file=sys.stderr, dynamic_ncols=True)
+    progress.update(done=0, planned=len(args.batch), out=str(out), unit="batch sizes")
+
+    def write(interrupted: str | None = None) -> dict:
+        report = {"environment": s.environment(len(s.prompts), interrupted), "batch_sweep": sweep.section()}
+        report["environment"]["batch"] = args.batch
+        with sig.held():
+            write_report_files(out, report, sweep_markdown(report))
+        return report
+
+    try:
+        sweep.one_prompt(bar)
+        for bi, b in enumerate(args.batch):
+            rows = sweep.run_batch(bi, bar)
+            with tqdm.external_write_mode(file=sys.stderr):
+                console.print(f"batch {b}: " + ", ".join(f"{r['method']} {r['tokens_per_s']:.1f} tok/s "
+                                                         f"{r['speedup']:.3f}x tau {r['tau_mean']:.2f}" for r in rows))
+            write()
+            progress["done"] = bi + 1
+    except Interrupted as exc:
+        bar.close()
+        if progress["done"]:
+            write(str(exc))
+        raise
+    bar.close()
+    report = write()
+    console.print(sweep_markdown(report))
+    for w in sweep_warnings(report):
+        console.print(f"[bold red]{w}[/bold red]")
+    if not args.no_plots:
+        for w in write_figures(report, out):
             console.print(f"[bold yellow]{w}[/bold yellow]")
     console.print(f"wrote {out / 'report.json'} and {out / 'report.md'} ({(time.time() - s.t0) / 60:.1f} min)")
     return 0

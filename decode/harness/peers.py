@@ -1,6 +1,7 @@
 """Peer decoders run beside dartree's methods in the same eval: the same target, prompt ids, max_new_tokens and stop ids.
 
-* ``hf-generate``: transformers ``generate``, greedy, on ``Target.model`` (the plain AR loop a user already has).
+* ``hf-generate``: transformers ``generate``, greedy, on ``Target.model`` (the plain AR loop a user already has);
+  in a batch sweep (``--batch``) its batched form, N left-padded prompts per call (:func:`hf_generate_batch`).
 * ``hf-prompt-lookup``: transformers prompt-lookup decoding (``generate(prompt_lookup_num_tokens=N)``), the free
   drafter-less speculative method a CPU user tries first.
 * ``ar-bf16``: dartree's own AR loop on a bfloat16 copy of the target, the fastest plain decoding on a CPU whose
@@ -176,6 +177,52 @@ def hf_generate(target: Target, prompt_ids: Sequence[int], *, max_new_tokens: in
         ValueError: an empty prompt or no stop id.
     """
     return _hf_generate(target, prompt_ids, max_new_tokens, stop_ids)
+
+
+@torch.no_grad()
+def hf_generate_batch(target: Target, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                      stop_ids: Sequence[int]) -> tuple[list[PeerOutput], float, float]:
+    """transformers ``generate`` on ``target.model`` for N prompts in one static batch, greedy, left-padded (the
+    padding transformers documents for batched generation with decoder-only models: each row's prompt ends at the
+    last column, ``attention_mask`` 0 over its padding, positions counted from its first real token), as a user
+    batches requests with it. Rows that end early wait, emitting padding, until the last row ends.
+
+    Args:
+        target: the dartree Target whose Hugging Face model runs. prompts: N [T_i] id lists (N >= 1).
+        max_new_tokens: cap on generated tokens per row (>= 1). stop_ids: ids that end a row (inclusive), at least
+            one (the first is the padding id).
+    Returns:
+        (one PeerOutput per row: its tokens cut after its first stop id, one committed token per decode forward;
+        the batch's decode seconds, from the end of its prefill forward to the end of the call; its prefill
+        seconds). At T = 0 in fp32 each row's tokens equal its own AR decode's up to the padding's rounding (a peer:
+        compared, never assumed).
+    Raises:
+        ValueError: no prompt, an empty prompt or no stop id.
+    """
+    from transformers import GenerationConfig
+
+    stops = [int(s) for s in stop_ids]
+    if not stops:
+        raise ValueError("peers need at least one stop id (Hugging Face generate would fall back to the model's eos)")
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("hf_generate_batch needs at least one prompt, each of at least one token")
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), stops[0], dtype=torch.long)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.as_tensor(list(p), dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    ids, mask = ids.to(target.device), mask.to(target.device)
+    cfg = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, min_new_tokens=0, eos_token_id=stops,
+                           pad_token_id=stops[0], num_beams=1)
+    with _ForwardProbe(target.model) as probe:
+        t0 = time.perf_counter()
+        out = target.model.generate(ids, attention_mask=mask, generation_config=cfg)[:, width:].tolist()
+        t1 = time.perf_counter()
+    first = probe.first_end if probe.first_end is not None else t1
+    rows = [_cut_at_stop([int(t) for t in row], set(stops)) for row in out]
+    return ([PeerOutput(tokens=r, decode_s=t1 - first, prefill_s=first - t0, accept_lengths=[1] * max(len(r) - 1, 0))
+             for r in rows], t1 - first, first - t0)
 
 
 @torch.no_grad()

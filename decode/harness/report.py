@@ -25,6 +25,7 @@ from typing import Callable, Sequence
 from dartree.base.cli import fail
 from dartree.base.files import write_file_atomically
 from dartree.base.fields import folder_problem
+from dartree.decode.harness.batch_report import render_batch_figures
 from dartree.decode.harness.break_even import break_even_fields, break_even_lines, break_even_markdown, needs_tau_cell
 
 FIGURES_MARKER = "<!-- dartree-report figures: everything below is redrawn by dartree-report -->"
@@ -72,7 +73,8 @@ def render_figures(report: dict, out_dir: str | Path, draw_round: int | None = N
     """Draw every figure of ``report`` as PNGs in ``out_dir``, each on its own (one failing never stops another).
 
     Figures: ``acceptance.png`` (Pr(L >= t)), ``sweep.png`` (budget sweeps only), ``stages.png``, ``tree_shape.png``
-    and ``tree_<method>.png`` per method whose verify trees were recorded.
+    and ``tree_<method>.png`` per method whose verify trees were recorded (a batch sweep's figure is drawn by
+    :func:`dartree.decode.harness.batch_report.render_batch_figures` instead).
     Args:
         report: an eval report (``report.json`` contents; see ``dartree.decode.harness.plots``).
         out_dir: folder for the PNGs (created).
@@ -173,7 +175,10 @@ def write_figures(report: dict, out_dir: str | Path, draw_round: int | None = No
         the warnings, one line each (the caller prints them).
     """
     try:
-        written, notes = render_figures(report, out_dir, draw_round)
+        if "batch_sweep" in report:  # decode/eval.py --batch: the throughput curve
+            written, notes = render_batch_figures(report, out_dir)
+        else:
+            written, notes = render_figures(report, out_dir, draw_round)
         attach_figures(Path(out_dir) / "report.md", written)
     except Exception as exc:  # the report was written before; a figure problem must not lose it
         notes = [f"WARNING: figures not written: {type(exc).__name__}: {exc}"]
@@ -317,15 +322,16 @@ def load_report(path: str | Path) -> dict:
 
     Raises:
         FileNotFoundError: no report there.
-        ValueError: not valid JSON (the file and the fix named), or not an eval report (no ``methods``).
+        ValueError: not valid JSON (the file and the fix named), or not an eval report (no ``methods``, no
+            ``batch_sweep``).
     """
     path = Path(path)
     f = path / "report.json" if path.is_dir() else path
     if not f.is_file():
         raise FileNotFoundError(f"{path} holds no report.json (write one with decode/eval.py --out {path})")
     rep = _read_json(f, "re-run decode/eval.py or point at a complete report")
-    if not isinstance(rep, dict) or "methods" not in rep:
-        raise ValueError(f"{f} is not an eval report (no 'methods')")
+    if not isinstance(rep, dict) or ("methods" not in rep and "batch_sweep" not in rep):
+        raise ValueError(f"{f} is not an eval report (no 'methods' or 'batch_sweep')")
     return rep
 
 
@@ -345,7 +351,8 @@ def merge_reports(reports: dict[str, dict]) -> dict:
     per_prompt and trees); ``environment`` keeps each run's under ``runs`` and the largest ``proposals``.
 
     Raises:
-        ValueError: a label containing ``/`` (it would be ambiguous in method names) or no report.
+        ValueError: a label containing ``/`` (it would be ambiguous in method names), a batch sweep's report, or no
+            report.
     """
     if not reports:
         raise ValueError("no reports to merge")
@@ -354,6 +361,8 @@ def merge_reports(reports: dict[str, dict]) -> dict:
     for label, rep in reports.items():
         if "/" in label:
             raise ValueError(f"run label {label!r} contains '/'; pass --labels without '/'")
+        if "methods" not in rep:
+            raise ValueError(f"run {label!r} is a batch sweep (decode/eval.py --batch); redraw it alone")
         for m, row in rep["methods"].items():
             out["methods"][f"{label}/{m}"] = row
         for d, rows in rep.get("datasets", {}).items():
