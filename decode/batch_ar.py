@@ -27,8 +27,8 @@ import torch
 
 from dartree.base.fields import describe, is_int
 from dartree.decode.batch_rounds import compile_batch
-from dartree.decode.batched import BatchOutput, _lengths, _one_at_a_time
-from dartree.decode.generate import DecodeStats, GenerateOutput, _commit, _prefill, autoregressive_generate
+from dartree.decode.batched import BatchOutput, _lengths, _one_at_a_time, prefill_next
+from dartree.decode.generate import DecodeStats, GenerateOutput, _commit, autoregressive_generate
 from dartree.decode.inputs import check_generate_args
 from dartree.decode.trees import Tree
 from dartree.decode.verify import target_tokens
@@ -128,22 +128,12 @@ class _ARLoop:
     def admit(self) -> tuple | None:
         """The next prompt of the queue prefilled alone: (row, its cache), or None when the queue is empty; a
         prompt done at its prefill (cap 0 or 1, a stop id first) is stored and the next one taken."""
-        while self.queue:
-            i = self.queue.popleft()
-            stats, out = DecodeStats(), []
-            if self.caps[i] == 0:
-                self.result.outputs[i] = GenerateOutput([], stats)
-                continue
-            cache, t0 = self.target.new_cache(), time.perf_counter()
-            first, _ = _prefill(self.target, self.ids[i], cache, self.temperature, self.generator)
-            stats.prefill_s = time.perf_counter() - t0
-            _, done = _commit(out, [first], self.caps[i], self.stops)
-            if done:
-                stats.new_tokens = len(out)
-                self.result.outputs[i] = GenerateOutput(out, stats)
-                continue
-            return _ARRow(i, self.caps[i], out, stats, first, time.perf_counter()), cache
-        return None
+        got = prefill_next(self.target, self.ids, self.caps, self.queue, self.result, self.stops, self.temperature,
+                           self.generator)
+        if got is None:
+            return None
+        i, out, stats, first, _, cache = got
+        return _ARRow(i, self.caps[i], out, stats, first, time.perf_counter()), cache
 
     def step(self) -> None:
         """One target forward of one token per row ([N, 1] ids at positions ``lens``; a mask only where a row has a

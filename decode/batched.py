@@ -271,6 +271,31 @@ def _one_at_a_time(t_run: float, decode, caps: list, plain: bool = False) -> Bat
     return out
 
 
+def prefill_next(target: Target, ids: list, caps: list, queue: deque, result: BatchOutput, stops: set,
+                 temperature: float, generator) -> tuple | None:
+    """Take the next prompt of ``queue`` and prefill it alone into a fresh cache (its batch-1 prefill, bit for bit):
+    returns (index, its output so far [the first token], its :class:`DecodeStats` with ``prefill_s``, the first
+    token, the prefill's capture-layer features [T, F], the cache), or None when the queue is empty. A prompt done at
+    its prefill (cap 0 or 1, a stop id first) is stored in ``result.outputs`` and the next one taken. Shared by the
+    batched speculative loop and the batched AR loop (:mod:`dartree.decode.batch_ar`), so both admit alike."""
+    while queue:
+        i = queue.popleft()
+        stats, out = DecodeStats(), []
+        if caps[i] == 0:
+            result.outputs[i] = GenerateOutput([], stats)
+            continue
+        cache, t0 = target.new_cache(), time.perf_counter()
+        first, feats = _prefill(target, ids[i], cache, temperature, generator)
+        stats.prefill_s = time.perf_counter() - t0
+        _, done = _commit(out, [first], caps[i], stops)
+        if done:
+            stats.new_tokens = len(out)
+            result.outputs[i] = GenerateOutput(out, stats)
+            continue
+        return i, out, stats, first, feats, cache
+    return None
+
+
 class _BatchLoop:
     """The state of one batched decode and its steps: admitting prompts from the queue (:meth:`admit`), one round
     for all rows (:meth:`round`), finished rows leaving and the queue refilling their places (:meth:`refill`).
@@ -288,24 +313,13 @@ class _BatchLoop:
         """The next prompt of the queue, prefilled alone into a fresh cache (its batch-1 prefill): (row, its cache),
         or None when the queue is empty; a prompt that finishes at its prefill (cap 0 or 1, a stop id first) is
         stored as done here and the next one taken."""
-        rule = self.rule
-        while self.queue:
-            i = self.queue.popleft()
-            stats, out = DecodeStats(), []
-            if self.caps[i] == 0:
-                self.result.outputs[i] = GenerateOutput([], stats)
-                continue
-            cache, t0 = self.target.new_cache(), time.perf_counter()
-            first, feats = _prefill(self.target, self.ids[i], cache, rule.temperature, rule.generator)
-            stats.prefill_s = time.perf_counter() - t0
-            _, done = _commit(out, [first], self.caps[i], self.stops)
-            if done:
-                stats.new_tokens = len(out)
-                self.result.outputs[i] = GenerateOutput(out, stats)
-                continue
-            return _Row(i, self.ids[i], self.caps[i], out, stats, first, [feats], self.budgets.new_row(),
-                        LookupGraft(self.ids[i], *self.lookup), time.perf_counter()), cache
-        return None
+        got = prefill_next(self.target, self.ids, self.caps, self.queue, self.result, self.stops, self.rule.temperature,
+                           self.rule.generator)
+        if got is None:
+            return None
+        i, out, stats, first, feats, cache = got
+        return _Row(i, self.ids[i], self.caps[i], out, stats, first, [feats], self.budgets.new_row(),
+                    LookupGraft(self.ids[i], *self.lookup), time.perf_counter()), cache
 
     def fill(self, width: int) -> None:
         """Admit up to ``width`` rows into the empty batch."""
