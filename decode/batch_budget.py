@@ -43,15 +43,18 @@ from typing import Callable, Sequence
 
 import torch
 
-from dartree.decode.budget import OUTCOME_EXPLORE, CostModel, calibrate, prune_to
+from dartree.decode.budget import OUTCOME_EXPLORE, OUTLIER_CLIP, CostModel, calibrate, prune_to
 from dartree.decode.generate import SEED_TOKENS, seed_policy, warm_paths
 from dartree.decode.row_costs import RowCosts, batch_rows
 from dartree.decode.trees import Tree
 
 
 # What a BatchCostModel keeps per row count (set_rows): the drafted rounds' recent costs and the modelled cost padding
-# them, the timed 1-token forwards, the verify curve's online scale
-ROW_STATE = ("costs", "_modelled_steps", "ar_n", "ar_s", "ar_u", "speed")
+# them, the timed 1-token forwards, the verify curve's online scale, the timed drafts' error against the row table
+ROW_STATE = ("costs", "_modelled_steps", "ar_n", "ar_s", "ar_u", "speed", "draft_corr")
+# EMA weight of a timed drafter forward over N rows in draft_corr: drafted rounds are rare at N > 1 (a probe every 16+
+# plain rounds), so each one counts more than a verify does in the curve's scale (SPEED_EMA)
+DRAFT_CORR_EMA = 0.3
 
 
 @dataclass
@@ -67,11 +70,14 @@ class BatchCostModel(CostModel):
     Attributes (besides the base class's):
         row_costs: the measured ratios of N rows to one (shared with other models of the same decoder).
         rows: N, the rows of the batch now (:meth:`set_rows`).
+        draft_corr: timed / modelled seconds of a drafter forward over N rows (t_draft x d(N)), followed online per
+            row count (:meth:`observe_draft`); 1.0 at one row and before any N-row draft was timed.
         chosen_rows: {N: {W: rounds}}, the widths chosen per row count, for reports.
     """
 
     row_costs: RowCosts = field(default_factory=RowCosts)
     rows: int = 1
+    draft_corr: float = 1.0
     chosen_rows: dict = field(default_factory=dict)
     _windows: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -93,14 +99,39 @@ class BatchCostModel(CostModel):
         return base if self.rows == 1 else base * self.row_costs.factor(self.rows, tokens)
 
     def round_overhead(self) -> float:
-        """t_draft x d(N) + N x t_build: one drafter forward over N rows, then N trees built one after another."""
+        """t_draft x d(N) x :attr:`draft_corr` + N x t_build: one drafter forward over N rows (as the row table
+        says, corrected by the timed N-row drafts), then N trees built one after another."""
         if self.rows == 1:
             return super().round_overhead()
-        return self.t_draft * self.row_costs.draft_factor(self.rows) + self.t_build * self.rows
+        return self.t_draft * self.row_costs.draft_factor(self.rows) * self.draft_corr + self.t_build * self.rows
+
+    def sd_prior(self) -> float:
+        """:data:`~dartree.decode.budget.SD_PRIOR` / sqrt(N): a batch round's committed tokens (:meth:`record_rows`)
+        are the mean over its N rows, whose spread shrinks as 1 / sqrt(N) for rows that accept independently; so
+        the drafted rounds' upper confidence bound (:meth:`CostModel.draft_bound`) is as wide as N times the
+        row-rounds make it, and a batch where drafting does not pay re-tries it less often than one row would."""
+        return super().sd_prior() / self.rows ** 0.5
+
+    def probe_gap(self, alternative: float = 1.0) -> int:
+        """N x the batch-1 gap (:meth:`CostModel.probe_gap` with the costs of N rows): a probe over N rows measures N
+        rows' acceptance at once, so probing N times less often gathers as many row-rounds of evidence per round
+        as one row's probes do, at 1/N of the tokens lost (where drafting does not pay at N rows, as on a CPU, the
+        forced probes are what a batch loses against batched AR)."""
+        return super().probe_gap(alternative) * self.rows
 
     def observe_draft(self, seconds: float) -> None:
-        """A timed drafter forward over N rows, brought back to one row (/ d(N)) before it updates ``t_draft``."""
-        super().observe_draft(seconds if self.rows == 1 else seconds / self.row_costs.draft_factor(self.rows))
+        """A timed drafter forward: at one row it updates ``t_draft`` (:meth:`CostModel.observe_draft`); over N > 1
+        rows its ratio to the modelled t_draft x d(N) updates :attr:`draft_corr` (EMA, weight
+        :data:`DRAFT_CORR_EMA`; the ratio winsorised at :data:`~dartree.decode.budget.OUTLIER_CLIP` against the
+        correction so far), so a row table that times N rows too cheap (or too dear) stops steering the draft
+        decision after a few drafted rounds, and the one-row ``t_draft`` keeps the one-row figure."""
+        if self.rows == 1:
+            super().observe_draft(seconds)
+            return
+        modelled = self.t_draft * self.row_costs.draft_factor(self.rows)
+        if seconds > 0 and modelled > 0:
+            ratio = min(max(seconds / modelled, self.draft_corr / OUTLIER_CLIP), self.draft_corr * OUTLIER_CLIP)
+            self.draft_corr += DRAFT_CORR_EMA * (ratio - self.draft_corr)
 
     def observe_build(self, seconds: float) -> None:
         """The batch's build stage (N trees), as one tree's build (/ N) before it updates ``t_build``."""
@@ -126,12 +157,13 @@ class BatchCostModel(CostModel):
         """The batch now has ``rows`` rows (it changes as rows finish and the queue runs dry).
 
         What the model measures of whole rounds is kept per row count (:data:`ROW_STATE`): the drafted rounds' recent
-        costs (:attr:`costs`, in batched AR steps of that row count), the timed 1-token forwards (``ar_*``) and the
+        costs (:attr:`costs`, in batched AR steps of that row count), the timed 1-token forwards (``ar_*``), the
         online scale of the verify curve (:attr:`speed`, so an error of the row table at one row count is absorbed
-        there and not carried to the others). A row count seen before gets its own back; a new one starts from the
-        present costs scaled by the modelled cost ratio of the two row counts at the budget chosen most (the
-        realised-to-modelled error carried over), no timed AR step, and the present scale. The next verify does not
-        pair with the last one (:meth:`mark_gap`).
+        there and not carried to the others) and the draft's correction (:attr:`draft_corr`). A row count seen
+        before gets its own back; a new one starts from the present costs scaled by the modelled cost ratio of the
+        two row counts at the budget chosen most (the realised-to-modelled error carried over), no timed AR step,
+        the present scale and the present draft correction. The next verify does not pair with
+        the last one (:meth:`mark_gap`).
 
         Raises:
             ValueError: ``rows`` < 1.
@@ -260,7 +292,10 @@ class BatchCostModel(CostModel):
 
     def summary(self) -> dict:
         """:meth:`CostModel.summary` with the row table and the widths chosen per row count."""
+        corr = {**{n: w["draft_corr"] for n, w in self._windows.items() if n > 1},
+                **({self.rows: self.draft_corr} if self.rows > 1 else {})}
         return {**super().summary(), "rows_now": self.rows, "row_costs": self.row_costs.summary(),
+                "draft_corr_by_rows": {int(n): c for n, c in sorted(corr.items())},
                 "chosen_by_rows": {int(n): {int(w): c for w, c in sorted(h.items())}
                                    for n, h in sorted(self.chosen_rows.items())}}
 

@@ -290,7 +290,7 @@ class CostModel:
 
     def draft_bound(self, per_ar_step: bool = False, z: float = UCB_Z) -> float | None:
         """Upper confidence bound of the drafted rounds' rate: (mean tokens + :data:`UCB_Z` standard errors) over the
-        mean cost of a drafted round, the standard deviation shrunk towards :data:`SD_PRIOR`; None before any.
+        mean cost of a drafted round, the standard deviation shrunk towards :meth:`sd_prior`; None before any.
 
         Args:
             per_ar_step: False: tokens per second (the bound of :attr:`spec_rate`); True: tokens per AR step of
@@ -302,8 +302,13 @@ class CostModel:
             return None
         mean = self.draft_tok / n
         var = max(self.draft_tok2 / n - mean * mean, 0.0)
-        sd = ((var * n + SD_PRIOR ** 2 * SD_PRIOR_ROUNDS) / (n + SD_PRIOR_ROUNDS)) ** 0.5
+        sd = ((var * n + self.sd_prior() ** 2 * SD_PRIOR_ROUNDS) / (n + SD_PRIOR_ROUNDS)) ** 0.5
         return (mean + z * sd / n ** 0.5) / (self.round_cost() if per_ar_step else self.draft_s / n)
+
+    def sd_prior(self) -> float:
+        """The prior standard deviation (tokens) of a drafted round's committed tokens: :data:`SD_PRIOR` (a batch's
+        model divides it by the square root of its rows: its rounds' tokens are means over the rows)."""
+        return SD_PRIOR
 
     def round_cost(self) -> float:
         """What a drafted round costs now, in AR steps of its moment: the median of the last :data:`COST_WINDOW`

@@ -7,10 +7,14 @@ rows is nearly free until the arithmetic fills the device; on a CPU every row x 
 for each row count N it holds the ratio t_verify(N, T) / t_verify(1, T) at the calibrated sizes T and the ratio of a
 drafter forward over N rows to one over a single row, both measured in the decoding process with the same forwards
 the batch runs (N copies of a context's cache, N chain trees of T - 1 nodes; N drafter blocks over a cached context).
-Each row count is measured interleaved with N = 1 in the same passes (the least disturbed of ``reps`` forwards, as
-:func:`dartree.decode.budget.calibrate` times the batch-1 curve), so its ratios do not depend on when it was measured
-and a table can grow by row counts as batches of new sizes come (:meth:`RowCosts.measure`, cached per row count by
-the decoder that owns it).
+Each row count is measured interleaved with N = 1 in the same passes, every N-row forward right after its one-row
+twin, and a ratio is the median over ``reps`` passes of the paired ratios (the VM's speed drifts between passes but
+hardly between two adjacent forwards; the least disturbed forward of each size alone, as the batch-1 curve is timed,
+let one lucky one-row draft halve a draft ratio: 2.9x held against 5.6x timed alone at 8 rows). So the ratios do not
+depend on when they were measured, and a table can grow by row counts as batches of new sizes come
+(:meth:`RowCosts.measure`, cached per row count by the decoder that owns it). What the table still misses (a drafter
+forward over rows of different context lengths, say) the batch model corrects online from the timed batched drafts
+(:class:`~dartree.decode.batch_budget.BatchCostModel`).
 
 Between calibrated sizes the ratios are interpolated linearly (in T, then in N); past the largest N they are
 extrapolated linearly in N from the last two (never below the last one), past the largest T held at the last T's.
@@ -20,6 +24,7 @@ Shapes and units: N rows (>= 1), T verify tokens per row (root included, >= 1); 
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -52,8 +57,8 @@ class RowCosts:
             verifies: one row's forward is bound by reading the weights, N rows' by the arithmetic), whatever the
             noise of a measurement says; so t_verify(N, T) is non-decreasing in T as the one-row curve is.
         draft: {N: t_draft(N) / t_draft(1)} for the same N, the same way.
-        seconds: {N: {"verify": {T: seconds}, "draft": seconds}} as measured (N = 1 from the pass of each N), for
-            reports.
+        seconds: {N: {"verify": {T: seconds}, "draft": seconds, "one_row": the same of the one-row twins}}, medians
+            as measured, for reports.
     """
 
     verify: dict = field(default_factory=dict)
@@ -106,16 +111,16 @@ class RowCosts:
 
     @torch.inference_mode()
     def measure(self, target, drafter, context_ids: Sequence[int], rows: Sequence[int], *, max_budget: int = 16,
-                reps: int = 3) -> list[int]:
+                reps: int = 5) -> list[int]:
         """Measure the row counts of ``rows`` not in the table yet (:meth:`missing`) on ``context_ids`` and add them.
 
         For every pass (pass 0 warms up), every row count N (1 first) and every size T of
         :data:`~dartree.decode.budget.CALIBRATION_SIZES` and ``max_budget + 1``: one verify forward of N rows (each
         the context's cache, a chain of T - 1 nodes compiled by :func:`~dartree.decode.batch_rounds.compile_batch`;
         the cache rolled back after it), then one drafter forward of N blocks over a cached context
-        (:func:`~dartree.decode.batch_rounds.draft_blocks`, two new context positions per row). Each time is the
-        least disturbed of ``reps`` (other load only adds time); the ratios are those of N against the N = 1 forwards
-        of the same passes.
+        (:func:`~dartree.decode.batch_rounds.draft_blocks`, two new context positions per row), each N-row forward
+        right after the same forward over one row. A ratio is the median over the ``reps`` timed passes of the
+        N-row forward's time over its one-row twin's.
 
         Args:
             target: the :class:`~dartree.models.target.Target` (its capture layers the drafter's).
@@ -139,16 +144,14 @@ class RowCosts:
         new = self.missing(rows)
         if not new:
             return []
-        best, draft = _time_rows(target, drafter, ids, [1] + new, sorted(set(CALIBRATION_SIZES) | {max_budget + 1}),
-                                 reps)
+        ratios, secs = _time_rows(target, drafter, ids, new, sorted(set(CALIBRATION_SIZES) | {max_budget + 1}), reps)
         for n in new:  # more rows never cost less than one, and the more so the longer the verify: ratios at least
             running = 1.0  # 1 and non-decreasing in T (noise can say otherwise), so t(N, T) stays non-decreasing in T
             self.verify[n] = {}
-            for t in sorted(best[n]):
-                running = self.verify[n][t] = max(running, best[n][t] / best[1][t])
-            self.draft[n] = max(1.0, draft[n] / draft[1])
-            self.seconds[n] = {"verify": dict(best[n]), "draft": draft[n],
-                               "one_row": {"verify": dict(best[1]), "draft": draft[1]}}
+            for t in sorted(ratios[n]["verify"]):
+                running = self.verify[n][t] = max(running, ratios[n]["verify"][t])
+            self.draft[n] = max(1.0, ratios[n]["draft"])
+            self.seconds[n] = secs[n]
         prev = None
         for n in self.rows:  # more rows never cost less: running max in N at every size
             if prev is not None:
@@ -166,46 +169,78 @@ class RowCosts:
 
 @torch.inference_mode()
 def _time_rows(target, drafter, ids: list, counts: list, sizes: list, reps: int) -> tuple[dict, dict]:
-    """The timing passes of :meth:`RowCosts.measure`: per row count of ``counts`` ({N: {T: seconds}} of the verify
-    forwards at ``sizes``, made non-decreasing in T; {N: seconds} of a drafter forward), each the least of ``reps``
-    after a warm-up pass, every count and size interleaved within each pass."""
+    """The timing passes of :meth:`RowCosts.measure` for the row counts ``counts`` (each > 1) at the verify sizes
+    ``sizes``: after a warm-up pass, ``reps`` passes in which every N-row forward (a verify at every size, then a
+    drafter forward) runs right after its one-row twin. Returns ({N: {"verify": {T: median paired ratio}, "draft":
+    median paired ratio}}, {N: {"verify": {T: median seconds}, "draft": median seconds, "one_row": the same of the
+    one-row twins}} for reports)."""
     cache, start = target.new_cache(), len(ids) - 1
     feats = target.forward(torch.tensor([ids[:-1]], device=target.device), cache=cache).features[0]
     kvs = {}
-    for n in counts:
+    for n in [1] + list(counts):
         kvs[n] = BatchKV(target)
         for _ in range(n):
             kvs[n].add_row(cache)
     trees = {t: Tree(torch.full((t - 1,), ids[-1], dtype=torch.long), torch.arange(t - 1, dtype=torch.long),
                      torch.arange(1, t, dtype=torch.long), torch.zeros(t - 1)) for t in sizes}
-    vt: dict = {n: {t: [] for t in sizes} for n in counts}
-    dt: dict = {n: [] for n in counts}
+
+    def verify(n: int, t: int) -> float:
+        kv = kvs[n]
+        t0 = time.perf_counter()
+        inp = compile_batch([trees[t]] * n, [ids[-1]] * n, kv.lens, kv.width, target.dtype, target.device)
+        target.forward(inp.input_ids, position_ids=inp.position_ids, attention_mask=inp.attention_mask, cache=kv.cache)
+        elapsed = time.perf_counter() - t0
+        kv.truncate([start] * n)
+        return elapsed
+
+    def draft(n: int) -> float:
+        dc = RowDraftCache(len(drafter.layers))
+        for _ in range(n):
+            dc.add_row()
+        draft_blocks(target, drafter, [ids[-1]] * n, [start - 2] * n, [feats[: start - 2]] * n, dc)
+        t0 = time.perf_counter()
+        draft_blocks(target, drafter, [ids[-1]] * n, [start] * n, [feats[start - 2: start]] * n, dc)
+        return time.perf_counter() - t0
+
+    times: dict = {n: {"verify": {t: [] for t in sizes}, "draft": [], "one_row": {"verify": {t: [] for t in sizes},
+                                                                                  "draft": []}} for n in counts}
     for r in range(reps + 1):
         for n in counts:
-            kv = kvs[n]
+            rec = times[n]
             for t in sizes:
-                t0 = time.perf_counter()
-                inp = compile_batch([trees[t]] * n, [ids[-1]] * n, kv.lens, kv.width, target.dtype, target.device)
-                target.forward(inp.input_ids, position_ids=inp.position_ids, attention_mask=inp.attention_mask,
-                               cache=kv.cache)
-                elapsed = time.perf_counter() - t0
-                kv.truncate([start] * n)
+                one, many = verify(1, t), verify(n, t)
                 if r:
-                    vt[n][t].append(elapsed)
-            dc = RowDraftCache(len(drafter.layers))
-            for _ in range(n):
-                dc.add_row()
-            draft_blocks(target, drafter, [ids[-1]] * n, [start - 2] * n, [feats[: start - 2]] * n, dc)
-            t0 = time.perf_counter()
-            draft_blocks(target, drafter, [ids[-1]] * n, [start] * n, [feats[start - 2: start]] * n, dc)
+                    rec["one_row"]["verify"][t].append(one)
+                    rec["verify"][t].append(many)
+            one, many = draft(1), draft(n)
             if r:
-                dt[n].append(time.perf_counter() - t0)
-    best = {n: {t: min(v) for t, v in vt[n].items()} for n in counts}
-    for n in counts:  # a longer verify never costs less (noise can say otherwise): running max in T
-        running = 0.0
-        for t in sizes:
-            running = best[n][t] = max(best[n][t], running)
-    return best, {n: min(v) for n, v in dt.items()}
+                rec["one_row"]["draft"].append(one)
+                rec["draft"].append(many)
+    ratios, secs = {}, {}
+    for n, rec in times.items():
+        ratios[n] = {"verify": {t: paired_ratio(rec["verify"][t], rec["one_row"]["verify"][t]) for t in sizes},
+                     "draft": paired_ratio(rec["draft"], rec["one_row"]["draft"])}
+        secs[n] = {"verify": {t: statistics.median(v) for t, v in rec["verify"].items()},
+                   "draft": statistics.median(rec["draft"]),
+                   "one_row": {"verify": {t: statistics.median(v) for t, v in rec["one_row"]["verify"].items()},
+                               "draft": statistics.median(rec["one_row"]["draft"])}}
+    return ratios, secs
+
+
+def paired_ratio(many: Sequence[float], one: Sequence[float]) -> float:
+    """The median of ``many[i] / one[i]``: the cost ratio of two forwards timed one right after the other in each of
+    several passes. A slow or fast pass moves both of its times and leaves its ratio; one lucky forward moves one
+    ratio of several, not the estimate (the ratio of each side's fastest time would take it whole).
+
+    Args:
+        many, one: seconds (> 0), the same number of passes (>= 1).
+    Raises:
+        ValueError: different lengths, none, or a time that is not positive.
+    """
+    if len(many) != len(one) or not many or min(min(many), min(one)) <= 0:
+        raise ValueError(f"paired_ratio: {len(many)} and {len(one)} times (all > 0, one of each per pass); "
+                         "give the same number of passes on both sides")
+    return statistics.median(a / b for a, b in zip(many, one))
 
 
 def batch_rows(batch: int) -> list[int]:

@@ -13,7 +13,7 @@ from dartree.decode.batch_budget import AutoRowBudgets, BatchCostModel
 from dartree.decode.batched import batched_generate
 from dartree.decode.budget import CostModel, prune_to
 from dartree.decode.generate import autoregressive_generate
-from dartree.decode.row_costs import RowCosts, batch_rows
+from dartree.decode.row_costs import RowCosts, batch_rows, paired_ratio
 from dartree.decode.trees import Tree
 from dartree.models.target import tiny_target
 
@@ -146,6 +146,66 @@ def test_set_rows_keeps_each_row_counts_costs_ar_steps_and_scale():
     assert (cm.costs, cm.ar_n, cm.ar_u, cm.speed, cm.rows) == ([1.2, 1.3, 1.25], 5.0, 5.5, 1.1, 1)
     cm.set_rows(4)
     assert (cm.costs, cm.ar_n, cm.speed) == ([3.0], 2.0, 1.4)
+
+
+def test_a_row_ratio_is_the_median_of_paired_passes():
+    one = [0.0065, 0.0066, 0.0130, 0.0033, 0.0067]  # pass 3 ran at half speed; pass 4's one-row forward was lucky
+    many = [0.0364, 0.0370, 0.0730, 0.0360, 0.0372]
+    assert paired_ratio(many, one) == pytest.approx(0.0370 / 0.0066)  # the median pass: 5.6x
+    assert min(many) / min(one) == pytest.approx(10.9, abs=0.1)  # fastest against fastest: the lucky one decides
+    with pytest.raises(ValueError, match="same number of passes"):
+        paired_ratio(many, one[:3])
+    with pytest.raises(ValueError, match="same number of passes"):
+        paired_ratio([0.01, 0.0], [0.01, 0.01])
+
+
+def test_timed_drafts_over_rows_correct_the_row_tables_draft_ratio_per_row_count():
+    cm = _model(_table(0.004))  # the table says a draft over 8 rows costs 1.7 one-row drafts (5 ms: 8.5 ms)
+    cm.observe_draft(0.006)  # at one row: the one-row draft time itself
+    assert cm.t_draft == pytest.approx(0.0051) and cm.draft_corr == 1.0
+    cm.set_rows(8)
+    base = cm.round_overhead() - cm.t_build * 8
+    assert base == pytest.approx(0.0051 * 1.7)
+    for _ in range(12):  # drafts over 8 rows timed at 3x what the table says
+        cm.observe_draft(3.0 * 0.0051 * 1.7)
+    assert cm.draft_corr == pytest.approx(3.0, rel=0.02) and cm.t_draft == pytest.approx(0.0051)
+    assert cm.round_overhead() - cm.t_build * 8 == pytest.approx(3.0 * base, rel=0.02)
+    cm.observe_draft(100.0)  # one stalled draft moves it by at most the EMA weight of a 3x outlier
+    assert cm.draft_corr == pytest.approx(3.0 * (1 + 0.3 * 2), rel=0.02)
+    corr8 = cm.draft_corr
+    cm.set_rows(4)  # a new row count starts from the present correction
+    assert cm.draft_corr == corr8
+    cm.observe_draft(0.0051 * 1.3)  # timed as the table says at 4 rows
+    assert cm.draft_corr == pytest.approx(corr8 + 0.3 * (max(1.0, corr8 / 3.0) - corr8))
+    corr4 = cm.draft_corr
+    cm.set_rows(8)
+    assert cm.draft_corr == corr8 and cm.summary()["draft_corr_by_rows"] == {4: corr4, 8: corr8}
+    cm.set_rows(1)
+    assert cm.round_overhead() == pytest.approx(0.0051 + cm.t_build)  # one row: the batch-1 overhead
+
+
+def test_at_n_rows_probes_come_n_times_rarer_and_the_bound_is_as_wide_as_the_row_rounds_make_it():
+    cm, one = _model(_table(0.004)), _model(_table(0.004))
+    assert cm.probe_gap() == one.probe_gap() and cm.sd_prior() == 1.0  # one row: the batch-1 figures
+    cm.set_rows(4)
+    batch1_rule = CostModel.probe_gap(cm)  # the batch-1 formula with the costs of 4 rows
+    assert cm.probe_gap() == 4 * batch1_rule and batch1_rule >= 16
+    assert cm.sd_prior() == pytest.approx(0.5)
+    for m in (cm, one):  # one drafted round committing 1.25 tokens (per row) at 2 AR steps
+        m._pending = (True, 0.0, 2.0, False)
+        m._observe_round(1.25, None)
+    # with one round in, the prior dominates the spread: the bound of 4 rows is half as far above the mean
+    assert (cm.draft_bound(True) - cm.draft_bound(True, z=0.0)) == pytest.approx(
+        0.5 * (one.draft_bound(True) - one.draft_bound(True, z=0.0)))
+    gaps = []
+    for _ in range(2):  # drafting stays behind (the bound below an AR step's token): probes only, 4 x 16+ apart
+        skipped = 0
+        while not cm.should_draft():
+            skipped += 1
+        gaps.append(skipped)
+        cm._pending = (True, 0.0, 2.0, True)
+        cm._observe_round(1.0, None)
+    assert gaps[1] + 1 >= 4 * 16
 
 
 def _rand_tree(g: torch.Generator, m: int) -> Tree:
@@ -296,9 +356,11 @@ def test_the_row_table_is_measured_on_the_target_per_row_count(target):
     assert table.measure(target, drafter, ids, [1, 2, 4], max_budget=8, reps=1) == [2, 4]
     assert table.rows == [2, 4] and set(table.verify[2]) == {1, 2, 3, 5, 9, 17}
     for n in (2, 4):
-        assert all(r > 0 for r in table.verify[n].values()) and table.draft[n] > 0
-        secs = table.seconds[n]["verify"]
-        assert [secs[t] for t in sorted(secs)] == sorted(secs.values())  # non-decreasing in T
+        ratios = [table.verify[n][t] for t in sorted(table.verify[n])]
+        assert ratios[0] >= 1.0 and ratios == sorted(ratios) and table.draft[n] >= 1.0  # non-decreasing in T
+        secs = table.seconds[n]
+        assert set(secs["verify"]) == set(secs["one_row"]["verify"]) == set(table.verify[n])
+        assert min(secs["verify"].values()) > 0 and secs["draft"] > 0 and secs["one_row"]["draft"] > 0
         assert all(table.verify[4][t] >= table.verify[2][t] for t in table.verify[2])  # more rows: never cheaper
     assert table.measure(target, drafter, ids, [2, 4], max_budget=8, reps=1) == []  # cached per row count
     assert table.measure(target, drafter, ids, [2, 3], max_budget=8, reps=1) == [3]
