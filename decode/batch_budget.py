@@ -43,7 +43,9 @@ from typing import Callable, Sequence
 
 import torch
 
-from dartree.decode.budget import OUTCOME_EXPLORE, OUTLIER_CLIP, CostModel, calibrate, prune_to
+from dartree.decode.budget import CostModel, calibrate, prune_to
+from dartree.decode.cost_acceptance import OUTCOME_EXPLORE
+from dartree.decode.cost_timing import OUTLIER_CLIP
 from dartree.decode.generate import SEED_TOKENS, seed_policy, warm_paths
 from dartree.decode.row_costs import RowCosts, batch_rows
 from dartree.decode.trees import Tree
@@ -106,7 +108,7 @@ class BatchCostModel(CostModel):
         return self.t_draft * self.row_costs.draft_factor(self.rows) * self.draft_corr + self.t_build * self.rows
 
     def sd_prior(self) -> float:
-        """:data:`~dartree.decode.budget.SD_PRIOR` / sqrt(N): a batch round's committed tokens (:meth:`record_rows`)
+        """:data:`~dartree.decode.cost_decision.SD_PRIOR` / sqrt(N): a batch round's committed tokens (:meth:`record_rows`)
         are the mean over its N rows, whose spread shrinks as 1 / sqrt(N) for rows that accept independently; so
         the drafted rounds' upper confidence bound (:meth:`CostModel.draft_bound`) is as wide as N times the
         row-rounds make it, and a batch where drafting does not pay re-tries it less often than one row would."""
@@ -122,7 +124,7 @@ class BatchCostModel(CostModel):
     def observe_draft(self, seconds: float) -> None:
         """A timed drafter forward: at one row it updates ``t_draft`` (:meth:`CostModel.observe_draft`); over N > 1
         rows its ratio to the modelled t_draft x d(N) updates :attr:`draft_corr` (EMA, weight
-        :data:`DRAFT_CORR_EMA`; the ratio winsorised at :data:`~dartree.decode.budget.OUTLIER_CLIP` against the
+        :data:`DRAFT_CORR_EMA`; the ratio winsorised at :data:`~dartree.decode.cost_timing.OUTLIER_CLIP` against the
         correction so far), so a row table that times N rows too cheap (or too dear) stops steering the draft
         decision after a few drafted rounds, and the one-row ``t_draft`` keeps the one-row figure."""
         if self.rows == 1:
@@ -231,7 +233,7 @@ class BatchCostModel(CostModel):
 
     def _rows_by_outcomes(self, ests: list[list[float]], lo: int) -> tuple[int, float]:
         """Rule ``"outcomes"`` over N rows: the W maximising sum_i (1 + A_i(min(W, M_i))) / (overhead + t_verify(W
-        + 1)), with the batch-1 rule's exploration (every :data:`~dartree.decode.budget.OUTCOME_EXPLORE`-th call
+        + 1)), with the batch-1 rule's exploration (every :data:`~dartree.decode.cost_acceptance.OUTCOME_EXPLORE`-th call
         twice the width). Returns (W, expected tokens per row)."""
         n = len(ests)
         top = max(min(len(e), self.max_budget) for e in ests)

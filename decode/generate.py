@@ -511,12 +511,12 @@ def seed_policy(cost_model: CostModel, target: Target, drafter: DFlashDrafter, h
     """Seed a ``budget="auto"`` cost model with a calibration pass, so that the policy starts from what drafting gives
     with this builder rather than from the first timed rounds: :func:`speculative_generate` decodes up to
     ``new_tokens`` tokens of ``context_ids`` with ``budget="auto"``, every round drafting but every
-    :data:`~dartree.decode.budget.SEED_AR_EVERY`-th, a plain AR step
+    :data:`~dartree.decode.cost_decision.SEED_AR_EVERY`-th, a plain AR step
     (:meth:`~dartree.decode.budget.CostModel.start_seeding`); the rounds teach the acceptance calibration, the
     drafted rounds' statistics (tokens per round, cost per round in AR steps, both measured by the loop) and what a
     plain AR step costs beside them, and
     :meth:`~dartree.decode.budget.CostModel.finish_seeding` keeps them as a prior worth
-    :data:`~dartree.decode.budget.PRIOR_ROUNDS` rounds. Run it after :func:`warm_paths`, so that the pass's rounds
+    :data:`~dartree.decode.cost_decision.PRIOR_ROUNDS` rounds. Run it after :func:`warm_paths`, so that the pass's rounds
     pay no one-time cost. At T > 0 the pass samples with a fixed seed.
 
     Args:

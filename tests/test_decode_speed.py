@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from conftest import VOCAB, make_drafter, make_head
-from dartree.decode.budget import ANCHOR_EVERY, ANCHOR_EVERY_CLEAR, CostModel, calibrate
+from dartree.decode.budget import CostModel, calibrate
+from dartree.decode.cost_decision import ANCHOR_EVERY, ANCHOR_EVERY_CLEAR
 from dartree.decode.generate import autoregressive_generate, speculative_generate
 from dartree.decode.trees import BUILDERS, DraftBlock, Tree, build_supertree, get_builder, select_top_b
 
@@ -232,7 +233,7 @@ def test_a_calibration_pass_seeds_the_policy_and_leaves_the_run_its_own_histogra
     """seed_policy drafts and verifies a calibration context (every third round a plain AR step) and keeps what it saw
     as a prior worth PRIOR_ROUNDS rounds: the acceptance calibration learnt, the histogram left to the run; a one-off
     auto decode (no cost model) warms and seeds itself; outputs equal AR's."""
-    from dartree.decode.budget import PRIOR_ROUNDS
+    from dartree.decode.cost_decision import PRIOR_ROUNDS
     from dartree.decode.generate import seed_policy, warm_paths
 
     drafter, head = make_drafter(), make_head("markov")
