@@ -80,6 +80,7 @@ class BatchCostModel(CostModel):
     row_costs: RowCosts = field(default_factory=RowCosts)
     rows: int = 1
     draft_corr: float = 1.0
+    _time_ar: bool = field(default=False, repr=False, compare=False)
     chosen_rows: dict = field(default_factory=dict)
     _windows: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -113,6 +114,19 @@ class BatchCostModel(CostModel):
         the drafted rounds' upper confidence bound (:meth:`CostModel.draft_bound`) is as wide as N times the
         row-rounds make it, and a batch where drafting does not pay re-tries it less often than one row would."""
         return super().sd_prior() / self.rows ** 0.5
+
+    def should_draft(self) -> bool:
+        """:meth:`CostModel.should_draft` at N rows, except that the first round at a row count new to the model
+        (:meth:`set_rows`; N > 1, outside a calibration pass) is a plain batched step: the alternative every drafted
+        round is weighed against is then timed at this row count before any decision, not taken from the row
+        table's f(N, 1), its least certain figure (1.3-1.4x at 8 rows against 2.2x for whole batched AR steps on an
+        AVX-512-BF16 Xeon, docs/performance.md)."""
+        if self._time_ar and self._force <= 0:
+            self._time_ar = False
+            self.skipped += 1
+            self.since_anchor = 0
+            return False
+        return super().should_draft()
 
     def probe_gap(self, alternative: float = 1.0) -> int:
         """N x the batch-1 gap (:meth:`CostModel.probe_gap` with the costs of N rows): a probe over N rows measures N
@@ -164,7 +178,8 @@ class BatchCostModel(CostModel):
         there and not carried to the others) and the draft's correction (:attr:`draft_corr`). A row count seen
         before gets its own back; a new one starts from the present costs scaled by the modelled cost ratio of the
         two row counts at the budget chosen most (the realised-to-modelled error carried over), no timed AR step,
-        the present scale and the present draft correction. The next verify does not pair with
+        the present scale and the present draft correction, and takes its first round as a plain step
+        (:meth:`should_draft`). The next verify does not pair with
         the last one (:meth:`mark_gap`).
 
         Raises:
@@ -186,6 +201,7 @@ class BatchCostModel(CostModel):
             self.costs = [c * ratio for c in self.costs]
             self._modelled_steps = self.modelled_cost(rows, int(b))
             self.ar_n = self.ar_s = self.ar_u = 0.0
+            self._time_ar = rows > 1
         self.rows = rows
         self.mark_gap()
 

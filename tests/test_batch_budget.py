@@ -184,6 +184,23 @@ def test_timed_drafts_over_rows_correct_the_row_tables_draft_ratio_per_row_count
     assert cm.round_overhead() == pytest.approx(0.0051 + cm.t_build)  # one row: the batch-1 overhead
 
 
+def test_a_new_row_count_times_a_plain_step_before_its_first_draft_decision():
+    cm = _model(_table(0.004))
+    cm.draft_n, cm.draft_tok, cm.draft_tok2, cm.draft_u, cm.costs = 8.0, 16.0, 34.0, 8.0, [1.0] * 9  # drafting pays
+    assert cm.should_draft()
+    cm.set_rows(4)
+    assert not cm.should_draft()  # the first round at 4 rows: a plain step, whose 1-token forward is timed
+    cm.observe_verify(1, 0.06)
+    assert cm.ar_n == 1.0 and cm.should_draft()
+    cm.set_rows(1)
+    cm.set_rows(4)  # a row count seen before keeps what it timed (discounted once): no plain step forced
+    assert cm.ar_n == pytest.approx(0.99) and cm.should_draft()
+    cm.set_rows(8)
+    cm.start_seeding(3, ar_every=0)  # a calibration pass drafts every round, even at a new row count
+    assert [cm.should_draft() for _ in range(3)] == [True, True, True]
+    assert not cm.should_draft()  # then the plain step
+
+
 def test_at_n_rows_probes_come_n_times_rarer_and_the_bound_is_as_wide_as_the_row_rounds_make_it():
     cm, one = _model(_table(0.004)), _model(_table(0.004))
     assert cm.probe_gap() == one.probe_gap() and cm.sd_prior() == 1.0  # one row: the batch-1 figures
