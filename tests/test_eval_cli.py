@@ -215,7 +215,7 @@ def test_negative_threads_is_a_one_line_error(capsys):
 
 
 def test_ar_repeats_spread_through_a_prompts_rows():
-    from dartree.decode.harness.session import spread_repeats
+    from dartree.decode.harness.prompt_rows import spread_repeats
 
     assert spread_repeats(["b", "ar", "c", "d"], "ar", 2) == ["b", "ar", "c", "ar#2", "d"]
     assert spread_repeats(["ar", "m1", "m2", "m3", "p1", "p2"], "ar", 3) == [
@@ -336,7 +336,7 @@ def test_report_writers_of_one_folder_never_share_a_temporary_file(tmp_path):
     name: with a fixed ``report.md.tmp`` one writer's rename took the other's file and the other crashed
     (FileNotFoundError)."""
     script = ("import sys; from pathlib import Path; from dartree.decode.harness.report import write_report_files; "
-              "from dartree.decode.harness.report import attach_figures; out, k = Path(sys.argv[1]), sys.argv[2]\n"
+              "from dartree.decode.harness.report_figures import attach_figures; out, k = Path(sys.argv[1]), sys.argv[2]\n"
               "for i in range(300):\n"
               "    write_report_files(out, {'writer': k, 'i': i}, f'# writer {k} row {i}\\n')\n"
               "    attach_figures(out / 'report.md', [])\n")

@@ -681,7 +681,7 @@ def test_export_with_a_target_checks_the_pairing_for_every_format(tmp_path, save
 
 
 def test_report_out_under_a_file_is_refused_up_front(tmp_path, capsys):
-    from dartree.decode.harness.report import main as report_main
+    from dartree.decode.harness.report_command import main as report_main
 
     afile = tmp_path / "afile"
     afile.write_text("keep me")
@@ -706,7 +706,7 @@ def test_report_out_under_a_file_is_refused_up_front(tmp_path, capsys):
 
 
 def test_corrupt_report_or_curve_json_names_the_file_and_the_fix(tmp_path, capsys):
-    from dartree.decode.harness.report import main as report_main
+    from dartree.decode.harness.report_command import main as report_main
 
     rep = tmp_path / "rep"
     rep.mkdir()

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 
 from dartree.decode.harness import plots
-from dartree.decode.harness import report as rpt
+from dartree.decode.harness import report_command as cmd
+from dartree.decode.harness import report_figures as figs
 from dartree.base import figures as curves_mod
 from test_eval_cli import tiny_folder  # noqa: F401  (fixture: the tiny target and drafter folders)
 
@@ -180,52 +181,52 @@ def test_write_figures_embeds_pngs_and_a_broken_figure_is_only_a_warning(tmp_pat
     rep = synthetic_report()
     (tmp_path / "report.json").write_text(json.dumps(rep))
     (tmp_path / "report.md").write_text("# tables\n\n| method | tau |\n")
-    notes = rpt.write_figures(rep, tmp_path)
+    notes = figs.write_figures(rep, tmp_path)
     assert notes == []
     md = (tmp_path / "report.md").read_text()
     files = ["acceptance.png", "sweep.png", "stages.png", "tree_shape.png", "tree_pruned_at_B4.png"]
     for f in files:
         assert f"]({f})" in md and (tmp_path / f).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert md.startswith("# tables\n\n| method | tau |") and md.count(rpt.FIGURES_MARKER) == 1
+    assert md.startswith("# tables\n\n| method | tau |") and md.count(figs.FIGURES_MARKER) == 1
     assert "round 2 of 3" in md  # the default round: the longest accepted path
     # redrawing replaces the section instead of appending a second one; --draw-round picks a round
-    assert rpt.write_figures(rep, tmp_path, draw_round=3) == []
+    assert figs.write_figures(rep, tmp_path, draw_round=3) == []
     md = (tmp_path / "report.md").read_text()
-    assert md.count(rpt.FIGURES_MARKER) == 1 and "round 3 of 3" in md and "round 2 of 3" not in md
-    assert "has 3 recorded rounds" in rpt.write_figures(rep, tmp_path, draw_round=9)[0]
+    assert md.count(figs.FIGURES_MARKER) == 1 and "round 3 of 3" in md and "round 2 of 3" not in md
+    assert "has 3 recorded rounds" in figs.write_figures(rep, tmp_path, draw_round=9)[0]
 
     def boom(report):
         raise RuntimeError("no ink")
 
     monkeypatch.setattr(plots, "fig_stages", boom)
     (tmp_path / "stages.png").unlink()
-    notes = rpt.write_figures(rep, tmp_path)
+    notes = figs.write_figures(rep, tmp_path)
     assert notes == ["WARNING: figure stages.png failed: RuntimeError: no ink"]
     md = (tmp_path / "report.md").read_text()
     assert "](stages.png)" not in md and "](acceptance.png)" in md and md.startswith("# tables")
     assert json.loads((tmp_path / "report.json").read_text()) == rep
     # even a failure outside any single figure leaves the report and returns a warning
-    monkeypatch.setattr(rpt, "render_figures", lambda *a, **k: 1 / 0)
-    assert "figures not written: ZeroDivisionError" in rpt.write_figures(rep, tmp_path)[0]
+    monkeypatch.setattr(figs, "render_figures", lambda *a, **k: 1 / 0)
+    assert "figures not written: ZeroDivisionError" in figs.write_figures(rep, tmp_path)[0]
     assert json.loads((tmp_path / "report.json").read_text()) == rep
 
 
 def test_merge_labels_and_comparison_tables(tmp_path):
     a, b = synthetic_report(), synthetic_report()
     b["methods"]["chain"] = {**b["methods"]["chain"], "tau": 1.5}
-    assert rpt.run_labels([tmp_path / "x" / "latest", tmp_path / "y" / "latest"]) == ["x/latest", "y/latest"]
-    assert rpt.run_labels(["reports/dflash", "reports/dspark"]) == ["dflash", "dspark"]
-    merged = rpt.merge_reports({"fp32": a, "bf16": b})
+    assert cmd.run_labels([tmp_path / "x" / "latest", tmp_path / "y" / "latest"]) == ["x/latest", "y/latest"]
+    assert cmd.run_labels(["reports/dflash", "reports/dspark"]) == ["dflash", "dspark"]
+    merged = cmd.merge_reports({"fp32": a, "bf16": b})
     assert merged["methods"]["bf16/chain"]["tau"] == 1.5 and "fp32/ar" in merged["per_prompt"]
     assert set(plots.ar_step_ms(merged)) == {"fp32/ar", "bf16/ar"}
     assert set(plots.sweep_points(merged)) == {"fp32/pruned", "bf16/pruned"}
     ar_lines = _lines(plots.fig_stages(merged).axes[0])  # each run's AR step spans that run's bars
     assert list(ar_lines["fp32/ar"].get_xdata()) == pytest.approx([-0.4, 2.4])
     assert list(ar_lines["bf16/ar"].get_xdata()) == pytest.approx([2.6, 5.4])
-    md = rpt.comparison_markdown({"fp32": a, "bf16": b})
+    md = cmd.comparison_markdown({"fp32": a, "bf16": b})
     assert "| chain | 2.429 | 0.900x | 1.500 | 0.900x |" in md
     with pytest.raises(ValueError, match="contains '/'"):
-        rpt.merge_reports({"a/b": a})
+        cmd.merge_reports({"a/b": a})
 
 
 @pytest.mark.slow
@@ -235,13 +236,13 @@ def test_report_cli_redraws_one_and_overlays_several(tmp_path):
         rep["methods"]["chain"]["tau"] = tau
         (tmp_path / name).mkdir()
         (tmp_path / name / "report.json").write_text(json.dumps(rep))
-    one = subprocess.run([sys.executable, "decode/harness/report.py", str(tmp_path / "dflash")], cwd=REPO,
+    one = subprocess.run([sys.executable, "decode/harness/report_command.py", str(tmp_path / "dflash")], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr
     assert (tmp_path / "dflash" / "tree_shape.png").is_file()
     assert "](acceptance.png)" in (tmp_path / "dflash" / "report.md").read_text()
     out = tmp_path / "cmp"
-    both = subprocess.run([sys.executable, "decode/harness/report.py", str(tmp_path / "dflash"), str(tmp_path / "dspark"),
+    both = subprocess.run([sys.executable, "decode/harness/report_command.py", str(tmp_path / "dflash"), str(tmp_path / "dspark"),
                            "--out", str(out), "--draw-round", "1"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert both.returncode == 0, both.stderr
     md = (out / "report.md").read_text()
@@ -250,7 +251,7 @@ def test_report_cli_redraws_one_and_overlays_several(tmp_path):
     assert "round 1 of 3" in md
     merged = json.loads((out / "report.json").read_text())
     assert merged["methods"]["dspark/chain"]["tau"] == 2.5
-    bad = subprocess.run([sys.executable, "decode/harness/report.py", str(tmp_path / "nothing")], cwd=REPO,
+    bad = subprocess.run([sys.executable, "decode/harness/report_command.py", str(tmp_path / "nothing")], cwd=REPO,
                          capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "holds no report.json" in bad.stderr and "Traceback" not in bad.stderr
 
@@ -259,11 +260,11 @@ def test_report_cli_redraws_one_and_overlays_several(tmp_path):
 def test_report_cli_draws_the_reference_learning_curves(tmp_path):
     ck = [REPO / "checkpoints" / n for n in ("dflash_b16", "domino_b16", "dspark_b16")]
     png = tmp_path / "curves.png"
-    r = subprocess.run([sys.executable, "decode/harness/report.py", "--curves", *map(str, ck), "--out", str(png)], cwd=REPO,
+    r = subprocess.run([sys.executable, "decode/harness/report_command.py", "--curves", *map(str, ck), "--out", str(png)], cwd=REPO,
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert png.read_bytes()[:4] == b"\x89PNG"
-    curves = {p.name: rpt.load_curve(p) for p in ck}
+    curves = {p.name: cmd.load_curve(p) for p in ck}
     fig = curves_mod.fig_curves(curves)
     lines = _lines(fig.axes[0])
     for name, pts in curves.items():
@@ -277,7 +278,7 @@ def test_annotate_trees_decodes_each_distinct_id_once():
         calls.append(i)
         return f"<{i}>"
 
-    out = rpt.annotate_trees([{"root": 1, "tokens": [2, 3], "bonus": 2}, {"root": 2, "tokens": [], "bonus": 4}], decode)
+    out = figs.annotate_trees([{"root": 1, "tokens": [2, 3], "bonus": 2}, {"root": 2, "tokens": [], "bonus": 4}], decode)
     assert out[0]["texts"] == ["<2>", "<3>"] and out[0]["root_text"] == "<1>" and out[1]["bonus_text"] == "<4>"
     assert sorted(calls) == [1, 2, 3, 4]
 
@@ -359,7 +360,7 @@ def test_eval_writes_the_figures_beside_its_report_and_no_plots_skips_them(tiny_
         assert [len(t["accepted"]) - 1 for t in rounds] == acc and [len(t["tokens"]) for t in rounds] == row["tree_nodes"]
         assert all(len(t["texts"]) == len(t["tokens"]) and isinstance(t["root_text"], str) for t in rounds)
     md = (out / "report.md").read_text()
-    assert md.index("| pruned@B4 |") < md.index(rpt.FIGURES_MARKER)
+    assert md.index("| pruned@B4 |") < md.index(figs.FIGURES_MARKER)
     for f in ("acceptance.png", "sweep.png", "stages.png", "tree_shape.png", "tree_chain.png", "tree_pruned_at_B2.png",
               "tree_pruned_at_B4.png"):
         assert f"]({f})" in md and (out / f).read_bytes()[:4] == b"\x89PNG", f
@@ -367,7 +368,7 @@ def test_eval_writes_the_figures_beside_its_report_and_no_plots_skips_them(tiny_
     r = subprocess.run([*base, "--tree", "chain", "--no-plots", "--out", str(lean)], cwd=REPO, capture_output=True,
                        text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert not list(lean.glob("*.png")) and rpt.FIGURES_MARKER not in (lean / "report.md").read_text()
+    assert not list(lean.glob("*.png")) and figs.FIGURES_MARKER not in (lean / "report.md").read_text()
     assert json.loads((lean / "report.json").read_text())["trees"]["chain"]["rounds"]  # drawable later
     bad = subprocess.run([*base, "--draw-round", "0"], cwd=REPO, capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "--draw-round is 1-based" in bad.stderr
@@ -376,10 +377,10 @@ def test_eval_writes_the_figures_beside_its_report_and_no_plots_skips_them(tiny_
 def test_reports_without_tree_methods_or_per_depth_data_draw_what_they_can(tmp_path):
     rep = synthetic_report()
     ar_only = {"methods": {"ar": rep["methods"]["ar"]}, "per_prompt": {"ar": rep["per_prompt"]["ar"]}}
-    assert rpt.render_figures(ar_only, tmp_path / "ar") == ([], [])
+    assert figs.render_figures(ar_only, tmp_path / "ar") == ([], [])
     old = {k: v for k, v in rep.items() if k != "trees"}  # written before per-depth data and trees existed
     old["per_prompt"] = {m: [{k: v for k, v in row.items() if k not in ("depth_nodes", "accepted_depths")}
                              for row in rows] for m, rows in rep["per_prompt"].items()}
-    written, notes = rpt.render_figures(old, tmp_path / "old")
+    written, notes = figs.render_figures(old, tmp_path / "old")
     assert notes == [] and [f["file"] for f in written] == ["acceptance.png", "sweep.png", "stages.png"]
     assert "pruned: B=4 tau 2.500 1.100x, B=8 tau 3.000 1.250x." in written[1]["caption"]

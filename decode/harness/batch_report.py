@@ -154,8 +154,8 @@ def fig_throughput(report: dict):
 
 def render_batch_figures(report: dict, out_dir: str | Path) -> tuple[list[dict], list[str]]:
     """Draw a batch sweep's figure, ``throughput.png``, in ``out_dir`` (as
-    :func:`dartree.decode.harness.report.render_figures` draws an eval's): (figures written, as dicts with ``title``,
-    ``file``, ``caption``; warnings, one line each). Never raises for a plotting problem."""
+    :func:`dartree.decode.harness.report_figures.render_figures` draws an eval's): (figures written, as dicts with
+    ``title``, ``file``, ``caption``; warnings, one line each). Never raises for a plotting problem."""
     try:
         # lazy: matplotlib loads only when a figure is drawn
         from dartree.decode.harness.plots import save_figure

@@ -40,7 +40,7 @@ from dartree.decode.generate import POLICY_PROMPT
 from dartree.decode.harness.batch_report import cpu_name
 from dartree.decode.harness.peers import hf_generate_batch
 from dartree.decode.harness.runner import against_ar
-from dartree.decode.harness.session import spread_repeats
+from dartree.decode.harness.prompt_rows import spread_repeats
 from dartree.decode.row_costs import RowCosts, batch_rows
 
 HF_BATCH = "hf-generate"  # the one peer with a batched form
@@ -218,9 +218,9 @@ class BatchSweep:
 
     def order(self, bi: int) -> list[str]:
         """The decodes of the ``bi``-th batch size: the rows in an order rotated by ``bi``, with the batched AR
-        baseline run ``--ar-repeats`` times spread through it (``ar#2``, ...; :func:`~dartree.decode.harness.session
-        .spread_repeats`), so a drift of the machine's speed during the batch size reaches the baseline as it reaches
-        the rows it divides."""
+        baseline run ``--ar-repeats`` times spread through it (``ar#2``, ...;
+        :func:`~dartree.decode.harness.prompt_rows.spread_repeats`), so a drift of the machine's speed during the batch
+        size reaches the baseline as it reaches the rows it divides."""
         names = self.names
         return spread_repeats(names[bi % len(names):] + names[: bi % len(names)], "ar", self.s.args.ar_repeats)
 

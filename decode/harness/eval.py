@@ -8,8 +8,8 @@ method and dataset: tau (committed tokens per verify forward, bonus included), t
 (AR time-per-output-token / method time-per-output-token, prefill excluded, same process, after a warm-up),
 per-round stage times, and losslessness (T = 0: the count of prompts whose output differs from AR's, with
 the first divergence and the target's top-2 logit margin there). Writes ``report.json`` and ``report.md``,
-then the figures beside them, embedded in report.md (``dartree.decode.harness.report``; ``--no-plots`` skips them;
-``dartree-report DIR`` redraws them from report.json).
+then the figures beside them, embedded in report.md (``dartree.decode.harness.report_figures``; ``--no-plots``
+skips them; ``dartree-report DIR`` redraws them from report.json).
 
 ``--batch 1 2 4 8`` reports the throughput curve instead (:mod:`dartree.decode.harness.batch_sweep`): tokens/s per
 method and batch size, the speedup over dartree's batched AR loop at each size, tau per row, losslessness per row
@@ -35,11 +35,12 @@ from tqdm.auto import tqdm
 from dartree.decode.harness.batch_report import sweep_markdown, sweep_warnings
 from dartree.decode.harness.batch_sweep import BATCH_PEERS, BatchSweep
 from dartree.decode.harness.builder_args import add_builder_param_args, builder_param_problems
-from dartree.decode.harness.report import write_report_files
 from dartree.decode.harness.peers import PEERS
 from dartree.decode.harness.prompts import add_prompt_source_args
-from dartree.decode.harness.report import report_warnings, write_figures
-from dartree.decode.harness.session import Refused, open_session, spread_repeats
+from dartree.decode.harness.report import report_warnings, write_report_files
+from dartree.decode.harness.report_figures import write_figures
+from dartree.decode.harness.prompt_rows import spread_repeats
+from dartree.decode.harness.session import Refused, open_session
 from dartree.decode.trees import BUILDERS
 from dartree.base.cli import fail
 from dartree.base.dtypes import DTYPES

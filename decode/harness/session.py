@@ -2,8 +2,9 @@
 target, checkpoint, matmul path and tuning, row-invariant mode through :func:`dartree.decode.assembly.assemble`, the
 assembly the API and the bench use too; prompts and their ids, runs, cost models, peers, stop ids, sampling record),
 and the per-prompt decode that turns each prompt into report rows
-(:meth:`EvalSession.decode_prompt`; each single decode through :func:`dartree.decode.harness.runner.decode_one`, the
-step the bench runs too). Rendering the rows is :mod:`dartree.decode.harness.report`'s.
+(:meth:`EvalSession.decode_prompt`, from :class:`dartree.decode.harness.prompt_rows.PromptRows`; each single decode
+through :func:`dartree.decode.harness.runner.decode_one`, the step the bench runs too). Rendering the rows is
+:mod:`dartree.decode.harness.report`'s.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ import argparse
 import contextlib
 import platform
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,16 +20,15 @@ from typing import Callable
 
 import torch
 from rich.console import Console
-from tqdm.auto import tqdm
 
 from dartree.decode.assembly import Assembly, ModeUnavailable, TargetLoadError, assemble, dtype_plan
 from dartree.decode.harness.builder_args import builder_params_of
 from dartree.decode.inputs import check_prompt_set
-from dartree.decode.harness.runner import Method, PromptDecode, decode_one, first_divergence
+from dartree.decode.harness.runner import Method, PromptDecode, decode_one
 from dartree.decode.harness.peers import load_bf16_twin, load_zlab_drafter, run_peer
+from dartree.decode.harness.prompt_rows import PromptRows
 from dartree.decode.harness.prompts import Prompt, load_prompt_file, load_prompts
-from dartree.decode.harness.report import (annotate_trees, build_report, prior_text, report_console, report_markdown,
-                                           split_label, write_report_files)
+from dartree.decode.harness.report import build_report, prior_text, report_console, report_markdown, write_report_files
 from dartree.decode.trees import BUILDERS, builder_name
 from dartree.models.chat import chat_prompt_ids, check_chat_template, messages_prompt_ids, text_prompt_ids
 from dartree.models.generation import sampling_problem, sampling_settings
@@ -116,36 +115,6 @@ def encode_prompts(encode: Callable[[str], list[int]], prompts: list[Prompt], ta
                              f"{(str(exc).strip().splitlines() or [''])[0]}") from None
         out.append(ids)
     check_prompt_set(target, out, [f"{p.dataset}:{p.id}" for p in prompts], max_new_tokens)
-    return out
-
-
-def _margin_at(target, prompt_ids: list, ref: list, idx: int) -> float:
-    """Target's top-2 logit margin when predicting ref[idx] after prompt + ref[:idx] (a near-tie check)."""
-    ids = torch.tensor([prompt_ids + ref[:idx]], device=target.device)
-    logits = target.forward(ids, logits_slice=slice(-1, None)).logits[0, -1]
-    top = torch.topk(logits.float(), 2).values
-    return float(top[0] - top[1])
-
-
-def spread_repeats(order: list[str], name: str, repeats: int) -> list[str]:
-    """``order`` with ``repeats - 1`` more runs of ``name`` (``name#2``, ``name#3``, ..): run j + 1 goes before the
-    row that comes ``round(j * n / repeats)`` rows after the first run (cyclically, n = ``len(order)``), so the
-    repeats spread over the prompt's rows and a drift of the machine's speed during them reaches the baseline
-    the way it reaches the other rows. E.g. (["b", "ar", "c", "d"], "ar", 2) -> ["b", "ar", "c", "ar#2", "d"].
-
-    Raises:
-        ValueError: ``name`` is not in ``order`` or ``repeats`` < 1.
-    """
-    if repeats < 1 or name not in order:
-        raise ValueError(f"need repeats >= 1 and {name!r} in the order, got {repeats} and {order}")
-    n, first = len(order), order.index(name)
-    before: dict[int, list[str]] = {}
-    for j in range(1, repeats):
-        before.setdefault((first + round(j * n / repeats)) % n, []).append(f"{name}#{j + 1}")
-    out: list[str] = []
-    for i, row in enumerate(order):
-        out += before.get(i, [])
-        out.append(row)
     return out
 
 
@@ -277,7 +246,7 @@ def _assemble_models(args: argparse.Namespace, console: Console, methods: list[s
 
 
 @dataclass
-class EvalSession:
+class EvalSession(PromptRows):
     """Everything one evaluation run decodes with, built once from the parsed arguments by :func:`open_session`:
     the assembled models (``models``, :class:`~dartree.decode.assembly.Assembly`: target, checkpoint, dtype, matmul
     path, row-invariant mode), the prompts and their ids, the runs (name -> (builder, budget)), their cost models,
@@ -448,89 +417,6 @@ class EvalSession:
                                 lookup_ngram=a.lookup_ngram, new_tokens=SEED_TOKENS, stop_ids=self.stop_ids,
                                 temperature=a.temperature)
             self.console.print(f"{m}: policy seeded in {time.time() - t0:.1f}s: {prior_text(prior)}")
-
-    def prompt_order(self, pi: int) -> list[str]:
-        """The decodes of prompt ``pi``, back to back in an order rotated per prompt (this machine's speed drifts
-        over minutes, and a fixed order would hand the same share of that drift to the same rows on every prompt),
-        with the AR repeats spread through it (ar#2, ...; :func:`spread_repeats`)."""
-        order = self.names
-        order = order[pi % len(order):] + order[:pi % len(order)]
-        return spread_repeats(order, "ar", self.args.ar_repeats)
-
-    def decode_prompt(self, pi: int, bar=None) -> tuple[dict[str, dict], dict[str, dict]]:
-        """Decode prompt ``pi`` with AR (``--ar-repeats`` times), every method and every peer (``bar``: a tqdm bar
-        stepped once per decode) and print its one-line summary.
-
-        Returns:
-            (that prompt's row per method, its recorded verify trees per method: the first prompt's only).
-        """
-        p, ids = self.prompts[pi], self.prompt_ids[pi]
-        seed = self.args.seed * 100003 + pi
-        order = self.prompt_order(pi)
-        row_of = {name: name.split("#")[0] for name in order}  # ar#2 .. are repeats of ar
-        outs = {}
-        for name in order:
-            if bar is not None:
-                bar.set_postfix_str(f"{p.dataset}:{p.id} {name}")
-            outs[name] = (self.run_peer_on(name, ids, self.args.max_new_tokens) if name in self.peers
-                          else self.run(row_of[name], ids, seed, self.args.max_new_tokens,
-                                        record=pi == 0 and row_of[name] != "ar"))
-            if bar is not None:
-                bar.update()
-        ar_runs = [outs[n] for n in order if row_of[n] == "ar"]
-        if any(o.tokens != outs["ar"].tokens for o in ar_runs):
-            self.console.print(f"[bold yellow]{p.dataset}:{p.id}: the AR repeats disagree (a non-deterministic "
-                               "kernel?); the first one is the reference[/bold yellow]")
-        new, new_trees, line = self.prompt_rows(pi, outs, ar_runs)
-        with tqdm.external_write_mode(file=sys.stderr):
-            self.console.print(", ".join(line))
-        return new, new_trees
-
-    def prompt_rows(self, pi: int, outs: dict, ar_runs: list) -> tuple[dict[str, dict], dict[str, dict], list[str]]:
-        """Prompt ``pi``'s row per method from its decodes ``outs`` (``ar_runs``: the AR repeats, first one the
-        reference), its recorded trees, and the parts of its console line."""
-        p, ids, ar = self.prompts[pi], self.prompt_ids[pi], outs["ar"]
-        base = {"dataset": p.dataset, "id": p.id}
-        new: dict[str, dict] = {}
-        new_trees: dict[str, dict] = {}
-        ar_times = [o.stats.decode_s for o in ar_runs]
-        new["ar"] = {**base, "new_tokens": ar.stats.new_tokens, "decode_s": sum(ar_times) / len(ar_times),
-                     "decode_s_repeats": ar_times, "accept_lengths": ar.stats.accept_lengths}
-        line = [f"[{pi + 1}/{len(self.prompts)}] {p.dataset}:{p.id} ar {ar.stats.new_tokens} tok"]
-        for m in self.methods:
-            o = outs[m]
-            row = {**base, "new_tokens": o.stats.new_tokens, "decode_s": o.stats.decode_s,
-                   "accept_lengths": o.stats.accept_lengths, "stage_s": o.stats.stage_s,
-                   "tree_nodes": o.stats.tree_nodes, "budgets": o.stats.budgets, "depth_nodes": o.stats.depth_nodes,
-                   "accepted_depths": o.stats.accepted_depths, "mismatch": None}
-            pair = o.paired_ar
-            if pair is not None:  # the AR decode that ran in lockstep with this one
-                row["paired_ar_decode_s"], row["paired_ar_new_tokens"] = pair.stats.decode_s, pair.stats.new_tokens
-            if pi == 0:
-                tok = self.target.tokenizer
-                new_trees[m] = {**base, "rounds": annotate_trees(o.stats.trees, lambda i: tok.decode([i]))}
-            if self.args.temperature == 0:
-                self.compare_with_ar(row, o.tokens, ids, ar.tokens, exact=self.exact_rows)
-            new[m] = row
-            line.append(f"{m} tau {o.stats.tau:.2f} {split_label(row)}".rstrip())
-        for m in self.peers:
-            o = outs[m]
-            row = {**base, "new_tokens": len(o.tokens), "decode_s": o.decode_s, "prefill_s": o.prefill_s,
-                   "accept_lengths": o.accept_lengths}
-            self.compare_with_ar(row, o.tokens, ids, ar.tokens, exact=False)  # a peer's own arithmetic may split
-            new[m] = row
-            line.append(f"{m} tau {o.tau:.2f} {split_label(row)}".rstrip())
-        return new, new_trees, line
-
-    def compare_with_ar(self, row: dict, tokens: list, ids: list, ref: list, exact: bool = True) -> None:
-        """Record in ``row`` whether ``tokens`` differ from AR's ``ref`` and, if so, the first divergence and the
-        target's top-2 logit margin there (a near-tie check); ``exact``: whether a split is a loss of exactness
-        (:func:`split_label`)."""
-        row["mismatch"], row["exact"] = tokens != ref, exact
-        if row["mismatch"]:
-            idx = first_divergence(tokens, ref)
-            row["first_divergence"] = idx
-            row["margin_at_divergence"] = _margin_at(self.target, ids, ref, idx)
 
     def environment(self, done: int, interrupted: str | None = None) -> dict:
         """report.json's ``environment``: the machine, versions and every setting of the run, with the first
