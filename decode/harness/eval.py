@@ -40,7 +40,7 @@ from dartree.decode.harness.peers import PEERS
 from dartree.decode.harness.prompts import add_prompt_source_args
 from dartree.decode.harness.report import report_warnings, write_figures
 from dartree.decode.harness.session import Refused, open_session, spread_repeats
-from dartree.decode.trees import BUILDERS
+from dartree.decode.builders import BUILDERS
 from dartree.base.cli import fail
 from dartree.base.dtypes import DTYPES
 from dartree.models.invariant import INVARIANT_CHOICES
