@@ -32,7 +32,7 @@ from dartree.decode.row_costs import RowCosts, batch_rows
 from dartree.decode.generate import (POLICY_PROMPT, DecodeStats, autoregressive_generate, check_speculative,
                                      seed_policy, speculative_generate, warm_paths)
 from dartree.decode.inputs import check_lookup, check_speculative_args, token_ids
-from dartree.decode.trees import BUILDERS, builder_name
+from dartree.decode.builders import BUILDERS, builder_name
 from dartree.models.chat import chat_prompt_ids, messages_prompt_ids, text_prompt_ids
 from dartree.models.generation import sampling_problem, sampling_settings, stop_ids
 from dartree.models.target import DEFAULT_TARGET, Target
@@ -280,7 +280,7 @@ class SpeculativeDecoder(BatchedDecoding):
 
     def _check_setting(self, tree, budget, lookup, builder_params: dict) -> None:
         """The checks of a decode setting (tree, budget, lookup, builder parameters), before any work: an unknown tree
-        named with the builders and their aliases (:func:`~dartree.decode.trees.builder_name`). Raises: TypeError /
+        named with the builders and their aliases (:func:`~dartree.decode.builders.builder_name`). Raises: TypeError /
         ValueError naming the argument and value."""
         if not isinstance(tree, str):
             raise TypeError(f"tree={tree!r:.60} ({type(tree).__name__}) is not a builder name; give one of "
@@ -312,7 +312,7 @@ class SpeculativeDecoder(BatchedDecoding):
                 or id lists; :func:`is_prompt_list`) decodes them together instead: :meth:`generate_batch`, which
                 returns a list. max_new_tokens: cap on generated tokens.
             tree: the tree builder: ``pruned`` (DARTree-pruned, default), ``chain``, ``ddtree``, ``pctree``,
-                ``fixed`` (DARTree-fixed), ``heap-sequential`` (:data:`dartree.decode.trees.BUILDERS`; the aliases
+                ``fixed`` (DARTree-fixed), ``heap-sequential`` (:data:`dartree.decode.builders.BUILDERS`; the aliases
                 ``dartree-pruned`` / ``dartree-fixed`` work too).
             budget: tree nodes verified per round B: an int, ``"auto"`` (a cost model measured on this machine picks
                 B per round, 0 meaning a plain AR step; :mod:`dartree.decode.budget`), or None (default):

@@ -35,10 +35,11 @@ import torch
 from dartree.base.fields import describe, is_int
 from dartree.decode.batch_budget import AutoRowBudgets, BatchCostModel, batch_policy
 from dartree.decode.batch_rounds import compile_batch, draft_blocks, verify_batch
+from dartree.decode.builders import builder_beta, get_builder
 from dartree.decode.generate import (DecodeStats, GenerateOutput, _commit, _prefill, check_speculative,
                                      speculative_generate)
 from dartree.decode.rounds import FixedBudget, GreedyMatch, LookupGraft
-from dartree.decode.trees import Tree, builder_beta, get_builder
+from dartree.decode.trees import Tree
 from dartree.models.batch_cache import BatchKV, RowDraftCache
 from dartree.models.drafter import DFlashDrafter
 from dartree.models.heads import CorrectionHead

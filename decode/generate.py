@@ -24,11 +24,12 @@ import torch
 from dartree.decode.inputs import check_generate_args, check_lookup, check_speculative_args
 from dartree.decode.sampling import check_acceptance
 from dartree.decode.budget import CostModel, calibrate, prune_to
+from dartree.decode.builders import builder_beta, builder_name, get_builder
 from dartree.decode.draft import draft_block
 from dartree.decode.lookup import LookupStats, graft_chain, lookup_match
 from dartree.decode.rounds import (AutoBudget, DraftFeed, FixedBudget, GreedyMatch, Lockstep, LookupGraft,
                                    RejectionSampling)
-from dartree.decode.trees import Tree, builder_beta, builder_name, get_builder
+from dartree.decode.trees import Tree
 from dartree.decode.verify import compile_tree, target_tokens, verify
 from dartree.models.drafter import DFlashDrafter, DraftCache
 from dartree.models.heads import CorrectionHead
@@ -250,7 +251,7 @@ def speculative_generate(
             one int or None).
         generator: seeded torch.Generator for T > 0, on the target's device type.
         builder: a registered tree-builder name (``chain``, ``pruned``, ...) or an alias of
-            :data:`~dartree.decode.trees.BUILDER_ALIASES` (``dartree-pruned``).
+            :data:`~dartree.decode.builders.BUILDER_ALIASES` (``dartree-pruned``).
         budget: tree nodes per round B (default: P, the proposals per block), or ``"auto"``: per round the
             builder drafts up to ``cost_model.max_budget`` nodes and the cost model keeps the number that
             maximises expected tokens per second, 0 meaning a plain AR step (:mod:`dartree.decode.budget`).
@@ -261,7 +262,7 @@ def speculative_generate(
             :func:`warm_paths`); None calibrates one on this prompt, warms every path of this setting and seeds the
             policy with a pass over the prompt's first tokens, all before the prefill and outside ``stats``.
         builder_params: the builders' keyword parameters as the registry declares them (``k``, ``width``,
-            ``beta``, ``children``, ``backend``; :class:`~dartree.decode.trees.BuilderParam`).
+            ``beta``, ``children``, ``backend``; :class:`~dartree.decode.builders.BuilderParam`).
         record_trees: also keep every round's verify tree and accepted path in ``stats.trees`` (for
             drawing; a few list copies per round).
         acceptance: ``"match"`` (default): deterministic drafts, exact target-sample matching (every builder);
@@ -401,12 +402,12 @@ def max_tree_nodes(builder: str, budget: int, proposals: int, builder_params: di
                    head: CorrectionHead | None = None) -> int:
     """The most nodes the builder called ``builder`` can return with ``budget`` for a drafter of ``proposals`` (P)
     proposals per block: ``budget`` capped by the largest tree the builder declares it makes whatever the budget
-    (:meth:`~dartree.decode.trees.TreeBuilder.max_nodes`: a chain's P, DARTree-pruned's P * width, ...). A grafted
+    (:meth:`~dartree.decode.builders.TreeBuilder.max_nodes`: a chain's P, DARTree-pruned's P * width, ...). A grafted
     lookup chain adds up to ``lookup`` nodes on top (not counted here). The sizes :func:`warm_paths` warms, so that
     a budget far above what the drafter can fill costs no warm-up for sizes that never occur.
 
     Raises:
-        ValueError: an unknown builder (:func:`~dartree.decode.trees.builder_name`).
+        ValueError: an unknown builder (:func:`~dartree.decode.builders.builder_name`).
     """
     return get_builder(builder).max_nodes(budget, proposals, builder_params, head)
 

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import torch
 
 from dartree.base.fields import describe, is_int, is_real
-from dartree.decode.trees import BUILDERS, builder_name, check_builder_params
+from dartree.decode.builders import BUILDERS, builder_name, check_builder_params
 from dartree.models.drafter import DFlashDrafter
 from dartree.models.generation import context_length
 from dartree.models.heads import CorrectionHead
@@ -206,15 +206,17 @@ def check_speculative_args(target, drafter, head, *, builder, budget, builder_pa
     Args:
         drafter: a :class:`~dartree.models.drafter.DFlashDrafter` fitting ``target``.
         head: a :class:`~dartree.models.heads.CorrectionHead` fitting both.
-        builder: a registered tree-builder name or alias (:data:`dartree.decode.trees.BUILDERS`, ``BUILDER_ALIASES``).
+        builder: a registered tree-builder name or alias (:data:`dartree.decode.builders.BUILDERS`,
+            ``BUILDER_ALIASES``).
         budget: None, ``"auto"`` (the cost-model budget) or an integer >= 0.
         builder_params: None or a dict of the parameters the registered builders declare (``k``, ``width``,
-            ``beta``, ``children``, ``backend``; :func:`dartree.decode.trees.check_builder_params`) with valid values.
+            ``beta``, ``children``, ``backend``; :func:`dartree.decode.builders.check_builder_params`) with valid
+            values.
     Raises:
         TypeError: a wrong type (for instance a loaded ``DraftModel`` passed as the drafter), or an unknown
             builder parameter.
         ValueError: an unknown builder name (the registered ones and their aliases listed:
-            :func:`dartree.decode.trees.builder_name`), drafter / head / target mismatch
+            :func:`dartree.decode.builders.builder_name`), drafter / head / target mismatch
             (:func:`dartree.models.validate.check_pairing`), target capture layers that differ from the drafter's, a
             negative budget or an out-of-range parameter.
     """

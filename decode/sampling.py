@@ -30,6 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
+import dartree.decode.builders  # noqa: F401 - the registry: _check_params accepts the parameters its builders declare
 from dartree.decode.trees import DraftBlock, Tree, _check_k, _check_params, block_candidates, check_build_args, head_k
 from dartree.decode.verify import TreeInputs, Verification, compile_tree
 from dartree.models.heads import CorrectionHead
@@ -134,7 +135,7 @@ def sample_chain(block: DraftBlock, head: CorrectionHead, root_id: int, budget: 
     """Draft one chain of min(budget, P) tokens by sampling the corrected head (the draft side of standard
     speculative sampling, Leviathan et al. 2023 Algorithm 1; z-lab ``dflash_generate`` / DeepSpec at T > 0).
 
-    Candidates C_d are the top-K of the base logits per depth (as :func:`dartree.decode.trees.build_chain`);
+    Candidates C_d are the top-K of the base logits per depth (as :func:`dartree.decode.builders.chain.build_chain`);
     q_d = softmax(g(C_d, H_d, r_{d-1}) / T) over them, x_d ~ q_d, r_d = advance(r_{d-1}, x_d, H_d).
     Args:
         block: DraftBlock (hidden [P, D], base logits [P, V'], optional draft vocabulary).

@@ -1,4 +1,5 @@
-"""CPU kernels of the first-order tree builders (numba), with the NumPy code in ``dartree.decode.trees`` as twins.
+"""CPU kernels of the first-order tree builders (numba), with the NumPy code in ``dartree.decode.builders.supertree``
+and ``dartree.decode.trees`` as twins.
 
 A first-order head (identity, Markov) scores a candidate from its parent's token alone, so a round's log q~ take
 K x K values per depth (``pair_log_probs``) and DARTree's depth-wise expansion (arXiv 2608.13524, Algorithm 1;
@@ -6,7 +7,7 @@ K x K values per depth (``pair_log_probs``) and DARTree's depth-wise expansion (
 [|F|, K] table. In NumPy that loop costs a dozen calls per depth; compiled it is one call per block (timings:
 docs/performance.md, "Tree stage").
 
-- :func:`expand_first_order` is ``dartree.decode.trees._expand_first_order_np`` compiled: the same frontier
+- :func:`expand_first_order` is ``dartree.decode.builders.supertree._expand_first_order_np`` compiled: the same frontier
   selection (value desc, ties to the lower flat index, i.e. the earlier parent, then the better-ranked candidate),
   the same early stop of DARTree-pruned (``prune``), fp32 path sums in the same order.
 - :func:`top_b_keep` is the CPU selection of ``dartree.decode.trees.select_top_b_keep``: the top-B nodes by
@@ -145,7 +146,8 @@ def _top_b(score, depth, parents, budget, beta):  # pragma: no cover - compiled;
 
 
 def expand_first_order(lq: np.ndarray, ids: np.ndarray, quotas: np.ndarray, prune: tuple[int, float] | None):
-    """DARTree's depth-wise expansion over pair tables, compiled (twin: ``dartree.decode.trees._expand_first_order_np``).
+    """DARTree's depth-wise expansion over pair tables, compiled (twin:
+    ``dartree.decode.builders.supertree._expand_first_order_np``).
 
     Args:
         lq: [P, K, K] float32 log q~ (``pair_log_probs``): row j of depth d is the parent whose token is

@@ -58,7 +58,7 @@ class CorrectionHead(nn.Module):
     reads_embeddings: bool = False
     # True when a node's state is a function of its own token alone (r = W1[x] or none), so g at depth d depends
     # only on (H_d, the parent's token): builders then score every (previous candidate, candidate) pair of a round
-    # at once (dartree.decode.trees.pair_log_probs). False for recurrent heads (DSpark RNN, Domino GRU).
+    # at once (dartree.decode.builders.supertree.pair_log_probs). False for recurrent heads (DSpark RNN, Domino GRU).
     first_order: bool = False
     # False for a head that leaves the base logits as they are (g(C, H, r) = U[C]: the identity head, plain DFlash):
     # it has nothing to train or load, so training's init_from gives such a checkpoint a fresh head of the recipe's type

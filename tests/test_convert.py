@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from conftest import LAYERS, VOCAB, make_drafter
 from dartree.convert.exporter import export
 from dartree.convert.importer import convert, detect_format_why
+from dartree.decode.builders import get_builder
 from dartree.decode.generate import autoregressive_generate, draft_block, speculative_generate
-from dartree.decode.trees import get_builder
 from dartree.models.checkpoint import CheckpointError, load_dartree
 from dartree.models.drafter import DraftCache
 from dartree.models.families.domino import GRUHead

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from conftest import VOCAB, make_drafter, make_markov
+from dartree.decode.builders import BUILDERS
 from dartree.decode.generate import autoregressive_generate, draft_block, speculative_generate
-from dartree.decode.trees import BUILDERS, Tree
+from dartree.decode.trees import Tree
 from dartree.decode.verify import ancestor_matrix, compile_tree, verify
 from dartree.models.drafter import DraftCache
 from dartree.models.heads import IdentityHead

@@ -1,5 +1,5 @@
 """The decode speed paths stay exact: the cost-model budget (``budget="auto"``, decode/budget.py), the
-reduced-vocabulary draft path and the pruned builder's early stop (decode/trees.py).
+reduced-vocabulary draft path and the pruned builder's early stop (decode/builders/supertree.py).
 
 Lossless at T = 0 whatever budgets the model picks (output equals greedy AR); the policy's choice is the argmax of its
 stated objective; a reduced draft vocabulary gives the same trees as the full-vocabulary -inf form; stopping
@@ -14,9 +14,11 @@ import torch
 
 from conftest import VOCAB, make_drafter, make_head
 from dartree.decode.budget import CostModel, calibrate
+from dartree.decode.builders import BUILDERS, get_builder
+from dartree.decode.builders.supertree import build_supertree
 from dartree.decode.cost_decision import ANCHOR_EVERY, ANCHOR_EVERY_CLEAR
 from dartree.decode.generate import autoregressive_generate, speculative_generate
-from dartree.decode.trees import BUILDERS, DraftBlock, Tree, build_supertree, get_builder, select_top_b
+from dartree.decode.trees import DraftBlock, Tree, select_top_b
 
 STOP = 1
 

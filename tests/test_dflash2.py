@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from conftest import LAYERS, VOCAB, make_drafter, make_head
+from dartree.decode.builders import BUILDERS
+from dartree.decode.builders.chain import build_chain
 from dartree.decode.generate import autoregressive_generate, speculative_generate
-from dartree.decode.trees import BUILDERS, DraftBlock, build_chain, head_k
+from dartree.decode.trees import DraftBlock, head_k
 from dartree.models.drafter import (
     BlockAttention,
     DFlashDrafter,

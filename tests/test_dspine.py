@@ -362,8 +362,8 @@ def test_every_builder_over_dspine_equals_target_greedy(target, prompts, builder
 
 
 def test_the_chain_follows_the_transition_scores(target):
+    from dartree.decode.builders.chain import build_chain
     from dartree.decode.draft import draft_block
-    from dartree.decode.trees import build_chain
 
     drafter, head = _pair(target)
     target.set_layer_ids(drafter.cfg.target_layer_ids)

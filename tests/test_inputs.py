@@ -15,9 +15,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from conftest import LAYERS, VOCAB, make_drafter, make_head, make_markov
+from dartree.decode.builders import BUILDERS, check_builder_params
 from dartree.decode.generate import autoregressive_generate, speculative_generate
 from dartree.decode.inputs import token_ids
-from dartree.decode.trees import BUILDERS, DraftBlock, check_builder_params
+from dartree.decode.trees import DraftBlock
 from dartree.models.checkpoint import CheckpointError, load_dartree, save_dartree
 from dartree.models.families import build_head
 from dartree.models.families.dspark import MarkovHead

@@ -214,7 +214,8 @@ def test_backend_choice(monkeypatch):
 @pytest.mark.parametrize("builder", ["chain", "pruned", "fixed", "pctree", "heap-sequential", "ddtree"])
 def test_builders_give_the_same_tree_on_both_backends(builder):
     from conftest import make_markov
-    from dartree.decode.trees import DraftBlock, get_builder
+    from dartree.decode.builders import get_builder
+    from dartree.decode.trees import DraftBlock
 
     g = _gen(3)
     block = DraftBlock(torch.randn(5, 32, generator=g), torch.randn(5, 80, generator=g) * 3)

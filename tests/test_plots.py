@@ -298,8 +298,9 @@ def test_decode_stats_record_depths_before_truncation_and_the_verify_trees(targe
     import torch
 
     from conftest import VOCAB, make_drafter
+    from dartree.decode.builders import BUILDERS
     from dartree.decode.generate import autoregressive_generate, speculative_generate
-    from dartree.decode.trees import BUILDERS, Tree
+    from dartree.decode.trees import Tree
     from dartree.models.heads import IdentityHead
 
     prompt = [21, 22, 23]

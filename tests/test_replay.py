@@ -10,9 +10,10 @@ import torch
 
 from conftest import VOCAB, make_drafter, make_head
 from dartree.decode.budget import CostModel
+from dartree.decode.builders import BUILDERS
 from dartree.decode.generate import autoregressive_generate, speculative_generate
 from dartree.decode.replay import accepted_at, recorded_round, replay_auto, replay_fixed, replay_hindsight
-from dartree.decode.trees import BUILDERS, Tree, select_top_b
+from dartree.decode.trees import Tree, select_top_b
 
 
 class MixedOracle:

@@ -1,6 +1,6 @@
 """The parts the speculative loop calls (decode/rounds.py), the builder registry's declared parameters
-(decode/trees.py) with the command-line flags derived from them (decode/harness/builder_args.py), and the per-prompt
-step eval and bench share (decode/harness/runner.py)."""
+(decode/builders/__init__.py) with the command-line flags derived from them (decode/harness/builder_args.py), and the
+per-prompt step eval and bench share (decode/harness/runner.py)."""
 
 import argparse
 
@@ -9,13 +9,14 @@ import torch
 
 from conftest import make_drafter, make_markov
 from dartree.decode.budget import CostModel
+from dartree.decode.builders import (BUILDERS, PARAM_BETA, PARAM_K, BuilderParam, builder_beta,
+                                     builder_signature_problem, check_builder_params, declared_params, ranks_by_beta,
+                                     register_builder)
 from dartree.decode.generate import autoregressive_generate, speculative_generate
 from dartree.decode.harness.builder_args import add_builder_param_args, builder_param_problems, builder_params_of
 from dartree.decode.harness.runner import Method, against_ar, decode_one, first_divergence
 from dartree.decode.rounds import AutoBudget, FixedBudget, Lockstep, LookupGraft
-from dartree.decode.trees import (BUILDERS, PARAM_BETA, PARAM_K, BuilderParam, Tree, builder_beta,
-                                  builder_signature_problem, check_builder_params, declared_params, ranks_by_beta,
-                                  register_builder)
+from dartree.decode.trees import Tree
 
 STOP = 1
 

@@ -705,13 +705,13 @@ def test_draft_vocab_drafter_trains_converts_and_decodes_losslessly(tmp_path, mo
     trees = []
 
     def spy(block, head, root, budget, **kw):
-        from dartree.decode.trees import get_builder
+        from dartree.decode.builders import get_builder
 
         t = get_builder("pruned")(block, head, root, budget, **kw)
         trees.append(t)
         return t
 
-    from dartree.decode.trees import BUILDERS
+    from dartree.decode.builders import BUILDERS
 
     BUILDERS["test-spy"] = spy
     try:

@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from conftest import make_markov
-from dartree.decode.trees import DraftBlock, Tree, build_supertree, candidates, get_builder, select_top_b
+from dartree.decode.builders import get_builder
+from dartree.decode.builders.supertree import build_supertree
+from dartree.decode.trees import DraftBlock, Tree, candidates, select_top_b
 from dartree.models.heads import IdentityHead
 
 
@@ -253,7 +255,8 @@ def test_pair_tables_give_the_per_depth_frontier_tree(name, builder, budget):
     """First-order heads take the pair-table path (pair_log_probs); it must build the tree the generic per-depth
     frontier scoring builds (same nodes, scores equal up to matmul rounding)."""
     from conftest import VOCAB, make_head
-    from dartree.decode.trees import block_candidates, pair_log_probs
+    from dartree.decode.builders.supertree import pair_log_probs
+    from dartree.decode.trees import block_candidates
 
     head = make_head(name, seed=2, scale=1.0)
     assert head.first_order
@@ -277,7 +280,8 @@ def test_pair_tables_give_the_per_depth_frontier_tree(name, builder, budget):
 
 def test_pair_tables_refuse_recurrent_heads(target):
     from conftest import make_head
-    from dartree.decode.trees import block_candidates, pair_log_probs
+    from dartree.decode.builders.supertree import pair_log_probs
+    from dartree.decode.trees import block_candidates
 
     for name in ("rnn", "gru"):
         head = make_head(name, target)
@@ -320,7 +324,8 @@ def test_identity_chain_fast_path_equals_the_candidate_path():
     """The identity head's chain (DFlash's own) from one topk equals the general first-order chain exactly: tokens,
     parents, depths and scores, with ties at the maximum, bf16-valued logits, a draft vocabulary, K >= V, and a
     maximum tied more than K times (handed back to the general path)."""
-    from dartree.decode.trees import _chain_first_order, _chain_identity, block_candidates, build_chain
+    from dartree.decode.builders.chain import _chain_first_order, _chain_identity, build_chain
+    from dartree.decode.trees import block_candidates
 
     head = IdentityHead()
     g = torch.Generator().manual_seed(5)
@@ -352,7 +357,7 @@ def test_compiled_expansion_equals_the_numpy_twin():
     parents, depths and fp32 scores bit-equal, over heavy ties (log q~ on a 0.5 grid), every quota rule the builders
     use (pruned's width, DARTree-fixed's spread budget, PCTree's children), with and without the pruned early stop;
     a NaN table is refused with a clear error."""
-    from dartree.decode.trees import _expand_first_order, _expand_first_order_np
+    from dartree.decode.builders.supertree import _expand_first_order, _expand_first_order_np
 
     rng = np.random.default_rng(3)
     for t in range(120):
@@ -409,7 +414,7 @@ def test_compiled_top_b_equals_the_torch_rule_with_ties():
 
 
 def test_every_builder_has_one_name_and_the_aliases_resolve_to_it():
-    from dartree.decode.trees import BUILDER_ALIASES, BUILDERS, builder_name, get_builder, register_builder
+    from dartree.decode.builders import BUILDER_ALIASES, BUILDERS, builder_name, get_builder, register_builder
 
     assert len({id(fn) for fn in BUILDERS.values()}) == len(BUILDERS)  # no builder under two names
     assert sorted(BUILDERS) == ["chain", "ddtree", "fixed", "heap-sequential", "pctree", "pruned"]

@@ -45,7 +45,8 @@ from dartree.decode.harness.runner import Method, PromptDecode, decode_one
 from dartree.decode.harness.session import encode_prompts, prompt_encoder
 from dartree.decode.inputs import check_prompt_set
 from dartree.models.chat import chat_prompt_ids
-from dartree.decode.trees import Tree, builder_beta, builder_name
+from dartree.decode.builders import builder_beta, builder_name
+from dartree.decode.trees import Tree
 from dartree.decode.verify import compile_tree
 from dartree.base.cli import fail
 from dartree.base.files import write_file_atomically

@@ -1,13 +1,13 @@
 """Command-line flags of the tree builders' parameters, derived from the builder registry
-(:data:`dartree.decode.trees.BUILDERS`): a builder that declares a :class:`~dartree.decode.trees.BuilderParam` with a
-``flag`` gets that flag in ``dartree-eval`` with no edit here (``--width``, ``--candidates``, ``--beta``,
+(:data:`dartree.decode.builders.BUILDERS`): a builder that declares a :class:`~dartree.decode.builders.BuilderParam`
+with a ``flag`` gets that flag in ``dartree-eval`` with no edit here (``--width``, ``--candidates``, ``--beta``,
 ``--children``)."""
 
 from __future__ import annotations
 
 import argparse
 
-from dartree.decode.trees import BUILDERS, declared_params
+from dartree.decode.builders import BUILDERS, declared_params
 
 
 def _flagged():

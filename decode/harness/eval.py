@@ -41,7 +41,7 @@ from dartree.decode.harness.report import report_warnings, write_report_files
 from dartree.decode.harness.report_figures import write_figures
 from dartree.decode.harness.prompt_rows import spread_repeats
 from dartree.decode.harness.session import Refused, open_session
-from dartree.decode.trees import BUILDERS
+from dartree.decode.builders import BUILDERS
 from dartree.base.cli import fail
 from dartree.base.dtypes import DTYPES
 from dartree.models.invariant import INVARIANT_CHOICES

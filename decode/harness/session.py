@@ -29,7 +29,7 @@ from dartree.decode.harness.peers import load_bf16_twin, load_zlab_drafter, run_
 from dartree.decode.harness.prompt_rows import PromptRows
 from dartree.decode.harness.prompts import Prompt, load_prompt_file, load_prompts
 from dartree.decode.harness.report import build_report, prior_text, report_console, report_markdown, write_report_files
-from dartree.decode.trees import BUILDERS, builder_name
+from dartree.decode.builders import BUILDERS, builder_name
 from dartree.models.chat import chat_prompt_ids, check_chat_template, messages_prompt_ids, text_prompt_ids
 from dartree.models.generation import sampling_problem, sampling_settings
 from dartree.models.generation import stop_ids as target_stop_ids
@@ -42,7 +42,7 @@ FIXED_RUN = re.compile(r"^(?P<method>.+)@B(?P<budget>\d+)$")  # METHOD@B<n>: a f
 
 
 def resolve_methods(names: list[str]) -> list[str]:
-    """Expand ``all`` (every builder once) and the builders' aliases (:func:`dartree.decode.trees.builder_name`);
+    """Expand ``all`` (every builder once) and the builders' aliases (:func:`dartree.decode.builders.builder_name`);
     drop duplicates; ``ar`` means the baseline only. ``BUILDER+lookup`` keeps its suffix, and so does
     ``METHOD@B<n>`` (the method at the fixed budget n, whatever ``--budget`` says: :func:`plan_runs`).
 

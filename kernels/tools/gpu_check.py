@@ -43,10 +43,10 @@ import torch
 from dartree.base.cli import fail
 from dartree.base.files import write_file_atomically
 from dartree.decode.assembly import assemble
+from dartree.decode.builders import BUILDERS, get_builder
 from dartree.decode.draft import draft_block
 from dartree.decode.generate import autoregressive_generate, speculative_generate
 from dartree.decode.harness.invariance import _tree_mask, verify_rows_vs_ar
-from dartree.decode.trees import BUILDERS, get_builder
 from dartree.kernels.candidates import topk_candidates, topk_candidates_ref
 from dartree.kernels.frontier import frontier_topk, frontier_topk_ref
 from dartree.kernels.gru import gru_cell, gru_cell_ref
