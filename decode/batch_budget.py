@@ -109,10 +109,11 @@ class BatchCostModel(CostModel):
         return self.t_draft * self.row_costs.draft_factor(self.rows) * self.draft_corr + self.t_build * self.rows
 
     def sd_prior(self) -> float:
-        """:data:`~dartree.decode.cost_decision.SD_PRIOR` / sqrt(N): a batch round's committed tokens (:meth:`record_rows`)
-        are the mean over its N rows, whose spread shrinks as 1 / sqrt(N) for rows that accept independently; so
-        the drafted rounds' upper confidence bound (:meth:`CostModel.draft_bound`) is as wide as N times the
-        row-rounds make it, and a batch where drafting does not pay re-tries it less often than one row would."""
+        """:data:`~dartree.decode.cost_decision.SD_PRIOR` / sqrt(N): a batch round's committed tokens
+        (:meth:`record_rows`) are the mean over its N rows, whose spread shrinks as 1 / sqrt(N) for rows that
+        accept independently; so the drafted rounds' upper confidence bound (:meth:`CostModel.draft_bound`) is as
+        wide as N times the row-rounds make it, and a batch where drafting does not pay re-tries it less often than
+        one row would."""
         return super().sd_prior() / self.rows ** 0.5
 
     def should_draft(self) -> bool:
@@ -243,14 +244,15 @@ class BatchCostModel(CostModel):
         if drafted and all(cp is None for cp in chain_pos) and self.rule == "outcomes":
             best_b, best_exp = self._rows_by_outcomes([e.tolist() for e in ests], lo)
         else:
-            best_b, best_exp = self._rows_by_scores(ests, lo)
+            best_b, best_exp = _width_by_scores(self.verify_time, ests, lo)
         self._expect(drafted, best_b, probe)
         return best_b, best_exp
 
     def _rows_by_outcomes(self, ests: list[list[float]], lo: int) -> tuple[int, float]:
         """Rule ``"outcomes"`` over N rows: the W maximising sum_i (1 + A_i(min(W, M_i))) / (overhead + t_verify(W
-        + 1)), with the batch-1 rule's exploration (every :data:`~dartree.decode.cost_acceptance.OUTCOME_EXPLORE`-th call
-        twice the width). Returns (W, expected tokens per row)."""
+        + 1)), with the batch-1 rule's exploration (every
+        :data:`~dartree.decode.cost_acceptance.OUTCOME_EXPLORE`-th call twice the width). Returns (W, expected
+        tokens per row)."""
         n = len(ests)
         top = max(min(len(e), self.max_budget) for e in ests)
         self._explore += 1
@@ -265,20 +267,6 @@ class BatchCostModel(CostModel):
             self._explore = 0
             best_b = min(top, max(2 * best_b, best_b + 1))
         return best_b, sum(1.0 + g[min(best_b, len(g) - 1)] for g in gains) / n
-
-    def _rows_by_scores(self, ests: list[torch.Tensor], lo: int) -> tuple[int, float]:
-        """Rule ``"scores"`` over N rows (lookup chains, or ``rule="scores"``): the W maximising sum_i (1 + the
-        calibrated estimates of row i's min(W, M_i) best nodes) / t_verify(W + 1) (draft and build already paid).
-        Returns (W, expected tokens per row)."""
-        n = len(ests)
-        gains = [torch.cumsum(e, 0).tolist() for e in ests]
-        best_b, best_rate, best_exp = 0, n / self.verify_time(1), float(n)
-        for b in range(1, max(len(g) for g in gains) + 1):
-            exp_tok = sum(1.0 + (float(g[min(b, len(g)) - 1]) if g else 0.0) for g in gains)
-            rate = exp_tok / self.verify_time(b + 1)
-            if rate > best_rate or b == lo:
-                best_b, best_rate, best_exp = b, rate, exp_tok
-        return best_b, best_exp / n
 
     def record_rows(self, trees: Sequence[Tree], accepted: Sequence[torch.Tensor], chain_pos: Sequence | None = None,
                     ngrams: Sequence[int] | None = None, seconds: float | None = None) -> None:
@@ -316,6 +304,22 @@ class BatchCostModel(CostModel):
                 "draft_corr_by_rows": {int(n): c for n, c in sorted(corr.items())},
                 "chosen_by_rows": {int(n): {int(w): c for w, c in sorted(h.items())}
                                    for n, h in sorted(self.chosen_rows.items())}}
+
+
+def _width_by_scores(verify_time: Callable[[int], float], ests: list[torch.Tensor], lo: int) -> tuple[int, float]:
+    """Rule ``"scores"`` over N rows (lookup chains, or ``rule="scores"``): the W maximising sum_i (1 + the
+    calibrated estimates of row i's min(W, M_i) best nodes) / t_verify(W + 1) (draft and build already paid), W at
+    least ``lo`` (``verify_time``: T tokens per row -> seconds at the batch's rows). Returns (W, expected tokens per
+    row)."""
+    n = len(ests)
+    gains = [torch.cumsum(e, 0).tolist() for e in ests]
+    best_b, best_rate, best_exp = 0, n / verify_time(1), float(n)
+    for b in range(1, max(len(g) for g in gains) + 1):
+        exp_tok = sum(1.0 + (float(g[min(b, len(g)) - 1]) if g else 0.0) for g in gains)
+        rate = exp_tok / verify_time(b + 1)
+        if rate > best_rate or b == lo:
+            best_b, best_rate, best_exp = b, rate, exp_tok
+    return best_b, best_exp / n
 
 
 class _AutoRow:
