@@ -75,6 +75,8 @@ class BatchCostModel(CostModel):
         draft_corr: timed / modelled seconds of a drafter forward over N rows (t_draft x d(N)), followed online per
             row count (:meth:`observe_draft`); 1.0 at one row and before any N-row draft was timed.
         chosen_rows: {N: {W: rounds}}, the widths chosen per row count, for reports.
+        rounds_rows: {N: [drafted rounds, plain rounds, their committed tokens per row summed, the drafted rounds'
+            costs in batched AR steps summed]}: what the policy decided at each row count and what it got, for reports.
     """
 
     row_costs: RowCosts = field(default_factory=RowCosts)
@@ -82,6 +84,7 @@ class BatchCostModel(CostModel):
     draft_corr: float = 1.0
     _time_ar: bool = field(default=False, repr=False, compare=False)
     chosen_rows: dict = field(default_factory=dict)
+    rounds_rows: dict = field(default_factory=dict)
     _windows: dict = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
@@ -292,18 +295,29 @@ class BatchCostModel(CostModel):
         per = self.chosen_rows.setdefault(self.rows, {})
         per[w] = per.get(w, 0) + 1
         drafted = self._pending is not None and self._pending[0]
-        self._observe_round(sum(int(a.numel()) for a in accepted) / n, seconds)
+        tokens = sum(int(a.numel()) for a in accepted) / n
+        self._observe_round(tokens, seconds)
+        log = self.rounds_rows.setdefault(self.rows, [0, 0, 0.0, 0.0])
+        log[0 if drafted else 1] += 1
+        if drafted:
+            log[2] += tokens
+            log[3] += self.costs[-1]
         for tree, acc, cp, ng in zip(trees, accepted, chain_pos, ngrams):
             self.learn(tree, acc, cp, ng, drafted)
 
     def summary(self) -> dict:
-        """:meth:`CostModel.summary` with the row table and the widths chosen per row count."""
+        """:meth:`CostModel.summary` with the row table, the widths chosen per row count and per row count the
+        rounds drafted and plain, with the drafted rounds' mean committed tokens per row and mean cost in batched AR
+        steps (``rounds_by_rows``; 1 token per row and step is what a plain step gives)."""
         corr = {**{n: w["draft_corr"] for n, w in self._windows.items() if n > 1},
                 **({self.rows: self.draft_corr} if self.rows > 1 else {})}
         return {**super().summary(), "rows_now": self.rows, "row_costs": self.row_costs.summary(),
                 "draft_corr_by_rows": {int(n): c for n, c in sorted(corr.items())},
                 "chosen_by_rows": {int(n): {int(w): c for w, c in sorted(h.items())}
-                                   for n, h in sorted(self.chosen_rows.items())}}
+                                   for n, h in sorted(self.chosen_rows.items())},
+                "rounds_by_rows": {int(n): {"drafted": d, "plain": p, "drafted_tokens_per_row": t / d if d else None,
+                                            "drafted_ar_steps": c / d if d else None}
+                                   for n, (d, p, t, c) in sorted(self.rounds_rows.items())}}
 
 
 def _width_by_scores(verify_time: Callable[[int], float], ests: list[torch.Tensor], lo: int) -> tuple[int, float]:

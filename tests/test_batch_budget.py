@@ -130,6 +130,9 @@ def test_a_drafted_round_costs_more_batched_ar_steps_at_more_rows_so_drafting_st
             kept = prune_to(chain, w)
             hits = [(r * n + i) % 10 < 3 and w > 0 for i in range(n)]  # 3 rows in 10 accept the first node
             m.record_rows([kept] * n, [torch.tensor([0, 1] if h else [0]) for h in hits])
+        log = m.summary()["rounds_by_rows"][n]  # what was decided at n rows and what it got
+        assert log["drafted"] + log["plain"] == 40 and log["drafted"] >= 1
+        assert 1.0 <= log["drafted_tokens_per_row"] <= 1.5 and log["drafted_ar_steps"] >= m.modelled_cost(n, 0) > 1.0
         decisions = [m.should_draft() for _ in range(20)]
         assert (sum(decisions) >= 18 if drafting else sum(decisions) <= 2), (n, decisions)
 

@@ -91,9 +91,12 @@ def test_hf_generate_batch_left_pads_and_each_row_is_its_ar_decode(target):
         hf_generate_batch(target, prompts, max_new_tokens=4, stop_ids=[])
 
 
-def test_sweep_requests_cycle_the_prompts_to_fill_the_largest_batch():
-    assert sweep_requests(6, [1, 2, 4, 8]) == [0, 1, 2, 3, 4, 5, 0, 1]
+def test_sweep_requests_cycle_the_prompts_into_a_queue_for_the_largest_batch():
+    assert sweep_requests(6, [1, 2, 4, 8], 1) == [0, 1, 2, 3, 4, 5, 0, 1]
+    assert sweep_requests(6, [1, 2, 4, 8]) == [0, 1, 2, 3, 4, 5] * 2 + [0, 1, 2, 3]  # a queue as long as the batch
     assert sweep_requests(10, [1, 4]) == list(range(10))
+    with pytest.raises(ValueError, match="--queue >= 1"):
+        sweep_requests(6, [1, 4], 0)
     with pytest.raises(ValueError, match="batch sizes >= 1"):
         sweep_requests(3, [0, 2])
 
@@ -149,7 +152,8 @@ def test_eval_cli_batch_sweep_end_to_end(tiny_folder, tmp_path):  # noqa: F811
     out = tmp_path / "rep"
     cmd = [sys.executable, "decode/eval.py", "--target", str(tiny_folder / "target"), "--checkpoint",
            str(tiny_folder / "ckpt"), "--tree", "pruned", "pruned@B4", "--datasets", "gsm8k", "mtbench", "--limit",
-           "1", "--max-new-tokens", "10", "--batch", "1", "2", "4", "--peers", "hf-generate", "--out", str(out)]
+           "1", "--max-new-tokens", "10", "--batch", "1", "2", "4", "--queue", "1", "--peers", "hf-generate", "--out",
+           str(out)]
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     rep = json.loads((out / "report.json").read_text())
@@ -173,6 +177,7 @@ def test_eval_cli_batch_sweep_end_to_end(tiny_folder, tmp_path):  # noqa: F811
 
 def test_eval_cli_batch_refuses_what_a_sweep_cannot_take(tmp_path):
     for extra, msg in ((["--batch", "0", "2"], "--batch sizes must be >= 1"),
+                       (["--batch", "2", "--queue", "0"], "--queue must be >= 1"),
                        (["--batch", "2", "--paired"], "drop --paired"),
                        (["--batch", "2", "--peers", "ar-bf16"], "drop --peers ar-bf16")):
         r = subprocess.run([sys.executable, "decode/eval.py", *extra, "--out", str(tmp_path / "r")], cwd=REPO,

@@ -1,8 +1,10 @@
 """The throughput curve: ``decode/eval.py --batch 1 2 4 8`` decodes the run's requests at every batch size with every
 method, batched AR and transformers' batched ``generate``, in one process.
 
-The requests are the run's prompts, cycled until there are at least as many as the largest batch (so that batch fills;
-:func:`sweep_requests`). Per batch size N, in an order rotated per batch size (the machine's speed drifts over
+The requests are the run's prompts, cycled until there are at least ``--queue`` (default 2) times as many as the
+largest batch (:func:`sweep_requests`): served batches are refilled from a queue, and with no more requests than rows
+the largest batch would be measured draining (batched AR's rows all reach their cap in the same step, speculative rows
+one after another, so the batch runs its tail at fewer rows than AR's). Per batch size N, in an order rotated per batch size (the machine's speed drifts over
 minutes), each row decodes all requests N at a time:
 
 * ``ar``: dartree's batched AR loop (:func:`dartree.decode.batch_ar.batched_autoregressive`: per-row KV cache with
@@ -48,16 +50,18 @@ BATCH_PEERS = (HF_BATCH,)
 WARM_TOKENS = 12  # tokens of the untimed decode of every batched setting
 
 
-def sweep_requests(prompts: int, batches: list[int]) -> list[int]:
+def sweep_requests(prompts: int, batches: list[int], queue: int = 2) -> list[int]:
     """The prompt index of every request: the ``prompts`` prompts in order, cycled until there are at least
-    ``max(batches)`` requests, e.g. (6, [1, 2, 4, 8]) -> [0, 1, 2, 3, 4, 5, 0, 1].
+    ``queue`` x ``max(batches)`` requests, e.g. (6, [1, 2, 4, 8], 1) -> [0, 1, 2, 3, 4, 5, 0, 1]; with ``queue`` = 2
+    the largest batch has as many requests waiting as it has rows when it starts.
 
     Raises:
-        ValueError: no prompt, no batch size, or a batch size below 1.
+        ValueError: no prompt, no batch size, a batch size below 1 or a ``queue`` below 1.
     """
-    if prompts < 1 or not batches or min(batches) < 1:
-        raise ValueError(f"a batch sweep needs prompts ({prompts}) and batch sizes >= 1 ({batches})")
-    n = max(prompts, max(batches))
+    if prompts < 1 or not batches or min(batches) < 1 or queue < 1:
+        raise ValueError(f"a batch sweep needs prompts ({prompts}), batch sizes >= 1 ({batches}) and --queue >= 1 "
+                         f"({queue})")
+    n = max(prompts, queue * max(batches))
     return [i % prompts for i in range(n)]
 
 
@@ -126,7 +130,7 @@ class BatchSweep:
 
     def __init__(self, session, batches: list[int]):
         self.s, self.batches = session, list(batches)
-        self.requests = sweep_requests(len(session.prompt_ids), self.batches)
+        self.requests = sweep_requests(len(session.prompt_ids), self.batches, session.args.queue)
         self.ids = [session.prompt_ids[i] for i in self.requests]
         self.row_costs = RowCosts()
         self.models: dict[str, BatchCostModel] = {}
@@ -257,7 +261,8 @@ class BatchSweep:
         s = self.s
         one_ratio = {r["method"]: r["speedup"] / self.one[r["method"]]["speedup"]
                      for r in self.rows if r["batch"] == 1 and r["method"] in s.methods}
-        return {"batches": self.batches, "requests": len(self.requests), "distinct_prompts": len(s.prompt_ids),
+        return {"batches": self.batches, "requests": len(self.requests), "queue": s.args.queue,
+                "distinct_prompts": len(s.prompt_ids),
                 "cpu": cpu_name(),
                 "request_prompts": [f"{s.prompts[i].dataset}:{s.prompts[i].id}" for i in self.requests],
                 "max_new_tokens": s.args.max_new_tokens, "methods": self.names, "rows": self.rows,

@@ -171,6 +171,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "time for each N (e.g. --batch 1 2 4 8), after every request alone (the one-prompt path and "
                          "the lossless reference); reports tokens/s, the speedup over batched AR at each N, tau per "
                          "row and a figure of throughput against N (decode/harness/batch_sweep.py)")
+    ap.add_argument("--queue", type=int, default=2, metavar="K",
+                    help="with --batch: the prompts are cycled into at least K x the largest batch requests, so the "
+                         "largest batch is refilled from a queue as a served one is (default 2; 1: as many requests "
+                         "as its rows, measured draining)")
     ap.add_argument("--peers", nargs="*", default=[], choices=list(PEERS),
                     help="other decoders as extra rows on the same prompts and target, greedy only "
                          "(dartree.decode.harness.peers): transformers generate, transformers prompt-lookup decoding, "
@@ -290,6 +294,7 @@ def _batch_problems(args: argparse.Namespace) -> list[tuple[bool, str]]:
         return []
     return [
         (min(args.batch) < 1, f"--batch sizes must be >= 1 (rows decoded together), got {args.batch}"),
+        (args.queue < 1, f"--queue must be >= 1 (requests per row of the largest batch), got {args.queue}"),
         (args.acceptance != "match", "--batch decodes with --acceptance match only; drop --acceptance rejection"),
         (args.paired, "--batch times whole batches, not lockstep pairs; drop --paired"),
         (bool(set(args.peers) - set(BATCH_PEERS)),
