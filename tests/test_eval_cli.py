@@ -676,3 +676,26 @@ def test_eval_and_bench_refuse_a_prompt_past_the_context_in_the_same_words(tiny_
     assert err[-1].startswith(f"error: prompt {f} sha256:") and err[-1].endswith(
         f":2 has {n} tokens; with max_new_tokens=8 the decode needs {n + 8} positions, over the target's context of "
         "128 (max_position_embeddings): shorten the prompt to at most 120 tokens")
+
+
+def test_eval_and_bench_share_one_flag_declaration_with_their_own_defaults(capsys):
+    """The flags both programs take come from one declaration (dartree.decode.harness.flags.add_decode_flags), each
+    program keeping its defaults and forms (eval: one dtype, auto budgets, --invariant auto/on/off; bench: several
+    dtypes, integer budgets, --invariant a switch)."""
+    from dartree.decode.harness import bench, eval as ev
+
+    shared = ["tree", "budget", "dtype", "linear", "tune", "invariant", "limit", "max_new_tokens", "threads", "out"]
+    e, b = vars(ev.parse_args([])), vars(bench.parse_args([]))
+    assert [e[k] for k in shared] == [["pruned"], ["auto"], "auto", "auto", True, "auto", 20, 256, 0, "reports/latest"]
+    assert [b[k] for k in shared] == [["chain", "pruned"], [2, 4, 8, 16], ["float32"], ["auto"], True, False, 1, 128,
+                                      0, "reports/decode-bench.json"]
+    assert all(e[k] == b[k] for k in ("checkpoint", "target", "datasets", "prompts"))
+    assert ev.parse_args(["--invariant", "--budget", "auto", "3"]).invariant == "on"
+    assert ev.parse_args(["--budget", "auto", "3"]).budget == ["auto", 3]
+    assert bench.parse_args(["--invariant", "--dtype", "float32", "bfloat16"]).invariant is True
+    for parse, argv, says in ((bench.parse_args, ["--budget", "auto"], "argument --budget: invalid int value: 'auto'"),
+                              (bench.parse_args, ["--dtype", "auto"], "argument --dtype: invalid choice: 'auto'"),
+                              (ev.parse_args, ["--linear", "aten", "onednn"], "unrecognized arguments: onednn")):
+        with pytest.raises(SystemExit):
+            parse(argv)
+        assert says in capsys.readouterr().err

@@ -2,7 +2,7 @@
 scripts calling :mod:`.eval` and :mod:`.bench`) and what they stand on, kept apart from the decoding library in
 ``decode/`` (which never imports it).
 
-- :mod:`.eval`, :mod:`.bench`: the two commands (``dartree-eval``, ``dartree-bench``);
+- :mod:`.eval`, :mod:`.bench`: the two commands (``dartree-eval``, ``dartree-bench``), their shared flags :mod:`.flags`;
 - :mod:`.session`: one evaluation session (target, drafter, packing, row-invariant mode, runs, cost models,
   peers) and its per-prompt decode;
 - :mod:`.report`: report.json to report.md and the console (pure renderers) and the figures; :mod:`.plots` draws them;

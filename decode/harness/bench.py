@@ -40,7 +40,8 @@ from rich.table import Table
 from dartree.decode.budget import CostModel, calibrate
 from dartree.decode.generate import (POLICY_PROMPT, STAGES, autoregressive_generate, seed_policy, speculative_generate,
                                      warm_paths)
-from dartree.decode.harness.prompts import add_prompt_source_args, load_prompt_file, load_prompts
+from dartree.decode.harness.flags import add_decode_flags
+from dartree.decode.harness.prompts import load_prompt_file, load_prompts
 from dartree.decode.harness.runner import Method, PromptDecode, decode_one
 from dartree.decode.harness.session import encode_prompts, prompt_encoder
 from dartree.decode.inputs import check_prompt_set
@@ -52,12 +53,11 @@ from dartree.base.cli import fail
 from dartree.base.files import write_file_atomically
 from dartree.base.dtypes import DTYPES
 from dartree.models.generation import stop_ids as target_stop_ids
-from dartree.models.packed import LINEAR_BACKENDS, choose_linear
-from dartree.models.target import DEFAULT_TARGET, compact_cache
+from dartree.models.packed import choose_linear
+from dartree.models.target import compact_cache
 from dartree.decode.assembly import ModeUnavailable, assemble
 from dartree.decode.replay import recorded_round, replay_auto, replay_fixed, replay_hindsight
 
-REPO = Path(__file__).resolve().parents[2]
 VERIFY_SIZES = (1, 2, 5, 9, 17, 33, 65)
 
 
@@ -65,30 +65,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     """Command-line options (argparse); ``--help`` lists every default."""
     ap = argparse.ArgumentParser(prog="dartree-bench", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--tree", nargs="+", default=["chain", "pruned"], help="methods (registered tree builders)")
-    ap.add_argument("--budget", type=int, nargs="+", default=[2, 4, 8, 16],
-                    help="budgets B for tree builders (chain runs once, with its full length)")
+    add_decode_flags(ap, sweep=True, tree=["chain", "pruned"], budget=[2, 4, 8, 16], dtype=["float32"],
+                     linear=["auto"], limit=1, max_new_tokens=128, out="reports/decode-bench.json", helps={
+        "tree": "methods (registered tree builders)",
+        "budget": "budgets B for tree builders (chain runs once, with its full length)",
+        "dtype": "dtypes to measure side by side (no auto: the bench reports named modes, eval measures the choice)",
+        "linear": "linear-layer matmul paths to measure (dartree.models.packed); several give a before/after table "
+                  "per dtype, e.g. --linear aten onednn",
+        "tune": "keep the fixed single-row rule instead of timing F.linear against the packed call per row count "
+                "(dartree.models.packed.tune_linears), for a before/after comparison",
+        "invariant": "also measure every dtype in the row-invariant mode (dartree.models.invariant), labelled "
+                     "DTYPE/invariant: its AR step, verify curve and rounds beside the default kernels' (its cost)"})
     ap.add_argument("--auto", action="store_true", help="also run every method with budget auto (cost model)")
-    ap.add_argument("--dtype", nargs="+", default=["float32"], choices=sorted(DTYPES),
-                    help="dtypes to measure side by side (no auto: the bench reports named modes, eval measures the "
-                         "choice)")
-    ap.add_argument("--linear", nargs="+", default=["auto"], choices=list(LINEAR_BACKENDS),
-                    help="linear-layer matmul paths to measure (dartree.models.packed); several give a before/after "
-                         "table per dtype, e.g. --linear aten onednn")
-    ap.add_argument("--no-tune", dest="tune", action="store_false",
-                    help="keep the fixed single-row rule instead of timing F.linear against the packed call per row "
-                         "count (dartree.models.packed.tune_linears), for a before/after comparison")
-    ap.add_argument("--invariant", action="store_true",
-                    help="also measure every dtype in the row-invariant mode (dartree.models.invariant), labelled "
-                         "DTYPE/invariant: its AR step, verify curve and rounds beside the default kernels' (its cost)")
-    ap.add_argument("--checkpoint", default=str(REPO / "checkpoints" / "dspark_b16"))
-    ap.add_argument("--target", default=DEFAULT_TARGET)
-    add_prompt_source_args(ap)
-    ap.add_argument("--limit", type=int, default=1, help="prompts per data set (with --prompts: the first N of the file)")
-    ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--context", type=int, default=400, help="context tokens for the verify cost curve")
     ap.add_argument("--reps", type=int, default=5, help="forwards per verify size (median)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
     ap.add_argument("--profile", action="store_true", help="torch.profiler table of the first method's decoding")
     ap.add_argument("--replay", action="store_true",
                     help="replay every method's rounds at its largest budget for each smaller budget, the auto policy "
@@ -97,7 +87,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="with --replay: also replay the auto policy (both rules) over this many shuffled orders of "
                          "the prompts, each from a fresh policy, and report the mean and worst against the best "
                          "fixed budget (1: the order the prompts ran in only)")
-    ap.add_argument("--out", default="reports/decode-bench.json")
     return ap.parse_args(argv)
 
 

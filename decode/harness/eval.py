@@ -35,39 +35,15 @@ from tqdm.auto import tqdm
 from dartree.decode.harness.batch_report import sweep_markdown, sweep_warnings
 from dartree.decode.harness.batch_sweep import BATCH_PEERS, BatchSweep
 from dartree.decode.harness.builder_args import add_builder_param_args, builder_param_problems
+from dartree.decode.harness.flags import add_decode_flags
 from dartree.decode.harness.peers import PEERS
-from dartree.decode.harness.prompts import add_prompt_source_args
 from dartree.decode.harness.report import report_warnings, write_report_files
 from dartree.decode.harness.report_figures import write_figures
 from dartree.decode.harness.prompt_rows import spread_repeats
 from dartree.decode.harness.session import Refused, open_session
 from dartree.decode.builders import BUILDERS
 from dartree.base.cli import fail
-from dartree.base.dtypes import DTYPES
-from dartree.models.invariant import INVARIANT_CHOICES
-from dartree.models.packed import LINEAR_BACKENDS
-from dartree.models.target import DEFAULT_TARGET
 from dartree.base.fields import folder_problem
-
-REPO = Path(__file__).resolve().parents[2]
-DEFAULT_CHECKPOINT = REPO / "checkpoints" / "dspark_b16"
-
-
-def budget_arg(text: str) -> int | str:
-    """argparse type of ``--budget``: ``auto`` (the cost-model budget, :mod:`dartree.decode.budget`) or an int >= 0.
-
-    Raises:
-        argparse.ArgumentTypeError: anything else (names the accepted values).
-    """
-    if text == "auto":
-        return "auto"
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor an integer >= 0") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0 (tree nodes per round) or 'auto'")
-    return value
 
 
 def template_kwargs_arg(text: str) -> dict:
@@ -87,38 +63,47 @@ def template_kwargs_arg(text: str) -> dict:
     return value
 
 
-def _add_method_args(ap: argparse.ArgumentParser) -> None:
-    """The arguments that choose the decoders, their trees, the prompts and the sampling rule (before the target's
-    own generation settings)."""
-    ap.add_argument("--tree", nargs="+", default=["pruned"],
-                    help=f"methods besides the AR baseline: ar, {', '.join(sorted(BUILDERS))}, or all "
-                         "(every builder once; heap-sequential is the slow exact reference); BUILDER+lookup also "
-                         "grafts a prompt-lookup chain onto each round's tree (--lookup tokens); METHOD@B<n> runs "
-                         "METHOD at the fixed budget n beside --budget (with --budget auto the auto row is then "
-                         "METHOD@auto), so the report shows what auto chose against")
-    ap.add_argument("--lookup", type=int, default=10,
-                    help="tokens of the prompt-lookup chain of the +lookup methods (transformers' default, 10)")
-    ap.add_argument("--lookup-ngram", type=int, default=3, help="longest n-gram the +lookup methods match")
-    add_prompt_source_args(ap)
-    ap.add_argument("--limit", type=int, default=20, help="prompts per data set (with --prompts: the first N of the file)")
-    ap.add_argument("--max-new-tokens", type=int, default=256, help="tokens generated per prompt")
-    ap.add_argument("--budget", type=budget_arg, nargs="+", default=["auto"],
-                    help="tree nodes per round B, or auto: per round the cost model (calibrated at start-up) keeps the "
-                         "tree size that maximises expected tokens per second, 0 = a plain AR step, and chain is "
-                         "shortened the same way; several values run a budget sweep, "
-                         "reported as METHOD@B<n> (METHOD@auto) for every tree builder other than chain (which runs at full "
-                         "length, and as chain@auto when auto is among the values)")
-    add_builder_param_args(ap)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (output must equal AR's)")
-    ap.add_argument("--acceptance", default="match", choices=["match", "rejection"],
-                    help="T > 0 rule: exact target-sample matching of deterministic drafts (every tree), or sampled "
-                         "chain drafts + speculative rejection sampling (--tree chain only)")
+# eval's help of the flags it shares with the bench (:func:`~dartree.decode.harness.flags.add_decode_flags`)
+SHARED_HELP = {
+    "tree": f"methods besides the AR baseline: ar, {', '.join(sorted(BUILDERS))}, or all (every builder once; "
+            "heap-sequential is the slow exact reference); BUILDER+lookup also grafts a prompt-lookup chain onto "
+            "each round's tree (--lookup tokens); METHOD@B<n> runs METHOD at the fixed budget n beside --budget "
+            "(with --budget auto the auto row is then METHOD@auto), so the report shows what auto chose against",
+    "budget": "tree nodes per round B, or auto: per round the cost model (calibrated at start-up) keeps the tree "
+              "size that maximises expected tokens per second, 0 = a plain AR step, and chain is shortened the "
+              "same way; several values run a budget sweep, reported as METHOD@B<n> (METHOD@auto) for every "
+              "tree builder other than chain (which runs at full length, and as chain@auto when auto is among "
+              "the values)",
+    "dtype": "target and drafter dtype; auto: bfloat16 on CUDA, float32 on a CPU without native bf16 matrix "
+             "arithmetic; on a CPU with it (oneDNN bf16), bfloat16 in the row-invariant mode and float32 are "
+             "timed at start-up and the faster decodes; the run prints which and why",
+    "linear": "matmul path of the target's and drafter's linear layers: onednn (weights prepacked once, the fast "
+              "small-M path on CPU), aten (plain F.linear), auto (onednn where it can run); every row of the run, "
+              "AR and peers included, uses the same one",
+    "tune": "with onednn: keep the fixed single-row rule instead of timing F.linear against the packed call per "
+            "weight shape and row count at start-up (a few seconds) and taking the faster",
+    "invariant": "row-invariant target forwards (dartree.models.invariant): every verify row computes the bits an "
+                 "AR step computes for it, so the output equals AR's by construction, in bf16 too; auto: on for a "
+                 "CPU target in bfloat16, off in float32 (exact in practice, and the mode costs its AR step "
+                 "~25%%) and on CUDA (measured on an H200: not needed there, 16-21%% dearer; on enters it), the "
+                 "reason in the header; a bare --invariant means on (docs/invariance.md)",
+    "checkpoint": "dartree checkpoint folder", "target": "'smollm2' or a local Hugging Face folder",
+    "max_new_tokens": "tokens generated per prompt", "out": "folder for report.json and report.md"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="dartree-eval", description=__doc__.split("\n")[0],
                                  formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    _add_method_args(ap)
+    add_decode_flags(ap, sweep=False, tree=["pruned"], budget=["auto"], dtype="auto", linear="auto", limit=20,
+                     max_new_tokens=256, out="reports/latest", helps=SHARED_HELP)
+    ap.add_argument("--lookup", type=int, default=10,
+                    help="tokens of the prompt-lookup chain of the +lookup methods (transformers' default, 10)")
+    ap.add_argument("--lookup-ngram", type=int, default=3, help="longest n-gram the +lookup methods match")
+    add_builder_param_args(ap)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0: greedy (output must equal AR's)")
+    ap.add_argument("--acceptance", default="match", choices=["match", "rejection"],
+                    help="T > 0 rule: exact target-sample matching of deterministic drafts (every tree), or sampled "
+                         "chain drafts + speculative rejection sampling (--tree chain only)")
     ap.add_argument("--ignore-generation-config", action="store_true",
                     help="at --temperature > 0, sample softmax(logits / T) even where the target's generation_config "
                          "sets top_k / top_p / min_p / typical_p / repetition_penalty, which dartree's samplers do "
@@ -130,25 +115,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="extra chat-template variables as a JSON object, passed to apply_chat_template, e.g. "
                          "'{\"enable_thinking\": false}'; recorded in the report")
     ap.add_argument("--seed", type=int, default=0, help="prompt choice and sampling seed")
-    ap.add_argument("--checkpoint", default=str(DEFAULT_CHECKPOINT), help="dartree checkpoint folder")
-    ap.add_argument("--target", default=DEFAULT_TARGET, help="'smollm2' or a local Hugging Face folder")
-    ap.add_argument("--dtype", default="auto", choices=["auto", *sorted(DTYPES)],
-                    help="target and drafter dtype; auto: bfloat16 on CUDA, float32 on a CPU without native bf16 "
-                         "matrix arithmetic; on a CPU with it (oneDNN bf16), bfloat16 in the row-invariant mode and "
-                         "float32 are timed at start-up and the faster decodes; the run prints which and why")
-    ap.add_argument("--linear", default="auto", choices=list(LINEAR_BACKENDS),
-                    help="matmul path of the target's and drafter's linear layers: onednn (weights prepacked once, "
-                         "the fast small-M path on CPU), aten (plain F.linear), auto (onednn where it can run); "
-                         "every row of the run, AR and peers included, uses the same one")
-    ap.add_argument("--invariant", nargs="?", const="on", default="auto", choices=list(INVARIANT_CHOICES),
-                    help="row-invariant target forwards (dartree.models.invariant): every verify row computes the bits "
-                         "an AR step computes for it, so the output equals AR's by construction, in bf16 too; auto: "
-                         "on for a CPU target in bfloat16, off in float32 (exact in practice, and the mode costs its "
-                         "AR step ~25%%) and on CUDA (measured on an H200: not needed there, 16-21%% dearer; on enters it), the "
-                         "reason in the header; a bare --invariant means on (docs/invariance.md)")
-    ap.add_argument("--no-tune", dest="tune", action="store_false",
-                    help="with onednn: keep the fixed single-row rule instead of timing F.linear against the packed "
-                         "call per weight shape and row count at start-up (a few seconds) and taking the faster")
     ap.add_argument("--ar-repeats", type=int, default=2,
                     help="AR runs per prompt, spread through that prompt's rows; the AR baseline is their mean "
                          "time, and the report gives their spread (the machine's own timing noise, next to every "
@@ -158,8 +124,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "round the AR loop steps until it has as many tokens), and report that paired speedup next to "
                          "the plain one: both loops then see the same seconds of a machine whose speed drifts, which "
                          "separate runs minutes apart do not (costs one more AR decode per method and prompt)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
-    ap.add_argument("--out", default="reports/latest", help="folder for report.json and report.md")
     ap.add_argument("--no-plots", action="store_true",
                     help="tables only: no PNG figures (report.json still keeps the data to draw them later)")
     ap.add_argument("--draw-round", type=int, default=None,
