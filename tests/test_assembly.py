@@ -81,14 +81,15 @@ def test_load_decodes_with_the_assembled_models(tiny_folder, builds):  # noqa: F
 
 def test_the_eval_session_decodes_with_the_assembled_models(tiny_folder, builds):  # noqa: F811
     from dartree.decode.harness.eval import parse_args
-    from dartree.decode.harness.session import open_session
+    from dartree.decode.harness.session import EvalConfig, open_session
 
-    args = parse_args(["--target", str(tiny_folder / "target"), "--checkpoint", str(tiny_folder / "ckpt"),
-                       "--tree", "chain", "--budget", "2", "--datasets", "gsm8k", "--limit", "1",
-                       "--max-new-tokens", "4", "--dtype", "float32", "--linear", "onednn", "--no-tune", "--invariant", "on"])
+    config = EvalConfig.from_args(parse_args([
+        "--target", str(tiny_folder / "target"), "--checkpoint", str(tiny_folder / "ckpt"), "--tree", "chain",
+        "--budget", "2", "--datasets", "gsm8k", "--limit", "1", "--max-new-tokens", "4", "--dtype", "float32",
+        "--linear", "onednn", "--no-tune", "--invariant", "on"]))
     printed = io.StringIO()
     with contextlib.ExitStack() as modes:
-        s = open_session(args, Console(file=printed, width=200), modes)
+        s = open_session(config, Console(file=printed, width=200), modes)
         (call,) = builds
         assert _settings(call) == (torch.float32, "onednn", False, "cpu", "on")
         models = call["built"]

@@ -681,8 +681,11 @@ def test_eval_and_bench_refuse_a_prompt_past_the_context_in_the_same_words(tiny_
 def test_eval_and_bench_share_one_flag_declaration_with_their_own_defaults(capsys):
     """The flags both programs take come from one declaration (dartree.decode.harness.flags.add_decode_flags), each
     program keeping its defaults and forms (eval: one dtype, auto budgets, --invariant auto/on/off; bench: several
-    dtypes, integer budgets, --invariant a switch)."""
+    dtypes, integer budgets, --invariant a switch); eval's EvalConfig is built once from its flags, never rewritten."""
+    import dataclasses
+
     from dartree.decode.harness import bench, eval as ev
+    from dartree.decode.harness.session import EvalConfig
 
     shared = ["tree", "budget", "dtype", "linear", "tune", "invariant", "limit", "max_new_tokens", "threads", "out"]
     e, b = vars(ev.parse_args([])), vars(bench.parse_args([]))
@@ -699,3 +702,7 @@ def test_eval_and_bench_share_one_flag_declaration_with_their_own_defaults(capsy
         with pytest.raises(SystemExit):
             parse(argv)
         assert says in capsys.readouterr().err
+    config = EvalConfig.from_args(ev.parse_args(["--width", "3", "--dtype", "bfloat16"]))
+    assert config.builder_params["width"] == 3 and config.dtype == "bfloat16" and config.tune is True
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.dtype = "float32"

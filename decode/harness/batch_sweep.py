@@ -130,7 +130,7 @@ class BatchSweep:
 
     def __init__(self, session, batches: list[int]):
         self.s, self.batches = session, list(batches)
-        self.requests = sweep_requests(len(session.prompt_ids), self.batches, session.args.queue)
+        self.requests = sweep_requests(len(session.prompt_ids), self.batches, session.config.queue)
         self.ids = [session.prompt_ids[i] for i in self.requests]
         self.row_costs = RowCosts()
         self.models: dict[str, BatchCostModel] = {}
@@ -170,7 +170,7 @@ class BatchSweep:
     def one_prompt(self, bar=None) -> None:
         """Every request alone: AR (the oracle, the one-prompt baseline), then every method
         (:meth:`EvalSession.run`, the batch-1 path with the method's own policy)."""
-        s, a = self.s, self.s.args
+        s, a = self.s, self.s.config
         acc = {m: {"new_tokens": 0, "decode_s": 0.0, "taus": [], "splits": 0} for m in ["ar", *s.methods]}
         for k, ids in enumerate(self.ids):
             seed = a.seed * 100003 + self.requests[k]
@@ -197,7 +197,7 @@ class BatchSweep:
     def decode(self, name: str, batch: int, ids: list, max_new: int, cost_model=None) -> BatchRun:
         """Decode ``ids`` ``batch`` at a time with row ``name`` (``cost_model``: an auto method's policy; default
         its sweep policy)."""
-        s, a = self.s, self.s.args
+        s, a = self.s, self.s.config
         gen = torch.Generator().manual_seed(a.seed * 100003 + batch) if a.temperature > 0 else None
         if name == "ar":
             out = batched_autoregressive(s.target, ids, max_new_tokens=max_new, temperature=a.temperature,
@@ -215,7 +215,7 @@ class BatchSweep:
         builder, budget = s.runs[name]
         out = batched_generate(s.target, s.dm.drafter, s.dm.head, ids, builder=builder, max_new_tokens=max_new,
                                temperature=a.temperature, stop_ids=s.stop_ids, budget=budget, generator=gen,
-                               builder_params=s.params, lookup=a.lookup if name.endswith("+lookup") else 0,
+                               builder_params=a.builder_params, lookup=a.lookup if name.endswith("+lookup") else 0,
                                lookup_ngram=a.lookup_ngram, batch_size=batch,
                                cost_model=cost_model if cost_model is not None else self.models.get(name))
         return _from_batch(name, batch, out)
@@ -226,13 +226,13 @@ class BatchSweep:
         :func:`~dartree.decode.harness.prompt_rows.spread_repeats`), so a drift of the machine's speed during the batch
         size reaches the baseline as it reaches the rows it divides."""
         names = self.names
-        return spread_repeats(names[bi % len(names):] + names[: bi % len(names)], "ar", self.s.args.ar_repeats)
+        return spread_repeats(names[bi % len(names):] + names[: bi % len(names)], "ar", self.s.config.ar_repeats)
 
     def run_batch(self, bi: int, bar=None) -> list[dict]:
         """Every row at the ``bi``-th batch size (:meth:`order`); returns its report rows (also added to
         :attr:`rows`), each with its speedup over batched AR at that size (AR's time: the mean of its runs, their
         spread recorded as ``repeat_spread``: (slowest - fastest) / mean, the machine's own noise)."""
-        s, a, b = self.s, self.s.args, self.batches[bi]
+        s, a, b = self.s, self.s.config, self.batches[bi]
         runs: dict[str, list[BatchRun]] = {}
         for name in self.order(bi):
             base = name.split("#")[0]
@@ -261,10 +261,10 @@ class BatchSweep:
         s = self.s
         one_ratio = {r["method"]: r["speedup"] / self.one[r["method"]]["speedup"]
                      for r in self.rows if r["batch"] == 1 and r["method"] in s.methods}
-        return {"batches": self.batches, "requests": len(self.requests), "queue": s.args.queue,
+        return {"batches": self.batches, "requests": len(self.requests), "queue": s.config.queue,
                 "distinct_prompts": len(s.prompt_ids),
                 "cpu": cpu_name(),
                 "request_prompts": [f"{s.prompts[i].dataset}:{s.prompts[i].id}" for i in self.requests],
-                "max_new_tokens": s.args.max_new_tokens, "methods": self.names, "rows": self.rows,
+                "max_new_tokens": s.config.max_new_tokens, "methods": self.names, "rows": self.rows,
                 "one_prompt": self.one, "batch1_vs_one_prompt": one_ratio, "row_costs": self.row_costs.summary(),
                 "policies": {m: cm.summary() for m, cm in self.models.items()}}

@@ -40,7 +40,7 @@ from dartree.decode.harness.peers import PEERS
 from dartree.decode.harness.report import report_warnings, write_report_files
 from dartree.decode.harness.report_figures import write_figures
 from dartree.decode.harness.prompt_rows import spread_repeats
-from dartree.decode.harness.session import Refused, open_session
+from dartree.decode.harness.session import EvalConfig, Refused, open_session
 from dartree.decode.builders import BUILDERS
 from dartree.base.cli import fail
 from dartree.base.fields import folder_problem
@@ -280,19 +280,20 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
     problems = _arg_problems(args)
     if problems:
         return fail("; ".join(problems))
+    config = EvalConfig.from_args(args)
     try:
-        s = open_session(args, console, modes)
+        s = open_session(config, console, modes)
     except Refused as exc:
         return fail(exc.args[0])
     s.warm_up()
-    if args.batch is not None:
+    if config.batch is not None:
         return _sweep_main(s, sig, progress)
-    out = Path(args.out)
+    out = Path(config.out)
     rows: dict[str, list[dict]] = {m: [] for m in s.names}
     trees: dict[str, dict] = {}
     progress.update(done=0, planned=len(s.prompts), out=str(out))
     # one step per decode (every prompt's AR runs, methods and peers), so the bar's rate and time left count them all
-    per_prompt = len(spread_repeats(s.names, "ar", args.ar_repeats))
+    per_prompt = len(spread_repeats(s.names, "ar", config.ar_repeats))
     bar = tqdm(total=len(s.prompts) * per_prompt, desc="decoding", unit="decode", file=sys.stderr, dynamic_ncols=True)
     try:
         for pi in range(len(s.prompts)):
@@ -312,8 +313,8 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
     report = s.write_report(rows, trees, len(s.prompts), sig, show=True)
     for w in report_warnings(report):
         console.print(f"[bold red]{w}[/bold red]")
-    if not args.no_plots:  # after report.json and the tables: a figure problem is a warning, never a lost report
-        for w in write_figures(report, out, args.draw_round):
+    if not config.no_plots:  # after report.json and the tables: a figure problem is a warning, never a lost report
+        for w in write_figures(report, out, config.draw_round):
             console.print(f"[bold yellow]{w}[/bold yellow]")
     console.print(f"wrote {out / 'report.json'} and {out / 'report.md'} ({(time.time() - s.t0) / 60:.1f} min)")
     return 0
@@ -323,25 +324,25 @@ def _sweep_main(s, sig: Signals, progress: dict) -> int:
     """``--batch``: the throughput curve (:class:`~dartree.decode.harness.batch_sweep.BatchSweep`): the one-prompt
     path, then every batch size, report.json / report.md rewritten after each (so an interrupted run keeps the batch
     sizes that finished), the tables and warnings printed, the figure drawn. Returns the exit status (0)."""
-    args, console, out = s.args, s.console, Path(s.args.out)
-    sweep = BatchSweep(s, args.batch)
+    config, console, out = s.config, s.console, Path(s.config.out)
+    sweep = BatchSweep(s, config.batch)
     console.print(f"batch sweep: {len(sweep.requests)} requests from {len(s.prompt_ids)} prompts, batch sizes "
-                  f"{args.batch}, rows: {', '.join(sweep.names)}")
+                  f"{config.batch}, rows: {', '.join(sweep.names)}")
     sweep.prepare()
-    total = len(sweep.requests) * (1 + len(s.methods)) + sum(len(sweep.order(i)) for i in range(len(args.batch)))
+    total = len(sweep.requests) * (1 + len(s.methods)) + sum(len(sweep.order(i)) for i in range(len(config.batch)))
     bar = tqdm(total=total, desc="decoding", unit="decode", file=sys.stderr, dynamic_ncols=True)
-    progress.update(done=0, planned=len(args.batch), out=str(out), unit="batch sizes")
+    progress.update(done=0, planned=len(config.batch), out=str(out), unit="batch sizes")
 
     def write(interrupted: str | None = None) -> dict:
         report = {"environment": s.environment(len(s.prompts), interrupted), "batch_sweep": sweep.section()}
-        report["environment"]["batch"] = args.batch
+        report["environment"]["batch"] = config.batch
         with sig.held():
             write_report_files(out, report, sweep_markdown(report))
         return report
 
     try:
         sweep.one_prompt(bar)
-        for bi, b in enumerate(args.batch):
+        for bi, b in enumerate(config.batch):
             rows = sweep.run_batch(bi, bar)
             with tqdm.external_write_mode(file=sys.stderr):
                 console.print(f"batch {b}: " + ", ".join(f"{r['method']} {r['tokens_per_s']:.1f} tok/s "
@@ -358,7 +359,7 @@ def _sweep_main(s, sig: Signals, progress: dict) -> int:
     console.print(sweep_markdown(report))
     for w in sweep_warnings(report):
         console.print(f"[bold red]{w}[/bold red]")
-    if not args.no_plots:
+    if not config.no_plots:
         for w in write_figures(report, out):
             console.print(f"[bold yellow]{w}[/bold yellow]")
     console.print(f"wrote {out / 'report.json'} and {out / 'report.md'} ({(time.time() - s.t0) / 60:.1f} min)")

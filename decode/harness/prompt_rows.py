@@ -48,7 +48,7 @@ def _margin_at(target, prompt_ids: list, ref: list, idx: int) -> float:
 
 class PromptRows:
     """The per-prompt decode of :class:`~dartree.decode.harness.session.EvalSession`, which it is a base of: its
-    methods read the session's prompts and their ids, rows (``names``, ``methods``, ``peers``), ``args``,
+    methods read the session's prompts and their ids, rows (``names``, ``methods``, ``peers``), ``config``,
     ``target``, ``console`` and ``exact_rows``, and decode with its ``run`` and ``run_peer_on``."""
 
     def prompt_order(self, pi: int) -> list[str]:
@@ -57,7 +57,7 @@ class PromptRows:
         with the AR repeats spread through it (ar#2, ...; :func:`spread_repeats`)."""
         order = self.names
         order = order[pi % len(order):] + order[:pi % len(order)]
-        return spread_repeats(order, "ar", self.args.ar_repeats)
+        return spread_repeats(order, "ar", self.config.ar_repeats)
 
     def decode_prompt(self, pi: int, bar=None) -> tuple[dict[str, dict], dict[str, dict]]:
         """Decode prompt ``pi`` with AR (``--ar-repeats`` times), every method and every peer (``bar``: a tqdm bar
@@ -67,15 +67,15 @@ class PromptRows:
             (that prompt's row per method, its recorded verify trees per method: the first prompt's only).
         """
         p, ids = self.prompts[pi], self.prompt_ids[pi]
-        seed = self.args.seed * 100003 + pi
+        seed = self.config.seed * 100003 + pi
         order = self.prompt_order(pi)
         row_of = {name: name.split("#")[0] for name in order}  # ar#2 .. are repeats of ar
         outs = {}
         for name in order:
             if bar is not None:
                 bar.set_postfix_str(f"{p.dataset}:{p.id} {name}")
-            outs[name] = (self.run_peer_on(name, ids, self.args.max_new_tokens) if name in self.peers
-                          else self.run(row_of[name], ids, seed, self.args.max_new_tokens,
+            outs[name] = (self.run_peer_on(name, ids, self.config.max_new_tokens) if name in self.peers
+                          else self.run(row_of[name], ids, seed, self.config.max_new_tokens,
                                         record=pi == 0 and row_of[name] != "ar"))
             if bar is not None:
                 bar.update()
@@ -111,7 +111,7 @@ class PromptRows:
             if pi == 0:
                 tok = self.target.tokenizer
                 new_trees[m] = {**base, "rounds": annotate_trees(o.stats.trees, lambda i: tok.decode([i]))}
-            if self.args.temperature == 0:
+            if self.config.temperature == 0:
                 self.compare_with_ar(row, o.tokens, ids, ar.tokens, exact=self.exact_rows)
             new[m] = row
             line.append(f"{m} tau {o.stats.tau:.2f} {split_label(row)}".rstrip())

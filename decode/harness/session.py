@@ -14,7 +14,7 @@ import contextlib
 import platform
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Callable
 
@@ -122,23 +122,68 @@ class Refused(Exception):
     """A run refused before any decoding: ``args[0]`` is its one stderr line; the CLI exits with 2."""
 
 
-def read_prompt_file(args: argparse.Namespace) -> tuple[list[Prompt], dict | None]:
-    """The ``--prompts`` file's prompts and record (path, sha256, ...), checked before any model loads; with it,
-    ``args.datasets`` becomes the file's name. ([], None) without ``--prompts``.
+@dataclass(frozen=True)
+class EvalConfig:
+    """What one ``dartree-eval`` run is asked for, built once from its parsed flags (:meth:`from_args`) and never
+    changed after: each field is the flag of that name (``max_new_tokens`` is ``--max-new-tokens``, ``tune`` is
+    ``not --no-tune``), as given; what the run resolves (the dtype ``auto`` chose, the prompt file's data set name)
+    lives in the session (its ``models``' ``dtype_name``, its ``prompt_file``)."""
+
+    tree: list[str]  # method names as given (resolve_methods expands them)
+    budget: list[int | str]  # tree nodes per round, or "auto"
+    dtype: str  # "auto" or a name of dartree.base.dtypes.DTYPES
+    linear: str  # matmul path: auto, onednn or aten
+    tune: bool
+    invariant: str  # auto, on or off
+    checkpoint: str  # folder
+    target: str  # "smollm2" or a Hugging Face folder
+    datasets: list[str]  # packaged prompt sets (ignored with prompts)
+    prompts: str | None  # a prompt file
+    limit: int  # prompts per data set
+    max_new_tokens: int  # tokens generated per prompt
+    threads: int  # torch threads, 0: torch's default
+    out: str  # report folder
+    lookup: int  # tokens of a +lookup method's chain
+    lookup_ngram: int
+    builder_params: dict  # the builders' flagged parameters by name (builder_args.builder_params_of)
+    temperature: float  # 0: greedy
+    acceptance: str  # match or rejection
+    ignore_generation_config: bool
+    chat_template: str  # auto or none
+    chat_template_kwargs: dict
+    seed: int
+    ar_repeats: int  # AR runs per prompt
+    paired: bool
+    no_plots: bool
+    draw_round: int | None  # 1-based verify round to draw
+    batch: list[int] | None  # batch sizes of a --batch sweep
+    queue: int  # with batch: requests per row of the largest batch
+    peers: list[str]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EvalConfig":
+        """The configuration of eval's parsed flags (:func:`dartree.decode.harness.eval.parse_args`; their values
+        are checked there, not here). Raises AttributeError where ``args`` lacks one of them."""
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if f.name != "builder_params"},
+                   builder_params=builder_params_of(args))
+
+
+def read_prompt_file(config: EvalConfig) -> tuple[list[Prompt], dict | None]:
+    """The ``--prompts`` file's prompts and record (path, sha256, ...; its ``name`` is the run's data set), checked
+    before any model loads. ([], None) without ``--prompts``.
 
     Raises:
         Refused: the file is unreadable or malformed, or has messages lines under ``--chat-template none``.
     """
-    if args.prompts is None:
+    if config.prompts is None:
         return [], None
     try:
-        prompts, prompt_file = load_prompt_file(args.prompts, args.limit)
+        prompts, prompt_file = load_prompt_file(config.prompts, config.limit)
     except ValueError as exc:
         raise Refused(f"error: --prompts {exc}") from None
-    if args.chat_template == "none" and any(p.messages is not None for p in prompts):
-        raise Refused(f"error: --prompts {args.prompts} has \"messages\" lines, which need the chat template; drop "
+    if config.chat_template == "none" and any(p.messages is not None for p in prompts):
+        raise Refused(f"error: --prompts {config.prompts} has \"messages\" lines, which need the chat template; drop "
                        "--chat-template none, or give \"text\" lines")
-    args.datasets = [prompt_file["name"]]
     return prompts, prompt_file
 
 
@@ -167,7 +212,7 @@ def plan_runs(methods: list[str], budgets: list) -> dict[str, tuple[str, int | s
     return runs
 
 
-def _check_target(args: argparse.Namespace, target) -> tuple[list, dict, Callable]:
+def _check_target(config: EvalConfig, target) -> tuple[list, dict, Callable]:
     """The target's stop ids, generation-config sampling settings and prompt encoder, checked as soon as it loads,
     before anything else is loaded or timed.
 
@@ -176,16 +221,16 @@ def _check_target(args: argparse.Namespace, target) -> tuple[list, dict, Callabl
     """
     try:  # the target's own generation settings and prompt format, before anything else is loaded or timed
         stop_ids, sampling = target_stop_ids(target), sampling_settings(target)
-        why = sampling_problem(sampling, args.temperature, args.ignore_generation_config)
+        why = sampling_problem(sampling, config.temperature, config.ignore_generation_config)
         if why is not None:
             raise ValueError(why)
-        encode = prompt_encoder(target.tokenizer, args.chat_template, args.chat_template_kwargs)
+        encode = prompt_encoder(target.tokenizer, config.chat_template, config.chat_template_kwargs)
     except ValueError as exc:
-        raise Refused(f"error: --target {args.target}: {exc}") from None
+        raise Refused(f"error: --target {config.target}: {exc}") from None
     return stop_ids, sampling, encode
 
 
-def _check_prompts(args: argparse.Namespace, target, dm, methods: list[str], prompts: list[Prompt],
+def _check_prompts(config: EvalConfig, target, dm, methods: list[str], prompts: list[Prompt],
                    prompt_file: dict | None, encode: Callable) -> tuple[list[Prompt], list[list[int]]]:
     """The packaged prompts (unless ``--prompts`` gave them) and every prompt's ids, checked against the context
     and the decoder's needs, before any packing, tuning or timing.
@@ -196,21 +241,22 @@ def _check_prompts(args: argparse.Namespace, target, dm, methods: list[str], pro
         Refused: a missing prompt package, a prompt that does not fit, an unsupported target.
     """
     try:
-        for d in args.datasets if prompt_file is None else []:
-            prompts += load_prompts(d, args.limit, args.seed)
+        for d in config.datasets if prompt_file is None else []:
+            prompts += load_prompts(d, config.limit, config.seed)
     except (RuntimeError, KeyError, OSError) as exc:  # a prompt package missing or unreadable
         raise Refused(f"error: --datasets {d}: {exc.args[0] if exc.args else exc}") from None
     try:  # every prompt fits the context, and the decoder supports the target, before calibration and decoding
-        prompt_ids = encode_prompts(encode, prompts, target, args.max_new_tokens)
+        prompt_ids = encode_prompts(encode, prompts, target, config.max_new_tokens)
         if dm is not None:  # a verify tree reaches a proposal (depth <= P) or a lookup token (depth <= --lookup)
-            depth = max(dm.drafter.cfg.num_proposals, args.lookup if any(LOOKUP_SUFFIX in m for m in methods) else 0)
-            check_prompt_set(target, prompt_ids, [f"{p.dataset}:{p.id}" for p in prompts], args.max_new_tokens, depth)
+            lookup = config.lookup if any(LOOKUP_SUFFIX in m for m in methods) else 0
+            check_prompt_set(target, prompt_ids, [f"{p.dataset}:{p.id}" for p in prompts], config.max_new_tokens,
+                             max(dm.drafter.cfg.num_proposals, lookup))
     except ValueError as exc:
         raise Refused(f"error: {exc}") from None
     return prompts, prompt_ids
 
 
-def _assemble_models(args: argparse.Namespace, console: Console, methods: list[str], prompts: list[Prompt],
+def _assemble_models(config: EvalConfig, console: Console, methods: list[str], prompts: list[Prompt],
                      prompt_file: dict | None) -> tuple[Assembly, dict]:
     """Target and checkpoint (None when only AR runs) through :func:`dartree.decode.assembly.assemble`, the one
     assembly the API and the bench use too: ``--dtype``, ``--linear``, ``--invariant`` and ``--no-tune`` passed
@@ -226,18 +272,19 @@ def _assemble_models(args: argparse.Namespace, console: Console, methods: list[s
     vetted: dict = {}
 
     def check_target(target) -> None:
-        vetted["stop_ids"], vetted["sampling"], vetted["encode"] = _check_target(args, target)
+        vetted["stop_ids"], vetted["sampling"], vetted["encode"] = _check_target(config, target)
 
     def check_models(target, dm) -> None:
-        vetted["prompts"], vetted["prompt_ids"] = _check_prompts(args, target, dm, methods, prompts, prompt_file,
+        vetted["prompts"], vetted["prompt_ids"] = _check_prompts(config, target, dm, methods, prompts, prompt_file,
                                                                  vetted["encode"])
 
     try:
-        models = assemble(args.checkpoint if methods else None, args.target, dtype=args.dtype, linear=args.linear,
-                          invariant=args.invariant, tune=args.tune, calibration_ids=lambda _: vetted["prompt_ids"][0],
-                          check_target=check_target, check_models=check_models, log=console.print)
+        models = assemble(config.checkpoint if methods else None, config.target, dtype=config.dtype,
+                          linear=config.linear, invariant=config.invariant, tune=config.tune,
+                          calibration_ids=lambda _: vetted["prompt_ids"][0], check_target=check_target,
+                          check_models=check_models, log=console.print)
     except TargetLoadError as exc:
-        raise Refused(f"error: cannot load --target {args.target!r}: {exc.reason}") from None
+        raise Refused(f"error: cannot load --target {config.target!r}: {exc.reason}") from None
     except ModeUnavailable as exc:
         raise Refused(f"error: --invariant on: {exc}") from None
     except ValueError as exc:  # a bad checkpoint (CheckpointError), a --linear path that cannot run here
@@ -247,12 +294,13 @@ def _assemble_models(args: argparse.Namespace, console: Console, methods: list[s
 
 @dataclass
 class EvalSession(PromptRows):
-    """Everything one evaluation run decodes with, built once from the parsed arguments by :func:`open_session`:
+    """Everything one evaluation run decodes with, built once from its :class:`EvalConfig` (``config``, which it
+    never changes) by :func:`open_session`:
     the assembled models (``models``, :class:`~dartree.decode.assembly.Assembly`: target, checkpoint, dtype, matmul
     path, row-invariant mode), the prompts and their ids, the runs (name -> (builder, budget)), their cost models,
     the peers, the stop ids and the sampling settings."""
 
-    args: argparse.Namespace
+    config: EvalConfig
     console: Console
     models: Assembly
     runs: dict
@@ -292,11 +340,6 @@ class EvalSession(PromptRows):
         return ["ar", *self.methods, *self.peers]
 
     @property
-    def params(self) -> dict:
-        """The builders' parameters from the flags the registry declares (:func:`builder_params_of`)."""
-        return builder_params_of(self.args)
-
-    @property
     def exact_rows(self) -> bool:
         """Whether a split from AR is a loss of exactness (fp32, or the row-invariant mode)."""
         return self.models.dtype == torch.float32 or self.models.invariant is not None
@@ -304,7 +347,7 @@ class EvalSession(PromptRows):
     @property
     def sampling_record(self) -> dict:
         """What this run's samplers do, and the target's own settings it did not apply."""
-        t = self.args.temperature
+        t = self.config.temperature
         return {"temperature": t, "rule": "greedy (argmax)" if t == 0 else f"softmax(logits / {t}) samples",
                 "ignored": {k: v for k, v in self.sampling.items() if t > 0 or k == "repetition_penalty"},
                 "generation_config": self.sampling}
@@ -315,12 +358,12 @@ class EvalSession(PromptRows):
         result carries ``paired_ar``, the ARStepper that ran in lockstep with it (then run to its end).
         ``cost_model``: a ``--budget auto`` method's model for this decode (default: the method's own,
         :attr:`cost_models`)."""
-        a = self.args
+        a = self.config
         if method == "ar":
             setting = Method()
         else:
             builder, b = self.runs[method]
-            setting = Method(builder, b, self.params, a.acceptance, a.lookup if LOOKUP_SUFFIX in method else 0,
+            setting = Method(builder, b, a.builder_params, a.acceptance, a.lookup if LOOKUP_SUFFIX in method else 0,
                              a.lookup_ngram)
         dm = self.dm
         return decode_one(self.target, ids, setting, max_new_tokens=max_new,
@@ -349,7 +392,7 @@ class EvalSession(PromptRows):
 
     def load_peers(self) -> None:
         """The ``--peers`` that can run (greedy only), each with what it needs; the others in ``peers_skipped``."""
-        a = self.args
+        a = self.config
         for name in dict.fromkeys(a.peers):
             if a.temperature != 0:
                 self.peers_skipped[name] = f"peers run greedy only; --temperature is {a.temperature}"
@@ -380,13 +423,13 @@ class EvalSession(PromptRows):
         ``--budget auto`` method on a scratch copy of its cost model, so that nothing of the warm-up reaches the
         policy), then each ``--budget auto`` policy seeded by a calibration pass with its own builder on
         :data:`~dartree.decode.generate.POLICY_PROMPT` (:meth:`seed_policies`)."""
-        a, warm_ids = self.args, self.encode("Say hello.")
+        a, warm_ids = self.config, self.encode("Say hello.")
         policy_ids = self.encode(POLICY_PROMPT) if self.methods else []
         if self.methods:
             dm = self.dm
             runs = list(dict.fromkeys((b, budget, a.lookup if LOOKUP_SUFFIX in m else 0)
                                       for m, (b, budget) in self.runs.items()))
-            rec = warm_paths(self.target, dm.drafter, dm.head, policy_ids, runs, builder_params=self.params,
+            rec = warm_paths(self.target, dm.drafter, dm.head, policy_ids, runs, builder_params=a.builder_params,
                              lookup_ngram=a.lookup_ngram, max_budget=dm.drafter.cfg.num_proposals,
                              stop_ids=self.stop_ids)
             self.warm_record = {"seconds": rec["seconds"], "verify_sizes": [min(rec["verify_sizes"]),
@@ -408,12 +451,12 @@ class EvalSession(PromptRows):
     def seed_policies(self, policy_ids: list) -> None:
         """Seed every ``--budget auto`` method's cost model with a calibration pass of its own builder on
         ``policy_ids`` (:func:`~dartree.decode.generate.seed_policy`), and print what each policy starts from."""
-        a = self.args
+        a = self.config
         for m, cm in self.cost_models.items():
             builder, _ = self.runs[m]
             t0 = time.time()
             prior = seed_policy(cm, self.target, self.dm.drafter, self.dm.head, policy_ids, builder=builder,
-                                builder_params=self.params, lookup=a.lookup if LOOKUP_SUFFIX in m else 0,
+                                builder_params=a.builder_params, lookup=a.lookup if LOOKUP_SUFFIX in m else 0,
                                 lookup_ngram=a.lookup_ngram, new_tokens=SEED_TOKENS, stop_ids=self.stop_ids,
                                 temperature=a.temperature)
             self.console.print(f"{m}: policy seeded in {time.time() - t0:.1f}s: {prior_text(prior)}")
@@ -421,9 +464,9 @@ class EvalSession(PromptRows):
     def environment(self, done: int, interrupted: str | None = None) -> dict:
         """report.json's ``environment``: the machine, versions and every setting of the run, with the first
         ``done`` prompts; ``interrupted``: the signal's name when the run was stopped."""
-        a, target, dm, models = self.args, self.target, self.dm, self.models
+        a, target, dm, models = self.config, self.target, self.dm, self.models
         return {
-            "device": str(target.device), "dtype": a.dtype, "dtype_reason": models.dtype_note,
+            "device": str(target.device), "dtype": models.dtype_name, "dtype_reason": models.dtype_note,
             "linear": models.linear, "linear_reason": models.linear_note, "linear_aten_rows": models.linear_tuning,
             "row_invariant": models.invariant_record, "attn_implementation": target.config._attn_implementation,
             "torch": torch.__version__, "transformers": __import__("transformers").__version__,
@@ -434,7 +477,7 @@ class EvalSession(PromptRows):
             "stop_ids": self.stop_ids, "sampling": self.sampling_record,
             "chat_template": "tokenizer" if a.chat_template == "auto" else "none (raw prompt text)",
             "chat_template_kwargs": a.chat_template_kwargs,
-            "budget": self.budget, "builder_params": self.params, "ar_repeats": a.ar_repeats, "paired": a.paired,
+            "budget": self.budget, "builder_params": a.builder_params, "ar_repeats": a.ar_repeats, "paired": a.paired,
             "cost_models": {m: cm.summary() for m, cm in self.cost_models.items()},
             "warm_up": self.warm_record,
             "proposals": dm.drafter.cfg.num_proposals if dm is not None else None,
@@ -448,18 +491,19 @@ class EvalSession(PromptRows):
         """Aggregate the rows of the first ``done`` prompts; write report.json/md atomically (after every prompt,
         so a long run can be read, or survive an interruption, before it ends), inside ``sig.held()``; ``show``:
         print the tables too."""
-        report = build_report(self.environment(done, interrupted), rows, trees, self.methods, self.peers,
-                              self.args.datasets, self.peers_skipped)
+        datasets = [self.prompt_file["name"]] if self.prompt_file else self.config.datasets
+        report = build_report(self.environment(done, interrupted), rows, trees, self.methods, self.peers, datasets,
+                              self.peers_skipped)
         md = report_markdown(report)
         if show:
             for item in report_console(report):
                 self.console.print(item)
         with sig.held():
-            write_report_files(Path(self.args.out), report, md)
+            write_report_files(Path(self.config.out), report, md)
         return report
 
 
-def open_session(args: argparse.Namespace, console: Console, modes: contextlib.ExitStack) -> EvalSession:
+def open_session(config: EvalConfig, console: Console, modes: contextlib.ExitStack) -> EvalSession:
     """Load and check everything a run needs, in the order the CLI always has (prompt file, methods, dtype, target,
     checkpoint, prompts, matmul path, row-invariant mode: :func:`_assemble_models`; cost models, peers), printing
     each choice; the assembly's row-invariant mode is entered into ``modes``.
@@ -467,30 +511,29 @@ def open_session(args: argparse.Namespace, console: Console, modes: contextlib.E
     Raises:
         Refused: a bad argument, target, checkpoint or prompt set (one line; exit 2).
     """
-    prompts, prompt_file = read_prompt_file(args)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    prompts, prompt_file = read_prompt_file(config)
+    if config.threads:
+        torch.set_num_threads(config.threads)
     try:
-        methods = resolve_methods(args.tree)
+        methods = resolve_methods(config.tree)
     except ValueError as exc:
         raise Refused(f"error: {exc}") from None
-    names, dtype_reason = dtype_plan(args.dtype, args.invariant, drafter=bool(methods))
+    names, dtype_reason = dtype_plan(config.dtype, config.invariant, drafter=bool(methods))
     console.print(f"mode: {names[0] if len(names) == 1 else ' or '.join(names) + ' (timed below)'}; {dtype_reason}")
-    budgets = list(args.budget)
+    budgets = list(config.budget)
     budget = budgets[0] if len(budgets) == 1 else budgets
     runs = plan_runs(methods, budgets)
     t0 = time.time()
-    models, vetted = _assemble_models(args, console, methods, prompts, prompt_file)
+    models, vetted = _assemble_models(config, console, methods, prompts, prompt_file)
     modes.enter_context(models.modes)
-    s = EvalSession(args=args, console=console, models=models, runs=runs, budget=budget, prompt_file=prompt_file,
+    s = EvalSession(config=config, console=console, models=models, runs=runs, budget=budget, prompt_file=prompt_file,
                     t0=t0, **vetted)
-    args.dtype = models.dtype_name
     if len(names) > 1:  # the candidates' own lines came before the choice: say which mode decodes
         inv = models.invariant_record
-        console.print(f"mode: {args.dtype}; {models.dtype_note}")
-        console.print(f"row-invariant verify (the {args.dtype} mode chosen): " + (
+        console.print(f"mode: {models.dtype_name}; {models.dtype_note}")
+        console.print(f"row-invariant verify (the {models.dtype_name} mode chosen): " + (
             f"on (linear {inv['linear']}: {inv['why']})" if inv is not None else "off"))
-    console.print(f"target {s.target.name} ({args.dtype}), {len(s.prompts)} prompts, methods: ar + {methods}, "
+    console.print(f"target {s.target.name} ({models.dtype_name}), {len(s.prompts)} prompts, methods: ar + {methods}, "
                   f"budget {budget}; loaded in {time.time() - t0:.1f}s")
     s.calibrate()
     s.load_peers()
