@@ -51,10 +51,12 @@ def sweep_markdown(report: dict) -> str:
           f"target `{env['target']}` ({env['dtype']}, {env['linear']} linears, {env['device']}, {env['threads']} "
           f"threads, CPU {sw.get('cpu', '?')}), checkpoint `{env['checkpoint']}`, T={env['temperature']}, "
           f"max_new_tokens={sw['max_new_tokens']}, budget {env['budget']}; {sw['requests']} requests from "
-          f"{sw['distinct_prompts']} prompts (cycled to fill the largest batch), batch sizes {sw['batches']}"
+          f"{sw['distinct_prompts']} prompts (cycled into a queue of {sw.get('queue', 1)} x the largest batch), batch "
+          f"sizes {sw['batches']}"
           + (f" (interrupted by {env['interrupted']})" if env.get("interrupted") else ""), "",
           "tokens/s: all requests' new tokens over the decode's wall time, prefills excluded (each request's prefill "
-          "runs alone); speedup: over dartree's batched AR loop at the same batch size, in this process; tau per row: "
+          "runs alone); speedup: over dartree's batched AR loop at the same batch size, in this process (with several "
+          "passes, the median over the passes of AR's time in the pass over the row's); tau per row: "
           "committed tokens per verify forward a request took part in (mean over requests, min-max); rows/forward: "
           "mean rows in a target forward (rows drain as the queue empties); lossless: requests whose tokens differ "
           "from their prompt's own AR decode (one prompt at a time).", "",
@@ -65,9 +67,9 @@ def sweep_markdown(report: dict) -> str:
     spreads = [(r["batch"], r["repeat_spread"], len(r["decode_s_repeats"])) for r in sw["rows"]
                if r["method"] == "ar" and "repeat_spread" in r]
     if spreads:
-        md += ["", "batched AR ran several times per batch size, spread through the other rows; its time is their "
-               "mean, and the spread of its runs ((slowest - fastest) / mean) is this machine's own noise at that "
-               "size, to read every speedup against: " + ", ".join(f"N={b}: {100 * sp:.1f}% over {k} runs"
+        md += ["", "every row ran once per pass, the passes in rotated orders; a row's time is the mean of its "
+               "passes, and the spread of batched AR's ((slowest - fastest) / mean) is this machine's own noise at "
+               "that size, to read every speedup against: " + ", ".join(f"N={b}: {100 * sp:.1f}% over {k} runs"
                                                                   for b, sp, k in spreads)]
     one = sw.get("one_prompt") or {}
     if one:

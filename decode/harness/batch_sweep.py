@@ -4,8 +4,9 @@ method, batched AR and transformers' batched ``generate``, in one process.
 The requests are the run's prompts, cycled until there are at least ``--queue`` (default 2) times as many as the
 largest batch (:func:`sweep_requests`): served batches are refilled from a queue, and with no more requests than rows
 the largest batch would be measured draining (batched AR's rows all reach their cap in the same step, speculative rows
-one after another, so the batch runs its tail at fewer rows than AR's). Per batch size N, in an order rotated per batch size (the machine's speed drifts over
-minutes), each row decodes all requests N at a time:
+one after another, so the batch runs its tail at fewer rows than AR's). Per batch size N, in ``--ar-repeats`` passes,
+each in an order rotated per pass and batch size (the machine's speed drifts over minutes), each row decodes all
+requests N at a time:
 
 * ``ar``: dartree's batched AR loop (:func:`dartree.decode.batch_ar.batched_autoregressive`: per-row KV cache with
   masked holes, a finished row's place refilled from the queue), the baseline every speedup at N divides by;
@@ -16,8 +17,10 @@ minutes), each row decodes all requests N at a time:
   seeded batch-1 policy before anything else used it, over a row table measured on the calibration prompt at the row
   counts of the sweep (:class:`~dartree.decode.row_costs.RowCosts`).
 
-Batched AR runs ``--ar-repeats`` times per batch size, spread through the others; its time is their mean and their
-spread is reported beside every speedup (:meth:`BatchSweep.order`). Before any of that, the one-prompt path runs every request alone (AR, then every method through
+A row's time is the mean of its passes and its speedup the median over the passes of batched AR's time in the pass over
+the row's (a paired ratio: both timed minutes apart at most, so a drift of the machine between passes does not decide
+it); the spread of batched AR's passes is reported beside every speedup (:meth:`BatchSweep.order`). Before any of
+that, the one-prompt path runs every request alone (AR, then every method through
 :func:`~dartree.decode.harness.runner.decode_one`, each auto method on its own batch-1 policy): its AR tokens are the
 losslessness oracle (at T = 0 every row of every batch must equal its prompt's own AR tokens) and its speedups are
 what the batch-1 rows are compared with. Every batched setting is run once untimed on a few requests first.
@@ -42,7 +45,6 @@ from dartree.decode.generate import POLICY_PROMPT
 from dartree.decode.harness.batch_report import cpu_name
 from dartree.decode.harness.peers import hf_generate_batch
 from dartree.decode.harness.runner import against_ar
-from dartree.decode.harness.prompt_rows import spread_repeats
 from dartree.decode.row_costs import RowCosts, batch_rows
 
 HF_BATCH = "hf-generate"  # the one peer with a batched form
@@ -221,37 +223,37 @@ class BatchSweep:
         return _from_batch(name, batch, out)
 
     def order(self, bi: int) -> list[str]:
-        """The decodes of the ``bi``-th batch size: the rows in an order rotated by ``bi``, with the batched AR
-        baseline run ``--ar-repeats`` times spread through it (``ar#2``, ...;
-        :func:`~dartree.decode.harness.prompt_rows.spread_repeats`), so a drift of the machine's speed during the batch
-        size reaches the baseline as it reaches the rows it divides."""
-        names = self.names
-        return spread_repeats(names[bi % len(names):] + names[: bi % len(names)], "ar", self.s.config.ar_repeats)
+        """The decodes of the ``bi``-th batch size: ``--ar-repeats`` passes over every row (batched AR included), pass
+        k in the order rotated by ``bi`` + k, so that over the passes every row runs early and late in a pass and a
+        drift of the machine's speed reaches the baseline as it reaches the rows it divides."""
+        names, k = self.names, len(self.names)
+        return [names[(bi + p + j) % k] for p in range(self.s.config.ar_repeats) for j in range(k)]
 
     def run_batch(self, bi: int, bar=None) -> list[dict]:
         """Every row at the ``bi``-th batch size (:meth:`order`); returns its report rows (also added to
-        :attr:`rows`), each with its speedup over batched AR at that size (AR's time: the mean of its runs, their
-        spread recorded as ``repeat_spread``: (slowest - fastest) / mean, the machine's own noise)."""
+        :attr:`rows`): tokens/s from the mean of a row's passes, and its speedup the median over the passes of
+        batched AR's time over the row's in the same pass (``speedup_passes``); with more than one pass the times
+        (``decode_s_repeats``) and their spread ``repeat_spread`` ((slowest - fastest) / mean: the machine's own
+        noise)."""
         s, a, b = self.s, self.s.config, self.batches[bi]
         runs: dict[str, list[BatchRun]] = {}
         for name in self.order(bi):
-            base = name.split("#")[0]
-            runs.setdefault(base, []).append(self.decode(base, b, self.ids, a.max_new_tokens))
+            runs.setdefault(name, []).append(self.decode(name, b, self.ids, a.max_new_tokens))
             if bar is not None:
                 bar.update()
-        rows = []
+        rows, ar_times = [], [r.decode_s for r in runs["ar"]]
         for n in self.names:
             row = runs[n][0].row(self.reference, s.exact_rows and n != HF_BATCH, a.temperature)
             times = [r.decode_s for r in runs[n]]
+            mean = sum(times) / len(times)
+            ratios = sorted(t_ar / t for t_ar, t in zip(ar_times, times))
+            mid = len(ratios) // 2
+            row.update(decode_s=mean, tokens_per_s=row["new_tokens"] / mean, peer=n == HF_BATCH,
+                       speedup=ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2,
+                       speedup_passes=[t_ar / t for t_ar, t in zip(ar_times, times)])
             if len(times) > 1:
-                mean = sum(times) / len(times)
-                row.update(decode_s=mean, decode_s_repeats=times, repeat_spread=(max(times) - min(times)) / mean,
-                           tokens_per_s=row["new_tokens"] / mean)
+                row.update(decode_s_repeats=times, repeat_spread=(max(times) - min(times)) / mean)
             rows.append(row)
-        ar = rows[0]["tokens_per_s"]
-        for r in rows:
-            r["speedup"] = r["tokens_per_s"] / ar
-            r["peer"] = r["method"] == HF_BATCH
         self.rows += rows
         return rows
 
