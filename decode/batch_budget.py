@@ -75,8 +75,7 @@ class BatchCostModel(CostModel):
         draft_corr: timed / modelled seconds of a drafter forward over N rows (t_draft x d(N)), followed online per
             row count (:meth:`observe_draft`); 1.0 at one row and before any N-row draft was timed.
         chosen_rows: {N: {W: rounds}}, the widths chosen per row count, for reports.
-        rounds_rows: {N: [drafted rounds, plain rounds, their committed tokens per row summed, the drafted rounds'
-            costs in batched AR steps summed]}: what the policy decided at each row count and what it got, for reports.
+        rounds_rows: {N: [drafted rounds, plain rounds, drafted tokens per row summed, drafted costs summed]}.
     """
 
     row_costs: RowCosts = field(default_factory=RowCosts)
@@ -297,27 +296,37 @@ class BatchCostModel(CostModel):
         drafted = self._pending is not None and self._pending[0]
         tokens = sum(int(a.numel()) for a in accepted) / n
         self._observe_round(tokens, seconds)
-        log = self.rounds_rows.setdefault(self.rows, [0, 0, 0.0, 0.0])
-        log[0 if drafted else 1] += 1
-        if drafted:
-            log[2] += tokens
-            log[3] += self.costs[-1]
+        _log_round(self.rounds_rows, self.rows, drafted, tokens, self.costs[-1] if drafted else 0.0)
         for tree, acc, cp, ng in zip(trees, accepted, chain_pos, ngrams):
             self.learn(tree, acc, cp, ng, drafted)
 
     def summary(self) -> dict:
-        """:meth:`CostModel.summary` with the row table, the widths chosen per row count and per row count the
-        rounds drafted and plain, with the drafted rounds' mean committed tokens per row and mean cost in batched AR
-        steps (``rounds_by_rows``; 1 token per row and step is what a plain step gives)."""
+        """:meth:`CostModel.summary` with the row table, and per row count the widths chosen, the draft correction
+        and the rounds drafted and plain (:func:`_rounds_summary`)."""
         corr = {**{n: w["draft_corr"] for n, w in self._windows.items() if n > 1},
                 **({self.rows: self.draft_corr} if self.rows > 1 else {})}
         return {**super().summary(), "rows_now": self.rows, "row_costs": self.row_costs.summary(),
                 "draft_corr_by_rows": {int(n): c for n, c in sorted(corr.items())},
                 "chosen_by_rows": {int(n): {int(w): c for w, c in sorted(h.items())}
                                    for n, h in sorted(self.chosen_rows.items())},
-                "rounds_by_rows": {int(n): {"drafted": d, "plain": p, "drafted_tokens_per_row": t / d if d else None,
-                                            "drafted_ar_steps": c / d if d else None}
-                                   for n, (d, p, t, c) in sorted(self.rounds_rows.items())}}
+                "rounds_by_rows": _rounds_summary(self.rounds_rows)}
+
+
+def _log_round(log: dict, rows: int, drafted: bool, tokens: float, cost: float) -> None:
+    """Add a round of ``rows`` rows to ``log`` ({N: [drafted rounds, plain rounds, the drafted rounds' committed tokens
+    per row summed, their costs in batched AR steps summed]}): what the policy decided per row count and what it got."""
+    entry = log.setdefault(rows, [0, 0, 0.0, 0.0])
+    entry[0 if drafted else 1] += 1
+    if drafted:
+        entry[2] += tokens
+        entry[3] += cost
+
+
+def _rounds_summary(log: dict) -> dict:
+    """:func:`_log_round`'s log for reports: per row count the rounds drafted and plain, the drafted rounds' mean
+    committed tokens per row and mean cost in batched AR steps (a plain step: 1 token per row for 1 step)."""
+    return {int(n): {"drafted": d, "plain": p, "drafted_tokens_per_row": t / d if d else None,
+                     "drafted_ar_steps": c / d if d else None} for n, (d, p, t, c) in sorted(log.items())}
 
 
 def _width_by_scores(verify_time: Callable[[int], float], ests: list[torch.Tensor], lo: int) -> tuple[int, float]:
