@@ -181,6 +181,23 @@ def test_a_recorded_run_resumes_only_where_its_state_is(tmp_path):
     assert start_for(cfg, "dspark_b16", {}, out) == (str(committed), False)  # no record: a new run
 
 
+def test_a_run_recorded_elsewhere_gives_the_new_run_a_folder_of_its_own(tmp_path):
+    """The shipped run dspark_b16-00027 ran on another machine: continuing its weights here on the same 27 shards is
+    a new run (dspark_b16-00027.2), not a second record of the shipped one's name (whose parent would be itself)."""
+    from dartree.training.tools.campaign_train import run_folder
+
+    root = tmp_path / "runs"
+    shipped = root / "dspark_b16-00027"
+    state = {"dspark_b16": {"shipped_run": str(shipped), "runs": [{"output_dir": str(shipped)}]}}
+    assert run_folder(root, "dspark_b16", 12, state) == root / "dspark_b16-00012"  # no run recorded: the plain name
+    assert run_folder(root, "dspark_b16", 27, state) == root / "dspark_b16-00027.2"
+    state["dspark_b16"]["runs"].append({"output_dir": str(root / "dspark_b16-00027.2")})
+    (root / "dspark_b16-00027.2" / "resume").mkdir(parents=True)  # its state is here: it resumes in its folder
+    assert run_folder(root, "dspark_b16", 27, state) == root / "dspark_b16-00027.2"
+    (shipped / "resume").mkdir(parents=True)
+    assert run_folder(root, "dspark_b16", 27, state) == shipped  # on the machine that ran it: it resumes
+
+
 def test_the_curve_counts_the_predictions_of_a_runs_own_lineage(tmp_path, monkeypatch):
     """A run that started again from the baseline does not inherit the predictions of runs it did not continue;
     one that continued the committed checkpoint inherits that run's (parent_of, curve_points)."""

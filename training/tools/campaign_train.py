@@ -88,6 +88,20 @@ def init_for(cfg: DictConfig, recipe: str, state: dict) -> str:
     return str(REPO / "checkpoints" / recipe)
 
 
+def run_folder(root: Path, recipe: str, shards: int, state: dict) -> Path:
+    """The folder of this call's run of ``recipe`` on ``shards`` shards: ``RECIPE-NNNNN`` in ``root`` (one run per
+    recipe and number of shards), unless a run is recorded under that name without its resumable state on this
+    machine (it ran on another machine, or its folder is gone): that run cannot be continued here, so the new one takes
+    the next free ``RECIPE-NNNNN.K`` (K = 2, 3, ...), with a record of its own whose parent (the recorded run, when it
+    starts from the checkpoint that run committed or shipped) is not itself."""
+    recorded = {r["output_dir"] for r in state.get(recipe, {}).get("runs", [])}
+    out, k = root / f"{recipe}-{shards:05d}", 1
+    while str(out) in recorded and not (out / "resume").exists():
+        k += 1
+        out = root / f"{recipe}-{shards:05d}.{k}"
+    return out
+
+
 def start_for(cfg: DictConfig, recipe: str, state: dict, out: Path) -> tuple[str, bool]:
     """Where the run of ``recipe`` in ``out`` starts: ``(init_from, resumable)``.
 
@@ -196,7 +210,7 @@ def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -
         if minutes < float(tc.min_minutes):
             break
         state = read_state(cfg)
-        out = root / f"{recipe}-{n:05d}"
+        out = run_folder(root, recipe, n, state)
         runs = state.get(recipe, {}).get("runs", [])
         init, resumable = start_for(cfg, recipe, state, out)
         scratch = tc.init == "scratch" and not resumable
