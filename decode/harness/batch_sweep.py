@@ -33,6 +33,7 @@ per verify forward the row took part in), rows per forward and the mismatches. R
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -246,11 +247,9 @@ class BatchSweep:
             row = runs[n][0].row(self.reference, s.exact_rows and n != HF_BATCH, a.temperature)
             times = [r.decode_s for r in runs[n]]
             mean = sum(times) / len(times)
-            ratios = sorted(t_ar / t for t_ar, t in zip(ar_times, times))
-            mid = len(ratios) // 2
+            ratios = [t_ar / t for t_ar, t in zip(ar_times, times)]
             row.update(decode_s=mean, tokens_per_s=row["new_tokens"] / mean, peer=n == HF_BATCH,
-                       speedup=ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2,
-                       speedup_passes=[t_ar / t for t_ar, t in zip(ar_times, times)])
+                       speedup=statistics.median(ratios), speedup_passes=ratios)
             if len(times) > 1:
                 row.update(decode_s_repeats=times, repeat_spread=(max(times) - min(times)) / mean)
             rows.append(row)
