@@ -32,6 +32,7 @@ from dartree.decode.row_costs import RowCosts, batch_rows
 from dartree.decode.generate import (POLICY_PROMPT, DecodeStats, autoregressive_generate, check_speculative,
                                      seed_policy, speculative_generate, warm_paths)
 from dartree.decode.inputs import check_lookup, check_speculative_args, token_ids
+from dartree.decode.settings import DecodeSettings
 from dartree.decode.builders import BUILDERS, builder_name
 from dartree.models.chat import chat_prompt_ids, messages_prompt_ids, text_prompt_ids
 from dartree.models.generation import sampling_problem, sampling_settings, stop_ids
@@ -161,18 +162,18 @@ class BatchedDecoding:
             except (TypeError, ValueError) as exc:
                 raise type(exc)(f"prompts[{i}]: {exc}") from None
         gen = torch.Generator(device=self.target.device.type).manual_seed(seed) if temperature > 0 else None
-        dm, params = self.draft, builder_params or None
+        dm = self.draft
         budget = ("auto" if temperature == 0 else None) if budget is None else budget
-        args = dict(builder=tree, max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=self.stop_ids,
-                    budget=budget, generator=gen, builder_params=params, lookup=lookup, lookup_ngram=3)
-        rows = check_batched(self.target, dm.drafter, dm.head, ids, batch_size=batch_size, **args)[-1]
+        settings = self.settings(tree=tree, budget=budget, lookup=lookup, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, **builder_params)
+        rows = check_batched(self.target, dm.drafter, dm.head, ids, settings, generator=gen, batch_size=batch_size)[-1]
         setup = self.warm_up(tree=tree, budget=budget, lookup=lookup, **builder_params)
         policy = None
         if budget == "auto":
             policy, spent = self.batch_model(self._key(tree, lookup, builder_params), rows)
             setup += spent
-        out = batched_generate(self.target, dm.drafter, dm.head, ids, batch_size=batch_size, cost_model=policy,
-                               **args)
+        out = batched_generate(self.target, dm.drafter, dm.head, ids, settings, generator=gen, batch_size=batch_size,
+                               cost_model=policy)
         res = []
         for o, pid in zip(out, ids):
             g = self._finish(o, pid, time.perf_counter())
@@ -344,21 +345,28 @@ class SpeculativeDecoder(BatchedDecoding):
         self._check_sampling(temperature, ignore_generation_config)
         ids = self.prompt_ids(prompt, chat=chat)
         budget = ("auto" if temperature == 0 else None) if budget is None else budget
-        check_speculative(self.target, self.draft.drafter, self.draft.head, ids, builder=tree,
-                          max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=self.stop_ids, budget=budget,
-                          generator=None, builder_params=builder_params or None, acceptance="match", lookup=lookup,
-                          lookup_ngram=3, lockstep=None)
+        settings = self.settings(tree=tree, budget=budget, lookup=lookup, max_new_tokens=max_new_tokens,
+                                 temperature=temperature, **builder_params)
+        check_speculative(self.target, self.draft.drafter, self.draft.head, ids, settings)
         setup = self.warm_up(tree=tree, budget=budget, lookup=lookup, **builder_params)
         gen = torch.Generator(device=self.target.device.type).manual_seed(seed) if temperature > 0 else None
         policy = self.cost_models.get(self._key(tree, lookup, builder_params)) if budget == "auto" else None
         t0 = time.perf_counter()
-        out = speculative_generate(self.target, self.draft.drafter, self.draft.head, ids, builder=tree,
-                                   max_new_tokens=max_new_tokens, temperature=temperature, stop_ids=self.stop_ids,
-                                   budget=budget, generator=gen, lookup=lookup,
-                                   builder_params=builder_params or None, cost_model=policy)
+        out = speculative_generate(self.target, self.draft.drafter, self.draft.head, ids, settings, generator=gen,
+                                   cost_model=policy)
         g = self._finish(out, ids, t0)
         g.setup_s = setup
         return g
+
+    def settings(self, *, tree: str = "pruned", budget: int | str | None = "auto", lookup: int = 0,
+                 max_new_tokens: int | Sequence[int] = 256, temperature: float = 0.0,
+                 **builder_params) -> DecodeSettings:
+        """The :class:`~dartree.decode.settings.DecodeSettings` a call with these arguments decodes with (the
+        target's stop ids, exact matching, the lookup graft's n-gram 3), for the decode functions of
+        :mod:`dartree.decode` (``speculative_generate``, ``batched_generate``, ``decode_one``). Arguments as
+        :meth:`generate`; checked where a decoder receives them."""
+        return DecodeSettings(tree, budget, builder_params or None, "match", lookup, 3, max_new_tokens, temperature,
+                              tuple(self.stop_ids))
 
     @staticmethod
     def _key(tree: str, lookup: int, builder_params: dict) -> tuple:
@@ -388,16 +396,15 @@ class SpeculativeDecoder(BatchedDecoding):
         if (*key, budget) in self._warmed:
             return 0.0
         t0 = time.perf_counter()
-        target, dm, params = self.target, self.draft, builder_params or None
+        target, dm = self.target, self.draft
+        settings = self.settings(tree=tree, budget=budget, lookup=lookup, **builder_params)
         ids = self.prompt_ids(POLICY_PROMPT) if target.tokenizer is not None else list(range(2, 34))
-        warm_paths(target, dm.drafter, dm.head, ids, [(tree, budget, lookup)], builder_params=params,
-                   stop_ids=self.stop_ids)
+        warm_paths(target, dm.drafter, dm.head, ids, [settings])
         if budget == "auto":
             if self._timing is None:
                 self._timing = calibrate(target, dm.drafter, ids, max_budget=dm.drafter.cfg.num_proposals)
             self.cost_models[key] = self._timing.fresh()
-            seed_policy(self.cost_models[key], target, dm.drafter, dm.head, ids, builder=tree,
-                        builder_params=params, lookup=lookup, stop_ids=self.stop_ids)
+            seed_policy(self.cost_models[key], target, dm.drafter, dm.head, ids, settings)
         self._warmed.add((*key, budget))
         return time.perf_counter() - t0
 

@@ -48,6 +48,7 @@ from dartree.decode.cost_acceptance import OUTCOME_EXPLORE
 from dartree.decode.cost_timing import OUTLIER_CLIP
 from dartree.decode.generate import SEED_TOKENS, seed_policy, warm_paths
 from dartree.decode.row_costs import RowCosts, batch_rows
+from dartree.decode.settings import DecodeSettings
 from dartree.decode.trees import Tree
 
 
@@ -418,9 +419,8 @@ class AutoRowBudgets:
         cm.record_rows(trees, [v.accepted for v in vers], chain_pos, ngrams, seconds=round_s)
 
 
-def batch_policy(target, drafter, head, prompts: Sequence[Sequence[int]], *, rows: int, builder: str,
-                 builder_params: dict | None, lookup: int, lookup_ngram: int, stop_ids: Sequence[int],
-                 temperature: float, max_new_tokens: int) -> BatchCostModel:
+def batch_policy(target, drafter, head, prompts: Sequence[Sequence[int]], settings: DecodeSettings, *,
+                 rows: int) -> BatchCostModel:
     """The cost model of a batched ``budget="auto"`` call given none, built the way the batch-1 one is
     (:func:`dartree.decode.generate.speculative_generate` without ``cost_model``): the batch-1 curve calibrated
     (:func:`~dartree.decode.budget.calibrate`) and the row table measured (:meth:`RowCosts.measure` at
@@ -428,7 +428,9 @@ def batch_policy(target, drafter, head, prompts: Sequence[Sequence[int]], *, row
     and the policy seeded by a pass over that prompt's first tokens (:func:`~dartree.decode.generate.seed_policy`).
 
     Args:
-        prompts: the N prompts' ids. rows: the rows decoded together. Others as ``batched_generate``.
+        prompts: the N prompts' ids. rows: the rows decoded together.
+        settings: the call's :class:`~dartree.decode.settings.DecodeSettings` (its ``max_new_tokens`` one int, the
+            longest cap). Others as ``batched_generate``.
     Returns:
         A seeded :class:`BatchCostModel`.
     Raises:
@@ -439,10 +441,8 @@ def batch_policy(target, drafter, head, prompts: Sequence[Sequence[int]], *, row
     ids = (list(ids) * 4)[: max(4, len(ids))]  # calibration needs a few context tokens; their values do not matter
     cm = BatchCostModel.from_model(calibrate(target, drafter, ids), RowCosts())
     cm.row_costs.measure(target, drafter, ids, batch_rows(rows), max_budget=cm.max_budget)
-    warm_paths(target, drafter, head, ids, [(builder, "auto", lookup)], builder_params=builder_params,
-               lookup_ngram=lookup_ngram, max_budget=cm.max_budget, stop_ids=stop_ids)
-    seed_policy(cm, target, drafter, head, ids, builder=builder, builder_params=builder_params, lookup=lookup,
-                lookup_ngram=lookup_ngram, stop_ids=stop_ids, temperature=temperature,
-                new_tokens=min(SEED_TOKENS, max(8, max_new_tokens)), source="the longest prompt")
+    warm_paths(target, drafter, head, ids, [settings.with_(budget="auto")], max_budget=cm.max_budget)
+    seed_policy(cm, target, drafter, head, ids, settings, new_tokens=min(SEED_TOKENS, max(8, settings.max_new_tokens)),
+                source="the longest prompt")
     return cm
 

@@ -39,6 +39,7 @@ from dartree.decode.builders import builder_beta, get_builder
 from dartree.decode.generate import (DecodeStats, GenerateOutput, _commit, _prefill, check_speculative,
                                      speculative_generate)
 from dartree.decode.rounds import FixedBudget, GreedyMatch, LookupGraft
+from dartree.decode.settings import DecodeSettings, check_settings
 from dartree.decode.trees import Tree
 from dartree.models.batch_cache import BatchKV, RowDraftCache
 from dartree.models.drafter import DFlashDrafter
@@ -152,11 +153,10 @@ def _lengths(max_new_tokens, n: int) -> list[int]:
     return [int(c) for c in caps]
 
 
-def check_batched(target, drafter, head, prompts, *, builder, max_new_tokens, temperature, stop_ids, budget,
-                  generator, builder_params, lookup, lookup_ngram, batch_size) -> tuple:
+def check_batched(target, drafter, head, prompts, settings: DecodeSettings, *, generator, batch_size) -> tuple:
     """Every check of :func:`batched_generate` before any forward (arguments as it takes them); each prompt gets the
     checks of :func:`~dartree.decode.generate.speculative_generate` with its own cap. Returns (prompt id lists,
-    caps, stop ids, builder name, rows decoded together).
+    caps, stop ids, the settings with the builder's registered name and exact matching, rows decoded together).
 
     Raises:
         TypeError / ValueError: one line naming the argument (``prompts[i]`` for a prompt's own problem: its ids,
@@ -167,14 +167,13 @@ def check_batched(target, drafter, head, prompts, *, builder, max_new_tokens, te
         raise TypeError(f"prompts is {describe(prompts)}; give a list of prompts, each a list of token ids")
     if not prompts:
         raise ValueError("prompts is empty; give at least one prompt")
-    caps = _lengths(max_new_tokens, len(prompts))
-    ids, stops, name = [], [], builder
+    settings = check_settings(settings).with_(acceptance="match")
+    caps = _lengths(settings.max_new_tokens, len(prompts))
+    ids, stops, checked = [], [], settings
     for i, (p, cap) in enumerate(zip(prompts, caps)):
         try:
-            pid, stops, name, _, _ = check_speculative(
-                target, drafter, head, p, builder=builder, max_new_tokens=cap, temperature=temperature,
-                stop_ids=stop_ids, budget=budget, generator=generator, builder_params=builder_params,
-                acceptance="match", lookup=lookup, lookup_ngram=lookup_ngram, lockstep=None)
+            pid, stops, checked, _, _ = check_speculative(target, drafter, head, p, settings.with_(max_new_tokens=cap),
+                                                          generator=generator)
         except (TypeError, ValueError) as exc:  # a prompt's own problem is named by its index
             msg = str(exc)
             if msg.startswith("prompt_ids"):
@@ -187,27 +186,24 @@ def check_batched(target, drafter, head, prompts, *, builder, max_new_tokens, te
         raise ValueError(f"batch_size={batch_size!r} must be an int >= 1 (rows decoded together) or None (all)")
     else:
         rows = min(int(batch_size), len(prompts))
-    return ids, caps, stops, name, rows
+    return ids, caps, stops, checked.with_(max_new_tokens=caps), rows
 
 
 @torch.inference_mode()
 def batched_generate(
-    target: Target, drafter: DFlashDrafter, head: CorrectionHead, prompts: Sequence, *, builder: str = "pruned",
-    max_new_tokens: int | Sequence[int], temperature: float = 0.0, stop_ids: Sequence[int] = (),
-    budget: int | str | None = None, generator: torch.Generator | None = None, builder_params: dict | None = None,
-    lookup: int = 0, lookup_ngram: int = 3, batch_size: int | None = None, record_trees: bool = False,
-    cost_model: BatchCostModel | None = None,
+    target: Target, drafter: DFlashDrafter, head: CorrectionHead, prompts: Sequence, settings: DecodeSettings, *,
+    generator: torch.Generator | None = None, batch_size: int | None = None, cost_model: BatchCostModel | None = None,
 ) -> BatchOutput:
     """Speculative decoding of several prompts together; every row lossless (see the module docstring).
 
     Args:
-        target, drafter, head, builder, temperature, stop_ids, builder_params, lookup, lookup_ngram, record_trees:
-            as :func:`~dartree.decode.generate.speculative_generate` (acceptance is exact target-sample matching).
+        target, drafter, head: as :func:`~dartree.decode.generate.speculative_generate`.
         prompts: N prompts, each token ids as ``speculative_generate`` takes one ([T] or [1, T]).
-        max_new_tokens: the cap on generated tokens, one int for all prompts or one per prompt.
-        budget: tree nodes per row and round (default: P, the drafter's proposals), or ``"auto"``: per round the
-            batch-aware cost model decides whether the batch drafts and the width of every row's tree
-            (:mod:`dartree.decode.batch_budget`).
+        settings: the :class:`~dartree.decode.settings.DecodeSettings`, as ``speculative_generate`` takes them
+            (acceptance is always exact target-sample matching), except: ``max_new_tokens`` is one int for all
+            prompts or one per prompt, and ``budget`` is tree nodes per row and round (default: P, the drafter's
+            proposals) or ``"auto"``: per round the batch-aware cost model decides whether the batch drafts and the
+            width of every row's tree (:mod:`dartree.decode.batch_budget`).
         generator: a seeded torch.Generator for T > 0 (one stream for the batch: a row's samples depend on the seed
             and on the other rows, its distribution does not).
         batch_size: rows decoded together (default: all prompts); with fewer, the prompts wait in a queue and a
@@ -226,29 +222,25 @@ def batched_generate(
         TypeError: a ``cost_model`` that is not a :class:`~dartree.decode.batch_budget.BatchCostModel`.
     """
     t_run = time.perf_counter()
-    ids, caps, stop_list, builder, width = check_batched(
-        target, drafter, head, prompts, builder=builder, max_new_tokens=max_new_tokens, temperature=temperature,
-        stop_ids=stop_ids, budget=budget, generator=generator, builder_params=builder_params, lookup=lookup,
-        lookup_ngram=lookup_ngram, batch_size=batch_size)
-    if budget == "auto":
+    ids, caps, stop_list, s, width = check_batched(target, drafter, head, prompts, settings, generator=generator,
+                                                   batch_size=batch_size)
+    if s.budget == "auto":
         if cost_model is None:
-            cost_model = batch_policy(target, drafter, head, ids, rows=width, builder=builder,
-                                      builder_params=builder_params, lookup=lookup, lookup_ngram=lookup_ngram,
-                                      stop_ids=stop_list, temperature=temperature, max_new_tokens=max(caps))
+            cost_model = batch_policy(target, drafter, head, ids, s.with_(stop_ids=stop_list, max_new_tokens=max(caps)),
+                                      rows=width)
         if width == 1:
             cost_model.set_rows(1)
     if width == 1:  # one row at a time is the one-prompt decode: its own loop, at its own speed
         return _one_at_a_time(t_run, lambda i, cap: speculative_generate(
-            target, drafter, head, ids[i], builder=builder, max_new_tokens=cap, temperature=temperature,
-            stop_ids=stop_list, budget=budget, generator=generator, builder_params=builder_params,
-            record_trees=record_trees, cost_model=cost_model, lookup=lookup, lookup_ngram=lookup_ngram), caps)
-    if budget == "auto":
-        budgets = AutoRowBudgets(cost_model, builder_beta(builder, dict(builder_params or {})), time.perf_counter)
+            target, drafter, head, ids[i], s.with_(max_new_tokens=cap, stop_ids=stop_list), generator=generator,
+            cost_model=cost_model), caps)
+    if s.budget == "auto":
+        budgets = AutoRowBudgets(cost_model, builder_beta(s.builder, s.params), time.perf_counter)
     else:
-        budgets = RowBudgets(drafter.cfg.num_proposals if budget is None else int(budget))
-    loop = _BatchLoop(target, drafter, ids, caps, stops=set(int(s) for s in stop_list), budgets=budgets,
-                      rule=GreedyMatch(get_builder(builder), head, dict(builder_params or {}), temperature, generator),
-                      lookup=(lookup, lookup_ngram), record_trees=record_trees)
+        budgets = RowBudgets(drafter.cfg.num_proposals if s.budget is None else int(s.budget))
+    loop = _BatchLoop(target, drafter, ids, caps, stops=set(int(t) for t in stop_list), budgets=budgets,
+                      rule=GreedyMatch(get_builder(s.builder), head, s.params, s.temperature, generator),
+                      lookup=(s.lookup, s.lookup_ngram), record_trees=s.record_trees)
     loop.fill(width)
     while loop.rows:
         loop.round()

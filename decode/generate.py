@@ -27,6 +27,7 @@ from dartree.decode.budget import CostModel, calibrate, prune_to
 from dartree.decode.builders import builder_beta, builder_name, get_builder
 from dartree.decode.draft import draft_block
 from dartree.decode.lookup import LookupStats, graft_chain, lookup_match
+from dartree.decode.settings import DecodeSettings, check_settings
 from dartree.decode.rounds import (AutoBudget, DraftFeed, FixedBudget, GreedyMatch, Lockstep, LookupGraft,
                                    RejectionSampling)
 from dartree.decode.trees import Tree
@@ -59,7 +60,7 @@ class DecodeStats:
             model's choice, 0 = a plain AR step).
         round_s: per round, its wall seconds from the draft to the commit (``lockstep`` time excluded), so a
             round that paid a one-time cost shows.
-        trees: only with ``speculative_generate(record_trees=True)``: per round a dict with the verify tree
+        trees: only with ``DecodeSettings(record_trees=True)``: per round a dict with the verify tree
             (``root`` token id, tree ``tokens`` / ``parents`` / ``depth`` / ``score`` as in ``Tree``, ``accepted``
             node indices root (0) first, and the ``bonus`` token id), for drawing and for replaying smaller budgets
             (:mod:`dartree.decode.replay`); empty otherwise.
@@ -232,11 +233,9 @@ def autoregressive_generate(
 
 @torch.inference_mode()
 def speculative_generate(
-    target: Target, drafter: DFlashDrafter, head: CorrectionHead, prompt_ids: Sequence[int], *,
-    builder: str = "pruned", max_new_tokens: int, temperature: float = 0.0, stop_ids: Sequence[int] = (),
-    budget: int | str | None = None, generator: torch.Generator | None = None, builder_params: dict | None = None,
-    record_trees: bool = False, cost_model: CostModel | None = None, acceptance: str = "match", lookup: int = 0,
-    lookup_ngram: int = 3, lockstep: Callable[[int], None] | None = None,
+    target: Target, drafter: DFlashDrafter, head: CorrectionHead, prompt_ids: Sequence[int],
+    settings: DecodeSettings, *, generator: torch.Generator | None = None, cost_model: CostModel | None = None,
+    lockstep: Callable[[int], None] | None = None,
 ) -> GenerateOutput:
     """Speculative decoding with a block drafter, a correction head and a tree builder; lossless.
 
@@ -245,33 +244,21 @@ def speculative_generate(
         drafter, head: the block drafter and its correction head (same dtype/device as the target).
         prompt_ids: prompt token ids (already chat-templated), [T] or [1, T]: a list, an integer tensor (any
             device) or array; Hugging Face ``input_ids`` work as they are. Several prompts are refused.
-        max_new_tokens: exact cap on generated tokens.
-        temperature: T >= 0; the target's token at each node is its argmax (T = 0) or a sample (T > 0).
-        stop_ids: generation ends right after the first of these tokens, even mid-block (a sequence, a set,
-            one int or None).
+        settings: the :class:`~dartree.decode.settings.DecodeSettings` of the decode: builder, budget (an int, None
+            for P, or ``"auto"``: per round the builder drafts up to ``cost_model.max_budget`` nodes and the cost
+            model keeps the number that maximises expected tokens per second, 0 meaning a plain AR step,
+            :mod:`dartree.decode.budget`; its choices follow the round times it measures, so at T > 0 a seed fixes
+            the output only under a fixed budget, the output's distribution is the target's either way), builder
+            parameters, acceptance (``"match"``: every builder; ``"rejection"``: ``chain`` at T > 0, Leviathan et
+            al. 2023, Algorithm 1, :mod:`dartree.decode.sampling`), the prompt-lookup graft (with a fixed budget
+            its new nodes come on top of it, with ``"auto"`` the cost model sizes the union), max_new_tokens (an
+            exact cap), temperature, stop ids (generation ends right after the first, even mid-block) and
+            record_trees.
         generator: seeded torch.Generator for T > 0, on the target's device type.
-        builder: a registered tree-builder name (``chain``, ``pruned``, ...) or an alias of
-            :data:`~dartree.decode.builders.BUILDER_ALIASES` (``dartree-pruned``).
-        budget: tree nodes per round B (default: P, the proposals per block), or ``"auto"``: per round the
-            builder drafts up to ``cost_model.max_budget`` nodes and the cost model keeps the number that
-            maximises expected tokens per second, 0 meaning a plain AR step (:mod:`dartree.decode.budget`).
-            Its choices follow the round times it measures, so at T > 0 a seed fixes the output only under a
-            fixed budget (the output's distribution is the target's either way).
         cost_model: the calibrated :class:`~dartree.decode.budget.CostModel` for ``budget="auto"`` (shared
             across calls, so its acceptance calibration carries over; seed it with :func:`seed_policy` after
             :func:`warm_paths`); None calibrates one on this prompt, warms every path of this setting and seeds the
             policy with a pass over the prompt's first tokens, all before the prefill and outside ``stats``.
-        builder_params: the builders' keyword parameters as the registry declares them (``k``, ``width``,
-            ``beta``, ``children``, ``backend``; :class:`~dartree.decode.builders.BuilderParam`).
-        record_trees: also keep every round's verify tree and accepted path in ``stats.trees`` (for
-            drawing; a few list copies per round).
-        acceptance: ``"match"`` (default): deterministic drafts, exact target-sample matching (every builder);
-            ``"rejection"`` (builder ``chain``, T > 0): sampled drafts and standard speculative sampling
-            (Leviathan et al. 2023, Algorithm 1; :mod:`dartree.decode.sampling`), also lossless.
-        lookup: > 0 grafts a prompt-lookup chain of up to this many tokens onto every round's tree
-            (:mod:`dartree.decode.lookup`; with a fixed budget the chain's new nodes come on top of it, with
-            ``"auto"`` the cost model sizes the union). 0: off.
-        lookup_ngram: longest n-gram the lookup matches (it tries n = lookup_ngram .. 1).
         lockstep: called after every round with the number of tokens generated so far, e.g. ``ar.run_to`` of an
             :class:`ARStepper` on the same prompt, which then decodes in step with this loop (paired timing on a
             machine whose speed drifts); its time is left out of ``stats.decode_s``.
@@ -279,8 +266,8 @@ def speculative_generate(
         Tokens equal to :func:`autoregressive_generate`'s at T = 0 (and distributed as the target's samples
         at T > 0), plus stats.
     Raises (all before the prefill; :mod:`dartree.decode.inputs`):
-        TypeError: an argument of the wrong type (named), e.g. a loaded ``DraftModel`` as the drafter, a
-            non-integer ``lookup``, or an unknown builder parameter.
+        TypeError: an argument of the wrong type (named), e.g. settings that are not a ``DecodeSettings``, a
+            loaded ``DraftModel`` as the drafter, a non-integer ``lookup``, or an unknown builder parameter.
         ValueError: empty or batched prompt ([N > 1, T]: one request at a time), an id outside the vocabulary,
             negative max_new_tokens / budget / lookup, lookup_ngram < 1, negative or non-finite temperature, an
             out-of-range builder parameter, a drafter / head that does not fit the target, or target capture layers
@@ -289,50 +276,52 @@ def speculative_generate(
             target whose rope scaling changes with the sequence length (dynamic NTK, LongRoPE) when the decode can
             reach its switch length, or one with sliding-window cache layers
             (:func:`~dartree.models.target.check_speculative_target`).
-        ValueError: unknown builder (lists the available ones).
+        ValueError: unknown builder (lists the available ones), or builder None (plain AR:
+            :func:`autoregressive_generate`).
     """
-    prompt_ids, stop_ids, builder, rejection, pair = check_speculative(
-        target, drafter, head, prompt_ids, builder=builder, max_new_tokens=max_new_tokens, temperature=temperature,
-        stop_ids=stop_ids, budget=budget, generator=generator, builder_params=builder_params, acceptance=acceptance,
-        lookup=lookup, lookup_ngram=lookup_ngram, lockstep=lockstep)
-    if max_new_tokens == 0:
+    prompt_ids, stop_ids, s, rejection, pair = check_speculative(target, drafter, head, prompt_ids, settings,
+                                                                 generator=generator, lockstep=lockstep)
+    if s.max_new_tokens == 0:
         return GenerateOutput([], DecodeStats())
-    params = dict(builder_params or {})
-    if budget == "auto":
-        cm = cost_model if cost_model is not None else _one_off_policy(
-            target, drafter, head, prompt_ids, dict(builder=builder, builder_params=builder_params, lookup=lookup,
-                                                    lookup_ngram=lookup_ngram), stop_ids, temperature, max_new_tokens)
-        policy = AutoBudget(cm, builder_beta(builder, params), clock=time.perf_counter)
+    if s.budget == "auto":
+        cm = cost_model if cost_model is not None else _one_off_policy(target, drafter, head, prompt_ids, s)
+        policy = AutoBudget(cm, builder_beta(s.builder, s.params), clock=time.perf_counter)
     else:
-        policy = FixedBudget(drafter.cfg.num_proposals if budget is None else int(budget))
-    rule = (RejectionSampling if rejection else GreedyMatch)(get_builder(builder), head, params, temperature, generator)
+        policy = FixedBudget(drafter.cfg.num_proposals if s.budget is None else int(s.budget))
+    rule = (RejectionSampling if rejection else GreedyMatch)(get_builder(s.builder), head, s.params, s.temperature,
+                                                            generator)
     return _decode(target, drafter, prompt_ids, policy=policy, rule=rule,
-                   graft=LookupGraft(prompt_ids, lookup, lookup_ngram), lockstep=pair, max_new_tokens=max_new_tokens,
-                   stops=set(int(s) for s in stop_ids), temperature=temperature, generator=generator,
-                   record_trees=record_trees)
+                   graft=LookupGraft(prompt_ids, s.lookup, s.lookup_ngram), lockstep=pair,
+                   max_new_tokens=s.max_new_tokens, stops=set(int(t) for t in stop_ids), temperature=s.temperature,
+                   generator=generator, record_trees=s.record_trees)
 
 
-def check_speculative(target, drafter, head, prompt_ids, *, builder, max_new_tokens, temperature, stop_ids, budget,
-                      generator, builder_params, acceptance, lookup, lookup_ngram, lockstep):
+def check_speculative(target, drafter, head, prompt_ids, settings: DecodeSettings, *, generator=None,
+                      lockstep=None) -> tuple:
     """Every check of :func:`speculative_generate`, before the prefill (arguments as it takes them), so that a caller
     with work to do first (the API's warm-up) can refuse bad arguments before it. Returns (prompt ids, stop ids,
-    the registered builder name, whether the acceptance rule is rejection sampling, the :class:`Lockstep` or None).
+    the settings with the builder's registered name, whether the acceptance rule is rejection sampling, the
+    :class:`Lockstep` or None).
 
     Raises:
         TypeError / ValueError: as :func:`speculative_generate` (its Raises), one line naming the argument.
     """
-    prompt_ids, stop_ids = _check_args(target, prompt_ids, max_new_tokens, temperature, stop_ids, generator)
-    check_speculative_args(target, drafter, head, builder=builder, budget=budget, builder_params=builder_params)
-    builder = builder_name(builder)
-    rejection = check_acceptance(acceptance, builder, temperature) == "rejection"
+    s = check_settings(settings)
+    if s.builder is None:
+        raise ValueError("settings.builder is None (plain AR); name a tree builder (e.g. 'pruned' or 'chain'), or "
+                         "decode with autoregressive_generate")
+    prompt_ids, stop_ids = _check_args(target, prompt_ids, s.max_new_tokens, s.temperature, s.stop_ids, generator)
+    check_speculative_args(target, drafter, head, builder=s.builder, budget=s.budget, builder_params=s.builder_params)
+    s = s.with_(builder=builder_name(s.builder))
+    rejection = check_acceptance(s.acceptance, s.builder, s.temperature) == "rejection"
     pair = None if lockstep is None else Lockstep(lockstep, clock=time.perf_counter)
-    check_lookup(lookup, lookup_ngram)
-    if lookup and rejection:
+    check_lookup(s.lookup, s.lookup_ngram)
+    if s.lookup and rejection:
         raise ValueError("lookup > 0 needs acceptance='match': rejection sampling verifies a sampled chain, and a "
                          "grafted lookup branch would make it a tree; use lookup=0 with acceptance='rejection'")
     # the deepest tree node is a proposal (depth <= P) or a grafted lookup token (depth <= lookup)
-    check_speculative_target(target, len(prompt_ids) + max_new_tokens + max(drafter.cfg.num_proposals, lookup))
-    return prompt_ids, stop_ids, builder, rejection, pair
+    check_speculative_target(target, len(prompt_ids) + s.max_new_tokens + max(drafter.cfg.num_proposals, s.lookup))
+    return prompt_ids, stop_ids, s, rejection, pair
 
 
 def _decode(target: Target, drafter: DFlashDrafter, prompt_ids: list, *, policy: FixedBudget, rule: GreedyMatch,
@@ -385,16 +374,13 @@ POLICY_PROMPT = "Explain in a short paragraph how a bicycle stays upright while 
 SEED_TOKENS = 64  # tokens the calibration pass decodes (about 30-50 drafted rounds with the packaged drafter)
 
 
-def _one_off_policy(target, drafter, head, prompt_ids, setting: dict, stop_ids, temperature: float,
-                    max_new_tokens: int) -> CostModel:
+def _one_off_policy(target, drafter, head, prompt_ids, settings: DecodeSettings) -> CostModel:
     """The cost model of a ``budget="auto"`` call given none: calibrated on its prompt, every path of its setting
     (builder, builder_params, lookup, lookup_ngram) warmed, seeded by a pass over the prompt's first tokens."""
     cm = calibrate(target, drafter, prompt_ids)
-    warm_paths(target, drafter, head, prompt_ids, [(setting["builder"], "auto", setting["lookup"])],
-               builder_params=setting["builder_params"], lookup_ngram=setting["lookup_ngram"],
-               max_budget=cm.max_budget, stop_ids=stop_ids)
-    seed_policy(cm, target, drafter, head, prompt_ids, **setting, stop_ids=stop_ids, temperature=temperature,
-                new_tokens=min(SEED_TOKENS, max(8, max_new_tokens)), source="this prompt")
+    warm_paths(target, drafter, head, prompt_ids, [settings], max_budget=cm.max_budget)
+    seed_policy(cm, target, drafter, head, prompt_ids, settings,
+                new_tokens=min(SEED_TOKENS, max(8, settings.max_new_tokens)), source="this prompt")
     return cm
 
 
@@ -412,19 +398,17 @@ def max_tree_nodes(builder: str, budget: int, proposals: int, builder_params: di
     return get_builder(builder).max_nodes(budget, proposals, builder_params, head)
 
 
-def _run_nodes(run: tuple, proposals: int, max_budget: int, builder_params: dict | None = None,
+def _run_nodes(run: DecodeSettings, proposals: int, max_budget: int,
                head: CorrectionHead | None = None) -> tuple[int, int]:
-    """(nodes the builder drafts, largest verify size T, root included) of one (builder, budget, lookup) setting:
+    """(nodes the builder drafts, largest verify size T, root included) of one setting:
     T = :func:`max_tree_nodes` + lookup + 1."""
-    builder, budget, lookup = run
-    nodes = max_budget if budget == "auto" else (proposals if budget is None else int(budget))
-    return nodes, max_tree_nodes(builder, nodes, proposals, builder_params, head) + int(lookup) + 1
+    nodes = max_budget if run.budget == "auto" else (proposals if run.budget is None else int(run.budget))
+    return nodes, max_tree_nodes(run.builder, nodes, proposals, run.params, head) + int(run.lookup) + 1
 
 
 @torch.inference_mode()
 def warm_paths(target: Target, drafter: DFlashDrafter, head: CorrectionHead, context_ids: Sequence[int],
-               runs: Sequence[tuple], *, builder_params: dict | None = None, lookup_ngram: int = 3,
-               max_budget: int | None = None, stop_ids: Sequence[int] = ()) -> dict:
+               runs: Sequence[DecodeSettings], *, max_budget: int | None = None) -> dict:
     """Run every code path the decodes of ``runs`` take, at every size they can take, before anything is timed, so
     that no one-time cost falls inside a timed round: the tree kernels' numba loading or compilation, oneDNN's
     primitive for a row count it has not seen, first-call allocations.
@@ -441,12 +425,10 @@ def warm_paths(target: Target, drafter: DFlashDrafter, head: CorrectionHead, con
     Args:
         target, drafter, head: as :func:`speculative_generate`.
         context_ids: [T0] token ids (T0 >= 2), e.g. a chat-templated prompt.
-        runs: (builder, budget, lookup) per decode setting: budget an int, None (P) or ``"auto"``; lookup the
-            grafted prompt-lookup chain's tokens (0: none).
-        builder_params: the builders' parameters (``k``, ``width``, ``beta``, ...), as :func:`speculative_generate`.
-        lookup_ngram: as :func:`speculative_generate`.
+        runs: the :class:`~dartree.decode.settings.DecodeSettings` of each decode setting (its builder, budget,
+            builder parameters, lookup graft and n-gram; its stop ids end the short decodes, which are greedy and
+            16 tokens long whatever its temperature and cap).
         max_budget: B_max of the ``"auto"`` settings (default: P, the drafter's proposals).
-        stop_ids: the target's stop ids, for the short decodes.
     Returns:
         {"seconds": wall time, "verify_sizes": [T, ...] run, "draft_rows": [C, ...] run}.
     Raises:
@@ -459,7 +441,7 @@ def warm_paths(target: Target, drafter: DFlashDrafter, head: CorrectionHead, con
         raise ValueError(f"warm_paths needs at least 2 context tokens, got {len(ids)}")
     p = drafter.cfg.num_proposals
     bmax = p if max_budget is None else int(max_budget)
-    params = dict(builder_params or {})
+    runs = [check_settings(r, "runs[i]") for r in runs]
     cache, start, anchor = target.new_cache(), len(ids) - 1, ids[-1]
     feats = target.forward(torch.tensor([ids[:-1]], device=target.device), cache=cache,
                            logits_slice=slice(-1, None)).features[0]
@@ -470,15 +452,14 @@ def warm_paths(target: Target, drafter: DFlashDrafter, head: CorrectionHead, con
         block = draft_block(target, drafter, anchor, dcache.length + c, feats[-1:].expand(c, -1), dcache)
     sizes: set[int] = {1}
     for run in runs:
-        builder, _, lookup = run
-        nodes, top = _run_nodes(run, p, bmax, params, head)
+        nodes, top = _run_nodes(run, p, bmax, head)
         sizes.update(range(1, top + 1))
-        name = builder_name(builder)
-        beta = builder_beta(name, params)
-        tree = get_builder(name)(block, head, anchor, nodes, **params)
+        name = builder_name(run.builder)
+        beta = builder_beta(name, run.params)
+        tree = get_builder(name)(block, head, anchor, nodes, **run.params)
         chain_pos = None
-        if lookup:
-            chain, n = lookup_match(torch.tensor(ids + ids), int(lookup), lookup_ngram)  # a repeat: a match
+        if run.lookup:
+            chain, n = lookup_match(torch.tensor(ids + ids), int(run.lookup), run.lookup_ngram)  # a repeat: a match
             tree, chain_pos, _ = (*graft_chain(tree, chain, LookupStats().path_probs(chain.numel(), n)), n)
         for b in range(tree.size + 1):
             prune_to(tree, b, beta, chain_pos)
@@ -488,27 +469,26 @@ def warm_paths(target: Target, drafter: DFlashDrafter, head: CorrectionHead, con
         inputs = compile_tree(tree, anchor, start, dtype=target.dtype, device=target.device) if t > 1 else None
         verify(target, tree, anchor, start, cache, inputs=inputs)
         compact_cache(cache, start, torch.zeros(0, dtype=torch.long))
-    _warm_decodes(target, drafter, head, ids, runs, params, lookup_ngram, bmax, stop_ids)
+    _warm_decodes(target, drafter, head, ids, runs, bmax)
     return {"seconds": time.perf_counter() - t0, "verify_sizes": sorted(sizes), "draft_rows": rows}
 
 
-def _warm_decodes(target, drafter, head, ids, runs, params, lookup_ngram, bmax, stop_ids) -> None:
-    """One short decode per (builder, budget, lookup) setting; an ``"auto"`` one on a scratch cost model that drafts
-    every round but every third, a plain AR step (its decisions do not matter here, only that the loop's code runs)."""
-    for builder, budget, lookup in runs:
+def _warm_decodes(target, drafter, head, ids, runs: Sequence[DecodeSettings], bmax: int) -> None:
+    """One short decode per setting; an ``"auto"`` one on a scratch cost model that drafts every round but every
+    third, a plain AR step (its decisions do not matter here, only that the loop's code runs)."""
+    for run in runs:
         cm = None
-        if budget == "auto":
+        if run.budget == "auto":
             cm = CostModel(t_ar=1.0, t_draft=0.1, verify_s={1: 1.0, 2: 1.0, bmax + 1: 1.0}, max_budget=bmax)
             cm.start_seeding(1 << 30)
-        speculative_generate(target, drafter, head, ids, builder=builder, budget=budget, max_new_tokens=16,
-                             stop_ids=stop_ids, builder_params=params or None, cost_model=cm, lookup=int(lookup),
-                             lookup_ngram=lookup_ngram)
+        speculative_generate(target, drafter, head, ids, run.with_(max_new_tokens=16, temperature=0.0,
+                                                                   acceptance="match", record_trees=False),
+                             cost_model=cm)
 
 
 def seed_policy(cost_model: CostModel, target: Target, drafter: DFlashDrafter, head: CorrectionHead,
-                context_ids: Sequence[int], *, builder: str = "pruned", builder_params: dict | None = None,
-                lookup: int = 0, lookup_ngram: int = 3, new_tokens: int = SEED_TOKENS, stop_ids: Sequence[int] = (),
-                temperature: float = 0.0, source: str = "calibration prompt") -> dict:
+                context_ids: Sequence[int], settings: DecodeSettings, *, new_tokens: int = SEED_TOKENS,
+                source: str = "calibration prompt") -> dict:
     """Seed a ``budget="auto"`` cost model with a calibration pass, so that the policy starts from what drafting gives
     with this builder rather than from the first timed rounds: :func:`speculative_generate` decodes up to
     ``new_tokens`` tokens of ``context_ids`` with ``budget="auto"``, every round drafting but every
@@ -522,8 +502,10 @@ def seed_policy(cost_model: CostModel, target: Target, drafter: DFlashDrafter, h
 
     Args:
         cost_model: the calibrated model (:func:`~dartree.decode.budget.calibrate`), updated in place.
-        target, drafter, head, builder, builder_params, lookup, lookup_ngram, stop_ids, temperature: as the run's
-            own decodes (:func:`speculative_generate`).
+        target, drafter, head: as the run's own decodes (:func:`speculative_generate`).
+        settings: the run's :class:`~dartree.decode.settings.DecodeSettings` (builder, builder parameters, lookup,
+            n-gram, stop ids, temperature); the pass decodes with ``budget="auto"``, exact matching and its own
+            length whatever they say.
         context_ids: [T0] prompt ids of the pass (e.g. :data:`POLICY_PROMPT` through the chat template).
         new_tokens: tokens the pass decodes (it stops earlier at a stop id).
         source: what the pass ran on, for reports.
@@ -532,10 +514,9 @@ def seed_policy(cost_model: CostModel, target: Target, drafter: DFlashDrafter, h
     Raises:
         ValueError / TypeError: as :func:`speculative_generate`.
     """
+    s = check_settings(settings).with_(budget="auto", max_new_tokens=new_tokens, acceptance="match",
+                                       record_trees=False)
     cost_model.start_seeding(new_tokens)
-    gen = torch.Generator(device=target.device.type).manual_seed(0) if temperature > 0 else None
-    out = speculative_generate(target, drafter, head, context_ids, builder=builder, max_new_tokens=new_tokens,
-                               temperature=temperature, stop_ids=stop_ids, budget="auto", generator=gen,
-                               builder_params=builder_params, cost_model=cost_model, lookup=lookup,
-                               lookup_ngram=lookup_ngram)
+    gen = torch.Generator(device=target.device.type).manual_seed(0) if s.temperature > 0 else None
+    out = speculative_generate(target, drafter, head, context_ids, s, generator=gen, cost_model=cost_model)
     return cost_model.finish_seeding(f"{source} ({len(out.tokens)} tokens)")

@@ -28,7 +28,7 @@ from dartree.decode.trees import Tree, select_top_b_keep
 
 
 def recorded_round(rec: dict) -> tuple[Tree, list[int]]:
-    """A round recorded by ``speculative_generate(record_trees=True)`` as (tree, accepted path).
+    """A round recorded by ``speculative_generate`` with ``DecodeSettings(record_trees=True)`` as (tree, accepted path).
 
     Args:
         rec: dict with ``tokens``, ``parents``, ``depth``, ``score`` (lists, M entries) and ``accepted`` (node
@@ -39,8 +39,8 @@ def recorded_round(rec: dict) -> tuple[Tree, list[int]]:
         KeyError: the record has no ``score`` (recorded before scores were kept); record it again.
     """
     if "score" not in rec:
-        raise KeyError("recorded round has no 'score': record it with this version's speculative_generate("
-                       "record_trees=True)")
+        raise KeyError("recorded round has no 'score': record it with this version's speculative_generate and "
+                       "DecodeSettings(record_trees=True)")
     tree = Tree(torch.tensor(rec["tokens"], dtype=torch.long), torch.tensor(rec["parents"], dtype=torch.long),
                 torch.tensor(rec["depth"], dtype=torch.long), torch.tensor(rec["score"], dtype=torch.float32))
     return tree, [int(a) - 1 for a in rec["accepted"][1:]]

@@ -14,6 +14,7 @@ from dartree.decode.batched import batched_generate
 from dartree.decode.budget import CostModel, prune_to
 from dartree.decode.generate import autoregressive_generate
 from dartree.decode.row_costs import RowCosts, batch_rows, paired_ratio
+from dartree.decode.settings import DecodeSettings
 from dartree.decode.trees import Tree
 from dartree.models.target import tiny_target
 
@@ -303,8 +304,9 @@ def test_every_builder_is_lossless_at_auto_at_batch_1_2_4_8(target, builder):
     for cheap in (True, False):
         cm = _seeded(_table(0.0 if cheap else 0.05))
         for b in (1, 2, 4, 8):
-            out = batched_generate(target, drafter, head, prompts, builder=builder, budget="auto",
-                                   builder_params=BUILDERS[builder], max_new_tokens=caps, stop_ids=[STOP],
+            out = batched_generate(target, drafter, head, prompts, DecodeSettings(builder=builder, budget="auto",
+                                                                                  builder_params=BUILDERS[builder],
+                                                                                  max_new_tokens=caps, stop_ids=[STOP]),
                                    batch_size=b, cost_model=cm)
             assert [o.tokens for o in out] == want, (cheap, b)
             assert max(out.rows) == min(b, 7)  # the prompt with cap 1 is done at its prefill
@@ -321,9 +323,10 @@ def test_auto_shares_one_width_per_round_and_shrinks_it_with_the_rows(target):
     widths = {}
     for c in (0.0, 0.05):
         cm = _model(_table(c))
-        out = batched_generate(target, drafter, head, prompts, builder="pruned", budget="auto",
-                               builder_params=BUILDERS["pruned"], max_new_tokens=20, stop_ids=[STOP], batch_size=8,
-                               cost_model=cm)
+        out = batched_generate(target, drafter, head, prompts, DecodeSettings(builder="pruned", budget="auto",
+                                                                              builder_params=BUILDERS["pruned"],
+                                                                              max_new_tokens=20, stop_ids=[STOP]),
+                               batch_size=8, cost_model=cm)
         assert [o.tokens for o in out] == [_ar(target, p, 20) for p in prompts]
         for k, w in enumerate(out.widths):  # each round's forward is the widest kept tree + 1
             sizes = [o.stats.tree_nodes[k] for o in out if k < len(o.stats.tree_nodes)]
@@ -337,8 +340,9 @@ def test_auto_with_lookup_chains_and_rounds_without_the_drafter_is_lossless(targ
     base = _prompts((12, 30, 7, 19), seed=5)
     prompts = [p + p[: len(p) // 2] for p in base]  # repeats: the lookup finds chains
     cm = _seeded(_table(0.002))
-    out = batched_generate(target, drafter, head, prompts, builder="ddtree", budget="auto", max_new_tokens=30,
-                           stop_ids=[STOP], batch_size=3, lookup=6, cost_model=cm)
+    out = batched_generate(target, drafter, head, prompts, DecodeSettings(builder="ddtree", budget="auto",
+                                                                          max_new_tokens=30, stop_ids=[STOP], lookup=6),
+                           batch_size=3, cost_model=cm)
     assert [o.tokens for o in out] == [_ar(target, p, 30) for p in prompts]
     verified = sum(v for v in cm.lookup.verified.values())
     assert verified > 0 and sum(cm.lookup.accepted.values()) > 0  # chains were grafted, verified and learnt from
@@ -363,8 +367,9 @@ def test_bf16_rows_at_auto_equal_their_ar_output_in_the_row_invariant_mode(build
         want = [_ar(tg, p, 16) for p in prompts]
         cm = _seeded(_table(0.001))
         for b in (1, 2, 4, 8):
-            out = batched_generate(tg, drafter, head, prompts, builder=builder, budget="auto",
-                                   builder_params=BUILDERS[builder], max_new_tokens=16, stop_ids=[STOP],
+            out = batched_generate(tg, drafter, head, prompts, DecodeSettings(builder=builder, budget="auto",
+                                                                              builder_params=BUILDERS[builder],
+                                                                              max_new_tokens=16, stop_ids=[STOP]),
                                    batch_size=b, cost_model=cm)
             assert [o.tokens for o in out] == want, b
 
@@ -393,7 +398,8 @@ def test_a_batch_needs_a_batch_cost_model(target):
     with pytest.raises(TypeError, match=r"^cost_model is a CostModel; a batch needs a BatchCostModel"):
         AutoRowBudgets(CostModel(t_ar=0.04, t_draft=0.005, verify_s=dict(CURVE)), 0.0, lambda: 0.0)
     with pytest.raises(TypeError, match=r"^cost_model is a CostModel"):
-        batched_generate(target, make_drafter(), make_markov(), _prompts()[:2], budget="auto", max_new_tokens=4,
+        batched_generate(target, make_drafter(), make_markov(), _prompts()[:2], DecodeSettings(budget="auto",
+                                                                                               max_new_tokens=4),
                          cost_model=CostModel(t_ar=0.04, t_draft=0.005, verify_s=dict(CURVE)))
 
 

@@ -15,6 +15,7 @@ from dartree.decode.batch_rounds import compile_batch, draft_blocks, verify_batc
 from dartree.decode.batched import batched_generate
 from dartree.decode.draft import draft_block
 from dartree.decode.generate import autoregressive_generate, speculative_generate
+from dartree.decode.settings import DecodeSettings
 from dartree.decode.trees import Tree
 from dartree.decode.verify import verify
 from dartree.models.batch_cache import BatchKV, RowDraftCache, compact_rows
@@ -49,8 +50,9 @@ def test_every_builder_and_head_is_lossless_at_batch_1_2_4_8(target, drafter, he
     want = [ar(target, p) for p in prompts]
     budget, params = BUILDERS[builder]
     for b in (1, 2, 4, 8):
-        out = batched_generate(target, drafter, head, prompts, builder=builder, budget=budget, builder_params=params,
-                               max_new_tokens=24, stop_ids=[STOP], batch_size=b)
+        out = batched_generate(target, drafter, head, prompts, DecodeSettings(builder=builder, budget=budget,
+                                                                              builder_params=params, max_new_tokens=24,
+                                                                              stop_ids=[STOP]), batch_size=b)
         assert [o.tokens for o in out] == want, b
         assert max(out.rows) == b and len(out.widths) == out.forwards
         for o, w in zip(out, want):
@@ -85,13 +87,16 @@ def test_every_builder_over_a_head_between_the_layers_is_lossless_at_batch_1_2_4
     want = [ar(target, p) for p in prompts]
     budget, params = BUILDERS[builder]
     for b in (1, 2, 4, 8):
-        out = batched_generate(target, drafter, head, prompts, builder=builder, budget=budget, builder_params=params,
-                               max_new_tokens=24, stop_ids=[STOP], batch_size=b)
+        out = batched_generate(target, drafter, head, prompts, DecodeSettings(builder=builder, budget=budget,
+                                                                              builder_params=params, max_new_tokens=24,
+                                                                              stop_ids=[STOP]), batch_size=b)
         assert [o.tokens for o in out] == want, b
-    one = speculative_generate(target, drafter, head, prompts[1], builder=builder, budget=budget,
-                               builder_params=params, max_new_tokens=24, stop_ids=[STOP])
-    alone = batched_generate(target, drafter, head, prompts[1:2], builder=builder, budget=budget,
-                             builder_params=params, max_new_tokens=24, stop_ids=[STOP])
+    one = speculative_generate(target, drafter, head, prompts[1], DecodeSettings(builder=builder, budget=budget,
+                                                                                 builder_params=params,
+                                                                                 max_new_tokens=24, stop_ids=[STOP]))
+    alone = batched_generate(target, drafter, head, prompts[1:2], DecodeSettings(builder=builder, budget=budget,
+                                                                                 builder_params=params,
+                                                                                 max_new_tokens=24, stop_ids=[STOP]))
     assert alone[0].stats.accept_lengths == one.stats.accept_lengths  # a batch of one is batch 1's decode
 
 
@@ -109,8 +114,10 @@ def test_dflash2_convolutions_and_a_reduced_draft_vocabulary_are_lossless_in_a_b
                 m.kernel_projection.weight.normal_(std=0.3)
         drafter.draft_vocab.copy_(torch.randperm(VOCAB)[:40])
     prompts = _prompts()
-    out = batched_generate(target, drafter, make_markov(), prompts, builder="pruned", budget=12,
-                           builder_params={"k": 8}, max_new_tokens=24, stop_ids=[STOP], batch_size=4)
+    out = batched_generate(target, drafter, make_markov(), prompts, DecodeSettings(builder="pruned", budget=12,
+                                                                                   builder_params={"k": 8},
+                                                                                   max_new_tokens=24, stop_ids=[STOP]),
+                           batch_size=4)
     assert [o.tokens for o in out] == [ar(target, p) for p in prompts]
 
 
@@ -122,16 +129,22 @@ def test_batch_1_runs_the_rounds_of_speculative_generate(target, drafter):
     for p in _prompts()[:3]:
         for builder in ("pruned", "ddtree"):
             budget, params = BUILDERS[builder]
-            one = speculative_generate(target, drafter, head, p, builder=builder, budget=budget,
-                                       builder_params=params, max_new_tokens=24, stop_ids=[STOP], record_trees=True)
-            alone = batched_generate(target, drafter, head, [p, p], builder=builder, budget=budget,
-                                     builder_params=params, max_new_tokens=24, stop_ids=[STOP], record_trees=True,
-                                     batch_size=1)
+            one = speculative_generate(target, drafter, head, p, DecodeSettings(builder=builder, budget=budget,
+                                                                                builder_params=params,
+                                                                                max_new_tokens=24, stop_ids=[STOP],
+                                                                                record_trees=True))
+            alone = batched_generate(target, drafter, head, [p, p], DecodeSettings(builder=builder, budget=budget,
+                                                                                   builder_params=params,
+                                                                                   max_new_tokens=24, stop_ids=[STOP],
+                                                                                   record_trees=True), batch_size=1)
             assert [o.tokens for o in alone] == [one.tokens, one.tokens]
             assert alone.widths == [n + 1 for n in one.stats.tree_nodes] * 2 and set(alone.rows) == {1}
-            looped = batched_generate(target, drafter, head, [p, _prompts()[4]], builder=builder, budget=budget,
-                                      builder_params=params, max_new_tokens=[24, 1], stop_ids=[STOP],
-                                      record_trees=True)
+            looped = batched_generate(target, drafter, head, [p, _prompts()[4]], DecodeSettings(builder=builder,
+                                                                                                budget=budget,
+                                                                                                builder_params=params,
+                                                                                                max_new_tokens=[24, 1],
+                                                                                                stop_ids=[STOP],
+                                                                                                record_trees=True))
             got = looped[0]
             assert len(looped[1].tokens) == 1 and set(looped.rows) == {1}
             assert got.tokens == one.tokens
@@ -142,8 +155,10 @@ def test_batch_1_runs_the_rounds_of_speculative_generate(target, drafter):
 def test_per_row_caps_finished_rows_and_refills_from_a_longer_queue(target, drafter):
     prompts, caps = _prompts(), [0, 1, 5, 40, 13, 2, 30, 8]
     head = make_head("gated_markov")
-    out = batched_generate(target, drafter, head, prompts, builder="pruned", budget=12, max_new_tokens=caps,
-                           stop_ids=[STOP], batch_size=3, lookup=4, builder_params={"k": 8})
+    out = batched_generate(target, drafter, head, prompts, DecodeSettings(builder="pruned", budget=12,
+                                                                          max_new_tokens=caps, stop_ids=[STOP],
+                                                                          lookup=4, builder_params={"k": 8}),
+                           batch_size=3)
     assert [o.tokens for o in out] == [ar(target, p, n=c) for p, c in zip(prompts, caps)]
     assert out[0].tokens == [] and len(out[1].tokens) == 1 and out[1].stats.rounds == 0  # done at the prefill
     assert max(out.rows) == 3 and out.rows[-1] < 3  # refilled while the queue lasted, then rows left
@@ -152,8 +167,8 @@ def test_per_row_caps_finished_rows_and_refills_from_a_longer_queue(target, draf
 def test_a_stop_id_inside_an_accepted_path_ends_its_row_while_the_others_go_on(target, drafter):
     prompts = _prompts(seed=3)
     head = make_markov()
-    kw = dict(builder="pruned", budget=12, builder_params={"k": 8}, lookup=8, batch_size=4, max_new_tokens=40)
-    free = batched_generate(target, drafter, head, prompts, stop_ids=[], **kw)
+    settings = DecodeSettings(builder="pruned", budget=12, builder_params={"k": 8}, lookup=8, max_new_tokens=40)
+    free = batched_generate(target, drafter, head, prompts, settings.with_(stop_ids=[]), batch_size=4)
     picks = []  # (row, round, index of the stop in the row's tokens, tokens of the round up to it)
     for r, o in enumerate(free):
         s = 1
@@ -164,7 +179,7 @@ def test_a_stop_id_inside_an_accepted_path_ends_its_row_while_the_others_go_on(t
     assert picks, "no round accepted a fresh draft token: the test needs one"
     r, k, s, cut = picks[0]
     stop = free[r].tokens[s]
-    out = batched_generate(target, drafter, head, prompts, stop_ids=[stop], **kw)
+    out = batched_generate(target, drafter, head, prompts, settings.with_(stop_ids=[stop]), batch_size=4)
     assert [o.tokens for o in out] == [ar(target, p, n=40, stops=(stop,)) for p in prompts]
     assert out[r].tokens == free[r].tokens[: s + 1] and out[r].stats.rounds == k + 1
     assert out[r].stats.accept_lengths[-1] == cut < free[r].stats.accept_lengths[k]  # cut inside the path
@@ -175,9 +190,12 @@ def test_a_rows_output_is_the_same_whatever_its_neighbours(target, drafter):
     head = make_head("rnn")
     p = _prompts()[2]
     want = ar(target, p, n=30)
-    short = batched_generate(target, drafter, head, [[4, 5], p, [6]], budget=6, max_new_tokens=30, stop_ids=[STOP])
-    long = batched_generate(target, drafter, head, _prompts((60, 71), seed=2) + [p], budget=20, max_new_tokens=30,
-                            stop_ids=[STOP], builder_params={"width": 8})
+    short = batched_generate(target, drafter, head, [[4, 5], p, [6]], DecodeSettings(budget=6, max_new_tokens=30,
+                                                                                     stop_ids=[STOP]))
+    long = batched_generate(target, drafter, head, _prompts((60, 71), seed=2) + [p], DecodeSettings(budget=20,
+                                                                                                    max_new_tokens=30,
+                                                                                                    stop_ids=[STOP],
+                                                                                                    builder_params={"width": 8}))
     assert short[1].tokens == long[2].tokens == want
 
 
@@ -321,7 +339,8 @@ def test_t_above_0_each_rows_first_token_is_distributed_as_the_targets_sample():
 
 def test_t_above_0_a_seed_fixes_the_batch(target, drafter):
     head = make_markov()
-    runs = [batched_generate(target, drafter, head, _prompts()[:4], budget=8, max_new_tokens=20, temperature=1.0,
+    runs = [batched_generate(target, drafter, head, _prompts()[:4], DecodeSettings(budget=8, max_new_tokens=20,
+                                                                                   temperature=1.0),
                              generator=torch.Generator().manual_seed(5), batch_size=2) for _ in range(2)]
     assert [o.tokens for o in runs[0]] == [o.tokens for o in runs[1]]
     assert all(len(o.tokens) > 0 for o in runs[0])
@@ -342,8 +361,10 @@ def test_bf16_in_the_row_invariant_mode_every_row_equals_its_ar_output():
         for builder in ("chain", "pruned", "ddtree"):
             budget, params = BUILDERS[builder]
             for b in (1, 2, 4, 8):
-                out = batched_generate(tg, drafter, head, prompts, builder=builder, budget=budget,
-                                       builder_params=params, max_new_tokens=24, stop_ids=[STOP], batch_size=b)
+                out = batched_generate(tg, drafter, head, prompts, DecodeSettings(builder=builder, budget=budget,
+                                                                                  builder_params=params,
+                                                                                  max_new_tokens=24, stop_ids=[STOP]),
+                                       batch_size=b)
                 assert [o.tokens for o in out] == want, (builder, b)
 
 
@@ -358,18 +379,19 @@ def test_bad_batched_arguments_are_named_before_any_forward(target, drafter):
     ]
     for kw, exc, msg in cases:
         args = {"max_new_tokens": 4, **kw}
+        call = {k: args.pop(k) for k in ("batch_size",) if k in args}
         with pytest.raises(exc, match=msg):
-            batched_generate(target, drafter, head, prompts, **args)
+            batched_generate(target, drafter, head, prompts, DecodeSettings(**args), **call)
     with pytest.raises(ValueError, match=r"^prompts\[1\] is empty; give at least one token id$"):
-        batched_generate(target, drafter, head, [[3, 4], [], [5]], max_new_tokens=4)
+        batched_generate(target, drafter, head, [[3, 4], [], [5]], DecodeSettings(max_new_tokens=4))
     with pytest.raises(ValueError, match=r"^prompts\[2\] holds id 96 outside the target's vocabulary"):
-        batched_generate(target, drafter, head, [[3, 4], [5], [6, 96]], max_new_tokens=4)
+        batched_generate(target, drafter, head, [[3, 4], [5], [6, 96]], DecodeSettings(max_new_tokens=4))
     with pytest.raises(ValueError, match=r"^unknown tree builder 'nope'"):  # not a prompt's problem: no index
-        batched_generate(target, drafter, head, prompts, builder="nope", max_new_tokens=4)
+        batched_generate(target, drafter, head, prompts, DecodeSettings(builder="nope", max_new_tokens=4))
     with pytest.raises(ValueError, match=r"^prompts is empty"):
-        batched_generate(target, drafter, head, [], max_new_tokens=4)
+        batched_generate(target, drafter, head, [], DecodeSettings(max_new_tokens=4))
     with pytest.raises(TypeError, match="give a list of prompts"):
-        batched_generate(target, drafter, head, torch.tensor([[3, 4], [5, 6]]), max_new_tokens=4)
+        batched_generate(target, drafter, head, torch.tensor([[3, 4], [5, 6]]), DecodeSettings(max_new_tokens=4))
 
 
 def test_the_api_generates_a_list_for_a_list_of_prompts(target, drafter):

@@ -22,6 +22,7 @@ from dartree.convert.exporter import export
 from dartree.convert.importer import convert, detect_format_why
 from dartree.decode.builders import get_builder
 from dartree.decode.generate import autoregressive_generate, draft_block, speculative_generate
+from dartree.decode.settings import DecodeSettings
 from dartree.models.checkpoint import CheckpointError, load_dartree
 from dartree.models.drafter import DraftCache
 from dartree.models.families.domino import GRUHead
@@ -487,7 +488,8 @@ def test_decoding_with_converted_checkpoint_is_lossless_and_drafts_like_weights_
         assert torch.equal(trees[0], trees[1])
         ar = autoregressive_generate(target, prompt, max_new_tokens=14).tokens
         for dr, hd in ((dm.drafter, dm.head), (drafter, head)):
-            out = speculative_generate(target, dr, hd, prompt, builder="pruned", max_new_tokens=14, budget=6)
+            out = speculative_generate(target, dr, hd, prompt, DecodeSettings(builder="pruned", max_new_tokens=14,
+                                                                              budget=6))
             assert out.tokens == ar
 
 

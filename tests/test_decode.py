@@ -10,6 +10,7 @@ import torch
 from conftest import VOCAB, make_drafter, make_markov
 from dartree.decode.builders import BUILDERS
 from dartree.decode.generate import autoregressive_generate, draft_block, speculative_generate
+from dartree.decode.settings import DecodeSettings
 from dartree.decode.trees import Tree
 from dartree.decode.verify import ancestor_matrix, compile_tree, verify
 from dartree.models.drafter import DraftCache
@@ -36,8 +37,9 @@ def ar(target, prompt, n=40, stops=(STOP,)):
 def test_greedy_speculative_equals_target_greedy(target, drafter, head, prompts, builder, budget, params):
     for p in prompts:
         want = ar(target, p)
-        got = speculative_generate(target, drafter, head, p, builder=builder, max_new_tokens=40,
-                                   stop_ids=[STOP], budget=budget, builder_params=params)
+        got = speculative_generate(target, drafter, head, p, DecodeSettings(builder=builder, max_new_tokens=40,
+                                                                            stop_ids=[STOP], budget=budget,
+                                                                            builder_params=params))
         assert got.tokens == want
         st = got.stats
         assert st.new_tokens == len(want) and sum(st.accept_lengths) + 1 == len(want)
@@ -47,8 +49,10 @@ def test_greedy_speculative_equals_target_greedy(target, drafter, head, prompts,
 def test_budget_1_and_32_give_identical_output(target, drafter, prompts):
     head = make_markov()
     for p in prompts[:5]:
-        a = speculative_generate(target, drafter, head, p, builder="pruned", budget=1, max_new_tokens=30)
-        b = speculative_generate(target, drafter, head, p, builder="pruned", budget=32, max_new_tokens=30)
+        a = speculative_generate(target, drafter, head, p,
+                                 DecodeSettings(builder="pruned", budget=1, max_new_tokens=30))
+        b = speculative_generate(target, drafter, head, p, DecodeSettings(builder="pruned", budget=32,
+                                                                          max_new_tokens=30))
         assert a.tokens == b.tokens
 
 
@@ -166,8 +170,9 @@ def test_stop_token_accepted_mid_block(target, drafter, oracle_builder, where):
     want = ar(target, prompt, n=60, stops=(stop, 95))
     assert want == ref[: idx + 1]
     oracle_builder["oracle"] = Oracle(ref)
-    got = speculative_generate(target, drafter, IdentityHead(), prompt, builder="test-oracle", budget=budget,
-                               max_new_tokens=60, stop_ids=[stop, 95])
+    got = speculative_generate(target, drafter, IdentityHead(), prompt, DecodeSettings(builder="test-oracle",
+                                                                                       budget=budget, max_new_tokens=60,
+                                                                                       stop_ids=[stop, 95]))
     assert got.tokens == want
     assert sum(got.stats.accept_lengths) + 1 == len(want)
 
@@ -177,12 +182,12 @@ def test_max_new_tokens_exact_around_block_size(target, drafter, oracle_builder,
     prompt = [21, 22, 23]
     ref = ar(target, prompt, n=40, stops=())
     oracle_builder["oracle"] = Oracle(ref)
-    got = speculative_generate(target, drafter, IdentityHead(), prompt, builder="test-oracle", budget=7,
-                               max_new_tokens=max_new)
+    got = speculative_generate(target, drafter, IdentityHead(), prompt, DecodeSettings(builder="test-oracle", budget=7,
+                                                                                       max_new_tokens=max_new))
     assert got.tokens == ref[:max_new]
     assert got.stats.new_tokens == max_new
-    rnd = speculative_generate(target, drafter, make_markov(), prompt, builder="pruned", budget=12,
-                               max_new_tokens=max_new)
+    rnd = speculative_generate(target, drafter, make_markov(), prompt, DecodeSettings(builder="pruned", budget=12,
+                                                                                      max_new_tokens=max_new))
     assert rnd.tokens == ref[:max_new]
 
 
@@ -190,21 +195,21 @@ def test_tau_is_one_when_always_wrong_and_max_when_always_right(target, drafter,
     prompt = [30, 31, 32]
     ref = ar(target, prompt, n=80, stops=())
     oracle_builder["oracle"] = Oracle(ref, wrong=True)
-    bad = speculative_generate(target, drafter, IdentityHead(), prompt, builder="test-oracle", budget=7,
-                               max_new_tokens=33)
+    bad = speculative_generate(target, drafter, IdentityHead(), prompt, DecodeSettings(builder="test-oracle", budget=7,
+                                                                                       max_new_tokens=33))
     assert bad.tokens == ref[:33] and bad.stats.tau == 1.0
     oracle_builder["oracle"] = Oracle(ref)
-    good = speculative_generate(target, drafter, IdentityHead(), prompt, builder="test-oracle", budget=7,
-                                max_new_tokens=33)
+    good = speculative_generate(target, drafter, IdentityHead(), prompt, DecodeSettings(builder="test-oracle", budget=7,
+                                                                                        max_new_tokens=33))
     assert good.tokens == ref[:33] and good.stats.tau == 8.0  # 7 drafts + bonus every round, 4 rounds
 
 
 def test_layer_mismatch_and_unknown_builder_are_clear(target, drafter):
     with pytest.raises(ValueError, match=r"^unknown tree builder 'nope'; available: \['chain', "):
-        speculative_generate(target, drafter, IdentityHead(), [3, 4], builder="nope", max_new_tokens=4)
+        speculative_generate(target, drafter, IdentityHead(), [3, 4], DecodeSettings(builder="nope", max_new_tokens=4))
     other = tiny_target(layer_ids=[0])
     with pytest.raises(ValueError, match="set_layer_ids"):
-        speculative_generate(other, drafter, IdentityHead(), [3, 4], builder="chain", max_new_tokens=4)
+        speculative_generate(other, drafter, IdentityHead(), [3, 4], DecodeSettings(builder="chain", max_new_tokens=4))
 
 
 @pytest.mark.parametrize("block_size", [8, 5])
@@ -214,8 +219,9 @@ def test_zlab_proposal_offset_and_other_block_sizes_are_lossless(target, prompts
     assert drafter.cfg.num_proposals == block_size - 1
     for p in prompts[:3]:
         for builder in ("chain", "pruned", "fixed", "ddtree", "pctree", "heap-sequential"):
-            got = speculative_generate(target, drafter, make_markov(), p, builder=builder, budget=10,
-                                       max_new_tokens=30, stop_ids=[STOP])
+            got = speculative_generate(target, drafter, make_markov(), p, DecodeSettings(builder=builder, budget=10,
+                                                                                         max_new_tokens=30,
+                                                                                         stop_ids=[STOP]))
             assert got.tokens == ar(target, p, n=30)
             assert all(n <= 10 for n in got.stats.tree_nodes)
 
@@ -240,8 +246,8 @@ def test_non_contiguous_accepted_path_is_lossless(target, drafter, oracle_builde
     prompt = [40, 41, 42, 43]
     ref = ar(target, prompt, n=60, stops=())
     oracle_builder["oracle"] = SiblingOracle(ref)
-    got = speculative_generate(target, drafter, IdentityHead(), prompt, builder="test-oracle", budget=6,
-                               max_new_tokens=43)
+    got = speculative_generate(target, drafter, IdentityHead(), prompt, DecodeSettings(builder="test-oracle", budget=6,
+                                                                                       max_new_tokens=43))
     assert got.tokens == ref[:43]
     assert got.stats.accept_lengths[:3] == [6, 6, 6]  # 5 accepted drafts + bonus, every round
 
@@ -273,8 +279,8 @@ def test_ar_stepper_and_lockstep_pairing(target, drafter, prompts):
         _time.sleep(pause)
 
     t0 = _time.perf_counter()
-    got = speculative_generate(target, drafter, head, p, builder="pruned", budget=6, max_new_tokens=30,
-                               stop_ids=[STOP], lockstep=hook)
+    got = speculative_generate(target, drafter, head, p, DecodeSettings(builder="pruned", budget=6, max_new_tokens=30,
+                                                                        stop_ids=[STOP]), lockstep=hook)
     wall = _time.perf_counter() - t0
     assert got.tokens == want and pair.tokens == want[:len(pair.tokens)]
     counts = [n for n, _ in calls]
@@ -283,4 +289,4 @@ def test_ar_stepper_and_lockstep_pairing(target, drafter, prompts):
     assert all(before <= n for n, before in calls) and len(pair.tokens) == len(want)
     assert got.stats.decode_s < wall - pause * len(calls)  # the hook's sleeps are not the loop's time
     with pytest.raises(TypeError, match="lockstep"):
-        speculative_generate(target, drafter, head, p, builder="chain", max_new_tokens=4, lockstep=3)
+        speculative_generate(target, drafter, head, p, DecodeSettings(builder="chain", max_new_tokens=4), lockstep=3)

@@ -18,6 +18,7 @@ from dartree.decode.builders import BUILDERS, get_builder
 from dartree.decode.builders.supertree import build_supertree
 from dartree.decode.cost_decision import ANCHOR_EVERY, ANCHOR_EVERY_CLEAR
 from dartree.decode.generate import autoregressive_generate, speculative_generate
+from dartree.decode.settings import DecodeSettings
 from dartree.decode.trees import DraftBlock, Tree, select_top_b
 
 STOP = 1
@@ -37,8 +38,9 @@ def test_auto_budget_is_lossless(target, prompts, builder, head_name):
     nodes = accepted = 0
     for p in prompts[:4]:
         want = autoregressive_generate(target, p, max_new_tokens=30, stop_ids=[STOP]).tokens
-        got = speculative_generate(target, drafter, head, p, builder=builder, budget="auto", cost_model=cm,
-                                   max_new_tokens=30, stop_ids=[STOP], builder_params={"k": 8})
+        got = speculative_generate(target, drafter, head, p, DecodeSettings(builder=builder, budget="auto",
+                                                                            max_new_tokens=30, stop_ids=[STOP],
+                                                                            builder_params={"k": 8}), cost_model=cm)
         assert got.tokens == want
         st = got.stats
         assert len(st.budgets) == st.rounds and all(0 <= b <= 16 for b in st.budgets)
@@ -57,8 +59,8 @@ def test_auto_budget_falls_back_to_ar_steps_when_drafting_never_pays(target, pro
     p = prompts[0]
     cm = calibrate(target, drafter, p * 3, max_budget=16, reps=1)
     want = autoregressive_generate(target, p, max_new_tokens=40, stop_ids=()).tokens
-    got = speculative_generate(target, drafter, head, p, builder="pruned", budget="auto", cost_model=cm,
-                               max_new_tokens=40, stop_ids=())
+    got = speculative_generate(target, drafter, head, p, DecodeSettings(builder="pruned", budget="auto",
+                                                                        max_new_tokens=40, stop_ids=()), cost_model=cm)
     assert got.tokens == want
     drafted = [i for i, b in enumerate(got.stats.budgets) if b > 0 or i == 0]
     assert got.stats.budgets.count(0) >= 30  # nearly every round a plain AR step
@@ -240,18 +242,21 @@ def test_a_calibration_pass_seeds_the_policy_and_leaves_the_run_its_own_histogra
 
     drafter, head = make_drafter(), make_head("markov")
     cm = calibrate(target, drafter, prompts[1] * 3, max_budget=8, reps=1)
-    warm = warm_paths(target, drafter, head, prompts[1], [("pruned", "auto", 3), ("chain", 4, 0)], max_budget=8)
+    runs = [DecodeSettings("pruned", "auto", lookup=3), DecodeSettings("chain", 4)]
+    warm = warm_paths(target, drafter, head, prompts[1], runs, max_budget=8)
     assert warm["verify_sizes"] == list(range(1, 13)) and warm["draft_rows"] == list(range(1, 2 * 9 + 1))
-    prior = seed_policy(cm, target, drafter, head, prompts[1], builder="pruned", new_tokens=40, stop_ids=())
+    prior = seed_policy(cm, target, drafter, head, prompts[1], DecodeSettings(builder="pruned", stop_ids=()),
+                        new_tokens=40)
     assert prior["rounds"] >= 10 and prior["weight"] == PRIOR_ROUNDS and prior["ar_step"] is not None
     assert cm.draft_n == pytest.approx(PRIOR_ROUNDS) and 0 < cm.ar_n <= PRIOR_ROUNDS
     assert cm.chosen == {} and sum(cm.bin_n) > 0 and cm.prior is prior and cm.summary()["prior"] == prior
     want = autoregressive_generate(target, prompts[0], max_new_tokens=30, stop_ids=[STOP]).tokens
-    got = speculative_generate(target, drafter, head, prompts[0], budget="auto", cost_model=cm, max_new_tokens=30,
-                               stop_ids=[STOP])
+    got = speculative_generate(target, drafter, head, prompts[0], DecodeSettings(budget="auto", max_new_tokens=30,
+                                                                                 stop_ids=[STOP]), cost_model=cm)
     assert got.tokens == want and sum(cm.chosen.values()) == got.stats.rounds
     assert len(got.stats.round_s) == got.stats.rounds and all(t > 0 for t in got.stats.round_s)
-    alone = speculative_generate(target, drafter, head, prompts[0], budget="auto", max_new_tokens=30, stop_ids=[STOP])
+    alone = speculative_generate(target, drafter, head, prompts[0], DecodeSettings(budget="auto", max_new_tokens=30,
+                                                                                   stop_ids=[STOP]))
     assert alone.tokens == want
 
 

@@ -7,6 +7,7 @@ import torch
 
 from dartree.decode.generate import autoregressive_generate, speculative_generate
 from dartree.decode.harness.prompts import load_prompts
+from dartree.decode.settings import DecodeSettings
 from dartree.models.checkpoint import load_dartree
 from dartree.models.target import load_target
 from dartree.models.chat import chat_prompt_ids
@@ -31,8 +32,9 @@ def test_shipped_drafter_is_lossless_on_default_target(real):
         ids = chat_prompt_ids(target.tokenizer, p.text)
         want = autoregressive_generate(target, ids, max_new_tokens=48, stop_ids=stop).tokens
         for builder, budget in (("chain", None), ("pruned", 16)):
-            out = speculative_generate(target, dm.drafter, dm.head, ids, builder=builder, budget=budget,
-                                       max_new_tokens=48, stop_ids=stop)
+            out = speculative_generate(target, dm.drafter, dm.head, ids, DecodeSettings(builder=builder, budget=budget,
+                                                                                        max_new_tokens=48,
+                                                                                        stop_ids=stop))
             assert out.tokens == want, (p.id, builder)
             committed += sum(out.stats.accept_lengths)
             rounds += out.stats.rounds
@@ -57,8 +59,10 @@ def test_prepacked_linears_are_lossless_on_default_target(real):
         for ids, w in zip(prompts, want):
             assert autoregressive_generate(target, ids, max_new_tokens=40, stop_ids=stop).tokens == w
             for builder, budget in (("chain", None), ("pruned", 8)):
-                out = speculative_generate(target, dm.drafter, dm.head, ids, builder=builder, budget=budget,
-                                           max_new_tokens=40, stop_ids=stop)
+                out = speculative_generate(target, dm.drafter, dm.head, ids, DecodeSettings(builder=builder,
+                                                                                            budget=budget,
+                                                                                            max_new_tokens=40,
+                                                                                            stop_ids=stop))
                 assert out.tokens == w, builder
     finally:
         for m in modules:
@@ -83,8 +87,8 @@ def test_shipped_zlab_drafter_runs_in_zlabs_loop_as_in_ours(real):
     for p in load_prompts("humaneval", 1) + load_prompts("mtbench", 1):
         ids = chat_prompt_ids(target.tokenizer, p.text)
         want = autoregressive_generate(target, ids, max_new_tokens=32, stop_ids=stop).tokens
-        ours = speculative_generate(target, dm.drafter, dm.head, ids, builder="chain", budget=None,
-                                    max_new_tokens=32, stop_ids=stop)
+        ours = speculative_generate(target, dm.drafter, dm.head, ids, DecodeSettings(builder="chain", budget=None,
+                                                                                     max_new_tokens=32, stop_ids=stop))
         theirs = zlab_dflash(target, zlab, ids, max_new_tokens=32, stop_ids=stop)
         assert ours.tokens == want and theirs.tokens == want, p.id
         assert theirs.accept_lengths == ours.stats.accept_lengths, p.id  # round by round
@@ -106,8 +110,9 @@ def test_shipped_dspine_drafter_is_lossless_on_default_target(real):
         ids = chat_prompt_ids(target.tokenizer, p.text)
         want = autoregressive_generate(target, ids, max_new_tokens=32, stop_ids=stop).tokens
         for builder, budget in (("chain", None), ("pruned", 16)):
-            out = speculative_generate(target, dm.drafter, dm.head, ids, builder=builder, budget=budget,
-                                       max_new_tokens=32, stop_ids=stop)
+            out = speculative_generate(target, dm.drafter, dm.head, ids, DecodeSettings(builder=builder, budget=budget,
+                                                                                        max_new_tokens=32,
+                                                                                        stop_ids=stop))
             assert out.tokens == want, (p.id, builder)
             committed += sum(out.stats.accept_lengths)
             rounds += out.stats.rounds

@@ -14,6 +14,7 @@ from conftest import LAYERS, VOCAB, make_drafter, make_head
 from dartree.decode.builders import BUILDERS
 from dartree.decode.builders.chain import build_chain
 from dartree.decode.generate import autoregressive_generate, speculative_generate
+from dartree.decode.settings import DecodeSettings
 from dartree.decode.trees import DraftBlock, head_k
 from dartree.models.drafter import (
     BlockAttention,
@@ -131,7 +132,8 @@ def test_every_builder_over_dflash2_equals_target_greedy(target, prompts, builde
     drafter, head = make_dflash2(), make_head("selector", target)
     for p in prompts[:6]:
         want = autoregressive_generate(target, p, max_new_tokens=30, stop_ids=[STOP]).tokens
-        got = speculative_generate(target, drafter, head, p, builder=builder, max_new_tokens=30, stop_ids=[STOP],
-                                   budget=budget, builder_params=params)
+        got = speculative_generate(target, drafter, head, p, DecodeSettings(builder=builder, max_new_tokens=30,
+                                                                            stop_ids=[STOP], budget=budget,
+                                                                            builder_params=params))
         assert got.tokens == want
         assert sum(got.stats.accept_lengths) + 1 == len(want)

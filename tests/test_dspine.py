@@ -33,6 +33,7 @@ from conftest import LAYERS, VOCAB
 from dartree.convert.importer import convert
 from dartree.decode.generate import autoregressive_generate, speculative_generate
 from dartree.decode.sampling import rejection_accept, sample_chain_tokens
+from dartree.decode.settings import DecodeSettings
 from dartree.decode.trees import DraftBlock, block_candidates
 from dartree.models.checkpoint import CheckpointError, load_dartree
 from dartree.models.drafter import BlockAttention, DFlashDrafter, DraftCache, DrafterConfig
@@ -109,7 +110,8 @@ def test_bad_heads_and_pairings_are_refused_in_one_line(target):
     drafter = _drafter()
     head.bind_models(drafter, target.lm_head.weight)  # fits, but the codes were never set
     with pytest.raises(RuntimeError, match="^dspine token codes are not initialised"):
-        speculative_generate(target, drafter, head, [5, 6, 7], builder="chain", max_new_tokens=4, stop_ids=[STOP])
+        speculative_generate(target, drafter, head, [5, 6, 7], DecodeSettings(builder="chain", max_new_tokens=4,
+                                                                              stop_ids=[STOP]))
 
 
 def test_an_untrained_injection_computes_the_causal_backbone_and_the_block_is_causal(target):
@@ -356,8 +358,9 @@ def test_every_builder_over_dspine_equals_target_greedy(target, prompts, builder
     drafter, head = _pair(target)
     for p in prompts[:4]:
         want = autoregressive_generate(target, p, max_new_tokens=24, stop_ids=[STOP]).tokens
-        got = speculative_generate(target, drafter, head, p, builder=builder, max_new_tokens=24, stop_ids=[STOP],
-                                   budget=budget, builder_params=params)
+        got = speculative_generate(target, drafter, head, p, DecodeSettings(builder=builder, max_new_tokens=24,
+                                                                            stop_ids=[STOP], budget=budget,
+                                                                            builder_params=params))
         assert got.tokens == want and sum(got.stats.accept_lengths) + 1 == len(want)
 
 
@@ -411,8 +414,10 @@ def test_sampled_dspine_chains_give_target_samples(target):
     p = torch.softmax(z[root] / temp, -1)[:v]
     assert 0.05 < float((acc > 0).float().mean()) < 0.95
     assert float(((counts - p * n) ** 2 / (p * n)).sum()) < 20.515  # chi-square, 5 degrees of freedom, p = 1e-3
-    runs = [speculative_generate(target, drafter, head, [5, 9, 13], builder="chain", max_new_tokens=16,
-                                 temperature=1.0, acceptance="rejection", generator=torch.Generator().manual_seed(5))
+    runs = [speculative_generate(target, drafter, head, [5, 9, 13], DecodeSettings(builder="chain", max_new_tokens=16,
+                                                                                   temperature=1.0,
+                                                                                   acceptance="rejection"),
+                                 generator=torch.Generator().manual_seed(5))
             for _ in range(2)]
     assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens) > 0
 
@@ -435,6 +440,6 @@ def test_dspine_trains_saves_converts_and_decodes_losslessly(tmp_path, monkeypat
     for builder in ("pruned", "chain"):
         for p in prompts[:2]:
             want = autoregressive_generate(target, p, max_new_tokens=16, stop_ids=[1]).tokens
-            got = speculative_generate(target, dm.drafter, dm.head, p, builder=builder, budget=8, max_new_tokens=16,
-                                       stop_ids=[1])
+            got = speculative_generate(target, dm.drafter, dm.head, p, DecodeSettings(builder=builder, budget=8,
+                                                                                      max_new_tokens=16, stop_ids=[1]))
             assert got.tokens == want

@@ -8,6 +8,7 @@ import torch
 
 from conftest import LAYERS, make_drafter, make_markov
 from dartree.decode.generate import autoregressive_generate, speculative_generate
+from dartree.decode.settings import DecodeSettings
 from dartree.models.generation import context_length, sampling_settings, stop_ids
 from dartree.models.target import Target, resolve_target_path
 from dartree.models.chat import chat_prompt_ids, check_chat_template
@@ -77,8 +78,10 @@ def test_decoders_stop_where_the_targets_own_generate_stops(multi_eos):
     stops = stop_ids(target)
     assert autoregressive_generate(target, PROMPT, max_new_tokens=MAX_NEW, stop_ids=stops).tokens == want
     for builder in ("chain", "pruned"):
-        got = speculative_generate(target, make_drafter(), make_markov(), PROMPT, builder=builder,
-                                   max_new_tokens=MAX_NEW, stop_ids=stops, budget=6).tokens
+        got = speculative_generate(target, make_drafter(), make_markov(), PROMPT, DecodeSettings(builder=builder,
+                                                                                                 max_new_tokens=MAX_NEW,
+                                                                                                 stop_ids=stops,
+                                                                                                 budget=6)).tokens
         assert got == want, builder
     assert autoregressive_generate(target, PROMPT, max_new_tokens=MAX_NEW, stop_ids=[ends[0]]).tokens != want
 
@@ -137,7 +140,7 @@ def test_a_prompt_past_the_context_is_refused_where_it_enters(kind):
     with pytest.raises(ValueError, match=msg):
         autoregressive_generate(target, long, max_new_tokens=40)
     with pytest.raises(ValueError, match=msg):
-        speculative_generate(target, make_drafter(), make_markov(), long, max_new_tokens=40)
+        speculative_generate(target, make_drafter(), make_markov(), long, DecodeSettings(max_new_tokens=40))
     with pytest.raises(ValueError, match="shorten the prompt to at most 88 tokens"):
         autoregressive_generate(target, PROMPT * 20, max_new_tokens=40)
     assert len(autoregressive_generate(target, long, max_new_tokens=28).tokens) <= 28  # fits exactly: decodes

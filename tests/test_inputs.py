@@ -24,6 +24,7 @@ from dartree.models.families import build_head
 from dartree.models.families.dspark import MarkovHead
 from dartree.models.heads import IdentityHead
 from dartree.base.fields import Range, folder_problem
+from dartree.decode.settings import DecodeSettings
 from dartree.models.validate import DRAFTER_FIELDS
 from dartree.training.checks import RECIPE_FIELDS, check_against_target
 from dartree.training.recipe import RecipeError, load_recipe
@@ -52,7 +53,8 @@ def test_hugging_face_input_ids_and_one_prompt_forms_give_the_list_result(target
              [np.int64(t) for t in PROMPT], [torch.tensor(t) for t in PROMPT]]
     for form in forms:
         assert _ar(target, form) == want, type(form)
-        got = speculative_generate(target, drafter, make_markov(), form, builder="pruned", max_new_tokens=6)
+        got = speculative_generate(target, drafter, make_markov(), form, DecodeSettings(builder="pruned",
+                                                                                        max_new_tokens=6))
         assert got.tokens == want, type(form)
 
 
@@ -61,7 +63,7 @@ def test_hugging_face_input_ids_and_one_prompt_forms_give_the_list_result(target
                                           (torch.tensor([[PROMPT]]), "[1, 1, 5]")])
 def test_a_batched_tensor_is_one_named_value_error(target, drafter, batch, shape):
     for call in (lambda: _ar(target, batch),
-                 lambda: speculative_generate(target, drafter, make_markov(), batch, max_new_tokens=4)):
+                 lambda: speculative_generate(target, drafter, make_markov(), batch, DecodeSettings(max_new_tokens=4))):
         with pytest.raises(ValueError, match=r"prompt_ids is a .*shape \[" + shape[1:-1] + r"\].*several prompts as a list of prompts"):
             call()
 
@@ -73,7 +75,7 @@ def test_a_list_of_two_prompts_is_refused_before_the_target_runs(target, drafter
     target.forward = lambda *a, **k: calls.append(1) or orig(*a, **k)
     try:
         for fn in (lambda p: _ar(target, p), lambda p: speculative_generate(target, drafter, IdentityHead(), p,
-                                                                               max_new_tokens=4)):
+                                                                            DecodeSettings(max_new_tokens=4))):
             with pytest.raises(ValueError, match="prompt_ids holds 2 sequences"):
                 fn([[5, 6, 7], [8, 9]])
     finally:
@@ -106,8 +108,9 @@ def test_bad_arguments_are_named_errors_in_both_decoders(target, drafter, kwargs
     prompt = args.pop("prompt_ids")
     with pytest.raises(exc, match=pattern):
         autoregressive_generate(target, prompt, **args)
+    call = {k: args.pop(k) for k in ("generator",) if k in args}
     with pytest.raises(exc, match=pattern):
-        speculative_generate(target, drafter, make_markov(), prompt, builder="chain", **args)
+        speculative_generate(target, drafter, make_markov(), prompt, DecodeSettings(builder="chain", **args), **call)
 
 
 def test_stop_ids_as_one_int_a_set_a_tensor_or_none_mean_what_they_say(target):
@@ -170,7 +173,7 @@ def test_modules_that_do_not_fit_are_refused_before_the_prefill(target, drafter,
     # max_new_tokens=1: the prefill alone would finish the request, so a check made only inside the loop
     # (the old behaviour for builder parameters) would never run
     with pytest.raises(exc, match=pattern):
-        speculative_generate(tgt, d, h, PROMPT, max_new_tokens=1, **kw)
+        speculative_generate(tgt, d, h, PROMPT, DecodeSettings(max_new_tokens=1, **kw))
 
 
 @SETTINGS
@@ -185,8 +188,8 @@ def test_property_any_prompt_form_decodes_like_the_list_and_equals_greedy(target
     want = _ar(target, prompt, n=n)
     assert len(want) == n
     assert _ar(target, given_ids, n=n) == want
-    got = speculative_generate(target, drafter, make_markov(), given_ids, builder=builder, budget=budget,
-                               max_new_tokens=n)
+    got = speculative_generate(target, drafter, make_markov(), given_ids, DecodeSettings(builder=builder, budget=budget,
+                                                                                         max_new_tokens=n))
     assert got.tokens == want
 
 

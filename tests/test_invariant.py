@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dartree.decode.harness.invariance import row_invariance_map, verify_rows_vs_ar
+from dartree.decode.settings import DecodeSettings
 from dartree.models.invariant import invariant_attention, row_invariant
 
 
@@ -103,8 +104,9 @@ def test_speculative_output_equals_ar_inside_the_mode(target, drafter):
     with row_invariant(target):
         ar = autoregressive_generate(target, prompt, max_new_tokens=24).tokens
         for name in ("chain", "pruned"):
-            out = speculative_generate(target, drafter, IdentityHead(), prompt, builder=name, max_new_tokens=24,
-                                       budget=8).tokens
+            out = speculative_generate(target, drafter, IdentityHead(), prompt, DecodeSettings(builder=name,
+                                                                                               max_new_tokens=24,
+                                                                                               budget=8)).tokens
             assert list(out) == list(ar), name
     assert target.model.config._attn_implementation != "dartree_row_invariant"  # restored on exit
 

@@ -11,6 +11,7 @@ if not ON_GPU:
 
 import pytest  # noqa: E402
 
+from dartree.decode.settings import DecodeSettings
 from dartree.kernels.invariant_gpu import invariant_linear, invariant_rms_norm, row_attention_gpu  # noqa: E402
 from dartree.kernels.row_attention import row_attention  # noqa: E402
 
@@ -146,8 +147,8 @@ def test_triton_mode_speculative_output_equals_ar(target, drafter):
     with row_invariant(t, backend="triton"):
         ar = autoregressive_generate(t, prompt, max_new_tokens=8).tokens
         for name in ("chain", "pruned"):
-            out = speculative_generate(t, d, IdentityHead(), prompt, builder=name, max_new_tokens=8,
-                                       budget=8).tokens
+            out = speculative_generate(t, d, IdentityHead(), prompt, DecodeSettings(builder=name, max_new_tokens=8,
+                                                                                    budget=8)).tokens
             assert list(out) == list(ar), name
     assert list(ar) == list(autoregressive_generate(target, prompt, max_new_tokens=8).tokens)  # fp32: same text
 

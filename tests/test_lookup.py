@@ -11,6 +11,7 @@ from conftest import make_drafter, make_head
 from dartree.decode.budget import CostModel
 from dartree.decode.generate import autoregressive_generate, speculative_generate
 from dartree.decode.lookup import LookupStats, graft_chain, lookup_match
+from dartree.decode.settings import DecodeSettings
 from dartree.decode.trees import Tree, select_top_b_keep
 
 STOP = 1
@@ -105,8 +106,9 @@ def test_lookup_graft_is_lossless_and_accepts_repeats(target, prompts, builder, 
         for lk in (0, 6):
             cm = CostModel(t_ar=1.0, t_draft=0.1, verify_s={1: 1.0, 2: 1.02, 5: 1.1, 9: 1.2, 17: 1.5, 33: 2.0},
                            max_budget=16) if budget == "auto" else None
-            got = speculative_generate(target, drafter, head, p, builder=builder, budget=budget, cost_model=cm,
-                                       max_new_tokens=48, stop_ids=[STOP], lookup=lk)
+            got = speculative_generate(target, drafter, head, p, DecodeSettings(builder=builder, budget=budget,
+                                                                                max_new_tokens=48, stop_ids=[STOP],
+                                                                                lookup=lk), cost_model=cm)
             assert got.tokens == want
             total[lk > 0] += sum(got.stats.accepted_depths)
             if cm is not None and lk:
@@ -118,10 +120,12 @@ def test_lookup_graft_is_lossless_and_accepts_repeats(target, prompts, builder, 
 def test_lookup_argument_errors(target, prompts):
     drafter, head = make_drafter(), make_head("markov", target)
     with pytest.raises(ValueError, match="lookup must be an int >= 0"):
-        speculative_generate(target, drafter, head, prompts[0], max_new_tokens=4, lookup=-1)
+        speculative_generate(target, drafter, head, prompts[0], DecodeSettings(max_new_tokens=4, lookup=-1))
     with pytest.raises(ValueError, match="acceptance='match'"):
-        speculative_generate(target, drafter, head, prompts[0], builder="chain", max_new_tokens=4, lookup=4,
-                             temperature=1.0, acceptance="rejection", generator=torch.Generator().manual_seed(0))
+        speculative_generate(target, drafter, head, prompts[0], DecodeSettings(builder="chain", max_new_tokens=4,
+                                                                               lookup=4, temperature=1.0,
+                                                                               acceptance="rejection"),
+                             generator=torch.Generator().manual_seed(0))
 
 
 def test_rounds_that_skip_the_drafter_still_verify_the_lookup_chain(target, prompts):
@@ -132,8 +136,9 @@ def test_rounds_that_skip_the_drafter_still_verify_the_lookup_chain(target, prom
     p = prompts[0]
     want = autoregressive_generate(target, p, max_new_tokens=60, stop_ids=()).tokens
     cm = CostModel(t_ar=1.0, t_draft=50.0, verify_s={1: 1.0, 2: 1.02, 5: 1.1, 9: 1.2, 17: 1.5}, max_budget=16)
-    got = speculative_generate(target, drafter, head, p, builder="pruned", budget="auto", cost_model=cm,
-                               max_new_tokens=60, stop_ids=(), lookup=8)
+    got = speculative_generate(target, drafter, head, p, DecodeSettings(builder="pruned", budget="auto",
+                                                                        max_new_tokens=60, stop_ids=(), lookup=8),
+                               cost_model=cm)
     assert got.tokens == want
     st = got.stats
     assert sum(b > 0 for b in st.budgets) > 7  # more verified trees than the at most 7 drafted rounds

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from conftest import make_drafter, make_head
 from dartree.decode.generate import autoregressive_generate, speculative_generate
+from dartree.decode.settings import DecodeSettings
 from dartree.models.packed import (SINGLE_ROW_PACKED_MIN, TUNE_MAX_MODULES, PackedLinear, choose_linear,
                                    onednn_linear_supported, pack_linears, tune_linears)
 from dartree.models.target import tiny_target
@@ -146,8 +147,9 @@ def test_packed_decoding_equals_packed_and_unpacked_ar(prompts, head_name, build
     tune_linears(target.model, drafter, head, max_rows=9, reps=1)
     for p, w in zip(prompts, want):
         assert autoregressive_generate(target, p, max_new_tokens=32, stop_ids=[1]).tokens == w
-        got = speculative_generate(target, drafter, head, p, builder=builder, budget=budget, max_new_tokens=32,
-                                   stop_ids=[1], builder_params={"k": 8, "width": 4})
+        got = speculative_generate(target, drafter, head, p, DecodeSettings(builder=builder, budget=budget,
+                                                                            max_new_tokens=32, stop_ids=[1],
+                                                                            builder_params={"k": 8, "width": 4}))
         assert got.tokens == w
 
 

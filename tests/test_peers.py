@@ -11,6 +11,7 @@ from test_eval_cli import tiny_folder  # noqa: F401  (fixture: a tiny Llama targ
 
 from dartree.decode.generate import autoregressive_generate, speculative_generate
 from dartree.decode.harness.peers import hf_generate, hf_prompt_lookup, load_zlab_drafter, run_peer, zlab_dflash
+from dartree.decode.settings import DecodeSettings
 from dartree.models.checkpoint import load_dartree, save_dartree
 from dartree.models.heads import IdentityHead
 from dartree.models.target import tiny_target
@@ -86,7 +87,8 @@ def test_zlab_dflash_equals_ar_and_our_chain(zlab_case):
         p = torch.randint(2, VOCAB, (4 + i,), generator=g).tolist()
         ar = autoregressive_generate(tgt, p, max_new_tokens=30, stop_ids=STOP)
         o = zlab_dflash(tgt, zl, p, max_new_tokens=30, stop_ids=STOP)
-        chain = speculative_generate(tgt, dm.drafter, dm.head, p, builder="chain", max_new_tokens=30, stop_ids=STOP)
+        chain = speculative_generate(tgt, dm.drafter, dm.head, p, DecodeSettings(builder="chain", max_new_tokens=30,
+                                                                                 stop_ids=STOP))
         assert o.tokens == ar.tokens
         assert o.accept_lengths == chain.stats.accept_lengths  # same rounds as dartree's chain on the same weights
         seen += o.accept_lengths

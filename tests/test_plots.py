@@ -13,6 +13,7 @@ from dartree.decode.harness import plots
 from dartree.decode.harness import report_command as cmd
 from dartree.decode.harness import report_figures as figs
 from dartree.base import figures as curves_mod
+from dartree.decode.settings import DecodeSettings
 from test_eval_cli import tiny_folder  # noqa: F401  (fixture: the tiny target and drafter folders)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -323,8 +324,9 @@ def test_decode_stats_record_depths_before_truncation_and_the_verify_trees(targe
         runs = {}
         for record in (False, True):
             state["pos"] = 0
-            runs[record] = speculative_generate(target, drafter, IdentityHead(), prompt, builder="test-plot-oracle", budget=3,
-                                                max_new_tokens=10, record_trees=record)
+            runs[record] = speculative_generate(target, drafter, IdentityHead(), prompt,
+                                                DecodeSettings(builder="test-plot-oracle", budget=3, max_new_tokens=10,
+                                                               record_trees=record))
     finally:
         del BUILDERS["test-plot-oracle"]
     plain, rec = runs[False], runs[True]

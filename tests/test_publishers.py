@@ -31,6 +31,7 @@ from transformers import Qwen3Config, Qwen3ForCausalLM  # noqa: E402
 from dartree.convert.exporter import export  # noqa: E402
 from dartree.convert.importer import convert, detect_format_why  # noqa: E402
 from dartree.decode.generate import speculative_generate  # noqa: E402
+from dartree.decode.settings import DecodeSettings
 from dartree.models.checkpoint import CheckpointError, load_dartree  # noqa: E402
 from dartree.models.target import Target  # noqa: E402
 
@@ -167,7 +168,8 @@ def test_zlab_dflash_converts_exports_and_decodes_like_zlab(tmp_path, hf_target,
     for seed in (5, 6):
         prompt = _sequence(seed, 6)
         ref = dflash_model.dflash_generate(m, hf2, prompt, 24, None, return_stats=True)
-        ours = speculative_generate(tgt2, dm2.drafter, dm2.head, prompt[0].tolist(), builder="chain", max_new_tokens=24)
+        ours = speculative_generate(tgt2, dm2.drafter, dm2.head, prompt[0].tolist(), DecodeSettings(builder="chain",
+                                                                                                    max_new_tokens=24))
         assert ours.tokens == ref.output_ids[0, prompt.shape[1]:].tolist()
         assert ours.stats.accept_lengths == ref.acceptance_lengths
         lengths_seen += ref.acceptance_lengths
@@ -353,7 +355,8 @@ def test_zlab_dflash2_converts_exports_and_decodes_like_zlab(tmp_path, hf_target
     lengths_seen = []
     for prompt in prompts:
         ref = dflash_model.dflash_generate(m, hf2, prompt, 24, None, return_stats=True)
-        ours = speculative_generate(tgt2, dm2.drafter, dm2.head, prompt[0].tolist(), builder="chain", max_new_tokens=24)
+        ours = speculative_generate(tgt2, dm2.drafter, dm2.head, prompt[0].tolist(), DecodeSettings(builder="chain",
+                                                                                                    max_new_tokens=24))
         assert ours.tokens == ref.output_ids[0, prompt.shape[1]:].tolist()
         assert ours.stats.accept_lengths == ref.acceptance_lengths
         lengths_seen += ref.acceptance_lengths

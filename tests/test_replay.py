@@ -13,6 +13,7 @@ from dartree.decode.budget import CostModel
 from dartree.decode.builders import BUILDERS
 from dartree.decode.generate import autoregressive_generate, speculative_generate
 from dartree.decode.replay import accepted_at, recorded_round, replay_auto, replay_fixed, replay_hindsight
+from dartree.decode.settings import DecodeSettings
 from dartree.decode.trees import Tree, select_top_b
 
 
@@ -53,15 +54,17 @@ def test_replayed_budgets_accept_what_a_decode_at_that_budget_accepts(target, mi
     prompt = [40, 41, 42, 43]
     ref = autoregressive_generate(target, prompt, max_new_tokens=20, stop_ids=()).tokens
     mixed_oracle["oracle"] = MixedOracle(ref)
-    full = speculative_generate(target, make_drafter(), make_head("identity"), prompt, builder="test-mixed-oracle",
-                                budget=8, max_new_tokens=12, stop_ids=(), record_trees=True)
+    full = speculative_generate(target, make_drafter(), make_head("identity"), prompt,
+                                DecodeSettings(builder="test-mixed-oracle", budget=8, max_new_tokens=12, stop_ids=(),
+                                               record_trees=True))
     assert full.tokens == ref[:12]
     tree, path = recorded_round(full.stats.trees[0])
     assert tree.size == 8 and len(path) == 4
     for b in range(1, 9):
         mixed_oracle["oracle"] = MixedOracle(ref)
-        real = speculative_generate(target, make_drafter(), make_head("identity"), prompt, builder="test-mixed-oracle",
-                                    budget=b, max_new_tokens=12, stop_ids=(), record_trees=True)
+        real = speculative_generate(target, make_drafter(), make_head("identity"), prompt,
+                                    DecodeSettings(builder="test-mixed-oracle", budget=b, max_new_tokens=12,
+                                                   stop_ids=(), record_trees=True))
         assert real.tokens == ref[:12]
         sub, acc = accepted_at(tree, path, b, 0.0)
         assert acc.numel() - 1 == real.stats.accepted_depths[0] == MixedOracle.EXPECTED[b - 1]
@@ -77,9 +80,10 @@ def test_replay_of_the_pruned_builder_matches_its_first_rounds(target, prompts, 
     # (same context) accepts what the replay of the 12-node round says
     drafter, head = make_drafter(), make_head("markov")
     for p in prompts[:6]:
-        kw = dict(builder="pruned", max_new_tokens=6, stop_ids=(), record_trees=True, builder_params={"k": 8})
-        big = speculative_generate(target, drafter, head, p, budget=12, **kw)
-        small = speculative_generate(target, drafter, head, p, budget=budget, **kw)
+        settings = DecodeSettings(builder="pruned", max_new_tokens=6, stop_ids=(), record_trees=True,
+                                  builder_params={"k": 8})
+        big = speculative_generate(target, drafter, head, p, settings.with_(budget=12))
+        small = speculative_generate(target, drafter, head, p, settings.with_(budget=budget))
         tree, path = recorded_round(big.stats.trees[0])
         sub, acc = accepted_at(tree, path, budget, -0.2)
         assert sub.tokens.tolist() == small.stats.trees[0]["tokens"]

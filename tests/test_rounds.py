@@ -14,8 +14,9 @@ from dartree.decode.builders import (BUILDERS, PARAM_BETA, PARAM_K, BuilderParam
                                      register_builder)
 from dartree.decode.generate import autoregressive_generate, speculative_generate
 from dartree.decode.harness.builder_args import add_builder_param_args, builder_param_problems, builder_params_of
-from dartree.decode.harness.runner import Method, against_ar, decode_one, first_divergence
+from dartree.decode.harness.runner import against_ar, decode_one, first_divergence
 from dartree.decode.rounds import AutoBudget, FixedBudget, Lockstep, LookupGraft
+from dartree.decode.settings import DecodeSettings
 from dartree.decode.trees import Tree
 
 STOP = 1
@@ -186,18 +187,19 @@ def test_lockstep_names_a_bad_callable_and_sums_its_time():
 
 def test_decode_one_times_and_checks_against_ar(target, prompts):
     drafter, head = make_drafter(), make_markov()
-    ar = decode_one(target, prompts[2], Method(), max_new_tokens=14, stop_ids=[STOP])
+    ar = decode_one(target, prompts[2], DecodeSettings(None, max_new_tokens=14, stop_ids=[STOP]))
     assert ar.tokens == autoregressive_generate(target, prompts[2], max_new_tokens=14, stop_ids=[STOP]).tokens
-    spec = decode_one(target, prompts[2], Method("pruned", 4, {"width": 3}), max_new_tokens=14, drafter=drafter,
-                      head=head, stop_ids=[STOP], reference=ar.tokens, paired=True, seed=5)
-    direct = speculative_generate(target, drafter, head, prompts[2], builder="pruned", budget=4, max_new_tokens=14,
-                                  stop_ids=[STOP], builder_params={"width": 3})
+    spec = decode_one(target, prompts[2], DecodeSettings("pruned", 4, {"width": 3}, max_new_tokens=14, stop_ids=[STOP]),
+                      drafter=drafter, head=head, reference=ar.tokens, paired=True, seed=5)
+    direct = speculative_generate(target, drafter, head, prompts[2], DecodeSettings(builder="pruned", budget=4,
+                                                                                    max_new_tokens=14, stop_ids=[STOP],
+                                                                                    builder_params={"width": 3}))
     assert spec.tokens == direct.tokens == ar.tokens and spec.mismatch is False and spec.first_divergence is None
     assert spec.stats.accept_lengths == direct.stats.accept_lengths and spec.stats.decode_s > 0
     assert spec.paired_ar.tokens == ar.tokens and spec.paired_ar.done
     wrong = ar.tokens[:3] + [(ar.tokens[3] + 1) % 96] + ar.tokens[4:]
-    bad = decode_one(target, prompts[2], Method("chain"), max_new_tokens=14, drafter=drafter, head=head,
-                     stop_ids=[STOP], reference=wrong)
+    bad = decode_one(target, prompts[2], DecodeSettings("chain", max_new_tokens=14, stop_ids=[STOP]), drafter=drafter,
+                     head=head, reference=wrong)
     assert bad.mismatch is True and bad.first_divergence == 3 and bad.paired_ar is None
 
 

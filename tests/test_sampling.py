@@ -5,6 +5,7 @@ import torch
 
 from conftest import make_drafter, make_markov
 from dartree.decode.generate import speculative_generate
+from dartree.decode.settings import DecodeSettings
 from dartree.decode.trees import Tree
 from dartree.decode.verify import verify
 from dartree.models.target import compact_cache, tiny_target
@@ -44,8 +45,9 @@ def test_sampling_same_seed_same_output(target, prompts):
     drafter, head = make_drafter(), make_markov()
     for p in prompts[:3]:
         runs = [
-            speculative_generate(target, drafter, head, p, builder="pruned", budget=8, max_new_tokens=30,
-                                 temperature=1.0, generator=torch.Generator().manual_seed(5)).tokens
+            speculative_generate(target, drafter, head, p, DecodeSettings(builder="pruned", budget=8, max_new_tokens=30,
+                                                                          temperature=1.0),
+                                 generator=torch.Generator().manual_seed(5)).tokens
             for _ in range(2)
         ]
         assert runs[0] == runs[1] and len(runs[0]) > 0

@@ -12,6 +12,7 @@ from conftest import make_drafter, make_markov
 from dartree.decode.generate import speculative_generate
 from dartree.decode.sampling import (SampledChain, check_acceptance, rejection_accept, rejection_verify,
                                      sample_chain_tokens)
+from dartree.decode.settings import DecodeSettings
 from dartree.decode.trees import Tree, block_candidates, DraftBlock
 from dartree.decode.verify import walk
 from dartree.models.families.dspark import MarkovHead
@@ -134,14 +135,17 @@ def test_rejection_verify_equals_rejection_accept_on_a_plain_forward():
 def test_rejection_generate_same_seed_same_output(target, prompts):
     drafter, head = make_drafter(), make_markov()
     for p in prompts[:2]:
-        runs = [speculative_generate(target, drafter, head, p, builder="chain", max_new_tokens=20, temperature=1.0,
-                                     acceptance="rejection", generator=torch.Generator().manual_seed(5))
+        runs = [speculative_generate(target, drafter, head, p, DecodeSettings(builder="chain", max_new_tokens=20,
+                                                                              temperature=1.0, acceptance="rejection"),
+                                     generator=torch.Generator().manual_seed(5))
                 for _ in range(2)]
         assert runs[0].tokens == runs[1].tokens and len(runs[0].tokens) > 0
         st = runs[0].stats
         assert sum(st.accept_lengths) + 1 == len(runs[0].tokens) <= 20  # + the first token, from prefill
-    short = speculative_generate(target, drafter, head, prompts[0], builder="chain", budget=2, max_new_tokens=12,
-                                 temperature=0.7, acceptance="rejection", generator=torch.Generator().manual_seed(1))
+    short = speculative_generate(target, drafter, head, prompts[0], DecodeSettings(builder="chain", budget=2,
+                                                                                   max_new_tokens=12, temperature=0.7,
+                                                                                   acceptance="rejection"),
+                                 generator=torch.Generator().manual_seed(1))
     assert max(short.stats.accept_lengths) <= 3 and len(short.tokens) <= 12
 
 
@@ -161,9 +165,12 @@ def test_rejection_with_auto_budget_records_every_verified_node(target, prompts,
         ticks = iter(range(10**6))
         monkeypatch.setattr(generate, "time", types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-3))
         cm = CostModel(t_ar=1.0, t_draft=0.1, verify_s={1: 1.0, 2: 1.02, 5: 1.1, 9: 1.2, 17: 1.5}, max_budget=8)
-        outs.append(speculative_generate(target, drafter, head, prompts[1], builder="chain", budget="auto",
-                                         cost_model=cm, max_new_tokens=30, temperature=0.8, acceptance="rejection",
-                                         generator=torch.Generator().manual_seed(3)))
+        outs.append(speculative_generate(target, drafter, head, prompts[1], DecodeSettings(builder="chain",
+                                                                                           budget="auto",
+                                                                                           max_new_tokens=30,
+                                                                                           temperature=0.8,
+                                                                                           acceptance="rejection"),
+                                         cost_model=cm, generator=torch.Generator().manual_seed(3)))
         models.append(cm)
     assert outs[0].tokens == outs[1].tokens
     st, cm = outs[0].stats, models[0]
@@ -176,8 +183,11 @@ def test_rejection_with_auto_budget_records_every_verified_node(target, prompts,
                                                   ("chain", 1.0, "nope")])
 def test_rejection_needs_chain_and_positive_temperature(target, prompts, builder, temp, rule):
     with pytest.raises(ValueError, match="acceptance"):
-        speculative_generate(target, make_drafter(), make_markov(), prompts[0], builder=builder, max_new_tokens=4,
-                             temperature=temp, acceptance=rule, generator=torch.Generator().manual_seed(0))
+        speculative_generate(target, make_drafter(), make_markov(), prompts[0], DecodeSettings(builder=builder,
+                                                                                               max_new_tokens=4,
+                                                                                               temperature=temp,
+                                                                                               acceptance=rule),
+                             generator=torch.Generator().manual_seed(0))
     assert check_acceptance("match", builder, temp) == "match"
 
 

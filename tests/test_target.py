@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from dartree.decode.settings import DecodeSettings
 from dartree.models.target import cache_length, compact_cache, tiny_target
 
 
@@ -74,13 +75,13 @@ def test_length_dependent_rope_is_refused_by_name_where_a_tree_could_switch_it(k
     from dartree.decode.generate import autoregressive_generate, speculative_generate
 
     target, prompt = _rope_target(kind), [5, 17, 33, 2, 60, 7, 9]
-    kw = dict(builder="pruned", budget=8, stop_ids=())
+    settings = DecodeSettings(builder="pruned", budget=8, stop_ids=())
     # 7 prompt + 17 new tokens fit in 24 positions, but a verify tree 8 deep past the 17th token does not
     with pytest.raises(ValueError, match=rf"rope_type '{kind}'.*more than 24 positions.*can reach 32"):
-        speculative_generate(target, make_drafter(), make_markov(), prompt, max_new_tokens=17, **kw)
+        speculative_generate(target, make_drafter(), make_markov(), prompt, settings.with_(max_new_tokens=17))
     # 7 prompt + 9 new + 8 proposals = 24: no forward spans past the switch, the rope is the plain one
     want = autoregressive_generate(target, prompt, max_new_tokens=9, stop_ids=()).tokens
-    got = speculative_generate(target, make_drafter(), make_markov(), prompt, max_new_tokens=9, **kw)
+    got = speculative_generate(target, make_drafter(), make_markov(), prompt, settings.with_(max_new_tokens=9))
     assert got.tokens == want and got.stats.rounds >= 2
 
 
@@ -98,5 +99,6 @@ def test_sliding_window_target_is_refused_before_the_prefill():
     calls = []
     target.model.register_forward_pre_hook(lambda *a: calls.append(1))
     with pytest.raises(ValueError, match=r"DynamicSlidingWindowLayer.*sliding_window=6"):
-        speculative_generate(target, make_drafter(), make_markov(), [5, 6, 7], max_new_tokens=8, builder="chain")
+        speculative_generate(target, make_drafter(), make_markov(), [5, 6, 7], DecodeSettings(max_new_tokens=8,
+                                                                                              builder="chain"))
     assert calls == []  # refused before any forward

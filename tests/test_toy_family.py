@@ -19,6 +19,7 @@ from conftest import VOCAB
 from dartree.models.families import FAMILIES, Family, Objective, get_family, register_family
 from dartree.models.heads import HEADS, CorrectionHead
 from dartree.base.fields import Range, check_fields
+from dartree.decode.settings import DecodeSettings
 from dartree.training.recipe import RecipeError, load_recipe
 from dartree.training.trainer import run
 
@@ -154,6 +155,6 @@ def test_a_family_in_one_file_trains_saves_converts_and_decodes_losslessly(toy_f
     for builder in ("pruned", "chain"):
         for p in prompts[:3]:
             want = autoregressive_generate(target, p, max_new_tokens=20, stop_ids=[1]).tokens
-            got = speculative_generate(target, dm.drafter, dm.head, p, builder=builder, budget=8,
-                                       max_new_tokens=20, stop_ids=[1])
+            got = speculative_generate(target, dm.drafter, dm.head, p, DecodeSettings(builder=builder, budget=8,
+                                                                                      max_new_tokens=20, stop_ids=[1]))
             assert got.tokens == want

@@ -15,6 +15,7 @@ from torch.utils._pytree import tree_flatten
 
 from conftest import make_drafter
 from dartree.decode.generate import draft_block
+from dartree.decode.settings import DecodeSettings
 from dartree.models.drafter import DraftCache
 from dartree.training.fused_loss import fused_block_loss
 from dartree.training.losses import block_attention_mask, domino_loss, dspark_loss
@@ -717,8 +718,8 @@ def test_draft_vocab_drafter_trains_converts_and_decodes_losslessly(tmp_path, mo
     try:
         for p in prompts[:4]:
             want = autoregressive_generate(target, p, max_new_tokens=24, stop_ids=[1]).tokens
-            got = speculative_generate(target, dm.drafter, dm.head, p, builder="test-spy", budget=8,
-                                       max_new_tokens=24, stop_ids=[1])
+            got = speculative_generate(target, dm.drafter, dm.head, p, DecodeSettings(builder="test-spy", budget=8,
+                                                                                      max_new_tokens=24, stop_ids=[1]))
             assert got.tokens == want
     finally:
         del BUILDERS["test-spy"]

@@ -16,6 +16,7 @@ import pytest
 from conftest import make_drafter, make_head
 
 from dartree.decode.generate import max_tree_nodes, warm_paths
+from dartree.decode.settings import DecodeSettings
 
 TESTS = Path(__file__).resolve().parent
 RUNS = [["pruned", 6, 0], ["chain", None, 0], ["pruned", "auto", 4]]  # (builder, budget, lookup)
@@ -26,24 +27,24 @@ sys.path.insert(0, sys.argv[2])
 from conftest import make_drafter, make_head
 from dartree.decode.budget import CostModel
 from dartree.decode.generate import speculative_generate, warm_paths
+from dartree.decode.settings import DecodeSettings
 from dartree.models.target import tiny_target
 
 torch.set_num_threads(1)
-runs = [tuple(r) for r in json.loads(sys.argv[3])]
+runs = [DecodeSettings(b, budget, lookup=k, max_new_tokens=40, stop_ids=()) for b, budget, k in json.loads(sys.argv[3])]
 target, drafter, head = tiny_target(vocab_size=96, layer_ids=[1, 2]), make_drafter(), make_head("markov")
 g = torch.Generator().manual_seed(0)
 prompt, other = (torch.randint(2, 96, (24,), generator=g).tolist() for _ in range(2))
 if sys.argv[1] == "warm":
     warm_paths(target, drafter, head, other, runs, max_budget=8)
 out = {}
-for builder, budget, lookup in runs:
+for run in runs:
     cm = None
-    if budget == "auto":  # a policy that drafts every round: this measures the paths, not the decisions
+    if run.budget == "auto":  # a policy that drafts every round: this measures the paths, not the decisions
         cm = CostModel(t_ar=1.0, t_draft=0.1, verify_s={1: 1.0, 2: 1.0, 9: 1.0}, max_budget=8)
         cm.start_seeding(1 << 30, ar_every=0)
-    o = speculative_generate(target, drafter, head, prompt, builder=builder, budget=budget, max_new_tokens=40,
-                             stop_ids=(), cost_model=cm, lookup=lookup)
-    out[f"{builder}@{budget}+{lookup}"] = [s for s, b in zip(o.stats.round_s, o.stats.budgets) if b > 0]
+    o = speculative_generate(target, drafter, head, prompt, run, cost_model=cm)
+    out[f"{run.builder}@{run.budget}+{run.lookup}"] = [s for s, b in zip(o.stats.round_s, o.stats.budgets) if b > 0]
 print(json.dumps(out))
 """
 
@@ -88,8 +89,9 @@ def test_warm_paths_warms_the_sizes_a_builder_can_make_not_every_size_up_to_the_
     drafter, head = make_drafter(), make_head("markov")
     p = drafter.cfg.num_proposals
     ids = list(range(2, 26))
-    assert warm_paths(target, drafter, head, ids, [("chain", 50, 0)])["verify_sizes"] == list(range(1, p + 2))
-    assert warm_paths(target, drafter, head, ids, [("chain", 50, 3)])["verify_sizes"] == list(range(1, p + 5))
+    chain = DecodeSettings("chain", 50)
+    assert warm_paths(target, drafter, head, ids, [chain])["verify_sizes"] == list(range(1, p + 2))
+    assert warm_paths(target, drafter, head, ids, [chain.with_(lookup=3)])["verify_sizes"] == list(range(1, p + 5))
     assert max_tree_nodes("chain", 10**6, p) == p and max_tree_nodes("chain", 3, p) == 3
     assert max_tree_nodes("dartree-pruned", 10**6, p) == 12 * p  # width W = 12 per depth, P depths
     assert max_tree_nodes("pruned", 10**6, p, {"width": 2}) == 2 * p and max_tree_nodes("pruned", 5, p) == 5

@@ -42,7 +42,8 @@ from dartree.decode.generate import (POLICY_PROMPT, STAGES, autoregressive_gener
                                      warm_paths)
 from dartree.decode.harness.flags import add_decode_flags
 from dartree.decode.harness.prompts import load_prompt_file, load_prompts
-from dartree.decode.harness.runner import Method, PromptDecode, decode_one
+from dartree.decode.harness.runner import PromptDecode, decode_one
+from dartree.decode.settings import DecodeSettings
 from dartree.decode.harness.session import encode_prompts, prompt_encoder
 from dartree.decode.inputs import check_prompt_set
 from dartree.models.chat import chat_prompt_ids
@@ -372,7 +373,8 @@ def _ar_baseline(args, target, prompts: list, stop: list) -> tuple[list[PromptDe
     """A short warm-up decode, then AR on every prompt (:func:`~dartree.decode.harness.runner.decode_one`);
     returns (the decodes, t_AR: seconds per AR token, prefill and first token excluded)."""
     autoregressive_generate(target, chat_prompt_ids(target.tokenizer, "Say hello."), max_new_tokens=8, stop_ids=stop)
-    ar = [decode_one(target, ids, Method(), max_new_tokens=args.max_new_tokens, stop_ids=stop) for ids in prompts]
+    ar_settings = DecodeSettings(None, max_new_tokens=args.max_new_tokens, stop_ids=tuple(stop))
+    ar = [decode_one(target, ids, ar_settings) for ids in prompts]
     return ar, sum(o.stats.decode_s for o in ar) / max(1, sum(o.stats.new_tokens - 1 for o in ar))
 
 
@@ -416,12 +418,13 @@ def _bench_methods(args, console, label: str, models, prompts: list, ar: list, t
         mt.add_column(col, justify="right")
     policy_ids = chat_prompt_ids(target.tokenizer, POLICY_PROMPT)
     for m, b in runs:
-        cm = _warm_run(target, dm, policy_ids, prompts[0], m, b, stop)
-        outs = []
         record = args.replay and b != "auto" and (m == "chain" or b == max(args.budget))
+        settings = DecodeSettings(m, b, max_new_tokens=args.max_new_tokens, stop_ids=tuple(stop), record_trees=record)
+        cm = _warm_run(target, dm, policy_ids, prompts[0], settings)
+        outs = []
         for i, ids in enumerate(prompts):
-            o = decode_one(target, ids, Method(m, b), max_new_tokens=args.max_new_tokens, drafter=dm.drafter,
-                           head=dm.head, stop_ids=stop, cost_model=cm, record_trees=record, reference=ar[i].tokens)
+            o = decode_one(target, ids, settings, drafter=dm.drafter, head=dm.head, cost_model=cm,
+                           reference=ar[i].tokens)
             if o.mismatch and exact:
                 console.print(f"[bold red]{m}@{b}: output differs from AR on prompt {i}[/bold red]")
             outs.append(o.stats)
@@ -441,15 +444,15 @@ def _bench_methods(args, console, label: str, models, prompts: list, ar: list, t
     return recorded
 
 
-def _warm_run(target, dm, policy_ids: list, first_prompt: list, method: str, budget, stop: list) -> CostModel | None:
-    """Every path of (method, budget) warmed before its timing (:func:`~dartree.decode.generate.warm_paths`); for
+def _warm_run(target, dm, policy_ids: list, first_prompt: list, settings: DecodeSettings) -> CostModel | None:
+    """Every path of ``settings`` warmed before its timing (:func:`~dartree.decode.generate.warm_paths`); for
     ``"auto"`` a cost model calibrated on the first prompt and seeded on the policy prompt, so nothing of it falls in
     a timed policy. Returns that model, or None for a fixed budget."""
-    warm_paths(target, dm.drafter, dm.head, policy_ids, [(method, budget, 0)], stop_ids=stop)
-    if budget != "auto":
+    warm_paths(target, dm.drafter, dm.head, policy_ids, [settings])
+    if settings.budget != "auto":
         return None
     cm = calibrate(target, dm.drafter, first_prompt, max_budget=dm.drafter.cfg.num_proposals)
-    seed_policy(cm, target, dm.drafter, dm.head, policy_ids, builder=method, stop_ids=stop)
+    seed_policy(cm, target, dm.drafter, dm.head, policy_ids, settings)
     return cm
 
 
@@ -460,7 +463,8 @@ def _profile(console, target, dm, prompt: list, run: tuple, stop: list) -> str:
 
     m, b = run
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        speculative_generate(target, dm.drafter, dm.head, prompt, builder=m, max_new_tokens=64, stop_ids=stop, budget=b)
+        speculative_generate(target, dm.drafter, dm.head, prompt,
+                             DecodeSettings(m, b, max_new_tokens=64, stop_ids=tuple(stop)))
     text = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     console.print(f"profile of {m}@{b} (64 tokens):\n{text}")
     return text

@@ -13,29 +13,10 @@ import torch
 
 from dartree.decode.budget import CostModel
 from dartree.decode.generate import ARStepper, DecodeStats, autoregressive_generate, speculative_generate
+from dartree.decode.settings import DecodeSettings, check_settings
 from dartree.models.drafter import DFlashDrafter
 from dartree.models.heads import CorrectionHead
 from dartree.models.target import Target
-
-
-@dataclass
-class Method:
-    """One decode setting of a run: AR (``builder`` None) or a tree builder with its budget, parameters and options
-    (as :func:`~dartree.decode.generate.speculative_generate` takes them).
-
-    Attributes:
-        builder: a registered builder name or alias; None: plain autoregressive decoding.
-        budget: tree nodes per round (int), None (P, the proposals) or ``"auto"``.
-        builder_params: the builders' parameters (``k``, ``width``, ``beta``, ``children``, ``backend``) or None.
-        acceptance: ``"match"`` or ``"rejection"``. lookup, lookup_ngram: the prompt-lookup graft (0: off).
-    """
-
-    builder: str | None = None
-    budget: int | str | None = None
-    builder_params: dict | None = None
-    acceptance: str = "match"
-    lookup: int = 0
-    lookup_ngram: int = 3
 
 
 @dataclass
@@ -74,21 +55,21 @@ def against_ar(tokens: Sequence[int], reference: Sequence[int]) -> tuple[bool, i
     return differs, (first_divergence(tokens, reference) if differs else None)
 
 
-def decode_one(target: Target, prompt_ids: Sequence[int], method: Method, *, max_new_tokens: int,
-               drafter: DFlashDrafter | None = None, head: CorrectionHead | None = None, temperature: float = 0.0,
-               stop_ids: Sequence[int] = (), seed: int | None = None, cost_model: CostModel | None = None,
-               record_trees: bool = False, paired: bool = False,
+def decode_one(target: Target, prompt_ids: Sequence[int], settings: DecodeSettings, *,
+               drafter: DFlashDrafter | None = None, head: CorrectionHead | None = None, seed: int | None = None,
+               cost_model: CostModel | None = None, paired: bool = False,
                reference: Sequence[int] | None = None) -> PromptDecode:
-    """Decode ``prompt_ids`` once with ``method``, time it (the loop's own ``stats``), and compare with AR.
+    """Decode ``prompt_ids`` once with ``settings``, time it (the loop's own ``stats``), and compare with AR.
 
     Args:
-        target: the target; drafter, head: the checkpoint's (needed unless ``method.builder`` is None).
-        prompt_ids: [T] chat-templated ids. max_new_tokens, temperature, stop_ids: as
-            :func:`~dartree.decode.generate.speculative_generate`.
+        target: the target; drafter, head: the checkpoint's (needed unless ``settings.builder`` is None).
+        prompt_ids: [T] chat-templated ids.
+        settings: the decode's :class:`~dartree.decode.settings.DecodeSettings`; ``builder`` None: plain
+            autoregressive decoding (:func:`~dartree.decode.generate.autoregressive_generate`, with its
+            max_new_tokens, temperature and stop ids), else :func:`~dartree.decode.generate.speculative_generate`.
         seed: the sampler's seed (a CPU ``torch.Generator`` seeded with it; the lockstep AR decode gets its own with
             the same seed); None: no generator (greedy only).
         cost_model: the ``budget="auto"`` policy of this decode (None: the loop's one-off policy).
-        record_trees: keep every round's verify tree in ``stats.trees``.
         paired: also run an :class:`~dartree.decode.generate.ARStepper` in lockstep with a speculative decode
             (``speculative_generate(lockstep=)``), then to its end (``PromptDecode.paired_ar``).
         reference: AR's tokens for this prompt, to fill ``mismatch`` / ``first_divergence``; None: no check.
@@ -100,21 +81,19 @@ def decode_one(target: Target, prompt_ids: Sequence[int], method: Method, *, max
     """
     gen = None if seed is None else torch.Generator().manual_seed(seed)
     pair = None
-    if method.builder is None:
-        out = autoregressive_generate(target, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                                      stop_ids=stop_ids, generator=gen)
+    s = check_settings(settings)
+    if s.builder is None:
+        out = autoregressive_generate(target, prompt_ids, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                                      stop_ids=s.stop_ids, generator=gen)
     else:
         if paired:
-            pair = ARStepper(target, prompt_ids, max_new_tokens=max_new_tokens, temperature=temperature,
-                             stop_ids=stop_ids, generator=None if seed is None else torch.Generator().manual_seed(seed))
-        out = speculative_generate(
-            target, drafter, head, prompt_ids, builder=method.builder, max_new_tokens=max_new_tokens,
-            temperature=temperature, stop_ids=stop_ids, budget=method.budget, generator=gen,
-            builder_params=method.builder_params, record_trees=record_trees, cost_model=cost_model,
-            acceptance=method.acceptance, lookup=method.lookup, lookup_ngram=method.lookup_ngram,
-            lockstep=pair.run_to if pair is not None else None)
+            pair = ARStepper(target, prompt_ids, max_new_tokens=s.max_new_tokens, temperature=s.temperature,
+                             stop_ids=s.stop_ids,
+                             generator=None if seed is None else torch.Generator().manual_seed(seed))
+        out = speculative_generate(target, drafter, head, prompt_ids, s, generator=gen, cost_model=cost_model,
+                                   lockstep=pair.run_to if pair is not None else None)
         if pair is not None:
-            pair.run_to(max_new_tokens)
+            pair.run_to(s.max_new_tokens)
     result = PromptDecode(out.tokens, out.stats, pair)
     if reference is not None:
         result.mismatch, result.first_divergence = against_ar(out.tokens, reference)

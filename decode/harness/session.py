@@ -24,7 +24,8 @@ from rich.console import Console
 from dartree.decode.assembly import Assembly, ModeUnavailable, TargetLoadError, assemble, dtype_plan
 from dartree.decode.harness.builder_args import builder_params_of
 from dartree.decode.inputs import check_prompt_set
-from dartree.decode.harness.runner import Method, PromptDecode, decode_one
+from dartree.decode.harness.runner import PromptDecode, decode_one
+from dartree.decode.settings import DecodeSettings
 from dartree.decode.harness.peers import load_bf16_twin, load_zlab_drafter, run_peer
 from dartree.decode.harness.prompt_rows import PromptRows
 from dartree.decode.harness.prompts import Prompt, load_prompt_file, load_prompts
@@ -358,19 +359,25 @@ class EvalSession(PromptRows):
         result carries ``paired_ar``, the ARStepper that ran in lockstep with it (then run to its end).
         ``cost_model``: a ``--budget auto`` method's model for this decode (default: the method's own,
         :attr:`cost_models`)."""
-        a = self.config
-        if method == "ar":
-            setting = Method()
-        else:
-            builder, b = self.runs[method]
-            setting = Method(builder, b, a.builder_params, a.acceptance, a.lookup if LOOKUP_SUFFIX in method else 0,
-                             a.lookup_ngram)
         dm = self.dm
-        return decode_one(self.target, ids, setting, max_new_tokens=max_new,
+        return decode_one(self.target, ids, self.settings(method, max_new_tokens=max_new, record_trees=record),
                           drafter=dm.drafter if dm is not None else None, head=dm.head if dm is not None else None,
-                          temperature=a.temperature, stop_ids=self.stop_ids, seed=seed,
-                          cost_model=self.cost_models.get(method) if cost_model is None else cost_model,
-                          record_trees=record, paired=a.paired and method != "ar")
+                          seed=seed, cost_model=self.cost_models.get(method) if cost_model is None else cost_model,
+                          paired=self.config.paired and method != "ar")
+
+    def settings(self, method: str, **changes) -> DecodeSettings:
+        """The :class:`~dartree.decode.settings.DecodeSettings` of the row ``method`` (``"ar"``: builder None), built
+        from the run's configuration (``--max-new-tokens``, ``--temperature``, the builder parameters, ``--acceptance``,
+        the lookup graft of a ``+lookup`` row) and the target's stop ids, with ``changes`` applied.
+
+        Raises:
+            KeyError: a method this run does not decode.
+        """
+        a = self.config
+        builder, budget = (None, None) if method == "ar" else self.runs[method]
+        return DecodeSettings(builder, budget, a.builder_params, a.acceptance,
+                              a.lookup if LOOKUP_SUFFIX in method else 0, a.lookup_ngram, a.max_new_tokens,
+                              a.temperature, tuple(self.stop_ids)).with_(**changes)
 
     def run_peer_on(self, name: str, ids: list, max_new: int):
         """One decode of ``ids`` by the peer ``name`` (:func:`dartree.decode.harness.peers.run_peer`)."""
@@ -427,11 +434,9 @@ class EvalSession(PromptRows):
         policy_ids = self.encode(POLICY_PROMPT) if self.methods else []
         if self.methods:
             dm = self.dm
-            runs = list(dict.fromkeys((b, budget, a.lookup if LOOKUP_SUFFIX in m else 0)
-                                      for m, (b, budget) in self.runs.items()))
-            rec = warm_paths(self.target, dm.drafter, dm.head, policy_ids, runs, builder_params=a.builder_params,
-                             lookup_ngram=a.lookup_ngram, max_budget=dm.drafter.cfg.num_proposals,
-                             stop_ids=self.stop_ids)
+            runs = list({(self.runs[m], LOOKUP_SUFFIX in m): self.settings(m) for m in self.runs}.values())
+            rec = warm_paths(self.target, dm.drafter, dm.head, policy_ids, runs,
+                             max_budget=dm.drafter.cfg.num_proposals)
             self.warm_record = {"seconds": rec["seconds"], "verify_sizes": [min(rec["verify_sizes"]),
                                 max(rec["verify_sizes"])], "draft_rows": [min(rec["draft_rows"]),
                                                                          max(rec["draft_rows"])]}
@@ -451,14 +456,10 @@ class EvalSession(PromptRows):
     def seed_policies(self, policy_ids: list) -> None:
         """Seed every ``--budget auto`` method's cost model with a calibration pass of its own builder on
         ``policy_ids`` (:func:`~dartree.decode.generate.seed_policy`), and print what each policy starts from."""
-        a = self.config
         for m, cm in self.cost_models.items():
-            builder, _ = self.runs[m]
             t0 = time.time()
-            prior = seed_policy(cm, self.target, self.dm.drafter, self.dm.head, policy_ids, builder=builder,
-                                builder_params=a.builder_params, lookup=a.lookup if LOOKUP_SUFFIX in m else 0,
-                                lookup_ngram=a.lookup_ngram, new_tokens=SEED_TOKENS, stop_ids=self.stop_ids,
-                                temperature=a.temperature)
+            prior = seed_policy(cm, self.target, self.dm.drafter, self.dm.head, policy_ids, self.settings(m),
+                                new_tokens=SEED_TOKENS)
             self.console.print(f"{m}: policy seeded in {time.time() - t0:.1f}s: {prior_text(prior)}")
 
     def environment(self, done: int, interrupted: str | None = None) -> dict:

@@ -46,6 +46,7 @@ from dartree.decode.assembly import assemble
 from dartree.decode.builders import BUILDERS, get_builder
 from dartree.decode.draft import draft_block
 from dartree.decode.generate import autoregressive_generate, speculative_generate
+from dartree.decode.settings import DecodeSettings
 from dartree.decode.harness.invariance import _tree_mask, verify_rows_vs_ar
 from dartree.kernels.candidates import topk_candidates, topk_candidates_ref
 from dartree.kernels.frontier import frontier_topk, frontier_topk_ref
@@ -229,13 +230,13 @@ def run_eval(models, prompts: list[list[int]], budgets: list[int], max_new_token
             if time.time() > deadline:
                 rows.append({**row, "skipped": "time limit"})
                 continue
-            speculative_generate(target, drafter, head, prompts[0], builder=name, budget=b, max_new_tokens=4)
+            speculative_generate(target, drafter, head, prompts[0], DecodeSettings(name, b, max_new_tokens=4))
             lens, dec, n_tok, mism = [], 0.0, 0, 0
             stages: dict[str, float] = {}
             for p, ref in zip(prompts, ar):
                 _sync(dev)
-                o = speculative_generate(target, drafter, head, p, builder=name, budget=b,
-                                         max_new_tokens=max_new_tokens)
+                o = speculative_generate(target, drafter, head, p,
+                                         DecodeSettings(name, b, max_new_tokens=max_new_tokens))
                 _sync(dev)
                 lens += o.stats.accept_lengths
                 dec, n_tok = dec + o.stats.decode_s, n_tok + max(o.stats.new_tokens - 1, 1)
@@ -326,7 +327,7 @@ def check_invariant(models, prompts: list[list[int]], dry: bool, deadline: float
         for name in ("chain", "pruned"):
             lens, diff = [], []
             for i, (p, ref) in enumerate(zip(prompts, ar)):
-                o = speculative_generate(target, drafter, head, p, builder=name, budget=budget, max_new_tokens=new)
+                o = speculative_generate(target, drafter, head, p, DecodeSettings(name, budget, max_new_tokens=new))
                 lens += o.stats.accept_lengths
                 if list(o.tokens) != list(ref):
                     diff.append(i)

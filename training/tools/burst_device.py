@@ -70,24 +70,25 @@ def evaluate(checkpoint: Path, target_spec: str, prompts: list[dict], *, device:
 
     # lazy: keeps this program's light stages (--help, status, plan, payload) free of torch
     from dartree.decode.assembly import assemble
-    from dartree.decode.harness.runner import Method, decode_one
+    from dartree.decode.harness.runner import decode_one
+    from dartree.decode.settings import DecodeSettings
     from dartree.models.chat import chat_prompt_ids
 
     dev = torch.device(device)
     asm = assemble(checkpoint, target_spec, dtype="bfloat16" if dev.type == "cuda" else "float32", device=dev)
     sync = (lambda: torch.cuda.synchronize(dev)) if dev.type == "cuda" else (lambda: None)
-    methods = {"ar": Method(), "chain": Method("chain"), "pruned": Method("pruned", budget)}
-    done: dict = {name: [] for name in methods}  # each method's PromptDecode per prompt, AR's first
+    done: dict = {name: [] for name in ("ar", "chain", "pruned")}  # each method's PromptDecode per prompt, AR first
     try:
-        stops = stop_ids(asm.target)
+        base = DecodeSettings(None, max_new_tokens=max_new_tokens, stop_ids=tuple(stop_ids(asm.target)))
+        methods = {"ar": base, "chain": base.with_(builder="chain"), "pruned": base.with_(builder="pruned",
+                                                                                           budget=budget)}
         for p in prompts:
             if time.time() > deadline:
                 break
             ids = chat_prompt_ids(asm.target.tokenizer, p["text"])
             for name, m in methods.items():
                 sync()
-                done[name].append(decode_one(asm.target, ids, m, max_new_tokens=max_new_tokens, drafter=asm.drafter,
-                                             head=asm.head, stop_ids=stops,
+                done[name].append(decode_one(asm.target, ids, m, drafter=asm.drafter, head=asm.head,
                                              reference=done["ar"][-1].tokens if m.builder else None))
                 sync()
     finally:
