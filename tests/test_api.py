@@ -206,3 +206,17 @@ def test_generated_text_is_text_without_the_end_of_turn_token(spec):
     assert out.tokens[-1] in spec.stop_ids and end == "<|im_end|>"  # it stopped at the end of its turn
     assert out.raw_text.endswith("<|im_end|>") and not out.text.endswith("<|im_end|>")
     assert "<|im_end|>" not in out.text and out.text.strip() and out.raw_text.startswith(out.text)
+
+
+def test_the_readmes_decode_settings_example_equals_generate(spec):
+    """The README's lower-level example (speculative_generate with a DecodeSettings) runs as written on the loaded
+    decoder and gives generate's tokens for the same setting, and ``spec.settings`` is the setting generate uses."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO / "README.md").read_text(), flags=re.S)
+    example = next(b for b in blocks if "DecodeSettings(" in b)
+    ns = {"spec": spec}
+    exec(compile(example, "README.md", "exec"), ns)
+    want = spec.generate("Name three rivers.", max_new_tokens=64, tree="pruned", budget=8).tokens
+    assert ns["out"].tokens == want == ns["wide"].tokens and len(want) > 10
+    assert ns["settings"].with_(stop_ids=tuple(spec.stop_ids)) == spec.settings(tree="pruned", budget=8,
+                                                                                max_new_tokens=64)
+    assert ns["wide"].stats.budgets != ns["out"].stats.budgets  # the variant really verified other trees

@@ -249,6 +249,7 @@ def test_a_family_of_ones_own_trains_from_the_cli_and_evaluates_through_its_entr
     decode = textwrap.dedent(f"""\
         import json, sys
         from dartree.decode.generate import autoregressive_generate, speculative_generate
+        from dartree.decode.settings import DecodeSettings
         from dartree.models.checkpoint import load_dartree
         from dartree.models.target import load_target
         target = load_target("tiny-qwen3")
@@ -258,8 +259,8 @@ def test_a_family_of_ones_own_trains_from_the_cli_and_evaluates_through_its_entr
         for builder in ("pruned", "chain"):
             for p in ([5, 9, 13, 2], [7, 7, 3]):
                 want = autoregressive_generate(target, p, max_new_tokens=16, stop_ids=[1]).tokens
-                got = speculative_generate(target, dm.drafter, dm.head, p, builder=builder, budget=8,
-                                           max_new_tokens=16, stop_ids=[1]).tokens
+                got = speculative_generate(target, dm.drafter, dm.head, p,
+                                           DecodeSettings(builder, 8, max_new_tokens=16, stop_ids=[1])).tokens
                 same.append(got == want and len(got) > 0)
         print(json.dumps({{"head": type(dm.head).__name__, "same": same}}))
     """)

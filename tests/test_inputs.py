@@ -113,6 +113,27 @@ def test_bad_arguments_are_named_errors_in_both_decoders(target, drafter, kwargs
         speculative_generate(target, drafter, make_markov(), prompt, DecodeSettings(builder="chain", **args), **call)
 
 
+def test_decode_settings_are_one_typed_object_and_anything_else_is_named(target, drafter):
+    """speculative_generate takes its settings as one DecodeSettings: a dict, the old keyword arguments, plain AR's
+    builder None or an unknown field in a variant are refused with the fix; a variant is a copy, the original kept."""
+    head, s = make_markov(), DecodeSettings("chain", max_new_tokens=6, stop_ids=())
+    with pytest.raises(TypeError, match=r"^settings is a dict.*give a dartree.decode.settings.DecodeSettings"):
+        speculative_generate(target, drafter, head, PROMPT, {"builder": "chain", "max_new_tokens": 6})
+    with pytest.raises(TypeError, match="builder"):  # the keyword form of earlier versions
+        speculative_generate(target, drafter, head, PROMPT, builder="chain", max_new_tokens=6)
+    with pytest.raises(ValueError, match=r"^settings.builder is None \(plain AR\).*autoregressive_generate"):
+        speculative_generate(target, drafter, head, PROMPT, s.with_(builder=None))
+    with pytest.raises(TypeError, match=r"^DecodeSettings has no field budgett; its fields: builder, budget"):
+        s.with_(budgett=4)
+    wide = s.with_(builder="pruned", budget=5)
+    assert (s.builder, s.budget, wide.builder, wide.budget, wide.max_new_tokens) == ("chain", None, "pruned", 5, 6)
+    with pytest.raises(AttributeError):
+        s.budget = 3  # frozen
+    want = autoregressive_generate(target, PROMPT, max_new_tokens=6, stop_ids=()).tokens
+    assert speculative_generate(target, drafter, head, PROMPT, s).tokens == want
+    assert speculative_generate(target, drafter, head, PROMPT, wide).tokens == want
+
+
 def test_stop_ids_as_one_int_a_set_a_tensor_or_none_mean_what_they_say(target):
     ref = _ar(target, PROMPT, n=12)
     stop = ref[4]

@@ -430,11 +430,11 @@ class EvalSession(PromptRows):
         ``--budget auto`` method on a scratch copy of its cost model, so that nothing of the warm-up reaches the
         policy), then each ``--budget auto`` policy seeded by a calibration pass with its own builder on
         :data:`~dartree.decode.generate.POLICY_PROMPT` (:meth:`seed_policies`)."""
-        a, warm_ids = self.config, self.encode("Say hello.")
+        warm_ids = self.encode("Say hello.")
         policy_ids = self.encode(POLICY_PROMPT) if self.methods else []
         if self.methods:
             dm = self.dm
-            runs = list({(self.runs[m], LOOKUP_SUFFIX in m): self.settings(m) for m in self.runs}.values())
+            runs = list({(s.builder, s.budget, s.lookup): s for s in map(self.settings, self.runs)}.values())
             rec = warm_paths(self.target, dm.drafter, dm.head, policy_ids, runs,
                              max_budget=dm.drafter.cfg.num_proposals)
             self.warm_record = {"seconds": rec["seconds"], "verify_sizes": [min(rec["verify_sizes"]),
