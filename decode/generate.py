@@ -217,8 +217,9 @@ def autoregressive_generate(
     """Plain one-token-per-forward decoding of the target (the baseline and the losslessness oracle).
 
     ``prompt_ids`` is [T] or [1, T] (list, tensor or array; Hugging Face ``input_ids`` work as they are);
-    ``stop_ids`` a sequence, a set, one int or None. Arguments as :func:`speculative_generate`. Runs
-    :class:`ARStepper` to the end; ``stats.decode_s`` is the sum of its steps' times.
+    ``stop_ids`` a sequence, a set, one int or None. Arguments as the fields of
+    :class:`~dartree.decode.settings.DecodeSettings`. Runs :class:`ARStepper` to the end; ``stats.decode_s`` is the
+    sum of its steps' times.
     Raises:
         TypeError: ``target`` is not a dartree Target, or an argument has the wrong type (named).
         ValueError: empty or batched prompt ([N > 1, T]: one request at a time), an id outside the target's
