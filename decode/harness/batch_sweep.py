@@ -215,9 +215,8 @@ class BatchSweep:
                 dec, pre, forwards = dec + d, pre + p, forwards + max(len(r.tokens) for r in rows) - 1
             return BatchRun(name, batch, tokens, [1.0] * len(tokens), sum(len(t) for t in tokens), dec, pre,
                             forwards, float(min(batch, len(ids))))
-        out = batched_generate(s.target, s.dm.drafter, s.dm.head, ids,
-                               s.settings(name, max_new_tokens=max_new, acceptance="match"), generator=gen,
-                               batch_size=batch,
+        out = batched_generate(s.target, s.dm.drafter, s.dm.head, ids, s.settings(name, max_new_tokens=max_new),
+                               generator=gen, batch_size=batch,
                                cost_model=cost_model if cost_model is not None else self.models.get(name))
         return _from_batch(name, batch, out)
 
