@@ -5,6 +5,7 @@ import pytest
 
 from dartree.decode.harness.break_even import break_even, break_even_fields, break_even_sentence, needs_tau_cell
 from dartree.decode.harness.report import aggregate, report_console, report_markdown
+from dartree.decode.harness.report_rows import EvalReport, MethodSummary, PromptRow
 
 STAGES_MS = {"draft": 2.0, "tree_build": 0.5, "tree_compile": 0.2, "verify": 14.4, "commit": 0.3}  # 17.4 ms a round
 
@@ -47,16 +48,17 @@ def test_bad_figures_are_one_line_naming_the_problem(ar_ms, stages, word):
     assert "\n" not in str(exc.value) and "pass the" in str(exc.value)
 
 
-def _rows(paired: bool) -> tuple[list[dict], list[dict]]:
+def _rows(paired: bool) -> tuple[list[PromptRow], list[PromptRow]]:
     """One prompt: AR took 0.1 s for 10 decoded tokens (10 ms each); the method 5 rounds committing 11 tokens
     (tau 2.2), its stages 0.1 s in all (20 ms a round = 2 AR steps); paired, its lockstep AR took 8 ms a token."""
-    row = {"dataset": "d", "id": 0, "new_tokens": 12, "decode_s": 0.105, "accept_lengths": [2, 2, 2, 2, 3],
-           "stage_s": {"draft": 0.02, "tree_build": 0.005, "tree_compile": 0.005, "verify": 0.065, "commit": 0.005},
-           "tree_nodes": [4, 4, 4, 4, 4], "budgets": [4] * 5, "accepted_depths": [1, 1, 1, 1, 2], "mismatch": False,
-           "exact": True}
+    row = PromptRow(dataset="d", id=0, new_tokens=12, decode_s=0.105, accept_lengths=[2, 2, 2, 2, 3],
+                    stage_s={"draft": 0.02, "tree_build": 0.005, "tree_compile": 0.005, "verify": 0.065,
+                             "commit": 0.005},
+                    tree_nodes=[4, 4, 4, 4, 4], budgets=[4] * 5, accepted_depths=[1, 1, 1, 1, 2], mismatch=False,
+                    exact=True)
     if paired:
-        row.update(paired_ar_decode_s=0.088, paired_ar_new_tokens=12)  # 11 tokens after the first: 8 ms each
-    return [row], [{"dataset": "d", "id": 0, "new_tokens": 11, "decode_s": 0.1, "accept_lengths": [1] * 10}]
+        row.paired_ar_decode_s, row.paired_ar_new_tokens = 0.088, 12  # 11 tokens after the first: 8 ms each
+    return [row], [PromptRow(dataset="d", id=0, new_tokens=11, decode_s=0.1, accept_lengths=[1] * 10)]
 
 
 @pytest.mark.parametrize("paired", [False, True], ids=["baseline", "paired"])
@@ -65,18 +67,20 @@ def test_the_report_aggregate_carries_the_break_even_tau_against_the_ar_it_was_t
     with --paired the lockstep AR's 8 ms prices it at 2.5 (tau 2.2 does not)."""
     rows, ar = _rows(paired)
     agg = aggregate(rows, ar)
-    be = agg["break_even"]
+    be = agg.break_even
     assert be["ar_basis"] == ("paired" if paired else "baseline")
     assert be["ar_ms_per_token"] == pytest.approx(8.0 if paired else 10.0)
     assert be["break_even_tau"] == pytest.approx(2.5 if paired else 2.0) and be["tau"] == pytest.approx(2.2)
     assert be["pays"] is (not paired)
     assert be["verify_tokens"] == pytest.approx(5.0)
     assert be["verify_ar_steps"] == pytest.approx(1.625 if paired else 1.3)
-    measured = f"measured: {agg['paired_speedup']:.2f}x AR paired" if paired else f"measured: {agg['speedup']:.2f}x AR"
+    measured = f"measured: {agg.paired_speedup:.2f}x AR paired" if paired else f"measured: {agg.speedup:.2f}x AR"
     assert be["explanation"].endswith(f"({measured}).")
     assert needs_tau_cell(agg) == ("2.50" if paired else "2.00")
-    assert "break_even" not in aggregate(ar, ar) and needs_tau_cell(aggregate(ar, ar)) == ""  # AR itself has none
-    assert break_even_fields([], ar, {"tau": 1.0}) == {}  # an empty scope
+    assert aggregate(ar, ar).break_even is None and needs_tau_cell(aggregate(ar, ar)) == ""  # AR itself has none
+    empty = MethodSummary(tau=1.0, tokens_per_s=1.0, speedup=1.0, rounds=0, decode_tokens=0, prompts=0)
+    assert break_even_fields([], ar, empty) is None  # an empty scope
+    assert "break_even" not in aggregate(ar, ar).to_json() and agg.to_json()["break_even"] == be
 
 
 def test_report_md_and_the_console_explain_each_row_and_an_older_report_still_renders():
@@ -86,8 +90,7 @@ def test_report_md_and_the_console_explain_each_row_and_an_older_report_still_re
            "prompts_done": 1, "prompts_planned": 1, "interrupted": None, "stop_ids": [2],
            "sampling": {"rule": "greedy", "ignored": None}, "chat_template": "tokenizer", "chat_template_kwargs": {},
            "row_invariant": None, "paired": True, "ar_repeats": 1, "cost_models": {}}
-    report = {"environment": env, "methods": {"ar": aggregate(ar, ar), "pruned@B4": aggregate(rows, ar)},
-              "datasets": {}, "peers_skipped": {}}
+    report = EvalReport(environment=env, methods={"ar": aggregate(ar, ar), "pruned@B4": aggregate(rows, ar)})
     md = report_markdown(report)
     assert "| method | tau | needs tau | tokens/s | speedup | paired x AR |" in md
     assert "| pruned@B4 | 2.200 | 2.50 |" in md
@@ -98,6 +101,7 @@ def test_report_md_and_the_console_explain_each_row_and_an_older_report_still_re
             "reached 2.20, short of it, so it cannot beat AR here: 0.88x AR by these costs") in md
     printed = [x for x in report_console(report) if isinstance(x, str)]
     assert printed[-1].startswith("pruned@B4: a verify of 5 tokens") and printed[-1] in md
-    del report["methods"]["pruned@B4"]["break_even"]  # a report.json written before the figure was recorded
-    old = report_markdown(report)
+    stored = report.to_json()
+    del stored["methods"]["pruned@B4"]["break_even"]  # a report.json written before the figure was recorded
+    old = report_markdown(EvalReport.from_json(stored))
     assert "what a round costs here" not in old and "| pruned@B4 | 2.200 |  |" in old

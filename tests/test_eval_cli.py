@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from dartree.decode.harness.report import report_warnings
+from dartree.decode.harness.report_rows import EvalReport, PromptRow
 from dartree.models.checkpoint import save_dartree
 from dartree.models.drafter import DFlashDrafter, DrafterConfig
 from dartree.models.families.dspark import MarkovHead
@@ -48,6 +49,7 @@ def test_eval_cli_writes_report(tiny_folder, tmp_path):
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     rep = json.loads((out / "report.json").read_text())
+    assert EvalReport.from_json(rep).to_json() == rep  # report.json reads back to the report that wrote it
     # a budget sweep; chain runs at full length and, as auto is in the sweep, with the cost-model budget
     assert set(rep["methods"]) == {"ar", "chain", "chain@auto", "pruned@B4", "pruned@B6", "pruned@auto"}
     assert set(rep["environment"]["cost_models"]) == {"chain@auto", "pruned@auto"}
@@ -92,16 +94,28 @@ def test_eval_cli_writes_report(tiny_folder, tmp_path):
             f"(measured: {rep['methods'][m]['speedup']:.2f}x AR).")
 
 
+def _report(methods: dict, environment: dict | None = None) -> EvalReport:
+    """A report from method summaries that give only what a test reads (the other required figures set to 1)."""
+    filled = {m: {"tau": 1.0, "tokens_per_s": 1.0, "speedup": 1.0, "rounds": 1, "decode_tokens": 1, "prompts": 1, **r}
+              for m, r in methods.items()}
+    return EvalReport.from_json({"methods": filled, "environment": environment or {}})
+
+
+def _row(**fields) -> PromptRow:
+    """One prompt's row with the given fields (dataset and id filled in)."""
+    return PromptRow(dataset="d", id=0, **fields)
+
+
 def test_report_warnings_flag_tau_about_one_and_mismatches():
     rep = {"methods": {"ar": {"tau": 1.0, "lossless": None},
                        "chain": {"tau": 1.0, "lossless": True, "mismatches": 0},
                        "pruned": {"tau": 2.1, "lossless": False, "mismatches": 3}}}
-    w = report_warnings(rep)
+    w = report_warnings(_report(**rep))
     assert len(w) == 2 and "chain tau = 1.000 is about 1" in w[0] and "pruned differs from AR on 3" in w[1]
     never = {"tau": 1.0, "lossless": True, "mismatches": 0, "mean_tree_nodes": 0.0}
     rep = {"methods": {"ar": {"tau": 1.0, "lossless": None}, "chain@auto": never, "pruned@B0": never},
            "environment": {"cost_models": {"chain@auto": {}}}}
-    w = report_warnings(rep)
+    w = report_warnings(_report(**rep))
     assert "chain@auto took a plain AR step every round" in w[0] and "pruned@B0 drafted no tree nodes" in w[1]
 
 
@@ -112,11 +126,11 @@ def test_the_drafter_warning_tells_a_policy_that_chose_not_to_draft_from_drafts_
     from dartree.decode.harness.report import _budget_lines, aggregate
 
     # the aggregate counts the drafted rounds (budget > 0) apart: 3 rounds, one an AR step
-    rows = [{"new_tokens": 6, "decode_s": 1.0, "accept_lengths": [1, 3, 2], "budgets": [0, 4, 2],
-             "accepted_depths": [0, 2, 1], "stage_s": {"draft": 0.1}, "tree_nodes": [0, 4, 2]}]
-    agg = aggregate(rows, [{"new_tokens": 6, "decode_s": 2.0, "accept_lengths": [1] * 5}])
-    assert (agg["drafted_rounds"], agg["drafted_tau"], agg["drafted_accepted"]) == (2, 2.5, 3)
-    assert agg["budget_histogram"] == {0: 1, 2: 1, 4: 1}
+    rows = [_row(new_tokens=6, decode_s=1.0, accept_lengths=[1, 3, 2], budgets=[0, 4, 2], accepted_depths=[0, 2, 1],
+                 stage_s={"draft": 0.1}, tree_nodes=[0, 4, 2])]
+    agg = aggregate(rows, [_row(new_tokens=6, decode_s=2.0, accept_lengths=[1] * 5)])
+    assert (agg.drafted_rounds, agg.drafted_tau, agg.drafted_accepted) == (2, 2.5, 3)
+    assert agg.budget_histogram == {0: 1, 2: 1, 4: 1}
     fixed = {"tau": 1.6, "speedup": 1.12, "paired_speedup": 1.15, "lossless": True, "mismatches": 0,
              "budget_histogram": {8: 100}, "rounds": 100, "drafted_rounds": 100, "drafted_tau": 1.6,
              "drafted_accepted": 60}
@@ -132,25 +146,25 @@ def test_the_drafter_warning_tells_a_policy_that_chose_not_to_draft_from_drafts_
     env = {"cost_models": {"pruned@auto": {"prior": prior}}, "paired": True}
     skipped = {"methods": {"ar": {"tau": 1.0, "lossless": None}, "pruned@auto": auto_row({0: 90, 4: 10}, 1.02, 1.6, 6),
                            "pruned@B8": fixed}, "environment": env}
-    w = report_warnings(skipped)
+    w = report_warnings(_report(**skipped))
     assert len(w) == 1 and "contributes nothing" not in w[0]
     assert w[0].startswith("WARNING: pruned@auto tau = 1.020: the policy (--budget auto) chose not to draft (B=0 in 90 "
                            "of 100 rounds); its 10 drafted rounds committed 1.60 tokens each, so the drafter does "
                            "contribute; pruned@B8 (a fixed budget of the same builder, same prompts): tau 1.600")
     assert "1.150x AR paired" in w[0]
     rejected = dict(skipped, methods={**skipped["methods"], "pruned@auto": auto_row({0: 10, 4: 90}, 1.0, 1.0, 0)})
-    w = report_warnings(rejected)
+    w = report_warnings(_report(**rejected))
     assert len(w) == 1 and w[0] == ("WARNING: pruned@auto tau = 1.000 is about 1 and its 90 drafted rounds accepted 0 "
                                     "drafts in all: the drafter contributes nothing (untrained, mismatched to the "
                                     "target, or the wrong checkpoint)")
     # tau above the floor, but the policy skipped most rounds while the fixed budget gained: still loud
     missed = dict(skipped, methods={**skipped["methods"], "pruned@auto": auto_row({0: 60, 4: 40}, 1.2, 1.5, 20)})
-    w = report_warnings(missed)
+    w = report_warnings(_report(**missed))
     assert len(w) == 1 and w[0].startswith("WARNING: pruned@auto chose B=0 in 60 of 100 rounds while pruned@B8")
     # no warning when the policy drafted and the drafted rounds accepted drafts
     fine = dict(skipped, methods={**skipped["methods"], "pruned@auto": auto_row({0: 5, 4: 95}, 1.5, 1.53, 50)})
-    assert report_warnings(fine) == []
-    line = _budget_lines(fine)[0]
+    assert report_warnings(_report(**fine)) == []
+    line = _budget_lines(_report(**fine))[0]
     assert line.startswith("pruned@auto: B=0: 5, B=4: 95; drafted in 95 of 100 rounds (1.53 tokens per drafted round)")
     assert "against pruned@B8 (a fixed budget of the same builder" in line and "started from 31 drafted rounds" in line
 
@@ -244,7 +258,7 @@ def test_eval_cli_paired_rows_time_each_method_against_its_own_lockstep_ar(tiny_
     r = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:] + r.stdout[-3000:]
     rep = json.loads((out / "report.json").read_text())
-    assert rep["environment"]["paired"] is True
+    assert rep["environment"]["paired"] is True and EvalReport.from_json(rep).to_json() == rep
     ar_rows = rep["per_prompt"]["ar"]
     for m in ("chain", "pruned"):
         rows = rep["per_prompt"][m]
@@ -579,19 +593,21 @@ def test_eval_cli_prompts_file_replaces_the_packaged_sets(tiny_folder, tmp_path,
 def test_splits_are_named_mismatch_only_where_the_arithmetic_is_exact():
     from dartree.decode.harness.report import lossless_cell, split_label
 
-    real = {"mismatch": True, "exact": True, "first_divergence": 7, "margin_at_divergence": 0.01}
+    real = dict(mismatch=True, exact=True, first_divergence=7, margin_at_divergence=0.01)
     tie = {**real, "exact": False}
-    assert split_label(real) == "MISMATCH" and split_label({"mismatch": False}) == ""
-    assert split_label(tie) == "split@7 (top-2 margin 0.010)"
-    assert lossless_cell({"lossless": False, "mismatches": 2, "exact": True}) == "NO (2)"
-    assert lossless_cell({"lossless": False, "mismatches": 2, "exact": False}) == "split (2), near-ties"
-    assert lossless_cell({"lossless": False, "mismatches": 1, "exact": False}, peer=True) == "split (1), own arithmetic"
-    assert lossless_cell({"lossless": True, "mismatches": 0}) == "yes" and lossless_cell({"lossless": None}) == "n/a"
+    cell = lambda peer=False, **r: lossless_cell(_report({"m": r}).methods["m"], peer)  # noqa: E731
+    row = lambda **r: _row(new_tokens=2, decode_s=1.0, accept_lengths=[1], **r)  # noqa: E731
+    assert split_label(row(**real)) == "MISMATCH" and split_label(row(mismatch=False)) == ""
+    assert split_label(row(**tie)) == "split@7 (top-2 margin 0.010)"
+    assert cell(lossless=False, mismatches=2, exact=True) == "NO (2)"
+    assert cell(lossless=False, mismatches=2, exact=False) == "split (2), near-ties"
+    assert cell(lossless=False, mismatches=1, exact=False, peer=True) == "split (1), own arithmetic"
+    assert cell(lossless=True, mismatches=0) == "yes" and cell(lossless=None) == "n/a"
     rep = {"methods": {"ar": {"tau": 1.0, "lossless": None},
                        "pruned": {"tau": 2.1, "lossless": False, "mismatches": 3, "exact": False},
                        "hf-prompt-lookup": {"tau": 1.5, "lossless": False, "mismatches": 1, "exact": False,
                                             "peer": True}}}
-    w = report_warnings(rep)
+    w = report_warnings(_report(**rep))
     assert len(w) == 2 and not any(x.startswith("WARNING") for x in w)
     assert "pruned splits from AR on 3 prompts" in w[0] and "--invariant" in w[0] and "own arithmetic" in w[1]
 

@@ -13,6 +13,7 @@ from dartree.decode.harness import plots
 from dartree.decode.harness import report_command as cmd
 from dartree.decode.harness import report_figures as figs
 from dartree.base import figures as curves_mod
+from dartree.decode.harness.report_rows import EvalReport
 from dartree.decode.settings import DecodeSettings
 from test_eval_cli import tiny_folder  # noqa: F401  (fixture: the tiny target and drafter folders)
 
@@ -33,6 +34,16 @@ STAGE_MS = {"chain": dict(draft=10.0, tree_build=1.0, tree_compile=0.5, verify=3
             "pruned@B8": dict(draft=10.0, tree_build=6.0, tree_compile=1.5, verify=44.0, commit=0.5)}
 
 
+def _summary(tau: float, speedup: float, **more) -> dict:
+    """A method's summary as report.json stores it (the figures these tests do not read set to 1)."""
+    return {"tau": tau, "speedup": speedup, "tokens_per_s": 1.0, "rounds": 1, "decode_tokens": 1, "prompts": 1, **more}
+
+
+def typed(rep: dict) -> EvalReport:
+    """The report read back from its JSON dict, as dartree-report reads report.json."""
+    return EvalReport.from_json(rep)
+
+
 def synthetic_report() -> dict:
     """Two data sets, AR + chain + a pruned budget sweep (B 4, 8), P = 5 proposals, one recorded tree per method.
     The last chain round of gsm8k is truncated (accepted depth 3, committed 2)."""
@@ -47,10 +58,10 @@ def synthetic_report() -> dict:
         "pruned@B8": [_row("humaneval", [3, 5], [[3, 2, 2, 1], [2, 2, 2, 1, 1]], [2, 4], stage_ms=STAGE_MS["pruned@B8"]),
                       _row("gsm8k", [2, 2], [[4, 3, 1], [5, 2, 1]], [1, 1], stage_ms=STAGE_MS["pruned@B8"])],
     }
-    methods = {"ar": {"tau": 1.0, "speedup": 1.0}}
+    methods = {"ar": _summary(1.0, 1.0)}
     sweep = {"chain": (2.4286, 0.9), "pruned@B4": (2.5, 1.1), "pruned@B8": (3.0, 1.25)}
     for m, (tau, sp) in sweep.items():
-        methods[m] = {"tau": tau, "speedup": sp, **{f"{k}_ms_per_round": v for k, v in STAGE_MS[m].items()}}
+        methods[m] = {**_summary(tau, sp), **{f"{k}_ms_per_round": v for k, v in STAGE_MS[m].items()}}
     # round 1: root 'def' -> ' f' (accepted) -> '(x' (accepted), ' g' rejected sibling; bonus ':'
     tree = {"root": 10, "tokens": [11, 12, 13, 14], "parents": [0, 0, 1, 3], "depth": [1, 1, 2, 3],
             "accepted": [0, 1, 3], "bonus": 15, "root_text": "def", "texts": [" f", " g", "(x", ")"],
@@ -82,7 +93,7 @@ def test_survival_and_depth_helpers_by_hand():
 
 def test_acceptance_figure_draws_the_survival_of_each_method_and_scope():
     rep = synthetic_report()
-    fig = plots.fig_acceptance(rep)
+    fig = plots.fig_acceptance(typed(rep))
     ax_all, ax_he, ax_gsm = fig.axes
     assert [ax.get_title() for ax in fig.axes] == ["all prompts", "humaneval", "gsm8k"]
     lines = _lines(ax_all)
@@ -97,7 +108,7 @@ def test_acceptance_figure_draws_the_survival_of_each_method_and_scope():
 
 
 def test_sweep_figure_draws_tau_and_speedup_per_builder():
-    fig = plots.fig_sweep(synthetic_report())
+    fig = plots.fig_sweep(typed(synthetic_report()))
     ax_tau, ax_sp = fig.axes
     tl, sl = _lines(ax_tau), _lines(ax_sp)
     assert list(tl["pruned"].get_xdata()) == [4, 8] and list(tl["pruned"].get_ydata()) == [2.5, 3.0]
@@ -106,12 +117,12 @@ def test_sweep_figure_draws_tau_and_speedup_per_builder():
     assert list(sl["ar"].get_ydata()) == [1.0, 1.0]
     no_sweep = synthetic_report()
     no_sweep["methods"] = {"ar": no_sweep["methods"]["ar"], "chain": no_sweep["methods"]["chain"]}
-    assert plots.fig_sweep(no_sweep) is None
+    assert plots.fig_sweep(typed(no_sweep)) is None
 
 
 def test_stage_figure_stacks_ms_per_round_with_the_ar_step_line():
     rep = synthetic_report()
-    fig = plots.fig_stages(rep)
+    fig = plots.fig_stages(typed(rep))
     ax = fig.axes[0]
     conts = {c.get_label(): c for c in ax.containers}
     assert list(conts) == ["draft", "tree_build", "tree_compile", "verify", "commit"]
@@ -124,14 +135,14 @@ def test_stage_figure_stacks_ms_per_round_with_the_ar_step_line():
     assert _lines(ax)["ar"].get_ydata()[0] == pytest.approx(280 / 12)
     assert [t.get_text() for t in ax.get_xticklabels()] == ["chain", "pruned@B4", "pruned@B8"]
     # a peer row has no stage times: no (empty) bar for it
-    rep["methods"]["hf-prompt-lookup"] = {"tau": 2.0, "speedup": 1.1, "peer": True}
-    ax = plots.fig_stages(rep).axes[0]
+    rep["methods"]["hf-prompt-lookup"] = _summary(2.0, 1.1, peer=True)
+    ax = plots.fig_stages(typed(rep)).axes[0]
     assert [t.get_text() for t in ax.get_xticklabels()] == ["chain", "pruned@B4", "pruned@B8"]
     assert len(ax.containers[0].patches) == 3
 
 
 def test_tree_shape_figure_draws_nodes_and_acceptance_per_depth():
-    fig = plots.fig_tree_shape(synthetic_report())
+    fig = plots.fig_tree_shape(typed(synthetic_report()))
     ax_n, ax_a = fig.axes
     n, a = _lines(ax_n), _lines(ax_a)
     assert list(n["chain"].get_xdata()) == [1, 2, 3, 4, 5] and list(n["chain"].get_ydata()) == [1.0] * 5
@@ -182,7 +193,7 @@ def test_write_figures_embeds_pngs_and_a_broken_figure_is_only_a_warning(tmp_pat
     rep = synthetic_report()
     (tmp_path / "report.json").write_text(json.dumps(rep))
     (tmp_path / "report.md").write_text("# tables\n\n| method | tau |\n")
-    notes = figs.write_figures(rep, tmp_path)
+    notes = figs.write_figures(typed(rep), tmp_path)
     assert notes == []
     md = (tmp_path / "report.md").read_text()
     files = ["acceptance.png", "sweep.png", "stages.png", "tree_shape.png", "tree_pruned_at_B4.png"]
@@ -191,34 +202,34 @@ def test_write_figures_embeds_pngs_and_a_broken_figure_is_only_a_warning(tmp_pat
     assert md.startswith("# tables\n\n| method | tau |") and md.count(figs.FIGURES_MARKER) == 1
     assert "round 2 of 3" in md  # the default round: the longest accepted path
     # redrawing replaces the section instead of appending a second one; --draw-round picks a round
-    assert figs.write_figures(rep, tmp_path, draw_round=3) == []
+    assert figs.write_figures(typed(rep), tmp_path, draw_round=3) == []
     md = (tmp_path / "report.md").read_text()
     assert md.count(figs.FIGURES_MARKER) == 1 and "round 3 of 3" in md and "round 2 of 3" not in md
-    assert "has 3 recorded rounds" in figs.write_figures(rep, tmp_path, draw_round=9)[0]
+    assert "has 3 recorded rounds" in figs.write_figures(typed(rep), tmp_path, draw_round=9)[0]
 
     def boom(report):
         raise RuntimeError("no ink")
 
     monkeypatch.setattr(plots, "fig_stages", boom)
     (tmp_path / "stages.png").unlink()
-    notes = figs.write_figures(rep, tmp_path)
+    notes = figs.write_figures(typed(rep), tmp_path)
     assert notes == ["WARNING: figure stages.png failed: RuntimeError: no ink"]
     md = (tmp_path / "report.md").read_text()
     assert "](stages.png)" not in md and "](acceptance.png)" in md and md.startswith("# tables")
     assert json.loads((tmp_path / "report.json").read_text()) == rep
     # even a failure outside any single figure leaves the report and returns a warning
     monkeypatch.setattr(figs, "render_figures", lambda *a, **k: 1 / 0)
-    assert "figures not written: ZeroDivisionError" in figs.write_figures(rep, tmp_path)[0]
+    assert "figures not written: ZeroDivisionError" in figs.write_figures(typed(rep), tmp_path)[0]
     assert json.loads((tmp_path / "report.json").read_text()) == rep
 
 
 def test_merge_labels_and_comparison_tables(tmp_path):
-    a, b = synthetic_report(), synthetic_report()
-    b["methods"]["chain"] = {**b["methods"]["chain"], "tau": 1.5}
+    a, b = typed(synthetic_report()), typed(synthetic_report())
+    b.methods["chain"].tau = 1.5
     assert cmd.run_labels([tmp_path / "x" / "latest", tmp_path / "y" / "latest"]) == ["x/latest", "y/latest"]
     assert cmd.run_labels(["reports/dflash", "reports/dspark"]) == ["dflash", "dspark"]
     merged = cmd.merge_reports({"fp32": a, "bf16": b})
-    assert merged["methods"]["bf16/chain"]["tau"] == 1.5 and "fp32/ar" in merged["per_prompt"]
+    assert merged.methods["bf16/chain"].tau == 1.5 and "fp32/ar" in merged.per_prompt
     assert set(plots.ar_step_ms(merged)) == {"fp32/ar", "bf16/ar"}
     assert set(plots.sweep_points(merged)) == {"fp32/pruned", "bf16/pruned"}
     ar_lines = _lines(plots.fig_stages(merged).axes[0])  # each run's AR step spans that run's bars
@@ -380,10 +391,10 @@ def test_eval_writes_the_figures_beside_its_report_and_no_plots_skips_them(tiny_
 def test_reports_without_tree_methods_or_per_depth_data_draw_what_they_can(tmp_path):
     rep = synthetic_report()
     ar_only = {"methods": {"ar": rep["methods"]["ar"]}, "per_prompt": {"ar": rep["per_prompt"]["ar"]}}
-    assert figs.render_figures(ar_only, tmp_path / "ar") == ([], [])
+    assert figs.render_figures(typed(ar_only), tmp_path / "ar") == ([], [])
     old = {k: v for k, v in rep.items() if k != "trees"}  # written before per-depth data and trees existed
     old["per_prompt"] = {m: [{k: v for k, v in row.items() if k not in ("depth_nodes", "accepted_depths")}
                              for row in rows] for m, rows in rep["per_prompt"].items()}
-    written, notes = figs.render_figures(old, tmp_path / "old")
+    written, notes = figs.render_figures(typed(old), tmp_path / "old")
     assert notes == [] and [f["file"] for f in written] == ["acceptance.png", "sweep.png", "stages.png"]
     assert "pruned: B=4 tau 2.500 1.100x, B=8 tau 3.000 1.250x." in written[1]["caption"]

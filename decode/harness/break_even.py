@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+from dartree.decode.harness.report_rows import EvalReport, MethodSummary, PromptRow
+
 _STAGE_WORDS = {"draft": "draft", "tree_build": "build", "tree_compile": "compile", "verify": "verify",
                 "commit": "commit"}
 
@@ -78,57 +80,57 @@ def break_even_sentence(be: Mapping, measured: str = "") -> str:
             f"{verdict}" + (f" ({measured})" if measured else "") + ".")
 
 
-def break_even_fields(rows: Sequence[dict], ar_rows: Sequence[dict], agg: Mapping) -> dict:
-    """A method's break-even record for its report aggregate ``agg`` (with ``tau``, ``<stage>_ms_per_round``,
-    ``mean_tree_nodes``): the AR time per token is that of the AR decodes that ran in lockstep with ``rows``
-    (``paired_ar_*``, with ``--paired``) when every row has one, else that of the AR baseline's ``ar_rows``.
+def break_even_fields(rows: Sequence[PromptRow], ar_rows: Sequence[PromptRow], agg: MethodSummary) -> dict | None:
+    """A method's break-even record for its report aggregate ``agg`` (its ``tau``, ``stage_ms``,
+    ``mean_tree_nodes``; :class:`~dartree.decode.harness.report_rows.MethodSummary`): the AR time per token is that of
+    the AR decodes that ran in lockstep with ``rows`` (``paired_ar_*``, with ``--paired``) when every row has one, else
+    that of the AR baseline's ``ar_rows``.
 
     Returns:
-        ``{"break_even": record}`` (:func:`break_even`, plus ``ar_basis``: ``paired`` or ``baseline``, and
-        ``explanation``: :func:`break_even_sentence`), or ``{}`` when the run has no AR time or no stage times
-        to go by (an empty scope, rows without ``stage_s``, no round).
+        the record (:func:`break_even`, plus ``ar_basis``: ``paired`` or ``baseline``, and ``explanation``:
+        :func:`break_even_sentence`), or None when the run has no AR time or no stage times to go by (an empty
+        scope, rows without ``stage_s``, no round).
     """
-    stages = list(rows[0].get("stage_s", {})) if rows else []
-    if not stages or not agg.get("rounds", 1):
-        return {}
-    if all("paired_ar_decode_s" in r for r in rows):
-        basis, secs = "paired", sum(r["paired_ar_decode_s"] for r in rows)
-        toks = sum(max(r["paired_ar_new_tokens"] - 1, 0) for r in rows)
+    stages = list(rows[0].stage_s or {}) if rows else []
+    if not stages or not agg.rounds:
+        return None
+    if all(r.paired_ar_decode_s is not None for r in rows):
+        basis, secs = "paired", sum(r.paired_ar_decode_s for r in rows)
+        toks = sum(max(r.paired_ar_new_tokens - 1, 0) for r in rows)
     else:
-        basis, secs = "baseline", sum(r["decode_s"] for r in ar_rows)
-        toks = sum(max(r["new_tokens"] - 1, 0) for r in ar_rows)
+        basis, secs = "baseline", sum(r.decode_s for r in ar_rows)
+        toks = sum(r.decode_tokens for r in ar_rows)
     if toks <= 0 or not secs > 0:
-        return {}
-    be = break_even({s: agg.get(f"{s}_ms_per_round", 0.0) for s in stages}, 1000.0 * secs / toks, agg["tau"],
-                    agg.get("mean_tree_nodes", 0.0) + 1.0)
+        return None
+    be = break_even({s: agg.stage_ms.get(s, 0.0) for s in stages}, 1000.0 * secs / toks, agg.tau,
+                    (agg.mean_tree_nodes or 0.0) + 1.0)
     be["ar_basis"] = basis
-    if basis == "paired" and "paired_speedup" in agg:
-        measured = f"measured: {agg['paired_speedup']:.2f}x AR paired"
+    if basis == "paired" and agg.paired_speedup is not None:
+        measured = f"measured: {agg.paired_speedup:.2f}x AR paired"
     else:
-        measured = f"measured: {agg['speedup']:.2f}x AR" if "speedup" in agg else ""
+        measured = f"measured: {agg.speedup:.2f}x AR"
     be["explanation"] = break_even_sentence(be, measured)
-    return {"break_even": be}
+    return be
 
 
-def needs_tau_cell(agg: Mapping) -> str:
+def needs_tau_cell(agg: MethodSummary) -> str:
     """The report table's ``needs tau`` cell of a method's aggregate: its break-even tau, or empty (AR, a peer, a
     report written before the figure was recorded)."""
-    be = agg.get("break_even")
-    return f"{be['break_even_tau']:.2f}" if be else ""
+    return f"{agg.break_even['break_even_tau']:.2f}" if agg.break_even else ""
 
 
-def break_even_lines(report: Mapping) -> list[str]:
-    """One line per method of ``report["methods"]`` with a break-even record: ``method: explanation``."""
-    return [f"{m}: {r['break_even']['explanation']}" for m, r in report["methods"].items() if r.get("break_even")]
+def break_even_lines(report: EvalReport) -> list[str]:
+    """One line per method of ``report.methods`` with a break-even record: ``method: explanation``."""
+    return [f"{m}: {r.break_even['explanation']}" for m, r in report.methods.items() if r.break_even]
 
 
-def break_even_markdown(report: Mapping) -> list[str]:
+def break_even_markdown(report: EvalReport) -> list[str]:
     """report.md's section that explains the speedups from the run's own costs (empty when no method has a
     break-even record): a heading, what the figures are, then one bullet per method."""
     lines = break_even_lines(report)
     if not lines:
         return []
-    bases = {r["break_even"]["ar_basis"] for r in report["methods"].values() if r.get("break_even")}
+    bases = {r.break_even["ar_basis"] for r in report.methods.values() if r.break_even}
     ar = ("the AR decode that ran in lockstep with each method (--paired)" if bases == {"paired"} else
           "the AR baseline" if bases == {"baseline"} else "the lockstep AR decode where paired, else the AR baseline")
     return ["## what a round costs here, and the tau that pays for it", "",

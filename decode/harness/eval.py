@@ -39,6 +39,7 @@ from dartree.decode.harness.flags import add_decode_flags
 from dartree.decode.harness.peers import PEERS
 from dartree.decode.harness.report import report_warnings, write_report_files
 from dartree.decode.harness.report_figures import write_figures
+from dartree.decode.harness.report_rows import PromptRow
 from dartree.decode.harness.prompt_rows import spread_repeats
 from dartree.decode.harness.session import EvalConfig, Refused, open_session
 from dartree.decode.builders import BUILDERS
@@ -289,7 +290,7 @@ def _eval_main(argv=None, sig: Signals | None = None, progress: dict | None = No
     if config.batch is not None:
         return _sweep_main(s, sig, progress)
     out = Path(config.out)
-    rows: dict[str, list[dict]] = {m: [] for m in s.names}
+    rows: dict[str, list[PromptRow]] = {m: [] for m in s.names}
     trees: dict[str, dict] = {}
     progress.update(done=0, planned=len(s.prompts), out=str(out))
     # one step per decode (every prompt's AR runs, methods and peers), so the bar's rate and time left count them all

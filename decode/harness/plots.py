@@ -1,7 +1,8 @@
 """The figures of an evaluation report (matplotlib, Agg canvas, no pyplot state).
 
-Every figure is drawn from the plain-JSON report that ``decode/eval.py`` writes (``report.json``), so it can be
-redrawn without re-running anything (``dartree-report``). The pictures are those the DARTree, DDTree and
+Every figure is drawn from an eval report (:class:`~dartree.decode.harness.report_rows.EvalReport`, read back from
+the ``report.json`` that ``decode/eval.py`` writes), so it can be redrawn without re-running anything
+(``dartree-report``). The pictures are those the DARTree, DDTree and
 PCTree papers are read through:
 
 - :func:`fig_acceptance`: the acceptance-length distribution Pr(L >= t), t = 1 .. P + 1, one line per method
@@ -13,12 +14,11 @@ PCTree papers are read through:
 - :func:`fig_tree`: one verify tree drawn with its token texts, depth left to right, the accepted path
   highlighted (networkx ``multipartite_layout``).
 
-Report layout read here (all lists are per verify round, in order):
-``report["methods"][m]`` the aggregate row of method ``m`` (``tau``, ``speedup``, ``<stage>_ms_per_round``);
-``report["per_prompt"][m]`` per-prompt rows with ``dataset``, ``decode_s``, ``accept_lengths`` and, for tree
-methods, ``depth_nodes`` (nodes at depth 1, 2, ...) and ``accepted_depths`` (deepest accepted depth before
-truncation); ``report["trees"][m]["rounds"]`` the recorded verify trees of one prompt; and
-``report["environment"]["proposals"]`` (P). Method names ``ar`` or ``LABEL/ar`` are the AR baseline; ``NAME@B<n>``
+What is read here (all lists are per verify round, in order): ``report.methods[m]``, the summary of method ``m``
+(``tau``, ``speedup``, ``stage_ms``); ``report.per_prompt[m]``, its per-prompt rows (``dataset``, ``decode_s``,
+``accept_lengths`` and, for tree methods, ``depth_nodes``, nodes at depth 1, 2, ..., and ``accepted_depths``, the
+deepest accepted depth before truncation); ``report.trees[m]["rounds"]``, the recorded verify trees of one prompt;
+and ``report.environment["proposals"]`` (P). Method names ``ar`` or ``LABEL/ar`` are the AR baseline; ``NAME@B<n>``
 is builder NAME at budget n. Every ``fig_*`` function returns a ``matplotlib.figure.Figure`` whose artists carry
 ``gid`` s naming what they show (a method, a stage, a tree node), so tests read the drawn values back.
 """
@@ -36,6 +36,7 @@ from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
 from dartree.base.files import write_file_atomically
+from dartree.decode.harness.report_rows import EvalReport
 
 STAGES = ("draft", "tree_build", "tree_compile", "verify", "commit")  # dartree.decode.generate.STAGES
 _SWEEP = re.compile(r"^(?P<builder>.+)@B(?P<budget>\d+)$")
@@ -53,12 +54,12 @@ def is_ar(method: str) -> bool:
     return method == "ar" or method.endswith("/ar")
 
 
-def tree_methods(report: dict) -> list[str]:
+def tree_methods(report: EvalReport) -> list[str]:
     """Names of the speculative methods of a report (everything but the AR baseline), in report order."""
-    return [m for m in report.get("methods", {}) if not is_ar(m)]
+    return [m for m in report.methods if not is_ar(m)]
 
 
-def method_styles(report: dict) -> dict[str, dict]:
+def method_styles(report: EvalReport) -> dict[str, dict]:
     """Line style per speculative method, the same in every figure: one colour per method (tab10, or tab20 beyond
     ten) and, in a merged report (``RUN/METHOD``), one line style per run, so a method keeps its colour across runs.
 
@@ -130,7 +131,7 @@ def depth_acceptance(depth_nodes: Sequence[Sequence[int]], accepted_depths: Sequ
     return out
 
 
-def rounds_of(report: dict, method: str, dataset: str | None = None) -> dict[str, list]:
+def rounds_of(report: EvalReport, method: str, dataset: str | None = None) -> dict[str, list]:
     """Per-round lists of one method, concatenated over its prompts (optionally of one data set).
 
     Returns:
@@ -138,48 +139,47 @@ def rounds_of(report: dict, method: str, dataset: str | None = None) -> dict[str
         reports written before they were recorded, and for AR).
     """
     out: dict[str, list] = {"accept_lengths": [], "depth_nodes": [], "accepted_depths": []}
-    for row in report.get("per_prompt", {}).get(method, []):
-        if dataset is not None and row.get("dataset") != dataset:
+    for row in report.per_prompt.get(method, []):
+        if dataset is not None and row.dataset != dataset:
             continue
         for k in out:
-            out[k] += list(row.get(k) or [])
+            out[k] += list(getattr(row, k) or [])
     return out
 
 
-def ar_step_ms(report: dict) -> dict[str, float]:
+def ar_step_ms(report: EvalReport) -> dict[str, float]:
     """Milliseconds of one AR decode step per AR baseline of the report: AR decode seconds / AR rounds.
 
     Returns:
         ``{ar method name: ms}`` (a merged report has one AR per run).
     """
     out = {}
-    for m, rows in report.get("per_prompt", {}).items():
+    for m, rows in report.per_prompt.items():
         if is_ar(m):
-            rounds = sum(len(r["accept_lengths"]) for r in rows)
+            rounds = sum(len(r.accept_lengths) for r in rows)
             if rounds:
-                out[m] = 1000.0 * sum(r["decode_s"] for r in rows) / rounds
+                out[m] = 1000.0 * sum(r.decode_s for r in rows) / rounds
     return out
 
 
-def sweep_points(report: dict) -> dict[str, list[tuple[int, float, float]]]:
+def sweep_points(report: EvalReport) -> dict[str, list[tuple[int, float, float]]]:
     """Budget-sweep points per builder: ``{builder: [(B, tau, speedup), ...]}`` sorted by B, from methods named
     ``BUILDER@B<n>`` (empty when the report is not a sweep)."""
     out: dict[str, list] = {}
-    for m, row in report.get("methods", {}).items():
+    for m, row in report.methods.items():
         hit = _SWEEP.match(m)
         if hit:
-            out.setdefault(hit["builder"], []).append((int(hit["budget"]), row["tau"], row["speedup"]))
+            out.setdefault(hit["builder"], []).append((int(hit["budget"]), row.tau, row.speedup))
     return {b: sorted(v) for b, v in out.items()}
 
 
-def proposals(report: dict) -> int:
+def proposals(report: EvalReport) -> int:
     """P, the proposals per block, from the report's environment (a merged report keeps the largest); falls back
     to the longest committed length observed minus one."""
-    p = report.get("environment", {}).get("proposals")
+    p = report.environment.get("proposals")
     if p:
         return int(p)
-    longest = [max(r["accept_lengths"]) for rows in report.get("per_prompt", {}).values() for r in rows
-               if r.get("accept_lengths")]
+    longest = [max(r.accept_lengths) for rows in report.per_prompt.values() for r in rows if r.accept_lengths]
     return max([1, *longest]) - 1 if longest else 1
 
 
@@ -214,7 +214,7 @@ def save_figure(fig: Figure, path: str | Path, dpi: int = 110) -> Path:
     return Path(path)
 
 
-def fig_acceptance(report: dict) -> Figure:
+def fig_acceptance(report: EvalReport) -> Figure:
     """Pr(L >= t) for t = 1 .. P + 1, one line per speculative method; panels: all prompts, then each data set.
 
     Each line has ``gid`` = method name, x = t and y = the fractions; the AR baseline (L = 1 always) is left out,
@@ -222,7 +222,7 @@ def fig_acceptance(report: dict) -> Figure:
     """
     ms, styles = tree_methods(report), method_styles(report)
     tmax = proposals(report) + 1
-    datasets = list(report.get("datasets", {}))
+    datasets = list(report.datasets)
     scopes = [None, *datasets] if len(datasets) > 1 else [None]  # one data set: its panel would repeat "all"
     fig = _new_figure(4.2 * len(scopes) + 1.0, 3.6)
     axes = fig.subplots(1, len(scopes), sharey=True, squeeze=False)[0]
@@ -245,7 +245,7 @@ def fig_acceptance(report: dict) -> Figure:
     return fig
 
 
-def fig_sweep(report: dict) -> Figure | None:
+def fig_sweep(report: EvalReport) -> Figure | None:
     """tau and speedup against the budget B, one line per builder (x = B, gid = builder); methods without a
     budget (chain) are dashed horizontal lines (gid = method) and speedup 1 (AR) is a dotted line.
 
@@ -265,10 +265,10 @@ def fig_sweep(report: dict) -> Figure | None:
         ax_tau.plot(bs, [p[1] for p in v], marker="o", **style[b], gid=b, label=b)
         ax_sp.plot(bs, [p[2] for p in v], marker="o", **style[b], gid=b, label=b)
     for i, m in enumerate(flat):
-        row = report["methods"][m]
+        row = report.methods[m]
         style = dict(color=styles[m]["color"], ls=(0, (4, 2 + 2 * i)), lw=1, gid=m, label=f"{m} (no budget)")
-        ax_tau.axhline(row["tau"], **style)
-        ax_sp.axhline(row["speedup"], **style)
+        ax_tau.axhline(row.tau, **style)
+        ax_sp.axhline(row.speedup, **style)
     ax_sp.axhline(1.0, color="0.6", ls=":", lw=1, gid="ar", label="AR (1x)")
     allb = sorted({p[0] for v in pts.values() for p in v})
     for ax, name in ((ax_tau, "tau (tokens per verify)"), (ax_sp, "speedup over AR")):
@@ -283,18 +283,18 @@ def fig_sweep(report: dict) -> Figure | None:
     return fig
 
 
-def fig_stages(report: dict) -> Figure:
+def fig_stages(report: EvalReport) -> Figure:
     """Stacked bars of milliseconds per round by stage (draft, tree_build, tree_compile, verify, commit) per
     speculative method (one bar container per stage, labelled with it; each bar's ``gid`` is ``STAGE:METHOD``), with a
     horizontal line per AR baseline at its ms per step (``gid`` = the AR method name; in a merged report each
     run's line spans that run's bars). Rows without stage times (peers such as hf-prompt-lookup) get no bar."""
-    ms = [m for m in tree_methods(report) if any(f"{st}_ms_per_round" in report["methods"][m] for st in STAGES)]
+    ms = [m for m in tree_methods(report) if any(st in report.methods[m].stage_ms for st in STAGES)]
     fig = _new_figure(max(5.0, 1.1 * len(ms) + 3.0), 4.2)
     ax = fig.subplots()
     x = list(range(len(ms)))
     bottom = [0.0] * len(ms)
     for st in STAGES:
-        h = [float(report["methods"][m].get(f"{st}_ms_per_round", 0.0)) for m in ms]
+        h = [float(report.methods[m].stage_ms.get(st, 0.0)) for m in ms]
         bars = ax.bar(x, h, bottom=bottom, color=_STAGE_COLORS[st], label=st, width=0.6)
         for m, patch in zip(ms, bars.patches):
             patch.set_gid(f"{st}:{m}")
@@ -315,7 +315,7 @@ def fig_stages(report: dict) -> Figure:
     return fig
 
 
-def fig_tree_shape(report: dict) -> Figure | None:
+def fig_tree_shape(report: EvalReport) -> Figure | None:
     """Left: mean tree nodes per depth per method; right: acceptance rate per depth (:func:`depth_acceptance`).
 
     Lines have ``gid`` = method, x = depth 1 .. deepest node seen. Methods without per-depth records are skipped;

@@ -13,6 +13,7 @@ from tqdm.auto import tqdm
 
 from dartree.decode.harness.report import split_label
 from dartree.decode.harness.report_figures import annotate_trees
+from dartree.decode.harness.report_rows import PromptRow
 from dartree.decode.harness.runner import first_divergence
 
 
@@ -59,7 +60,7 @@ class PromptRows:
         order = order[pi % len(order):] + order[:pi % len(order)]
         return spread_repeats(order, "ar", self.config.ar_repeats)
 
-    def decode_prompt(self, pi: int, bar=None) -> tuple[dict[str, dict], dict[str, dict]]:
+    def decode_prompt(self, pi: int, bar=None) -> tuple[dict[str, PromptRow], dict[str, dict]]:
         """Decode prompt ``pi`` with AR (``--ar-repeats`` times), every method and every peer (``bar``: a tqdm bar
         stepped once per decode) and print its one-line summary.
 
@@ -88,26 +89,26 @@ class PromptRows:
             self.console.print(", ".join(line))
         return new, new_trees
 
-    def prompt_rows(self, pi: int, outs: dict, ar_runs: list) -> tuple[dict[str, dict], dict[str, dict], list[str]]:
+    def prompt_rows(self, pi: int, outs: dict,
+                    ar_runs: list) -> tuple[dict[str, PromptRow], dict[str, dict], list[str]]:
         """Prompt ``pi``'s row per method from its decodes ``outs`` (``ar_runs``: the AR repeats, first one the
         reference), its recorded trees, and the parts of its console line."""
         p, ids, ar = self.prompts[pi], self.prompt_ids[pi], outs["ar"]
         base = {"dataset": p.dataset, "id": p.id}
-        new: dict[str, dict] = {}
         new_trees: dict[str, dict] = {}
         ar_times = [o.stats.decode_s for o in ar_runs]
-        new["ar"] = {**base, "new_tokens": ar.stats.new_tokens, "decode_s": sum(ar_times) / len(ar_times),
-                     "decode_s_repeats": ar_times, "accept_lengths": ar.stats.accept_lengths}
+        new = {"ar": PromptRow(**base, new_tokens=ar.stats.new_tokens, decode_s=sum(ar_times) / len(ar_times),
+                               decode_s_repeats=ar_times, accept_lengths=ar.stats.accept_lengths)}
         line = [f"[{pi + 1}/{len(self.prompts)}] {p.dataset}:{p.id} ar {ar.stats.new_tokens} tok"]
         for m in self.methods:
             o = outs[m]
-            row = {**base, "new_tokens": o.stats.new_tokens, "decode_s": o.stats.decode_s,
-                   "accept_lengths": o.stats.accept_lengths, "stage_s": o.stats.stage_s,
-                   "tree_nodes": o.stats.tree_nodes, "budgets": o.stats.budgets, "depth_nodes": o.stats.depth_nodes,
-                   "accepted_depths": o.stats.accepted_depths, "mismatch": None}
+            st = o.stats
+            row = PromptRow(**base, new_tokens=st.new_tokens, decode_s=st.decode_s, accept_lengths=st.accept_lengths,
+                            stage_s=st.stage_s, tree_nodes=st.tree_nodes, budgets=st.budgets,
+                            depth_nodes=st.depth_nodes, accepted_depths=st.accepted_depths)
             pair = o.paired_ar
             if pair is not None:  # the AR decode that ran in lockstep with this one
-                row["paired_ar_decode_s"], row["paired_ar_new_tokens"] = pair.stats.decode_s, pair.stats.new_tokens
+                row.paired_ar_decode_s, row.paired_ar_new_tokens = pair.stats.decode_s, pair.stats.new_tokens
             if pi == 0:
                 tok = self.target.tokenizer
                 new_trees[m] = {**base, "rounds": annotate_trees(o.stats.trees, lambda i: tok.decode([i]))}
@@ -117,19 +118,18 @@ class PromptRows:
             line.append(f"{m} tau {o.stats.tau:.2f} {split_label(row)}".rstrip())
         for m in self.peers:
             o = outs[m]
-            row = {**base, "new_tokens": len(o.tokens), "decode_s": o.decode_s, "prefill_s": o.prefill_s,
-                   "accept_lengths": o.accept_lengths}
+            row = PromptRow(**base, new_tokens=len(o.tokens), decode_s=o.decode_s, prefill_s=o.prefill_s,
+                            accept_lengths=o.accept_lengths)
             self.compare_with_ar(row, o.tokens, ids, ar.tokens, exact=False)  # a peer's own arithmetic may split
             new[m] = row
             line.append(f"{m} tau {o.tau:.2f} {split_label(row)}".rstrip())
         return new, new_trees, line
 
-    def compare_with_ar(self, row: dict, tokens: list, ids: list, ref: list, exact: bool = True) -> None:
+    def compare_with_ar(self, row: PromptRow, tokens: list, ids: list, ref: list, exact: bool = True) -> None:
         """Record in ``row`` whether ``tokens`` differ from AR's ``ref`` and, if so, the first divergence and the
         target's top-2 logit margin there (a near-tie check); ``exact``: whether a split is a loss of exactness
         (:func:`split_label`)."""
-        row["mismatch"], row["exact"] = tokens != ref, exact
-        if row["mismatch"]:
-            idx = first_divergence(tokens, ref)
-            row["first_divergence"] = idx
-            row["margin_at_divergence"] = _margin_at(self.target, ids, ref, idx)
+        row.mismatch, row.exact = tokens != ref, exact
+        if row.mismatch:
+            row.first_divergence = first_divergence(tokens, ref)
+            row.margin_at_divergence = _margin_at(self.target, ids, ref, row.first_divergence)

@@ -25,6 +25,7 @@ from dartree.base.cli import fail
 from dartree.base.files import write_file_atomically
 from dartree.base.fields import folder_problem
 from dartree.decode.harness.report_figures import write_figures
+from dartree.decode.harness.report_rows import EvalReport
 
 
 def _read_json(f: Path, fix: str):
@@ -35,13 +36,14 @@ def _read_json(f: Path, fix: str):
         raise ValueError(f"{f} is not valid JSON ({exc}): {fix}") from None
 
 
-def load_report(path: str | Path) -> dict:
-    """Read ``path/report.json`` (or ``path`` itself when it is a file).
+def load_report(path: str | Path) -> EvalReport | dict:
+    """Read ``path/report.json`` (or ``path`` itself when it is a file): an eval report as an
+    :class:`~dartree.decode.harness.report_rows.EvalReport`, a batch sweep's (``decode/eval.py --batch``) as its dict.
 
     Raises:
         FileNotFoundError: no report there.
-        ValueError: not valid JSON (the file and the fix named), or not an eval report (no ``methods``, no
-            ``batch_sweep``).
+        ValueError: not valid JSON (the file and the fix named), not an eval report (no ``methods``, no
+            ``batch_sweep``), or a row without a required field.
     """
     path = Path(path)
     f = path / "report.json" if path.is_dir() else path
@@ -50,7 +52,7 @@ def load_report(path: str | Path) -> dict:
     rep = _read_json(f, "re-run decode/eval.py or point at a complete report")
     if not isinstance(rep, dict) or ("methods" not in rep and "batch_sweep" not in rep):
         raise ValueError(f"{f} is not an eval report (no 'methods' or 'batch_sweep')")
-    return rep
+    return rep if "methods" not in rep else EvalReport.from_json(rep, str(f))
 
 
 def run_labels(paths: Sequence[str | Path]) -> list[str]:
@@ -64,7 +66,7 @@ def run_labels(paths: Sequence[str | Path]) -> list[str]:
     return [f"run{i}" for i in range(len(paths))]
 
 
-def merge_reports(reports: dict[str, dict]) -> dict:
+def merge_reports(reports: dict[str, EvalReport | dict]) -> EvalReport:
     """One report holding several: every method ``m`` of run ``label`` becomes ``label/m`` (in methods, datasets,
     per_prompt and trees); ``environment`` keeps each run's under ``runs`` and the largest ``proposals``.
 
@@ -74,41 +76,35 @@ def merge_reports(reports: dict[str, dict]) -> dict:
     """
     if not reports:
         raise ValueError("no reports to merge")
-    out: dict = {"methods": {}, "datasets": {}, "per_prompt": {}, "trees": {},
-                 "environment": {"runs": {}, "proposals": 0}}
+    out = EvalReport(environment={"runs": {}, "proposals": 0}, methods={})
     for label, rep in reports.items():
         if "/" in label:
             raise ValueError(f"run label {label!r} contains '/'; pass --labels without '/'")
-        if "methods" not in rep:
+        if not isinstance(rep, EvalReport):
             raise ValueError(f"run {label!r} is a batch sweep (decode/eval.py --batch); redraw it alone")
-        for m, row in rep["methods"].items():
-            out["methods"][f"{label}/{m}"] = row
-        for d, rows in rep.get("datasets", {}).items():
-            for m, row in rows.items():
-                out["datasets"].setdefault(d, {})[f"{label}/{m}"] = row
-        for m, rows in rep.get("per_prompt", {}).items():
-            out["per_prompt"][f"{label}/{m}"] = rows
-        for m, rec in rep.get("trees", {}).items():
-            out["trees"][f"{label}/{m}"] = rec
-        env = rep.get("environment", {})
-        out["environment"]["runs"][label] = env
-        out["environment"]["proposals"] = max(out["environment"]["proposals"], int(env.get("proposals") or 0))
+        out.methods.update({f"{label}/{m}": row for m, row in rep.methods.items()})
+        for d, rows in rep.datasets.items():
+            out.datasets.setdefault(d, {}).update({f"{label}/{m}": row for m, row in rows.items()})
+        out.per_prompt.update({f"{label}/{m}": rows for m, rows in rep.per_prompt.items()})
+        out.trees.update({f"{label}/{m}": rec for m, rec in rep.trees.items()})
+        out.environment["runs"][label] = rep.environment
+        out.environment["proposals"] = max(out.environment["proposals"], int(rep.environment.get("proposals") or 0))
     return out
 
 
-def comparison_markdown(reports: dict[str, dict]) -> str:
+def comparison_markdown(reports: dict[str, EvalReport]) -> str:
     """Side-by-side tables of several reports: what each run was, then per scope (all prompts, each data set) a
     row per method with tau and speedup columns for every run (``-`` where a run lacks the method)."""
     labels = list(reports)
     md = ["# dartree eval comparison", "", "| run | target | checkpoint | dtype | budget | prompts | max_new_tokens |",
           "|---|---|---|---|---|---|---|"]
     for lab, rep in reports.items():
-        e = rep.get("environment", {})
+        e = rep.environment
         md.append(f"| {lab} | {e.get('target', '?')} | {e.get('checkpoint', '?')} | {e.get('dtype', '?')} | "
                   f"{e.get('budget', '?')} | {e.get('prompts_done', '?')} | {e.get('max_new_tokens', '?')} |")
-    scopes = [("all prompts", None)] + [(d, d) for d in dict.fromkeys(d for r in reports.values() for d in r.get("datasets", {}))]
+    scopes = [("all prompts", None)] + [(d, d) for d in dict.fromkeys(d for r in reports.values() for d in r.datasets)]
     for title, d in scopes:
-        tables = {lab: (rep["methods"] if d is None else rep.get("datasets", {}).get(d, {})) for lab, rep in reports.items()}
+        tables = {lab: (rep.methods if d is None else rep.datasets.get(d, {})) for lab, rep in reports.items()}
         methods = list(dict.fromkeys(m for t in tables.values() for m in t))
         md += ["", f"## {title}", "", "| method | " + " | ".join(f"{lab} tau | {lab} speedup" for lab in labels) + " |",
                "|---|" + "---|---|" * len(labels)]
@@ -116,7 +112,7 @@ def comparison_markdown(reports: dict[str, dict]) -> str:
             cells = []
             for lab in labels:
                 r = tables[lab].get(m)
-                cells += ["-", "-"] if r is None else [f"{r['tau']:.3f}", f"{r['speedup']:.3f}x"]
+                cells += ["-", "-"] if r is None else [f"{r.tau:.3f}", f"{r.speedup:.3f}x"]
             md.append(f"| {m} | " + " | ".join(cells) + " |")
     return "\n".join(md) + "\n"
 
@@ -212,7 +208,7 @@ def main(argv=None) -> int:
             return fail(f"{exc}")
         out = Path(args.out or "reports/compare")
         out.mkdir(parents=True, exist_ok=True)
-        write_file_atomically(out / "report.json", json.dumps(report, indent=1))
+        write_file_atomically(out / "report.json", json.dumps(report.to_json(), indent=1))
         write_file_atomically(out / "report.md", comparison_markdown(reports))
     notes = write_figures(report, out, args.draw_round)
     for n in notes:

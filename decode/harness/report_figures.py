@@ -14,6 +14,7 @@ from typing import Callable, Sequence
 
 from dartree.base.files import write_file_atomically
 from dartree.decode.harness.batch_report import render_batch_figures
+from dartree.decode.harness.report_rows import EvalReport
 
 FIGURES_MARKER = "<!-- dartree-report figures: everything below is redrawn by dartree-report -->"
 
@@ -42,14 +43,15 @@ def annotate_trees(rounds: list[dict], decode: Callable[[int], str]) -> list[dic
             for r in rounds]
 
 
-def render_figures(report: dict, out_dir: str | Path, draw_round: int | None = None) -> tuple[list[dict], list[str]]:
+def render_figures(report: EvalReport, out_dir: str | Path,
+                   draw_round: int | None = None) -> tuple[list[dict], list[str]]:
     """Draw every figure of ``report`` as PNGs in ``out_dir``, each on its own (one failing never stops another).
 
     Figures: ``acceptance.png`` (Pr(L >= t)), ``sweep.png`` (budget sweeps only), ``stages.png``, ``tree_shape.png``
     and ``tree_<method>.png`` per method whose verify trees were recorded (a batch sweep's figure is drawn by
     :func:`dartree.decode.harness.batch_report.render_batch_figures` instead).
     Args:
-        report: an eval report (``report.json`` contents; see ``dartree.decode.harness.plots``).
+        report: an eval report (:class:`~dartree.decode.harness.report_rows.EvalReport`).
         out_dir: folder for the PNGs (created).
         draw_round: 1-based round of the recorded prompt to draw for every method (None: per method, the round
             with the longest accepted path).
@@ -81,12 +83,12 @@ def render_figures(report: dict, out_dir: str | Path, draw_round: int | None = N
         return written, notes
 
     def acc_caption() -> str:
-        parts = [f"{m} {report['methods'][m]['tau']:.3f}" for m in ms]
+        parts = [f"{m} {report.methods[m].tau:.3f}" for m in ms]
         return "L = tokens a round commits (accepted drafts + bonus); tau = Σ_t Pr(L ≥ t): " + ", ".join(parts) + "."
 
     def stage_caption() -> str:
         ar = ", ".join(f"{m} {v:.1f} ms" for m, v in plots.ar_step_ms(report).items())
-        tot = ", ".join(f"{m} {sum(report['methods'][m].get(f'{s}_ms_per_round', 0.0) for s in plots.STAGES):.1f} ms"
+        tot = ", ".join(f"{m} {sum(report.methods[m].stage_ms.get(s, 0.0) for s in plots.STAGES):.1f} ms"
                         for m in ms)
         return f"per verify round: {tot}; one AR step: {ar}."
 
@@ -101,7 +103,7 @@ def render_figures(report: dict, out_dir: str | Path, draw_round: int | None = N
     attempt("tree_shape.png", "Tree shape: nodes and acceptance per depth", lambda: plots.fig_tree_shape(report),
             lambda: "left: mean nodes at each depth over all rounds; right: of the rounds that reached depth d - 1 "
                     "and drafted a node at depth d, the fraction that accepted one.")
-    for m, rec in report.get("trees", {}).items():
+    for m, rec in report.trees.items():
         rounds = rec.get("rounds") or []
         if not rounds:
             continue
@@ -140,15 +142,16 @@ def attach_figures(md_path: str | Path, written: Sequence[dict]) -> None:
     write_file_atomically(md_path, (head + "\n\n" if head else "") + figures_markdown(written))
 
 
-def write_figures(report: dict, out_dir: str | Path, draw_round: int | None = None) -> list[str]:
-    """Draw the figures of ``report`` into ``out_dir`` and embed them in ``out_dir/report.md``; never raises for a
-    plotting problem (call it after report.json and the tables are written).
+def write_figures(report: EvalReport | dict, out_dir: str | Path, draw_round: int | None = None) -> list[str]:
+    """Draw the figures of ``report`` (an eval report, or a batch sweep's report dict) into ``out_dir`` and embed
+    them in ``out_dir/report.md``; never raises for a plotting problem (call it after report.json and the tables
+    are written).
 
     Returns:
         the warnings, one line each (the caller prints them).
     """
     try:
-        if "batch_sweep" in report:  # decode/eval.py --batch: the throughput curve
+        if not isinstance(report, EvalReport):  # decode/eval.py --batch's dict: the throughput curve
             written, notes = render_batch_figures(report, out_dir)
         else:
             written, notes = render_figures(report, out_dir, draw_round)

@@ -30,6 +30,7 @@ from dartree.decode.harness.peers import load_bf16_twin, load_zlab_drafter, run_
 from dartree.decode.harness.prompt_rows import PromptRows
 from dartree.decode.harness.prompts import Prompt, load_prompt_file, load_prompts
 from dartree.decode.harness.report import build_report, prior_text, report_console, report_markdown, write_report_files
+from dartree.decode.harness.report_rows import EvalReport, PromptRow
 from dartree.decode.builders import BUILDERS, builder_name
 from dartree.models.chat import chat_prompt_ids, check_chat_template, messages_prompt_ids, text_prompt_ids
 from dartree.models.generation import sampling_problem, sampling_settings
@@ -487,8 +488,8 @@ class EvalSession(PromptRows):
             "prompts_done": done, "prompts_planned": len(self.prompts), "interrupted": interrupted,
         }
 
-    def write_report(self, rows: dict, trees: dict, done: int, sig, show: bool,
-                     interrupted: str | None = None) -> dict:
+    def write_report(self, rows: dict[str, list[PromptRow]], trees: dict, done: int, sig, show: bool,
+                     interrupted: str | None = None) -> EvalReport:
         """Aggregate the rows of the first ``done`` prompts; write report.json/md atomically (after every prompt,
         so a long run can be read, or survive an interruption, before it ends), inside ``sig.held()``; ``show``:
         print the tables too."""

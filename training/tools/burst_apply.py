@@ -15,6 +15,7 @@ from pathlib import Path
 from dartree.base.files import write_file_atomically
 from dartree.base.integrity import record_problem
 from dartree.base.records import NUMBER, read_json
+from dartree.decode.harness.report_rows import EvalReport
 from dartree.training.campaign_store import (LISTED_FILE_SHAPE, MANIFEST_SHAPE, STATE_SHAPE, cpu_model, from_record,
                                              read_manifest)
 from dartree.training.tools.burst_settings import BurstError, REPO, campaign_dir, sha256_file
@@ -202,7 +203,8 @@ def eval_chain(checkpoint: Path, target: str, words: list[str], out: Path) -> di
         words: the evaluation's settings, the same for every checkpoint compared.
         out: the report folder (replaced).
     Returns:
-        {"tau" (4 decimals), "prompts", "mismatches", "prompt_ids" (``dataset:id``, in order), "report"}.
+        {"tau" (4 decimals), "prompts", "mismatches", "draft_ms" (mean draft milliseconds per round, or None),
+        "prompt_ids" (``dataset:id``, in order), "report"}.
     Raises:
         BurstError: the evaluation failed (its one-line error is printed above), refused a word of ``eval_args``
             or wrote no chain row.
@@ -220,11 +222,15 @@ def eval_chain(checkpoint: Path, target: str, words: list[str], out: Path) -> di
         raise BurstError(f"decode/eval.py could not evaluate {checkpoint} (exit {rc}, its error above); fix that "
                          "and run stage=apply again (it merges the same results once), or give eval_limit=0")
     rep = read_json(rep_path, EVAL_REPORT_SHAPE, error=BurstError, fix="run stage=apply again")
-    chain = rep["methods"].get("chain")
+    try:
+        chain = EvalReport.from_json(rep, str(rep_path)).methods.get("chain")
+    except ValueError as exc:
+        raise BurstError(f"{exc}; run stage=apply again") from None
     if chain is None:
         raise BurstError(f"{rep_path} has no chain row (eval_args={words}); drop the words that change --tree")
-    return {"tau": round(float(chain["tau"]), 4), "prompts": int(chain["prompts"]),
-            "mismatches": int(chain["mismatches"]),
+    draft = chain.stage_ms.get("draft")
+    return {"tau": round(float(chain.tau), 4), "prompts": chain.prompts, "mismatches": chain.mismatches,
+            "draft_ms": None if draft is None else round(float(draft), 2),
             "prompt_ids": [f"{p['dataset']}:{p['id']}" for p in rep["environment"]["prompts"]], "report": str(rep_path)}
 
 

@@ -236,11 +236,8 @@ def eval_arm(spec, checkpoint: Path, report: Path, target: str = "smollm2") -> d
     except BurstError:
         raise CompareError(f"decode/eval.py could not evaluate {checkpoint} (its error above); fix that and run "
                            "again (the trained arm is kept and only evaluated), or give eval=false") from None
-    rep = json.loads(Path(res["report"]).read_text())
-    draft = rep["methods"]["chain"].get("draft_ms_per_round")
-    draft_ms = None if draft is None else round(float(draft), 2)
     return {"eval_chain_tau": res["tau"], "eval_prompts": res["prompts"], "eval_mismatches": res["mismatches"],
-            "eval_command": "python decode/eval.py --checkpoint CKPT " + " ".join(words), "draft_ms": draft_ms}
+            "eval_command": "python decode/eval.py --checkpoint CKPT " + " ".join(words), "draft_ms": res["draft_ms"]}
 
 
 def _write(path: Path, rec: dict) -> None:
