@@ -87,7 +87,7 @@ def _link_or_copy(src, dst) -> None:
 
 
 @contextlib.contextmanager
-def atomic_folder(dest: Path, keep_others: bool = True) -> Iterator[Path]:
+def atomic_folder(dest: Path, keep_others: bool = True, drop: tuple[str, ...] = ()) -> Iterator[Path]:
     """A fresh temporary folder beside ``dest`` to fill; when the block ends without an error it replaces ``dest``
     (:func:`replace_folder`), else it is removed and ``dest`` stays as it was.
 
@@ -95,10 +95,13 @@ def atomic_folder(dest: Path, keep_others: bool = True) -> Iterator[Path]:
     that the block did not write (a checkpoint's ``learning_curve.json`` beside a re-converted ``config.json`` and
     ``model.safetensors``, a user's notes) is carried into the new version (hard-linked where the file system
     allows, else copied) before the swap, so replacing a folder never deletes what its writer did not write.
+    The entries named in ``drop`` are the writer's own even when it did not write them this time (a converted
+    checkpoint's ``lineage.json``, which describes the old weights): they are not carried over.
 
     Args:
         dest: the folder to (re)create; its parent is created.
         keep_others: carry over the entries of an existing ``dest`` that the block did not write (default).
+        drop: names of entries of an existing ``dest`` never carried over (the writer's, left out this time).
     Yields:
         the temporary folder (Path).
     Raises:
@@ -111,6 +114,8 @@ def atomic_folder(dest: Path, keep_others: bool = True) -> Iterator[Path]:
         yield tmp
         if keep_others and dest.is_dir():
             for entry in dest.iterdir():
+                if entry.name in drop:
+                    continue
                 if not (tmp / entry.name).exists() and not (tmp / entry.name).is_symlink():
                     _carry(entry, tmp / entry.name)
         os.chmod(tmp, 0o777 & ~_umask())
@@ -120,18 +125,20 @@ def atomic_folder(dest: Path, keep_others: bool = True) -> Iterator[Path]:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def write_folder_atomically(dest: Path, files: dict[str, bytes | dict]) -> None:
+def write_folder_atomically(dest: Path, files: dict[str, bytes | dict], drop: tuple[str, ...] = ()) -> None:
     """Write a folder of files so that ``dest`` is either its old version or the complete new one
-    (:func:`atomic_folder`; the old version's other files stay).
+    (:func:`atomic_folder`; the old version's other files stay, except those named in ``drop``).
 
     Args:
         dest: the folder to (re)create.
         files: name -> bytes, or name -> {"tensors": dict, "metadata": dict} for a safetensors file.
+        drop: names of the old version's files not carried over when ``files`` does not hold them (a file the
+            writer owns but has no content for this time).
     Raises:
         OSError: the folder cannot be written (``dest`` is left as it was).
     """
     umask = _umask()
-    with atomic_folder(dest) as tmp:
+    with atomic_folder(dest, drop=tuple(drop)) as tmp:
         for name, content in files.items():
             if isinstance(content, dict):
                 from safetensors.torch import save_file  # lazy: torch loads only where tensors are written

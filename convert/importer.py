@@ -25,6 +25,7 @@ from dartree.models.checkpoint import (
     ensure_replaceable,
     expected_tensors,
     load_dartree,
+    read_lineage,
     read_safetensors,
     write_dartree,
 )
@@ -175,6 +176,12 @@ def convert(
 ) -> Path:
     """Convert ``src`` into a dartree checkpoint at ``out`` (atomically); returns ``out``.
 
+    A checkpoint of dartree's own (a training run's, with its ``training.json``, or one converted from it, with
+    ``lineage.json``) keeps the lineage record of the run that made its weights: ``out/lineage.json``
+    (:func:`~dartree.models.checkpoint.read_lineage`, :func:`~dartree.models.checkpoint.write_dartree`), so a run
+    continued from ``out`` with ``train.schedule_from_init`` / ``data.cursor_from_init`` picks the lineage up.
+    Published layouts carry none; an older ``out/lineage.json`` is dropped when the source has no record.
+
     Args:
         src: checkpoint folder (config.json + *.safetensors).
         out: output folder; replaced only if it is a dartree checkpoint.
@@ -183,7 +190,9 @@ def convert(
             of ``training/train.py`` (fp32; provenance ``source_format`` ``dartree-train``) in bf16.
         target: optional :class:`~dartree.models.target.Target` to validate the pairing against.
     Raises:
-        CheckpointError: unreadable or invalid source (named tensor / field), unknown format, target mismatch.
+        CheckpointError: unreadable or invalid source (named tensor / field), unknown format, target mismatch, or a
+            source lineage record (``training.json`` / ``lineage.json``) that does not parse or lacks its shape
+            (one line naming the file and the fix).
     """
     src = Path(src)
     ensure_replaceable(Path(out), ("dartree",))
@@ -192,6 +201,7 @@ def convert(
     if fmt not in READERS:
         raise CheckpointError(f"--from {fmt!r} is not one of {sorted(READERS)}")
     dconfig, tensors = READERS[fmt](src, config, target=target)
+    lineage = read_lineage(src) if fmt in (FORMAT, "dartree-train") else {}  # published layouts record none
     if target is not None:
         check_target_pairing(dconfig, target)
         dconfig = with_target_context(dconfig, target)  # recorded, so an export writes the target's context length
@@ -200,5 +210,5 @@ def convert(
         dtype = torch.bfloat16
     if dtype is not None:
         tensors = {k: cast_floats(v, dtype) for k, v in tensors.items()}
-    write_dartree(out, dconfig, tensors)
+    write_dartree(out, dconfig, tensors, lineage=lineage)
     return Path(out)

@@ -9,6 +9,11 @@ config.json::
                 "max_position_embeddings": context length in tokens (optional; exports write it)},
      "provenance": {...free-form: how it was made}}
 
+Beside them a checkpoint may hold the lineage record of the training run that made its weights (what a run that
+continues them with ``train.schedule_from_init`` / ``data.cursor_from_init`` reads, :func:`read_lineage`): a
+training run's checkpoint in its ``training.json`` (:data:`TRAINING_FILE`), a checkpoint converted from one in
+``lineage.json`` (:data:`LINEAGE_FILE`, written by :func:`write_dartree`). Loading reads neither.
+
 Tensors: ``backbone.<DFlashDrafter parameter>`` and ``head.<head parameter>`` (names in checkpoints/README.md).
 Loading is strict: a missing, unexpected or mis-shaped tensor is an error naming it, and a drafter/target
 mismatch is an error naming both values. Writes go to a temporary folder that is renamed into place.
@@ -31,10 +36,22 @@ from dartree.base.files import write_folder_atomically
 from dartree.models.families import build_head, head_fields  # the built-in families register their heads in HEADS
 from dartree.models.heads import HEADS, CorrectionHead
 from dartree.base.fields import field_problems, same_value, typed
+from dartree.base.records import read_json
 from dartree.models.validate import DRAFTER_FIELDS
 
 FORMAT = "dartree"
 FORMAT_VERSION = 1
+# beside a training run's checkpoint (dartree.training.build writes it): the run's recipe and summary, whose
+# ``state.lineage`` and ``state.cursor`` are the lineage record
+TRAINING_FILE = "training.json"
+# beside a checkpoint converted from a training run's: that run's lineage record alone (:func:`write_dartree`), so the
+# converted folder holds no training.json and is never taken for a training run's checkpoint
+LINEAGE_FILE = "lineage.json"
+# the lineage record (dartree.base.records shape): all of lineage.json, and the ``state`` of a training.json.
+# ``lineage``: {"step0", "steps", "schedule_steps"}, the lineage steps at the run's start and end and its
+# schedule's length; ``cursor``: the run's data cursor at its end (dartree.training.cursor.DataCursor.state)
+LINEAGE_RECORD_SHAPE = {"lineage?": ({"steps?": int, "schedule_steps?": int}, None), "cursor?": (dict, None)}
+TRAINING_LINEAGE_SHAPE = {"state?": (LINEAGE_RECORD_SHAPE, None)}
 
 
 class CheckpointError(ValueError):
@@ -92,21 +109,67 @@ def dartree_config(drafter_cfg: dict, head_cfg: dict, target_identity: dict, pro
     }
 
 
-def write_dartree(folder: str | os.PathLike, config: dict, tensors: dict[str, torch.Tensor]) -> Path:
+def write_dartree(folder: str | os.PathLike, config: dict, tensors: dict[str, torch.Tensor],
+                  lineage: dict | None = None) -> Path:
     """Write a dartree checkpoint folder from its config dict and tensors (``backbone.*``, ``head.*``), atomically.
 
     Tensors are written as given (dtype kept), so a converter can pass published tensors through bit for bit.
-    Returns the folder path.
+    Other files of an existing folder stay (``learning_curve.json``), except an older :data:`LINEAGE_FILE`: the
+    lineage record belongs to the weights, so new weights without one drop it.
+
+    Args:
+        lineage: the lineage record of the training run that made the weights (:func:`read_lineage`: ``lineage``
+            and ``cursor``), written as :data:`LINEAGE_FILE` in the same atomic swap; None or {}: none.
+    Returns:
+        the folder path.
     """
     tensors = {k: v.detach().contiguous() for k, v in tensors.items()}
-    write_folder_atomically(
-        Path(folder),
-        {
-            "config.json": json.dumps(config, indent=2).encode(),
-            "model.safetensors": {"tensors": tensors, "metadata": {"format": FORMAT}},
-        },
-    )
+    files = {
+        "config.json": json.dumps(config, indent=2).encode(),
+        "model.safetensors": {"tensors": tensors, "metadata": {"format": FORMAT}},
+    }
+    if lineage:
+        record = {"lineage": lineage.get("lineage"), "cursor": lineage.get("cursor")}
+        files[LINEAGE_FILE] = (json.dumps(record, indent=1) + "\n").encode()
+    write_folder_atomically(Path(folder), files, drop=(LINEAGE_FILE,))
     return Path(folder)
+
+
+def read_lineage(folder: str | os.PathLike, *, error: type[Exception] = CheckpointError,
+                 fixes: dict[str, str] | None = None) -> dict:
+    """The lineage record of the checkpoint in ``folder``: what the training run that made its weights recorded
+    for a run that continues them. A training run's checkpoint keeps it in :data:`TRAINING_FILE` (its ``state``),
+    a converted one in :data:`LINEAGE_FILE`; a folder with a training.json is read from that alone.
+
+    Args:
+        folder: a checkpoint folder.
+        error: the exception class raised for a broken record (the caller's own, e.g. ``RecipeError``).
+        fixes: the remedy a broken record's message ends with, by file name (:data:`TRAINING_FILE`,
+            :data:`LINEAGE_FILE`); a name not given gets the default (restore or re-convert the file, or remove it so
+            the lineage restarts at step 0).
+    Returns:
+        ``{"lineage": {"step0", "steps", "schedule_steps"} as recorded (ints; an older record may lack some),
+        "cursor": the data cursor's state dict or None}``; ``{}`` for a folder with neither file, or whose record
+        holds no ``lineage`` object (a published checkpoint, a run trained before the record existed).
+    Raises:
+        ``error``: the file read does not parse or lacks :data:`LINEAGE_RECORD_SHAPE` (one line naming the file, the
+            place in it and the fix), so a broken record never restarts a lineage at step 0 silently.
+    """
+    folder = Path(folder)
+    fix = {TRAINING_FILE: "restore it from the run that wrote it, or move it aside (the lineage then restarts at "
+                          "step 0)",
+           LINEAGE_FILE: f"convert the training run's checkpoint again (python convert/to_dartree.py RUN/checkpoint "
+                         f"--out {folder}), or delete it (the lineage then restarts at step 0)",
+           **(fixes or {})}
+    training = read_json(folder / TRAINING_FILE, TRAINING_LINEAGE_SHAPE, absent=None, error=error,
+                         fix=fix[TRAINING_FILE])
+    if training is not None:
+        record = training.get("state") or {}
+    else:
+        record = read_json(folder / LINEAGE_FILE, LINEAGE_RECORD_SHAPE, absent={}, error=error, fix=fix[LINEAGE_FILE])
+    if not isinstance(record.get("lineage"), dict):
+        return {}
+    return {"lineage": record["lineage"], "cursor": record.get("cursor")}
 
 
 def save_dartree(

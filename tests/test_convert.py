@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from conftest import LAYERS, VOCAB, make_drafter
+from conftest import LAYERS, VOCAB, make_drafter, make_markov
 from dartree.convert.exporter import export
 from dartree.convert.importer import convert, detect_format_why
 from dartree.decode.builders import get_builder
@@ -380,6 +380,79 @@ def test_trained_here_export_and_reimport_is_unchanged(tmp_path, target, fmt):
     t0, t1 = load_file(str(dt / "model.safetensors")), load_file(str(again / "model.safetensors"))
     assert t0.keys() == t1.keys() and all(t0[k].dtype == t1[k].dtype and _bytes(t0[k]) == _bytes(t1[k]) for k in t0)
     assert json.loads((exported / "config.json").read_text())["architectures"]
+
+
+def test_conversion_carries_a_training_runs_lineage_and_a_published_checkpoint_none(tmp_path, target, capsys):
+    """A training run's checkpoint (training.json with the lineage: steps, schedule steps, data cursor) converts into a
+    folder whose lineage.json gives lineage_record what the run's own checkpoint gives, so train.schedule_from_init
+    and data.cursor_from_init continue a shipped checkpoint; a re-conversion keeps it, a published layout carries
+    none (and drops a stale one), and a broken lineage.json is named with its fix."""
+    from types import SimpleNamespace
+
+    from dartree.convert.tools.to_dartree import main as convert_main
+    from dartree.models.checkpoint import LINEAGE_FILE, TRAINING_FILE, read_lineage
+    from dartree.training.build import run_recipe
+    from dartree.training.cursor import DataCursor, data_fingerprint, lineage_record, run_cursor
+    from dartree.training.recipe import RecipeError, TrainSection
+    from dartree.training.schedule import plan_schedule
+
+    # a run 8 steps into its lineage (4 before it) on a 12-step schedule, 3 sequences a step over 10 sequences
+    tokens = [torch.arange(i, i + 5) for i in range(10)]
+    data = SimpleNamespace(train_ids=list(range(10)), tokens=tokens)
+    cursor = DataCursor(data.train_ids, seed=0)
+    cursor.take(24)
+    state = {"steps": 4, "final_loss": 1.5, "losses": [2.0, 1.8, 1.6, 1.5],
+             "lineage": {"step0": 4, "steps": 8, "schedule_steps": 12},
+             "cursor": cursor.state(data_fingerprint(tokens, data.train_ids))}
+    src = save_training_checkpoint(tmp_path / "run" / "checkpoint", make_drafter(), make_markov(), target,
+                                   {"recipe": "unit", "train": {"lr": 1e-3}}, state)
+    want = {"steps": 8, "cursor": state["cursor"], "schedule_steps": 12}
+    assert lineage_record(str(src)) == want and want["cursor"]["epoch"] == 2 and len(want["cursor"]["done"]) == 4
+
+    assert convert_main([str(src), "--out", str(tmp_path / "shipped")]) == 0
+    out = tmp_path / "shipped"
+    assert f"kept the training lineage (8 steps, a data cursor) in {out / LINEAGE_FILE}" in capsys.readouterr().out
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", LINEAGE_FILE, "model.safetensors"]
+    assert json.loads((out / LINEAGE_FILE).read_text()) == {"lineage": state["lineage"], "cursor": state["cursor"]}
+    assert lineage_record(str(out)) == lineage_record(str(src)) == want
+    # still a plain dartree checkpoint: detected and loaded as one, never taken for a training run's checkpoint
+    assert detect_format_why(json.loads((out / "config.json").read_text()), out)[0] == "dartree"
+    assert load_dartree(out, target=target).config["provenance"]["source_format"] == "dartree-train"
+    with pytest.raises(RecipeError, match="holds no training checkpoint"):
+        run_recipe(out)
+    # what a run continued from the shipped folder plans: the lineage's step and schedule, the cursor's position
+    logs: list[str] = []
+    sch = plan_schedule(TrainSection(max_steps=4, schedule_from_init=True, schedule_steps=12), 10,
+                        lineage_record(str(out)), cursor_from_init=True, init_from=str(out), log=logs.append)
+    assert (sch.step0, sch.lr.offset) == (8, 8) and "lineage reached step 8" in logs[0]
+    cur = run_cursor(data, 0, resumed=None, lineage=lineage_record(str(out)), seqs_per_step=3, init_from=str(out),
+                     log=logs.append)
+    assert (cur.epoch, cur.done) == (cursor.epoch, cursor.done) and cur.take(3) == cursor.take(3)
+
+    # a re-conversion (dartree -> dartree, another dtype) keeps the record
+    convert(out, tmp_path / "again", dtype=torch.float32)
+    assert lineage_record(str(tmp_path / "again")) == want
+    # a published layout records none; converted over the shipped folder it drops the old weights' lineage.json and
+    # keeps the files the converter does not write
+    (out / "learning_curve.json").write_text("[]")
+    pub = convert(make_source(tmp_path, "zlab-dflash"), tmp_path / "pub")
+    assert not (pub / LINEAGE_FILE).exists() and lineage_record(str(pub)) == {} and read_lineage(pub) == {}
+    convert(make_source(tmp_path, "zlab-dflash", name="src2"), out)
+    assert not (out / LINEAGE_FILE).exists() and lineage_record(str(out)) == {}
+    assert (out / "learning_curve.json").exists() and not (out / TRAINING_FILE).exists()
+
+    # a lineage.json that does not parse: one line naming the file and the fix, from training and from convert
+    (tmp_path / "again" / LINEAGE_FILE).write_text('{"lineage": {"steps": 8')
+    with pytest.raises(RecipeError, match=rf"again/{LINEAGE_FILE} does not parse \(.*\); give init_from a checkpoint "
+                                          r"converted again from its run \(python convert/to_dartree.py"):
+        lineage_record(str(tmp_path / "again"))
+    with pytest.raises(CheckpointError, match=rf"again/{LINEAGE_FILE} does not parse \(.*\); convert the training "
+                                              "run's checkpoint again"):
+        convert(tmp_path / "again", tmp_path / "third")
+    assert not (tmp_path / "third").exists()
+    (tmp_path / "again" / LINEAGE_FILE).write_text(json.dumps({"lineage": {"steps": "8"}}))
+    with pytest.raises(RecipeError, match=rf"{LINEAGE_FILE}: lineage.steps is a string, not an integer"):
+        lineage_record(str(tmp_path / "again"))
 
 
 @pytest.mark.parametrize("fmt", ["zlab-dflash", "speculators"])

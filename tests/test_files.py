@@ -73,6 +73,15 @@ def test_replacing_a_folder_keeps_the_files_its_writer_did_not_write(tmp_path):
     assert sorted(p.name for p in dest.iterdir()) == ["config.json"]
 
 
+def test_a_writer_drops_its_own_file_it_did_not_write_this_time(tmp_path):
+    dest = tmp_path / "ckpt"
+    write_folder_atomically(dest, {"config.json": b"old", "lineage.json": b"{}"})
+    (dest / "learning_curve.json").write_text("[]")
+    write_folder_atomically(dest, {"config.json": b"new"}, drop=("lineage.json",))
+    assert sorted(p.name for p in dest.iterdir()) == ["config.json", "learning_curve.json"]
+    assert _leftovers(tmp_path) == []
+
+
 def test_converting_into_a_shipped_folder_keeps_its_learning_curve(tmp_path):
     import json
 

@@ -19,8 +19,8 @@ from typing import Callable
 
 import torch
 
-from dartree.models.checkpoint import (CheckpointError, build_from_config, cast_floats, check_target_pairing,
-    dartree_config, load_strict, read_safetensors)
+from dartree.models.checkpoint import (LINEAGE_FILE, TRAINING_FILE, CheckpointError, build_from_config, cast_floats,
+    check_target_pairing, dartree_config, load_strict, read_safetensors)
 from dartree.base.files import write_folder_atomically
 from dartree.base.records import parse_json
 from dartree.models.drafter import DFlashDrafter, DrafterConfig, build_target_layer_ids
@@ -41,8 +41,8 @@ from dartree.training.feature_store import FeatureStore
 
 # format of the older training checkpoints (read by load_init and convert/to_dartree.py)
 TRAIN_FORMAT = "dartree-train"
-# the run's recipe and summary, beside the dartree checkpoint's config.json and model.safetensors
-TRAINING_FILE = "training.json"
+# TRAINING_FILE (dartree.models.checkpoint): the run's recipe and summary, beside the dartree checkpoint's config.json
+# and model.safetensors
 # training.json fields copied into the checkpoint's provenance (what convert/to_dartree.py recorded before)
 PROVENANCE_FIELDS = ("steps", "final_loss", "train_min", "data_prep_min", "train_sequences", "train_tokens",
                      "holdout_tf_tau", "holdout_chain_tau")
@@ -245,7 +245,8 @@ def save_training_checkpoint(folder: Path, drafter, head, target: Target, recipe
     """Write the run's drafter as a dartree checkpoint, atomically: config.json (format ``dartree``; provenance
     ``source_format`` ``dartree-train`` with the recipe name and :data:`PROVENANCE_FIELDS` of ``state``),
     model.safetensors (``backbone.*`` and ``head.*`` full tensors in fp32) and :data:`TRAINING_FILE` (the recipe
-    and ``state``, the run's summary).
+    and ``state``, the run's summary, whose ``lineage`` and ``cursor`` are the lineage record
+    :func:`~dartree.models.checkpoint.read_lineage` reads; an older ``lineage.json`` of the folder is dropped).
 
     Args:
         folder: the checkpoint folder (``<output_dir>/checkpoint``), replaced as a whole.
@@ -266,7 +267,7 @@ def save_training_checkpoint(folder: Path, drafter, head, target: Target, recipe
         "config.json": json.dumps(config, indent=2).encode(),
         "model.safetensors": {"tensors": tensors, "metadata": {"format": config["format"]}},
         TRAINING_FILE: json.dumps(training, indent=1).encode(),
-    })
+    }, drop=(LINEAGE_FILE,))
     return Path(folder)
 
 

@@ -10,8 +10,9 @@ unchanged), the rest of the epoch is the new permutation less the sequences alre
 sequences come before any repeat.
 
 :func:`lineage_record` reads what the run behind an ``init_from`` checkpoint recorded: the lineage's step count (for
-``train.schedule_from_init``, :class:`~dartree.training.schedule.WarmupCosine`) and its cursor; :func:`run_cursor`
-builds a run's cursor.
+``train.schedule_from_init``, :class:`~dartree.training.schedule.WarmupCosine`) and its cursor, from the run's
+checkpoint or from a checkpoint converted from it (``convert/to_dartree.py`` carries the record into
+``lineage.json``); :func:`run_cursor` builds a run's cursor.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from dartree.base.records import read_json
+from dartree.models.checkpoint import LINEAGE_FILE, TRAINING_FILE, TRAINING_LINEAGE_SHAPE, read_lineage
 from dartree.training.checks import RecipeError
 from dartree.training.step import seed_mix
 
@@ -108,30 +109,36 @@ class DataCursor:
         return cls(ids, seed, epoch=int(state.get("epoch", 0)), done=state.get("done", ()))
 
 
-# what lineage_record reads from a checkpoint's training.json (dartree.base.records shape)
-LINEAGE_SHAPE = {"state?": ({"lineage?": ({"steps?": int, "schedule_steps?": int}, None), "cursor?": (dict, None)},
-                            None)}
+# what lineage_record reads from a checkpoint's training.json (dartree.base.records shape; a converted checkpoint's
+# lineage.json holds the ``state`` part alone: dartree.models.checkpoint.LINEAGE_RECORD_SHAPE)
+LINEAGE_SHAPE = TRAINING_LINEAGE_SHAPE
 
 
 def lineage_record(init_from: str | None) -> dict:
-    """What the run behind ``init_from`` recorded about its lineage, from the ``training.json`` beside the checkpoint
-    (written by :meth:`~dartree.training.trainer.Trainer.finish`): ``{"steps": lineage steps at its end,
-    "cursor": its :class:`DataCursor` state or None}``; ``{}`` for a checkpoint without that record (a converted or
-    shipped one, or one trained before the record existed).
+    """What the run behind ``init_from`` recorded about its lineage (:func:`~dartree.models.checkpoint.read_lineage`):
+    from the ``training.json`` beside a training run's checkpoint (written by
+    :meth:`~dartree.training.trainer.Trainer.finish`), or the ``lineage.json`` of a checkpoint converted from one
+    (``convert/to_dartree.py`` copies the record there). ``{"steps": lineage steps at its end, "cursor": its
+    :class:`DataCursor` state or None, "schedule_steps": its schedule's length (0: not recorded)}``; ``{}`` for a
+    checkpoint without that record (a published one, one converted before the record was carried, or one trained
+    before the record existed).
 
     Raises:
-        RecipeError: ``training.json`` is there but does not parse or lacks the shape (:data:`LINEAGE_SHAPE`; one
-            line naming the file and the place), so a broken record never restarts a lineage at step 0 silently.
+        RecipeError: ``training.json`` (or, without it, ``lineage.json``) is there but does not parse or lacks the
+            shape (:data:`LINEAGE_SHAPE`; one line naming the file, the place and the fix), so a broken record never
+            restarts a lineage at step 0 silently.
     """
     if not init_from or not Path(init_from).is_dir():
         return {}
-    state = read_json(Path(init_from) / "training.json", LINEAGE_SHAPE, absent={}, error=RecipeError,
-                      fix="give init_from a complete training checkpoint, or a converted one without training.json"
-                      ).get("state") or {}
-    lineage = state.get("lineage")
-    if not isinstance(lineage, dict):
+    rec = read_lineage(init_from, error=RecipeError, fixes={
+        TRAINING_FILE: "give init_from a complete training checkpoint, or restore its training.json from the run",
+        LINEAGE_FILE: f"give init_from a checkpoint converted again from its run (python convert/to_dartree.py "
+                      f"RUN/checkpoint --out {init_from}), or delete its {LINEAGE_FILE} (the lineage then restarts "
+                      "at step 0)"})
+    if not rec:
         return {}
-    return {"steps": int(lineage.get("steps", 0)), "cursor": state.get("cursor"),
+    lineage = rec["lineage"]
+    return {"steps": int(lineage.get("steps", 0)), "cursor": rec["cursor"],
             "schedule_steps": int(lineage.get("schedule_steps", 0))}
 
 

@@ -97,8 +97,8 @@ def plan_schedule(train: TrainSection, sequences: int, lineage: dict, *, cursor_
         log(f"train.schedule_from_init: {init_from}'s lineage reached step {step0}; this run's schedule continues "
             "from there")
     elif sched:
-        log(f"train.schedule_from_init: {init_from} records no lineage (a converted or older checkpoint); the "
-            "schedule starts at step 0")
+        log(f"train.schedule_from_init: {init_from} records no lineage (a published or older checkpoint, or one "
+            "converted before the converter carried the record); the schedule starts at step 0")
     offset = step0 if sched else 0
     horizon = int(train.schedule_steps or 0) or offset + total
     lr = WarmupCosine(max(1, int(train.warmup_ratio * horizon)), horizon, train.max_minutes * 60, offset=offset,

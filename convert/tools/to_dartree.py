@@ -12,7 +12,9 @@ validated strictly before anything is written: a missing, unexpected or mis-shap
 unknown config layout lists the expected fields, and with ``--target`` the vocab / hidden size / layer ids / mask id
 are checked against the target. The output folder appears by atomic rename, so a failed conversion leaves nothing
 half-written. Published tensors are passed through bit for bit (``--dtype auto``), so converting and exporting back
-gives identical tensors.
+gives identical tensors. A training run's checkpoint (or one converted from it) keeps the run's lineage record
+(steps, schedule length, data cursor) in ``DST/lineage.json``, which ``train.schedule_from_init`` and
+``data.cursor_from_init`` read when a run continues from DST.
 
 A program (layer 4, ``convert/tools/``): the command line over :mod:`dartree.convert.importer`.
 """
@@ -27,7 +29,7 @@ import torch
 
 from dartree.base.cli import fail
 from dartree.convert.importer import READERS, convert, detect_format_why, read_config
-from dartree.models.checkpoint import CheckpointError
+from dartree.models.checkpoint import LINEAGE_FILE, CheckpointError, read_lineage
 from dartree.models import target as target_lib
 
 
@@ -56,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             target = target_lib.load_target(args.target)
         dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
         convert(src, out, source_format=fmt, dtype=dtype, target=target)
+        lineage = read_lineage(out) if (out / LINEAGE_FILE).exists() else {}
     except CheckpointError as exc:
         return fail(str(exc))
     except (FileNotFoundError, RuntimeError) as exc:
@@ -63,6 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         return fail(f"cannot write {out}: {exc.strerror or exc}; choose a writable --out folder")
     print(f"wrote {out}")
+    if lineage:
+        print(f"kept the training lineage ({lineage['lineage'].get('steps', 0)} steps, "
+              f"{'a' if lineage['cursor'] else 'no'} data cursor) in {out / LINEAGE_FILE}")
     return 0
 
 
