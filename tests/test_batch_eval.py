@@ -16,6 +16,7 @@ from dartree.decode.generate import autoregressive_generate
 from dartree.decode.harness.batch_report import fig_throughput, sweep_markdown, sweep_warnings, throughput_caption
 from dartree.decode.harness.batch_sweep import sweep_requests
 from dartree.decode.harness.peers import hf_generate_batch
+from dartree.decode.harness.report_rows import BatchRow
 from test_eval_cli import tiny_folder  # noqa: F401 (the module's fixture: a tiny Llama with the default tokenizer)
 
 REPO = Path(__file__).resolve().parents[1]
@@ -106,7 +107,8 @@ def _report(mismatch: int = 0) -> dict:
            "temperature": 0.0, "budget": "auto"}
 
     def row(m, b, tps, sp, taus, peer=False, mm=0):
-        return {"method": m, "batch": b, "tokens_per_s": tps, "speedup": sp, "tau_per_row": taus,
+        return {"method": m, "batch": b, "requests": 4, "new_tokens": 128, "decode_s": 128 / tps, "prefill_s": 0.1,
+                "forwards": 20, "tokens_per_s": tps, "speedup": sp, "tau_per_row": taus,
                 "tau_mean": sum(taus) / len(taus), "rows_per_forward": float(b), "mismatches": mm, "exact": not peer,
                 "peer": peer, "budgets": {0: 3, 4: 5} if m == "pruned@auto" else {}, "first_mismatch": None}
 
@@ -161,6 +163,7 @@ def test_eval_cli_batch_sweep_end_to_end(tiny_folder, tmp_path):  # noqa: F811
     assert sw["batches"] == [1, 2, 4] and sw["requests"] == 4 and sw["distinct_prompts"] == 2
     assert sw["methods"] == ["ar", "hf-generate", "pruned@auto", "pruned@B4"]
     assert [(x["batch"], x["method"]) for x in sw["rows"]] == [(b, m) for b in (1, 2, 4) for m in sw["methods"]]
+    assert [BatchRow.from_json(x).to_json() for x in sw["rows"]] == sw["rows"]  # the typed rows read back exactly
     for x in sw["rows"]:
         assert x["mismatches"] == 0 and x["tokens_per_s"] > 0 and len(x["tau_per_row"]) == 4
         assert x["rows_per_forward"] <= x["batch"]

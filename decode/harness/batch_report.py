@@ -3,8 +3,9 @@ tables, the warnings, and the figure of throughput against batch, all from repor
 ``dartree-report DIR`` redraws them.
 
 Section layout read here: ``batches`` (N values), ``methods`` (row names, ``ar`` first), ``rows`` (one per method
-and N: ``tokens_per_s``, ``speedup`` over batched AR at that N, ``tau_mean`` and ``tau_per_row``,
-``rows_per_forward``, ``mismatches``, ``exact``, ``peer``, ``budgets``), ``one_prompt`` (per method: the one-prompt
+and N, read as :class:`~dartree.decode.harness.report_rows.BatchRow` s: ``tokens_per_s``, ``speedup`` over batched
+AR at that N, ``tau_mean`` and ``tau_per_row``, ``rows_per_forward``, ``mismatches``, ``exact``, ``peer``,
+``budgets``), ``one_prompt`` (per method: the one-prompt
 path's ``tokens_per_s``, ``speedup``, ``mismatches``), ``batch1_vs_one_prompt``, ``row_costs``, ``requests``,
 ``distinct_prompts``, ``cpu``.
 """
@@ -13,6 +14,8 @@ from __future__ import annotations
 
 import platform
 from pathlib import Path
+
+from dartree.decode.harness.report_rows import BatchRow, sweep_rows
 
 TITLE = "Throughput against batch"
 
@@ -29,24 +32,24 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def _lossless(r: dict) -> str:
-    if r.get("mismatches") is None:
+def _lossless(mismatches: int | None, exact: bool = True) -> str:
+    if mismatches is None:
         return "n/a (T > 0)"
-    if r["mismatches"] == 0:
+    if mismatches == 0:
         return "yes"
-    return f"NO ({r['mismatches']})" if r.get("exact", True) else f"split ({r['mismatches']})"
+    return f"NO ({mismatches})" if exact else f"split ({mismatches})"
 
 
-def _tau(r: dict) -> str:
-    taus = r.get("tau_per_row") or []
-    return f"{r['tau_mean']:.3f} ({min(taus):.2f}-{max(taus):.2f})" if taus else "-"
+def _tau(r: BatchRow) -> str:
+    taus = r.tau_per_row
+    return f"{r.tau_mean:.3f} ({min(taus):.2f}-{max(taus):.2f})" if taus else "-"
 
 
 def sweep_markdown(report: dict) -> str:
     """report.md of a batch sweep: the settings, the table per batch size (tokens/s, speedup over batched AR, tau per
     row, rows per forward, lossless), batch 1 against the one-prompt path, the budgets the auto policies chose and
     the row table they were timed with."""
-    env, sw = report["environment"], report["batch_sweep"]
+    env, sw, rows = report["environment"], report["batch_sweep"], sweep_rows(report)
     md = ["# dartree batch sweep: " + TITLE.lower(), "",
           f"target `{env['target']}` ({env['dtype']}, {env['linear']} linears, {env['device']}, {env['threads']} "
           f"threads, CPU {sw.get('cpu', '?')}), checkpoint `{env['checkpoint']}`, T={env['temperature']}, "
@@ -61,11 +64,11 @@ def sweep_markdown(report: dict) -> str:
           "mean rows in a target forward (rows drain as the queue empties); lossless: requests whose tokens differ "
           "from their prompt's own AR decode (one prompt at a time).", "",
           "| batch | method | tokens/s | speedup | tau per row | rows/forward | lossless |", "|---|---|---|---|---|---|---|"]
-    for r in sw["rows"]:
-        md.append(f"| {r['batch']} | {r['method']}{' (peer)' if r.get('peer') else ''} | {r['tokens_per_s']:.1f} | "
-                  f"{r['speedup']:.3f}x | {_tau(r)} | {r['rows_per_forward']:.2f} | {_lossless(r)} |")
-    spreads = [(r["batch"], r["repeat_spread"], len(r["decode_s_repeats"])) for r in sw["rows"]
-               if r["method"] == "ar" and "repeat_spread" in r]
+    for r in rows:
+        md.append(f"| {r.batch} | {r.method}{' (peer)' if r.peer else ''} | {r.tokens_per_s:.1f} | "
+                  f"{r.speedup:.3f}x | {_tau(r)} | {r.rows_per_forward:.2f} | {_lossless(r.mismatches, r.exact)} |")
+    spreads = [(r.batch, r.repeat_spread, len(r.decode_s_repeats)) for r in rows
+               if r.method == "ar" and r.repeat_spread is not None]
     if spreads:
         md += ["", "every row ran once per pass, the passes in rotated orders; a row's time is the mean of its "
                "passes, and the spread of batched AR's ((slowest - fastest) / mean) is this machine's own noise at "
@@ -78,21 +81,21 @@ def sweep_markdown(report: dict) -> str:
                "the batch-1 speedup over the one-prompt speedup.", "",
                "| method | one-prompt tokens/s | one-prompt speedup | batch-1 speedup | ratio | lossless |",
                "|---|---|---|---|---|---|"]
-        b1 = {r["method"]: r for r in sw["rows"] if r["batch"] == 1}
+        b1 = {r.method: r for r in rows if r.batch == 1}
         for m, o in one.items():
             if m == "ar":
                 md.append(f"| ar | {o['tokens_per_s']:.1f} | baseline | "
-                          f"{b1['ar']['tokens_per_s'] / o['tokens_per_s']:.3f}x of one-prompt AR |  |  |"
+                          f"{b1['ar'].tokens_per_s / o['tokens_per_s']:.3f}x of one-prompt AR |  |  |"
                           if "ar" in b1 else f"| ar | {o['tokens_per_s']:.1f} | baseline |  |  |  |")
                 continue
-            ratio = sw["batch1_vs_one_prompt"].get(m)
+            ratio, loss = sw["batch1_vs_one_prompt"].get(m), _lossless(o.get("mismatches"), o.get("exact", True))
             md.append(f"| {m} | {o['tokens_per_s']:.1f} | {o['speedup']:.3f}x | "
-                      f"{b1[m]['speedup']:.3f}x | {ratio:.3f} | {_lossless(o)} |" if m in b1 else
-                      f"| {m} | {o['tokens_per_s']:.1f} | {o['speedup']:.3f}x |  |  | {_lossless(o)} |")
-    budgets = [r for r in sw["rows"] if r.get("budgets") and r["method"] in sw.get("policies", {})]
+                      f"{b1[m].speedup:.3f}x | {ratio:.3f} | {loss} |" if m in b1 else
+                      f"| {m} | {o['tokens_per_s']:.1f} | {o['speedup']:.3f}x |  |  | {loss} |")
+    budgets = [r for r in rows if r.budgets and r.method in sw.get("policies", {})]
     if budgets:
         md += ["", "## nodes per row the auto policies kept (rounds per width; 0: the root alone)", ""]
-        md += [f"- {r['method']} at batch {r['batch']}: " + ", ".join(f"{b}: {n}" for b, n in r["budgets"].items())
+        md += [f"- {r.method} at batch {r.batch}: " + ", ".join(f"{b}: {n}" for b, n in r.budgets.items())
                for r in budgets]
     table = sw.get("row_costs") or {}
     if table:
@@ -108,10 +111,10 @@ def sweep_markdown(report: dict) -> str:
 def sweep_warnings(report: dict) -> list[str]:
     """One line per problem of a sweep: a method whose rows split from AR where the arithmetic is exact."""
     out = []
-    for r in report["batch_sweep"]["rows"]:
-        if r.get("mismatches") and r.get("exact", True):
-            out.append(f"WARNING: {r['method']} at batch {r['batch']}: {r['mismatches']} requests differ from their AR "
-                       f"output (first: {r['first_mismatch']}); decoding is not lossless here")
+    for r in sweep_rows(report):
+        if r.mismatches and r.exact:
+            out.append(f"WARNING: {r.method} at batch {r.batch}: {r.mismatches} requests differ from their AR "
+                       f"output (first: {r.first_mismatch}); decoding is not lossless here")
     return out
 
 
@@ -126,18 +129,18 @@ def fig_throughput(report: dict):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    sw = report["batch_sweep"]
-    if not sw["rows"]:
+    sw, rows = report["batch_sweep"], sweep_rows(report)
+    if not rows:
         return None
     fig = Figure(figsize=(10.0, 3.8), layout="constrained")
     FigureCanvasAgg(fig)
     ax_tp, ax_sp = fig.subplots(1, 2)
     cmap = matplotlib.colormaps["tab10"]
     for i, m in enumerate(sw["methods"]):
-        pts = [(r["batch"], r["tokens_per_s"], r["speedup"]) for r in sw["rows"] if r["method"] == m]
+        pts = [(r.batch, r.tokens_per_s, r.speedup) for r in rows if r.method == m]
         if not pts:
             continue
-        ls = "--" if any(r.get("peer") for r in sw["rows"] if r["method"] == m) else "-"
+        ls = "--" if any(r.peer for r in rows if r.method == m) else "-"
         bs = [p[0] for p in pts]
         ax_tp.plot(bs, [p[1] for p in pts], marker="o", ls=ls, color=cmap(i % 10), gid=m, label=m)
         if m != "ar":
@@ -173,6 +176,6 @@ def render_batch_figures(report: dict, out_dir: str | Path) -> tuple[list[dict],
 
 def throughput_caption(report: dict) -> str:
     """The figure's caption: every row's tokens/s and speedup per batch size."""
-    sw = report["batch_sweep"]
-    return "; ".join(f"{m}: " + ", ".join(f"N={r['batch']} {r['tokens_per_s']:.1f} tok/s {r['speedup']:.2f}x"
-                                         for r in sw["rows"] if r["method"] == m) for m in sw["methods"]) + "."
+    rows, methods = sweep_rows(report), report["batch_sweep"]["methods"]
+    return "; ".join(f"{m}: " + ", ".join(f"N={r.batch} {r.tokens_per_s:.1f} tok/s {r.speedup:.2f}x"
+                                         for r in rows if r.method == m) for m in methods) + "."

@@ -45,6 +45,7 @@ from dartree.decode.batched import batched_generate
 from dartree.decode.generate import POLICY_PROMPT
 from dartree.decode.harness.batch_report import cpu_name
 from dartree.decode.harness.peers import hf_generate_batch
+from dartree.decode.harness.report_rows import BatchRow
 from dartree.decode.harness.runner import against_ar
 from dartree.decode.row_costs import RowCosts, batch_rows
 
@@ -91,22 +92,21 @@ class BatchRun:
     rows_per_forward: float
     budgets: dict = field(default_factory=dict)
 
-    def row(self, reference: list, exact: bool, temperature: float) -> dict:
+    def row(self, reference: list, exact: bool, temperature: float) -> BatchRow:
         """The report row: the figures above plus tokens per second and, at T = 0, the mismatches against each
         request's ``reference`` (its prompt's AR tokens; ``exact``: whether a split is a loss of exactness)."""
-        out = {"method": self.method, "batch": self.batch, "requests": len(self.tokens),
-               "new_tokens": self.new_tokens, "decode_s": self.decode_s, "prefill_s": self.prefill_s,
-               "tokens_per_s": self.new_tokens / self.decode_s if self.decode_s > 0 else float("nan"),
-               "tau_per_row": self.taus, "tau_mean": sum(self.taus) / len(self.taus) if self.taus else float("nan"),
-               "forwards": self.forwards, "rows_per_forward": self.rows_per_forward,
-               "budgets": {int(b): c for b, c in sorted(self.budgets.items())}, "exact": exact,
-               "mismatches": None, "first_mismatch": None}
+        out = BatchRow(method=self.method, batch=self.batch, requests=len(self.tokens), new_tokens=self.new_tokens,
+                       decode_s=self.decode_s, prefill_s=self.prefill_s,
+                       tokens_per_s=self.new_tokens / self.decode_s if self.decode_s > 0 else float("nan"),
+                       tau_per_row=self.taus, tau_mean=sum(self.taus) / len(self.taus) if self.taus else float("nan"),
+                       forwards=self.forwards, rows_per_forward=self.rows_per_forward,
+                       budgets={int(b): c for b, c in sorted(self.budgets.items())}, exact=exact)
         if temperature == 0:
             splits = [against_ar(t, ref) for t, ref in zip(self.tokens, reference)]
-            out["mismatches"] = sum(d for d, _ in splits)
+            out.mismatches = sum(d for d, _ in splits)
             bad = next((i for i, (d, _) in enumerate(splits) if d), None)
             if bad is not None:
-                out["first_mismatch"] = {"request": bad, "index": splits[bad][1]}
+                out.first_mismatch = {"request": bad, "index": splits[bad][1]}
         return out
 
 
@@ -139,7 +139,7 @@ class BatchSweep:
         self.models: dict[str, BatchCostModel] = {}
         self.reference: list = []  # per request: its prompt's AR tokens (the one-prompt path's)
         self.one: dict = {}  # method -> {"tokens_per_s", "tau_mean", "mismatches", ...}
-        self.rows: list[dict] = []
+        self.rows: list[BatchRow] = []
 
     @property
     def names(self) -> list[str]:
@@ -227,7 +227,7 @@ class BatchSweep:
         names, k = self.names, len(self.names)
         return [names[(bi + p + j) % k] for p in range(self.s.config.ar_repeats) for j in range(k)]
 
-    def run_batch(self, bi: int, bar=None) -> list[dict]:
+    def run_batch(self, bi: int, bar=None) -> list[BatchRow]:
         """Every row at the ``bi``-th batch size (:meth:`order`); returns its report rows (also added to
         :attr:`rows`): tokens/s from the mean of a row's passes, and its speedup the median over the passes of
         batched AR's time over the row's in the same pass (``speedup_passes``); with more than one pass the times
@@ -245,10 +245,10 @@ class BatchSweep:
             times = [r.decode_s for r in runs[n]]
             mean = sum(times) / len(times)
             ratios = [t_ar / t for t_ar, t in zip(ar_times, times)]
-            row.update(decode_s=mean, tokens_per_s=row["new_tokens"] / mean, peer=n == HF_BATCH,
-                       speedup=statistics.median(ratios), speedup_passes=ratios)
+            row.decode_s, row.tokens_per_s, row.peer = mean, row.new_tokens / mean, n == HF_BATCH
+            row.speedup, row.speedup_passes = statistics.median(ratios), ratios
             if len(times) > 1:
-                row.update(decode_s_repeats=times, repeat_spread=(max(times) - min(times)) / mean)
+                row.decode_s_repeats, row.repeat_spread = times, (max(times) - min(times)) / mean
             rows.append(row)
         self.rows += rows
         return rows
@@ -257,12 +257,13 @@ class BatchSweep:
         """report.json's ``batch_sweep``: the batch sizes, the requests, the rows so far, the one-prompt path, the
         batch-1 rows' speedups against it, the row table and the batch policies' summaries."""
         s = self.s
-        one_ratio = {r["method"]: r["speedup"] / self.one[r["method"]]["speedup"]
-                     for r in self.rows if r["batch"] == 1 and r["method"] in s.methods}
+        one_ratio = {r.method: r.speedup / self.one[r.method]["speedup"]
+                     for r in self.rows if r.batch == 1 and r.method in s.methods}
         return {"batches": self.batches, "requests": len(self.requests), "queue": s.config.queue,
                 "distinct_prompts": len(s.prompt_ids),
                 "cpu": cpu_name(),
                 "request_prompts": [f"{s.prompts[i].dataset}:{s.prompts[i].id}" for i in self.requests],
-                "max_new_tokens": s.config.max_new_tokens, "methods": self.names, "rows": self.rows,
+                "max_new_tokens": s.config.max_new_tokens, "methods": self.names,
+                "rows": [r.to_json() for r in self.rows],
                 "one_prompt": self.one, "batch1_vs_one_prompt": one_ratio, "row_costs": self.row_costs.summary(),
                 "policies": {m: cm.summary() for m, cm in self.models.items()}}

@@ -346,8 +346,8 @@ def _sweep_main(s, sig: Signals, progress: dict) -> int:
         for bi, b in enumerate(config.batch):
             rows = sweep.run_batch(bi, bar)
             with tqdm.external_write_mode(file=sys.stderr):
-                console.print(f"batch {b}: " + ", ".join(f"{r['method']} {r['tokens_per_s']:.1f} tok/s "
-                                                         f"{r['speedup']:.3f}x tau {r['tau_mean']:.2f}" for r in rows))
+                console.print(f"batch {b}: " + ", ".join(f"{r.method} {r.tokens_per_s:.1f} tok/s {r.speedup:.3f}x "
+                                                         f"tau {r.tau_mean:.2f}" for r in rows))
             write()
             progress["done"] = bi + 1
     except Interrupted as exc:

@@ -1,11 +1,13 @@
 """The typed records of an eval report: :class:`PromptRow` (one decode of one prompt), :class:`MethodSummary` (a
-method's figures over a scope of prompts) and :class:`EvalReport` (``report.json`` as a whole).
+method's figures over a scope of prompts) and :class:`EvalReport` (``report.json`` as a whole); and a batch sweep's
+row, :class:`BatchRow` (:func:`sweep_rows`).
 
 The evaluation builds them (:mod:`dartree.decode.harness.prompt_rows`,
-:func:`~dartree.decode.harness.report.aggregate`), the tables, warnings and figures read their attributes, and ``report.json`` is their JSON form
-(:meth:`EvalReport.to_json` / :meth:`EvalReport.from_json`, a lossless round trip; a figure left unmeasured, None,
-is left out of the file). A batch sweep's report (``decode/eval.py --batch``) is another layout,
-:mod:`dartree.decode.harness.batch_report`'s. Imports nothing heavy (no torch).
+:func:`~dartree.decode.harness.report.aggregate`), the tables, warnings and figures read their attributes, and
+``report.json`` is their JSON form (:meth:`EvalReport.to_json` / :meth:`EvalReport.from_json`, a lossless round trip;
+a figure left unmeasured, None, is left out of the file). A batch sweep's report (``decode/eval.py --batch``) is
+another layout, :mod:`dartree.decode.harness.batch_report`'s, whose rows are :class:`BatchRow` s. Imports nothing
+heavy (no torch).
 """
 
 from __future__ import annotations
@@ -192,3 +194,67 @@ class EvalReport:
                    per_prompt={m: [PromptRow.from_json(r, f"{where}: per_prompt.{m}[{i}]") for i, r in enumerate(rows)]
                                for m, rows in (data.get("per_prompt") or {}).items()},
                    trees=dict(data.get("trees") or {}), peers_skipped=dict(data.get("peers_skipped") or {}))
+
+
+@dataclass
+class BatchRow(_Record):
+    """One row of a batch sweep (``decode/eval.py --batch``; ``report.json``'s ``batch_sweep.rows[i]``): a method
+    decoding every request at one batch size (:class:`~dartree.decode.harness.batch_sweep.BatchRun`).
+
+    Attributes:
+        method: ``ar``, ``hf-generate`` or a run name (``pruned@auto``, ...); batch: N, rows decoded together;
+            requests: how many were decoded.
+        new_tokens: all requests' generated tokens; decode_s: seconds of decoding, prefills excluded (the mean of the
+            passes); prefill_s: the requests' prefill seconds; tokens_per_s: ``new_tokens / decode_s``.
+        tau_per_row, tau_mean: per request (and their mean), committed tokens per verify forward it took part in.
+        forwards: target forwards after the prefills; rows_per_forward: mean rows in one.
+        budgets: rounds per nodes-per-row (tree methods).
+        exact: whether a split from AR is a loss of exactness; mismatches: requests whose tokens differ from their
+            prompt's AR decode (None at T > 0); first_mismatch: ``{"request", "index"}`` of the first, or None.
+        peer: a peer's row (``hf-generate``); speedup: the median over the passes of batched AR's time over this
+            row's in the same pass (``speedup_passes``); decode_s_repeats, repeat_spread: with several passes, their
+            times and (slowest - fastest) / mean.
+    """
+
+    KEEP_NONE: ClassVar[frozenset] = frozenset({"mismatches", "first_mismatch"})
+
+    method: str
+    batch: int
+    requests: int
+    new_tokens: int
+    decode_s: float
+    prefill_s: float
+    tokens_per_s: float
+    tau_per_row: list[float]
+    tau_mean: float
+    forwards: int
+    rows_per_forward: float
+    budgets: dict[int, int] = field(default_factory=dict)
+    exact: bool = True
+    mismatches: int | None = None
+    first_mismatch: dict | None = None
+    peer: bool | None = None
+    speedup: float | None = None
+    speedup_passes: list[float] | None = None
+    decode_s_repeats: list[float] | None = None
+    repeat_spread: float | None = None
+
+    def to_json(self) -> dict:
+        """As :meth:`_Record.to_json`, the budgets' keys strings (as JSON keeps them)."""
+        return {**super().to_json(), "budgets": {str(b): n for b, n in self.budgets.items()}}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "batch sweep row") -> "BatchRow":
+        """As :meth:`_Record.from_json`, the budgets' keys read back as ints."""
+        row = super().from_json(data, where)
+        row.budgets = {int(b): n for b, n in (row.budgets or {}).items()}
+        return row
+
+
+def sweep_rows(report: Mapping) -> list[BatchRow]:
+    """The rows of a batch sweep's report (its ``batch_sweep.rows``), typed.
+
+    Raises:
+        ValueError: a row without a required field (named).
+    """
+    return [BatchRow.from_json(r, f"batch_sweep.rows[{i}]") for i, r in enumerate(report["batch_sweep"]["rows"])]
