@@ -130,7 +130,7 @@ def write_dartree(folder: str | os.PathLike, config: dict, tensors: dict[str, to
     }
     if lineage:
         record = {"lineage": lineage.get("lineage"), "cursor": lineage.get("cursor")}
-        files[LINEAGE_FILE] = (json.dumps(record, indent=1) + "\n").encode()
+        files[LINEAGE_FILE] = (json.dumps(record) + "\n").encode()
     write_folder_atomically(Path(folder), files, drop=(LINEAGE_FILE,))
     return Path(folder)
 
