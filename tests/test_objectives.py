@@ -251,6 +251,28 @@ def test_cursor_on_grown_data_visits_the_new_sequences_before_any_repeat():
     assert set(grown.take(10)) == set(range(10))
 
 
+def test_a_resumed_cursor_is_checked_against_the_data_by_content():
+    """The resumable state's cursor names the data it was made on: the same sequences read from another folder (a
+    moved checkout) resume; other sequences are refused by name instead of training on a cursor that means nothing."""
+    from types import SimpleNamespace
+
+    from dartree.training.cursor import run_cursor
+
+    toks = [torch.tensor([1, 2]), torch.tensor([3]), torch.tensor([1, 2, 3]), torch.tensor([5])]
+    data = SimpleNamespace(tokens=toks, train_ids=[0, 1, 2, 3])
+    c = DataCursor(data.train_ids, seed=1)
+    first = c.take(3)
+    saved = json.loads(json.dumps(c.state(data_fingerprint(toks, data.train_ids))))
+    moved = SimpleNamespace(tokens=[t.clone() for t in toks], train_ids=[0, 1, 2, 3])
+    resumed = run_cursor(moved, 1, resumed=(3, saved), lineage=None, seqs_per_step=1, init_from=None)
+    assert sorted(first + resumed.take(1)) == [0, 1, 2, 3]  # the rest of the epoch, exactly
+    other = SimpleNamespace(tokens=[*toks[:3], torch.tensor([6])], train_ids=[0, 1, 2, 3])
+    with pytest.raises(RecipeError, match="resume=true: the saved state was trained on other sequences"):
+        run_cursor(other, 1, resumed=(3, saved), lineage=None, seqs_per_step=1, init_from=None)
+    unnamed = {k: v for k, v in saved.items() if k != "fingerprint"}  # a state saved before it named its data
+    assert run_cursor(other, 1, resumed=(3, unnamed), lineage=None, seqs_per_step=1, init_from=None).take(1)
+
+
 def test_data_fingerprint_names_the_sequences_in_order():
     toks = [torch.tensor([1, 2]), torch.tensor([3]), torch.tensor([1, 2, 3])]
     assert data_fingerprint(toks, [0, 1]) == data_fingerprint([t.clone() for t in toks], [0, 1])

@@ -400,6 +400,7 @@ def test_a_resume_may_name_another_init_from_but_not_another_model(tmp_path):
     (tmp_path / RESUME_DIR).mkdir()
     (tmp_path / RESUME_DIR / RECIPE_FILE).write_text(json.dumps(cfg))
     check_resumable(tmp_path, {**cfg, "init_from": str(tmp_path / "elsewhere")})
+    check_resumable(tmp_path, {**cfg, "data": {**cfg["data"], "campaign_dir": "/moved/campaign"}})  # by content
     with pytest.raises(ValueError, match="drafter.block_size: saved 8 vs now 4"):
         check_resumable(tmp_path, {**cfg, "drafter": {**cfg["drafter"], "block_size": 4}})
 

@@ -143,17 +143,25 @@ def lineage_record(init_from: str | None) -> dict:
 
 
 def run_cursor(data, seed: int, *, resumed: tuple[int, dict | None] | None, lineage: dict | None,
-               seqs_per_step: int, init_from: str | None, log=print) -> DataCursor:
+               seqs_per_step: int, init_from: str | None, log=print, fingerprint: str | None = None) -> DataCursor:
     """A run's data cursor over ``data.train_ids``: a resumed run's from its saved state (``resumed``: (its step, its
-    saved cursor state); a state saved before the cursor existed is replayed to that step), else init_from's run's
-    (``lineage``, given with ``data.cursor_from_init``: :func:`lineage_record`; refused when that run trained on
-    other sequences), else at the start. ``log`` prints a line on rank 0.
+    saved cursor state); a state saved before the cursor existed is replayed to that step; one that names the data
+    it was made on is refused on other data), else init_from's run's (``lineage``, given with
+    ``data.cursor_from_init``: :func:`lineage_record`; refused when that run trained on other sequences), else at the
+    start. ``log`` prints a line on rank 0; ``fingerprint``: :func:`data_fingerprint` of all of ``data.train_ids``
+    (computed here when None).
 
     Raises:
-        RecipeError: init_from's cursor was made on other data (its first sequences are not this run's).
+        RecipeError: the resumed state or init_from's cursor was made on other data (its sequences are not this
+            run's): the data are checked by content, not by the folder they were read from.
     """
     ids = data.train_ids
     if resumed is not None and resumed[0]:
+        saved = (resumed[1] or {}).get("fingerprint")
+        if saved is not None and saved != (fingerprint or data_fingerprint(data.tokens, ids)):
+            raise RecipeError("resume=true: the saved state was trained on other sequences than this run's data "
+                              f"({len(ids)} training sequences); point the data settings (data.campaign_dir, "
+                              "data.campaign_shards, data.*) at the data it was trained on, or use a new output_dir")
         cursor = DataCursor.from_state(ids, seed, resumed[1])
         if resumed[1] is None:  # saved before the cursor: the batches were this order's first steps
             cursor.take(resumed[0] * seqs_per_step)

@@ -336,7 +336,10 @@ RECIPE_FILE = "recipe.json"
 # value is never ``auto``). ``init_from`` may:
 # the saved state holds the weights, and the starting checkpoint only builds the model (one of another shape
 # fails loading the state); its folder may be gone by the time the run resumes (a campaign checkpoint replaced).
-RESUMABLE_CHANGES = {"resume", "output_dir", "init_from", "train.max_steps", "train.max_minutes", "train.epochs",
+# ``data.campaign_dir`` may: the campaign's folder moves with its checkout, and the data are checked by content
+# (the saved data cursor's fingerprint, :func:`dartree.training.cursor.run_cursor`).
+RESUMABLE_CHANGES = {"resume", "output_dir", "init_from", "data.campaign_dir", "train.max_steps", "train.max_minutes",
+                     "train.epochs",
                      "train.save_every_minutes", "train.save_every_steps", "train.eval_every_steps", "train.threads",
                      "train.fused_loss", "train.device",
                      "wandb.enabled",

@@ -82,9 +82,11 @@ class Trainer:
         self.state = TrainState(lineage_step0=self.step0)
         if run.resume:
             self._resume()
+        self.fingerprint = data_fingerprint(self.data.tokens, self.data.train_ids)  # what the saved cursors name
         self.cursor = run_cursor(self.data, run.seed, resumed=(self.state.step, self.state.cursor) if run.resume
                                  else None, lineage=self.lineage if run.cursor_from_init else None,
-                                 seqs_per_step=self.sps, init_from=run.init_from, log=self.log)
+                                 seqs_per_step=self.sps, init_from=run.init_from, log=self.log,
+                                 fingerprint=self.fingerprint)
         self.wb = wandb_run(run, self.out_dir, self.main)
 
     def log(self, msg: str) -> None:
@@ -154,7 +156,7 @@ class Trainer:
         lam = (self.objective.lam(lineage_step, self.horizon) if self.objective.curriculum is not None else 0.0)
         lr = float(self.sched.get_last_lr()[0])  # the rate this step's optimiser update uses
         batch = self.cursor.take(self.sps)
-        st.cursor = self.cursor.state()
+        st.cursor = self.cursor.state(self.fingerprint)
         st.seen.update(batch)
         st.seen_tokens += self.data.num_tokens(batch)
         mine = batch[self.rank::self.world]
@@ -261,7 +263,7 @@ class Trainer:
             # what a run continued from this checkpoint reads (data.cursor_from_init, train.schedule_from_init)
             "lineage": {"step0": st.lineage_step0, "steps": st.lineage_step0 + st.step,
                         "schedule_steps": self.lr.total},
-            "cursor": self.cursor.state(data_fingerprint(data.tokens, data.train_ids)),
+            "cursor": self.cursor.state(self.fingerprint),
             **online_costs(data),
         }
 
