@@ -263,6 +263,8 @@ def test_a_resumed_cursor_is_checked_against_the_data_by_content():
     c = DataCursor(data.train_ids, seed=1)
     first = c.take(3)
     saved = json.loads(json.dumps(c.state(data_fingerprint(toks, data.train_ids))))
+    assert run_cursor(data, 1, resumed=None, lineage=None, seqs_per_step=1, init_from=None).state()["fingerprint"] \
+        == saved["fingerprint"]  # every state a run's cursor saves names its data
     moved = SimpleNamespace(tokens=[t.clone() for t in toks], train_ids=[0, 1, 2, 3])
     resumed = run_cursor(moved, 1, resumed=(3, saved), lineage=None, seqs_per_step=1, init_from=None)
     assert sorted(first + resumed.take(1)) == [0, 1, 2, 3]  # the rest of the epoch, exactly

@@ -65,6 +65,7 @@ class DataCursor:
         self.epoch = int(epoch)
         self.done = [int(i) for i in done if int(i) in known]  # ids of other data cannot be visited again
         self.visits = 0  # sequences taken by this cursor object (not the lineage's)
+        self.fingerprint: str | None = None  # the data's (data_fingerprint of ids), saved with every state
         self._rest: list[int] | None = None
         self._pos = 0
 
@@ -95,10 +96,11 @@ class DataCursor:
 
     def state(self, fingerprint: str | None = None) -> dict:
         """The JSON-able position: ``epoch``, ``done`` (ids visited in it, in order), ``n`` (training ids) and the
-        ``fingerprint`` of the data (:func:`data_fingerprint` of ``ids``, when given)."""
+        ``fingerprint`` of the data (:func:`data_fingerprint` of ``ids``: the one given, else the cursor's own
+        ``fingerprint`` attribute, set by :func:`run_cursor`; none when neither is)."""
         out = {"seed": self.seed, "epoch": self.epoch, "done": list(self.done), "n": len(self.ids)}
-        if fingerprint is not None:
-            out["fingerprint"] = fingerprint
+        if (fingerprint or self.fingerprint) is not None:
+            out["fingerprint"] = fingerprint or self.fingerprint
         return out
 
     @classmethod
@@ -143,33 +145,29 @@ def lineage_record(init_from: str | None) -> dict:
 
 
 def run_cursor(data, seed: int, *, resumed: tuple[int, dict | None] | None, lineage: dict | None,
-               seqs_per_step: int, init_from: str | None, log=print, fingerprint: str | None = None) -> DataCursor:
+               seqs_per_step: int, init_from: str | None, log=print) -> DataCursor:
     """A run's data cursor over ``data.train_ids``: a resumed run's from its saved state (``resumed``: (its step, its
     saved cursor state); a state saved before the cursor existed is replayed to that step; one that names the data
     it was made on is refused on other data), else init_from's run's (``lineage``, given with
     ``data.cursor_from_init``: :func:`lineage_record`; refused when that run trained on other sequences), else at the
-    start. ``log`` prints a line on rank 0; ``fingerprint``: :func:`data_fingerprint` of all of ``data.train_ids``
-    (computed here when None).
+    start. The cursor carries the data's :func:`data_fingerprint` (``fingerprint``), so every state it saves names
+    its data. ``log`` prints a line on rank 0.
 
     Raises:
         RecipeError: the resumed state or init_from's cursor was made on other data (its sequences are not this
             run's): the data are checked by content, not by the folder they were read from.
     """
-    ids = data.train_ids
+    ids, fingerprint = data.train_ids, data_fingerprint(data.tokens, data.train_ids)
+    rec = lineage.get("cursor") if lineage is not None else None
     if resumed is not None and resumed[0]:
-        saved = (resumed[1] or {}).get("fingerprint")
-        if saved is not None and saved != (fingerprint or data_fingerprint(data.tokens, ids)):
+        rec = resumed[1]
+        if (rec or {}).get("fingerprint", fingerprint) != fingerprint:
             raise RecipeError("resume=true: the saved state was trained on other sequences than this run's data "
                               f"({len(ids)} training sequences); point the data settings (data.campaign_dir, "
                               "data.campaign_shards, data.*) at the data it was trained on, or use a new output_dir")
-        cursor = DataCursor.from_state(ids, seed, resumed[1])
-        if resumed[1] is None:  # saved before the cursor: the batches were this order's first steps
-            cursor.take(resumed[0] * seqs_per_step)
-        return cursor
-    rec = lineage.get("cursor") if lineage is not None else None
-    if lineage is not None and not rec:
+    elif lineage is not None and not rec:
         log(f"data.cursor_from_init: {init_from} records no data cursor; starting at epoch 0")
-    if rec:
+    elif rec:
         n = int(rec.get("n", 0))
         if n > len(ids) or rec.get("fingerprint") != data_fingerprint(data.tokens, ids[:n]):
             raise RecipeError(f"data.cursor_from_init=true: {init_from}'s run visited other training sequences (its "
@@ -177,4 +175,8 @@ def run_cursor(data, seed: int, *, resumed: tuple[int, dict | None] | None, line
                               "(shards may be appended), or set data.cursor_from_init=false")
         log(f"data.cursor_from_init: continuing at epoch {rec.get('epoch', 0)}, {len(rec.get('done', []))} sequences "
             "into it")
-    return DataCursor.from_state(ids, seed, rec)
+    cursor = DataCursor.from_state(ids, seed, rec)
+    if resumed is not None and resumed[0] and rec is None:  # saved before the cursor: this order's first steps
+        cursor.take(resumed[0] * seqs_per_step)
+    cursor.fingerprint = fingerprint
+    return cursor

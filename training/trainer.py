@@ -29,7 +29,7 @@ from tqdm.auto import tqdm
 
 from dartree.training.build import choose_draft_vocabulary, load_run_data, load_run_models, save_training_checkpoint
 from dartree.training.checks import check_data_files, check_output_dir
-from dartree.training.cursor import data_fingerprint, lineage_record, run_cursor
+from dartree.training.cursor import lineage_record, run_cursor
 from dartree.training.engine import (check_resumable, check_resume_world, collective, full_state_dict, gathered,
                                      init_distributed, load_resume, process_group_scope, save_resume, training_engine)
 from dartree.training.losses import teacher_forced_tau
@@ -82,11 +82,9 @@ class Trainer:
         self.state = TrainState(lineage_step0=self.step0)
         if run.resume:
             self._resume()
-        self.fingerprint = data_fingerprint(self.data.tokens, self.data.train_ids)  # what the saved cursors name
         self.cursor = run_cursor(self.data, run.seed, resumed=(self.state.step, self.state.cursor) if run.resume
                                  else None, lineage=self.lineage if run.cursor_from_init else None,
-                                 seqs_per_step=self.sps, init_from=run.init_from, log=self.log,
-                                 fingerprint=self.fingerprint)
+                                 seqs_per_step=self.sps, init_from=run.init_from, log=self.log)
         self.wb = wandb_run(run, self.out_dir, self.main)
 
     def log(self, msg: str) -> None:
@@ -156,7 +154,7 @@ class Trainer:
         lam = (self.objective.lam(lineage_step, self.horizon) if self.objective.curriculum is not None else 0.0)
         lr = float(self.sched.get_last_lr()[0])  # the rate this step's optimiser update uses
         batch = self.cursor.take(self.sps)
-        st.cursor = self.cursor.state(self.fingerprint)
+        st.cursor = self.cursor.state()
         st.seen.update(batch)
         st.seen_tokens += self.data.num_tokens(batch)
         mine = batch[self.rank::self.world]
@@ -263,7 +261,7 @@ class Trainer:
             # what a run continued from this checkpoint reads (data.cursor_from_init, train.schedule_from_init)
             "lineage": {"step0": st.lineage_step0, "steps": st.lineage_step0 + st.step,
                         "schedule_steps": self.lr.total},
-            "cursor": self.cursor.state(self.fingerprint),
+            "cursor": self.cursor.state(),
             **online_costs(data),
         }
 
