@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from dartree.models.checkpoint import LINEAGE_FILE, TRAINING_FILE, TRAINING_LINEAGE_SHAPE, read_lineage
+from dartree.models.checkpoint import LINEAGE_FILE, TRAINING_FILE, read_lineage
 from dartree.training.checks import RecipeError
 from dartree.training.step import seed_mix
 
@@ -109,11 +109,6 @@ class DataCursor:
         return cls(ids, seed, epoch=int(state.get("epoch", 0)), done=state.get("done", ()))
 
 
-# what lineage_record reads from a checkpoint's training.json (dartree.base.records shape; a converted checkpoint's
-# lineage.json holds the ``state`` part alone: dartree.models.checkpoint.LINEAGE_RECORD_SHAPE)
-LINEAGE_SHAPE = TRAINING_LINEAGE_SHAPE
-
-
 def lineage_record(init_from: str | None) -> dict:
     """What the run behind ``init_from`` recorded about its lineage (:func:`~dartree.models.checkpoint.read_lineage`):
     from the ``training.json`` beside a training run's checkpoint (written by
@@ -125,8 +120,8 @@ def lineage_record(init_from: str | None) -> dict:
 
     Raises:
         RecipeError: ``training.json`` (or, without it, ``lineage.json``) is there but does not parse or lacks the
-            shape (:data:`LINEAGE_SHAPE`; one line naming the file, the place and the fix), so a broken record never
-            restarts a lineage at step 0 silently.
+            shape (:data:`~dartree.models.checkpoint.TRAINING_LINEAGE_SHAPE`; one line naming the file, the place
+            and the fix), so a broken record never restarts a lineage at step 0 silently.
     """
     if not init_from or not Path(init_from).is_dir():
         return {}
