@@ -64,7 +64,6 @@ class DataCursor:
         known = set(self.ids)
         self.epoch = int(epoch)
         self.done = [int(i) for i in done if int(i) in known]  # ids of other data cannot be visited again
-        self.visits = 0  # sequences taken by this cursor object (not the lineage's)
         self._rest: list[int] | None = None
         self._pos = 0
 
@@ -90,7 +89,6 @@ class DataCursor:
             self._pos += 1
             self.done.append(i)
             out.append(i)
-        self.visits += k
         return out
 
     def state(self, fingerprint: str | None = None) -> dict:
