@@ -14,18 +14,18 @@ of a CPU with SHA instructions):
   (:func:`file_record`, :func:`record_problem`); :func:`check_folder` for a folder's files;
 - a sealed line (:func:`seal_line` / :func:`unseal_line`): an append-only log's line with its digest after a tab.
 
-Layer 0 (``dartree.base``): imports nothing of dartree.
+Layer 0 (``dartree.base``): imports nothing of dartree but :mod:`~dartree.base.files`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
-import os
 import struct
 import sys
-import tempfile
 from pathlib import Path
+
+from dartree.base.files import write_file_atomically
 
 MAGIC = b"DARTSUM1"
 _TRAILER = struct.Struct("<8sQ32s")  # magic, payload length, sha256 of the payload: 48 bytes
@@ -93,20 +93,6 @@ def record_problem(path: Path, record: dict | None) -> str | None:
     return None
 
 
-def _write_json(dest: Path, obj) -> None:
-    """``obj`` as JSON at ``dest``, atomically (a temporary file beside it, fsynced, then renamed)."""
-    fd, tmp = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(obj, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def sidecar(path: Path) -> Path:
     """The sidecar record of ``path``: ``NAME.sum.json`` beside it."""
     return Path(path).with_name(Path(path).name + SIDECAR)
@@ -116,7 +102,7 @@ def write_record(path: Path) -> dict:
     """Record ``path``'s size and sha256 in its sidecar (written atomically, after the file is complete); returns
     the record."""
     rec = file_record(path)
-    _write_json(sidecar(path), rec)
+    write_file_atomically(sidecar(path), json.dumps(rec, indent=1))
     return rec
 
 
@@ -158,7 +144,7 @@ def write_folder_record(folder: Path) -> dict:
     folder = Path(folder)
     files = {p.relative_to(folder).as_posix(): file_record(p) for p in sorted(folder.rglob("*"))
              if p.is_file() and p.name != FOLDER_RECORD}
-    _write_json(folder / FOLDER_RECORD, files)
+    write_file_atomically(folder / FOLDER_RECORD, json.dumps(files, indent=1))
     return files
 
 

@@ -257,11 +257,3 @@ def calibrate(target, drafter, context_ids, *, max_budget: int = 16, reps: int =
             draft_times.append(dt)
     return CostModel(t_ar=verify_s[1], t_draft=min(draft_times), verify_s=verify_s,
                      max_budget=int(max_budget))
-
-
-def expected_rate(model: CostModel, tau: float, budget: int) -> float:
-    """Tokens per second a method with acceptance length ``tau`` and ``budget`` nodes would reach under the
-    model (a planning aid for reports): tau / (t_draft + t_build + t_verify(budget + 1))."""
-    if budget <= 0:
-        return 1.0 / model.t_ar
-    return tau / (model.t_draft + model.t_build + model.verify_time(budget + 1))

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import torch
 
-from dartree.models.checkpoint import LINEAGE_FILE, TRAINING_FILE, TRAINING_LINEAGE_SHAPE, read_lineage
+from dartree.models.checkpoint import LINEAGE_FILE, TRAINING_FILE, read_lineage
 from dartree.training.checks import RecipeError
 from dartree.training.step import seed_mix
 
@@ -64,7 +64,6 @@ class DataCursor:
         known = set(self.ids)
         self.epoch = int(epoch)
         self.done = [int(i) for i in done if int(i) in known]  # ids of other data cannot be visited again
-        self.visits = 0  # sequences taken by this cursor object (not the lineage's)
         self.fingerprint: str | None = None  # the data's (data_fingerprint of ids), saved with every state
         self._rest: list[int] | None = None
         self._pos = 0
@@ -91,7 +90,6 @@ class DataCursor:
             self._pos += 1
             self.done.append(i)
             out.append(i)
-        self.visits += k
         return out
 
     def state(self, fingerprint: str | None = None) -> dict:
@@ -111,11 +109,6 @@ class DataCursor:
         return cls(ids, seed, epoch=int(state.get("epoch", 0)), done=state.get("done", ()))
 
 
-# what lineage_record reads from a checkpoint's training.json (dartree.base.records shape; a converted checkpoint's
-# lineage.json holds the ``state`` part alone: dartree.models.checkpoint.LINEAGE_RECORD_SHAPE)
-LINEAGE_SHAPE = TRAINING_LINEAGE_SHAPE
-
-
 def lineage_record(init_from: str | None) -> dict:
     """What the run behind ``init_from`` recorded about its lineage (:func:`~dartree.models.checkpoint.read_lineage`):
     from the ``training.json`` beside a training run's checkpoint (written by
@@ -127,8 +120,8 @@ def lineage_record(init_from: str | None) -> dict:
 
     Raises:
         RecipeError: ``training.json`` (or, without it, ``lineage.json``) is there but does not parse or lacks the
-            shape (:data:`LINEAGE_SHAPE`; one line naming the file, the place and the fix), so a broken record never
-            restarts a lineage at step 0 silently.
+            shape (:data:`~dartree.models.checkpoint.TRAINING_LINEAGE_SHAPE`; one line naming the file, the place
+            and the fix), so a broken record never restarts a lineage at step 0 silently.
     """
     if not init_from or not Path(init_from).is_dir():
         return {}

@@ -26,7 +26,6 @@ import io
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -72,8 +71,6 @@ class FeatureStore:
         self.max_bytes = int(max_bytes)
         self.bytes = sum(e.stat().st_size for e in os.scandir(self.folder) if e.name.endswith(".pt"))
         self.hits = self.misses = self.rejected = 0  # rejected: files that failed their check (recomputed)
-        self.read_s = 0.0  # seconds spent reading files (the cost a hit pays instead of a forward)
-        self.check_s = 0.0  # of which checking them (sha256 of the bytes read)
 
     def path(self, tokens: torch.Tensor) -> Path:
         """The file of the sequence ``tokens``."""
@@ -84,13 +81,8 @@ class FeatureStore:
         its check (the file is then removed, so the online forward recomputes and stores it again) or without the
         lse ``need_lse`` asks for. A hit refreshes the file's time (least recently used goes first)."""
         path = self.path(tokens)
-        t0 = time.time()
         try:
-            blob = path.read_bytes()
-            t1 = time.time()
-            payload = unseal(blob)
-            self.check_s += time.time() - t1
-            d = torch.load(io.BytesIO(payload), map_location=device, weights_only=True)
+            d = torch.load(io.BytesIO(unseal(path.read_bytes())), map_location=device, weights_only=True)
         except FileNotFoundError:
             self.misses += 1
             return None
@@ -109,7 +101,6 @@ class FeatureStore:
         except OSError:  # removed meanwhile by another process's eviction: the tensors are read already
             pass
         self.hits += 1
-        self.read_s += time.time() - t0
         return d["feats"], d["final"], d.get("lse")
 
     def _reject(self, path: Path, exc: Exception) -> None:

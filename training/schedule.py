@@ -58,14 +58,13 @@ class Schedule:
     """A run's steps (:func:`plan_schedule`).
 
     Attributes:
-        seqs_per_step: sequences per optimiser step (``train.seqs_per_step``). steps_per_epoch: steps of one pass.
+        seqs_per_step: sequences per optimiser step (``train.seqs_per_step``).
         total: the run's planned optimiser steps. cap_s: the wall-clock cap in seconds (0: none).
         step0: the lineage step this run starts at. horizon: the schedule's length in lineage steps (Domino's lambda
             follows it too). lr: the learning-rate factor.
     """
 
     seqs_per_step: int
-    steps_per_epoch: int
     total: int
     cap_s: float
     step0: int
@@ -103,7 +102,7 @@ def plan_schedule(train: TrainSection, sequences: int, lineage: dict, *, cursor_
     horizon = int(train.schedule_steps or 0) or offset + total
     lr = WarmupCosine(max(1, int(train.warmup_ratio * horizon)), horizon, train.max_minutes * 60, offset=offset,
                       constant=train.lr_schedule == "constant")
-    return Schedule(sps, per_epoch, total, train.max_minutes * 60, step0, horizon, lr)
+    return Schedule(sps, total, train.max_minutes * 60, step0, horizon, lr)
 
 
 def check_resume_length(saved_step: int, total: int, train: TrainSection, out_dir: Path) -> None:

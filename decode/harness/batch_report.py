@@ -163,12 +163,12 @@ def render_batch_figures(report: dict, out_dir: str | Path) -> tuple[list[dict],
     ``title``, ``file``, ``caption``; warnings, one line each). Never raises for a plotting problem."""
     try:
         # lazy: matplotlib loads only when a figure is drawn
-        from dartree.decode.harness.plots import save_figure
+        from dartree.base.figures import save_png
 
         fig = fig_throughput(report)
         if fig is None:
             return [], []
-        save_figure(fig, Path(out_dir) / "throughput.png")
+        save_png(fig, Path(out_dir) / "throughput.png")
     except Exception as exc:  # a broken figure is a warning; the report stands
         return [], [f"WARNING: figure throughput.png failed: {type(exc).__name__}: {exc}"]
     return [{"title": TITLE, "file": "throughput.png", "caption": throughput_caption(report)}], []

@@ -25,17 +25,14 @@ is builder NAME at budget n. Every ``fig_*`` function returns a ``matplotlib.fig
 
 from __future__ import annotations
 
-import io
 import re
 import textwrap
-from pathlib import Path
 from typing import Sequence
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from dartree.base.files import write_file_atomically
 from dartree.decode.harness.report_rows import EvalReport
 
 STAGES = ("draft", "tree_build", "tree_compile", "verify", "commit")  # dartree.decode.generate.STAGES
@@ -202,16 +199,6 @@ def _new_figure(w: float, h: float) -> Figure:
     fig = Figure(figsize=(w, h), layout="constrained")
     FigureCanvasAgg(fig)
     return fig
-
-
-def save_figure(fig: Figure, path: str | Path, dpi: int = 110) -> Path:
-    """Write ``fig`` as a PNG atomically under a unique temporary name
-    (:func:`dartree.base.files.write_file_atomically`: two runs drawing into one folder never share it) and
-    return the path."""
-    buf = io.BytesIO()
-    fig.savefig(buf, dpi=dpi, format="png")
-    write_file_atomically(Path(path), buf.getvalue())
-    return Path(path)
 
 
 def fig_acceptance(report: EvalReport) -> Figure:

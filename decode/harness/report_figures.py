@@ -64,6 +64,7 @@ def render_figures(report: EvalReport, out_dir: str | Path,
     notes: list[str] = []
     try:
         # lazy: matplotlib and networkx are optional here: without them the report is tables only (except below)
+        from dartree.base.figures import save_png
         from dartree.decode.harness import plots
     except Exception as exc:  # matplotlib / networkx missing or broken: tables only
         return [], [f"WARNING: no figures: cannot import the plotting libraries ({type(exc).__name__}: {exc})"]
@@ -73,7 +74,7 @@ def render_figures(report: EvalReport, out_dir: str | Path,
             fig = make()
             if fig is None:
                 return
-            plots.save_figure(fig, out_dir / file)
+            save_png(fig, out_dir / file)
             written.append({"title": title, "file": file, "caption": caption()})
         except Exception as exc:  # a broken figure is a warning; the report stands
             notes.append(f"WARNING: figure {file} failed: {type(exc).__name__}: {exc}")

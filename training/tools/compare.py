@@ -40,7 +40,6 @@ from dartree.base.files import write_file_atomically
 from dartree.base.schema import merge_settings
 
 REPO = Path(__file__).resolve().parents[2]
-COMMAND = "python training/tools/compare.py"
 
 
 class CompareError(ValueError):

@@ -26,7 +26,6 @@ from dartree.base.files import write_file_atomically
 from dartree.base.records import NUMBER, read_json
 
 REPO = Path(__file__).resolve().parents[2]
-PAGE = REPO / "docs" / "results.md"
 RECIPES = ("dflash_b16", "domino_b16", "dspark_b16")
 
 
