@@ -181,6 +181,21 @@ def test_a_recorded_run_resumes_only_where_its_state_is(tmp_path):
     assert start_for(cfg, "dspark_b16", {}, out) == (str(committed), False)  # no record: a new run
 
 
+def test_a_shipped_checkpoint_continues_its_lineage_only_in_the_repositorys_campaign(tmp_path):
+    """The shipped checkpoints carry the repository campaign's lineage (lineage.json): its data cursor is refused on
+    another campaign's shards, so a campaign in another folder starts its cursor and schedule at 0 from them."""
+    from omegaconf import OmegaConf
+
+    from dartree.training.campaign_store import DEFAULT_DIR, REPO
+    from dartree.training.tools.campaign_train import continues_lineage
+
+    shipped = str(REPO / "checkpoints" / "dspark_b16")
+    assert continues_lineage(OmegaConf.create({"dir": str(DEFAULT_DIR)}), shipped)
+    other = OmegaConf.create({"dir": str(tmp_path / "c")})
+    assert not continues_lineage(other, shipped)
+    assert continues_lineage(other, str(tmp_path / "runs" / "dspark_b16-00001" / "checkpoint"))  # its own run
+
+
 def test_a_run_recorded_elsewhere_gives_the_new_run_a_folder_of_its_own(tmp_path):
     """The shipped run dspark_b16-00027 ran on another machine: continuing its weights here on the same 27 shards is
     a new run (dspark_b16-00027.2), not a second record of the shipped one's name (whose parent would be itself)."""

@@ -28,8 +28,9 @@ from omegaconf import DictConfig
 from dartree.base.files import write_file_atomically
 from dartree.base.cli import fail
 from dartree.base.records import NUMBER, read_json
-from dartree.training.campaign_store import (CampaignError, REPO, RecordRoots, STATE_SHAPE, cpu_model, device_name,
-                                             from_record, read_manifest, read_shard, resolve_device, to_record)
+from dartree.training.campaign_store import (CampaignError, DEFAULT_DIR, REPO, RecordRoots, STATE_SHAPE, cpu_model,
+                                             device_name, from_record, read_manifest, read_shard, resolve_device,
+                                             to_record)
 
 # what the campaign and the burst read from a training run's summary.json (the trainer writes more)
 SUMMARY_SHAPE = {"steps": int, "predictions": NUMBER, "train_tokens": int, "stopped_by_time_cap": bool,
@@ -118,6 +119,15 @@ def start_for(cfg: DictConfig, recipe: str, state: dict, out: Path) -> tuple[str
                 return init, True
         return init_for(cfg, recipe, state), True
     return init_for(cfg, recipe, state), False
+
+
+def continues_lineage(cfg: DictConfig, init: str) -> bool:
+    """Whether a run started from ``init`` continues its lineage (its data cursor and schedule, ``train.lineage``):
+    always from this campaign's runs and committed checkpoints; from a shipped checkpoint (``checkpoints/RECIPE``,
+    whose lineage record is the repository campaign's) only in the repository's own campaign folder, since another
+    campaign's data would refuse its cursor (:func:`dartree.training.cursor.run_cursor`)."""
+    shipped = Path(init).resolve().parent == (REPO / "checkpoints").resolve()
+    return not shipped or Path(cfg.dir).resolve() == DEFAULT_DIR.resolve()
 
 
 def parent_of(cfg: DictConfig, recipe: str, state: dict, init: str) -> str | None:
@@ -216,12 +226,14 @@ def run_train(cfg: DictConfig, deadline: float, runs_root: Path | None = None) -
         scratch = tc.init == "scratch" and not resumable
         same = [r for r in runs if r["output_dir"] == str(out)]
         parent = same[-1].get("parent") if resumable else (None if scratch else parent_of(cfg, recipe, state, init))
+        origin = (same[-1].get("init_from") if resumable and same else None) or init  # what the run started from
         args = [f"recipe={recipe}", "data.source=campaign", f"data.campaign_dir={cfg.dir}",
                 f"data.campaign_shards={n}", *([] if scratch else [f"init_from={init}"]), f"output_dir={out}",
                 "resume=true", f"train.max_minutes={max(minutes - float(tc.overhead_minutes), 0.1):.2f}",
                 f"train.epochs={tc.epochs}", f"train.threads={cfg.threads}",
                 f"train.eval_every_steps={tc.eval_every_steps}", *_device_words(cfg),
-                *([] if scratch or not tc.lineage else ["data.cursor_from_init=true", "train.schedule_from_init=true"]),
+                *(["data.cursor_from_init=true", "train.schedule_from_init=true"]
+                  if tc.lineage and not scratch and continues_lineage(cfg, origin) else []),
                 *list(tc.overrides)]
         print("campaign train: python training/train.py " + " ".join(args), flush=True)
         try:  # the train command's run, from the merged recipe (no argv round trip)
